@@ -1,0 +1,433 @@
+"""A Flax NNX decoder of the Qwen3 / Qwen3-MoE / Llama family.
+
+One code path covers the three architectures (see `ModelConfig`): RMSNorm, rotate-half RoPE (HF
+layout), grouped-query attention with optional per-head q/k RMSNorm (Qwen3), SwiGLU MLPs or a top-k
+mixture of experts, tied or untied LM head. It matches Hugging Face `Qwen3ForCausalLM`,
+`Qwen3MoeForCausalLM` and `LlamaForCausalLM` to fp32 rounding (tests/test_model_hf_parity.py).
+
+Layers are *stacked*: every per-layer parameter has a leading `layers` axis (created with
+`nnx.vmap`), so `scan_layers=True` runs them with `nnx.scan` and `False` with a Python loop over the
+same parameters; checkpoints are identical either way.
+
+Attention masking is by segment ids and slot order, which covers every use with one rule: a query
+attends to a key iff they carry the same non-zero segment id and the key's slot is not after the
+query's. Left/right padding is segment 0, packed sequences are segments 1, 2, ..., and the KV cache
+of the sampler stores the segment id of each slot.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minpro_jax.models.config import ModelConfig
+from minpro_jax.sharding import constrain
+
+_NEG_INF = -1e30  # finite, so fully-masked (padding) rows give a uniform softmax instead of NaN
+
+
+def _init(stddev: float, axes: tuple[str | None, ...]):
+  return nnx.with_partitioning(nnx.initializers.normal(stddev), axes)
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Key/value cache of all layers.
+
+  Attributes:
+    k: [L, B, S, K, head_dim] keys (compute dtype), RoPE already applied.
+    v: [L, B, S, K, head_dim] values.
+    segment_ids: [B, S] int32 segment id of each slot (0 = empty or padding; never attended to).
+  """
+  k: jax.Array
+  v: jax.Array
+  segment_ids: jax.Array
+
+  @classmethod
+  def zeros(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
+    """An empty cache for `batch` rows and `length` slots."""
+    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+    k = constrain(jnp.zeros(shape, config.jnp_dtype), ("layers", "batch", "cache_seq", "act_kv_heads", None))
+    return cls(k=k, v=k, segment_ids=jnp.zeros((batch, length), jnp.int32))
+
+
+class ModelOutput(NamedTuple):
+  """What `Transformer.__call__` returns.
+
+  out: [B, T, V] float32 logits, or [B, T, D] final hidden states (after the final norm) when
+    `return_hidden=True`.
+  cache: the updated `KVCache`, or None when none was given.
+  router_aux_loss: scalar float32 load-balancing loss averaged over MoE layers (0 for dense models).
+  """
+  out: jax.Array
+  cache: KVCache | None
+  router_aux_loss: jax.Array
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square norm over the last axis, computed in fp32 (HF `Qwen3RMSNorm` / `LlamaRMSNorm`)."""
+
+  def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
+    del rngs
+    self.eps = eps
+    self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("norm",))(None, (dim,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+  """[head_dim // 2] float32 inverse frequencies, with HF's "linear" / "llama3" scaling if configured."""
+  hd = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  scaling = config.rope_scaling
+  if not scaling:
+    return inv_freq
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "linear":
+    return inv_freq / float(scaling["factor"])
+  if kind == "llama3":
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return jnp.where(is_medium, smoothed, out)
+  return inv_freq
+
+
+def apply_rope(x_bthk: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotate-half RoPE (HF layout: pairs (i, i + head_dim/2)) in fp32; returns x's dtype."""
+  angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x = x_bthk.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_bthk.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with optional q/k RMSNorm and a KV cache."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    pd = c.jnp_param_dtype
+    std = 0.02
+    self.config = c
+    self.q_proj = nnx.Param(_init(std, ("embed", "q_heads", "head_dim"))(
+        rngs.params(), (c.hidden_size, c.num_heads, c.head_dim), pd))
+    self.k_proj = nnx.Param(_init(std, ("embed", "kv_heads", "head_dim"))(
+        rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd))
+    self.v_proj = nnx.Param(_init(std, ("embed", "kv_heads", "head_dim"))(
+        rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd))
+    self.o_proj = nnx.Param(_init(std, ("q_heads", "head_dim", "embed"))(
+        rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), pd))
+    if c.qk_norm:
+      self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
+      self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
+
+  def __call__(self, x_btd, positions_bt, q_segment_bt, kv_segment_bs, cache_kv, cache_index):
+    """Attention of T new tokens.
+
+    Args:
+      x_btd: [B, T, D] normed input (compute dtype).
+      positions_bt: [B, T] int32 RoPE positions.
+      q_segment_bt: [B, T] int32 segment ids of the new tokens.
+      kv_segment_bs: [B, S] int32 segment ids of all key slots (S = T without a cache).
+      cache_kv: None, or (k, v) of this layer, each [B, S, K, head_dim].
+      cache_index: int32 scalar slot where the new tokens are written (0 without a cache).
+
+    Returns:
+      ([B, T, D] output, updated (k, v) or None).
+    """
+    c = self.config
+    dt = c.jnp_dtype
+    inv_freq = rope_inv_freq(c)
+    q = jnp.einsum("btd,dhk->bthk", x_btd, self.q_proj[...].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x_btd, self.k_proj[...].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x_btd, self.v_proj[...].astype(dt))
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = apply_rope(q, positions_bt, inv_freq)
+    k = apply_rope(k, positions_bt, inv_freq)
+    q = constrain(q, ("batch", "act_seq", "act_heads", None))
+    t = x_btd.shape[1]
+    if cache_kv is not None:
+      k_cache = jax.lax.dynamic_update_slice(cache_kv[0], k.astype(cache_kv[0].dtype), (0, cache_index, 0, 0))
+      v_cache = jax.lax.dynamic_update_slice(cache_kv[1], v.astype(cache_kv[1].dtype), (0, cache_index, 0, 0))
+      k_all, v_all, new_cache = k_cache, v_cache, (k_cache, v_cache)
+    else:
+      k_all, v_all, new_cache = k, v, None
+    s = k_all.shape[1]
+    b, _, h, hd = q.shape
+    kh = c.num_kv_heads
+    q_slot = cache_index + jnp.arange(t)
+    mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
+    mask = mask & (q_segment_bt[:, :, None] == kv_segment_bs[:, None, :]) & (q_segment_bt[:, :, None] != 0)
+    qg = q.reshape(b, t, kh, h // kh, hd)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k_all.astype(dt), preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(hd))
+    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(dt), v_all.astype(dt)).reshape(b, t, h, hd)
+    y = jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt))
+    return y, new_cache
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c, pd = config, config.jnp_param_dtype
+    self.dtype = c.jnp_dtype
+    self.gate_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
+    self.up_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
+    self.down_proj = nnx.Param(_init(0.02, ("mlp", "embed"))(rngs.params(), (c.intermediate_size, c.hidden_size), pd))
+
+  def __call__(self, x_btd):
+    dt = self.dtype
+    g = x_btd @ self.gate_proj[...].astype(dt)
+    u = x_btd @ self.up_proj[...].astype(dt)
+    h = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "mlp"))
+    return h @ self.down_proj[...].astype(dt)
+
+
+class MoE(nnx.Module):
+  """Qwen3-MoE sparse block: softmax router, top-k experts, optional renormalisation of the top-k weights.
+
+  The load-balancing loss is Switch/Qwen3-MoE's `E * sum_e f_e * P_e` over valid tokens, where f_e is the
+  fraction of top-k assignments that go to expert e (per k slot, summed as in HF) and P_e the mean router
+  probability.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c, pd = config, config.jnp_param_dtype
+    self.config = c
+    e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    self.router = nnx.Param(_init(0.02, ("embed", None))(rngs.params(), (d, e), pd))
+    self.gate_proj = nnx.Param(_init(0.02, ("expert", "embed", "mlp"))(rngs.params(), (e, d, f), pd))
+    self.up_proj = nnx.Param(_init(0.02, ("expert", "embed", "mlp"))(rngs.params(), (e, d, f), pd))
+    self.down_proj = nnx.Param(_init(0.02, ("expert", "mlp", "embed"))(rngs.params(), (e, f, d), pd))
+
+  def __call__(self, x_btd, valid_bt):
+    c = self.config
+    dt = c.jnp_dtype
+    b, t, d = x_btd.shape
+    router_logits = jnp.einsum("btd,de->bte", x_btd, self.router[...].astype(dt), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(router_logits, axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)  # [B, T, k]
+    if c.norm_topk_prob:
+      top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    top_p = top_p.astype(dt)
+    if c.moe_impl == "ragged":
+      y = self._ragged(x_btd.reshape(b * t, d), top_i.reshape(b * t, -1), top_p.reshape(b * t, -1)).reshape(b, t, d)
+    else:
+      combine = jnp.sum(jax.nn.one_hot(top_i, c.num_experts, dtype=dt) * top_p[..., None], axis=2)  # [B, T, E]
+      g = jnp.einsum("btd,edf->btef", x_btd, self.gate_proj[...].astype(dt))
+      u = jnp.einsum("btd,edf->btef", x_btd, self.up_proj[...].astype(dt))
+      h = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "expert", "mlp"))
+      y = jnp.einsum("btef,efd,bte->btd", h, self.down_proj[...].astype(dt), combine)
+    w = valid_bt.astype(jnp.float32)[..., None]
+    n = jnp.maximum(jnp.sum(w), 1.0)
+    assigned = jnp.sum(jax.nn.one_hot(top_i, c.num_experts, dtype=jnp.float32), axis=2)  # [B, T, E]
+    frac_tokens = jnp.sum(assigned * w, axis=(0, 1)) / n
+    mean_prob = jnp.sum(probs * w, axis=(0, 1)) / n
+    aux = c.num_experts * jnp.sum(frac_tokens * mean_prob)
+    return y, aux
+
+  def _ragged(self, x_nd, top_i, top_p):
+    """Sorted-by-expert grouped matmuls (`jax.lax.ragged_dot`): compute ~ N * k expert FFNs, not N * E."""
+    c = self.config
+    dt = c.jnp_dtype
+    n, k = top_i.shape
+    flat_e = top_i.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    token_of = order // k
+    xs = x_nd[token_of]
+    group_sizes = jnp.bincount(flat_e, length=c.num_experts).astype(jnp.int32)
+    g = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), group_sizes)
+    u = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), group_sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(g) * u, self.down_proj[...].astype(dt), group_sizes)
+    ys = ys * top_p.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x_nd).at[token_of].add(ys)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    pd = config.jnp_param_dtype
+    self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs=rngs)
+    self.attn = Attention(config, rngs=rngs)
+    self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd, rngs=rngs)
+    self.is_moe = config.is_moe
+    self.mlp = MoE(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
+
+  def __call__(self, x_btd, positions_bt, q_segment_bt, kv_segment_bs, cache_kv, cache_index):
+    h, new_kv = self.attn(self.input_norm(x_btd), positions_bt, q_segment_bt, kv_segment_bs, cache_kv, cache_index)
+    x_btd = x_btd + h
+    if self.is_moe:
+      h, aux = self.mlp(self.post_attn_norm(x_btd), q_segment_bt != 0)
+    else:
+      h, aux = self.mlp(self.post_attn_norm(x_btd)), jnp.zeros((), jnp.float32)
+    x_btd = constrain(x_btd + h, ("batch", "act_seq", "act_embed"))
+    return x_btd, new_kv, aux
+
+
+def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
+  """[B, T] int32 position of each token inside its segment (0 at each segment start, 0 on padding).
+
+  Works for left padding, right padding and packed rows (segments must be contiguous).
+  """
+  t = segment_ids_bt.shape[1]
+  idx = jnp.arange(t, dtype=jnp.int32)[None, :]
+  prev = jnp.pad(segment_ids_bt[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  start = jax.lax.cummax(jnp.where(segment_ids_bt != prev, idx, 0), axis=1)
+  return jnp.where(segment_ids_bt != 0, idx - start, 0).astype(jnp.int32)
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM. See the module docstring for the masking rule and `ModelConfig` for the fields."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.config = c
+    self.embed = nnx.Param(_init(0.02, ("vocab", "embed"))(rngs.params(), (c.vocab_size, c.hidden_size),
+                                                           c.jnp_param_dtype))
+
+    @nnx.split_rngs(splits=c.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_layers(rngs):
+      return DecoderLayer(c, rngs=rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.jnp_param_dtype, rngs=rngs)
+    if not c.tie_embeddings:
+      self.lm_head = nnx.Param(_init(0.02, ("embed", "vocab"))(rngs.params(), (c.hidden_size, c.vocab_size),
+                                                               c.jnp_param_dtype))
+
+  def head_weight(self) -> jax.Array:
+    """[D, V] output projection in the compute dtype (the transposed embedding when tied)."""
+    dt = self.config.jnp_dtype
+    return self.embed[...].T.astype(dt) if self.config.tie_embeddings else self.lm_head[...].astype(dt)
+
+  def logits(self, hidden_btd: jax.Array) -> jax.Array:
+    """[B, T, V] float32 logits of final hidden states (fp32 accumulation)."""
+    return jnp.einsum("btd,dv->btv", hidden_btd, self.head_weight(), preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
+               segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
+               cache_index: jax.Array | int = 0, return_hidden: bool = False) -> ModelOutput:
+    """Runs the decoder on T new tokens.
+
+    Args:
+      tokens_bt: [B, T] int32 token ids.
+      positions_bt: [B, T] int32 RoPE positions; default: position inside each segment.
+      segment_ids_bt: [B, T] int32; 0 marks padding, equal non-zero ids mark one sequence. Default: all 1.
+      cache: optional `KVCache` with S >= cache_index + T slots; the new keys/values and segment ids are
+        written at slots [cache_index, cache_index + T) and the new tokens attend to every earlier slot of
+        their segment.
+      cache_index: int32 scalar, first slot written (only with a cache).
+      return_hidden: return final-normed hidden states [B, T, D] instead of logits (the chunked log-prob
+        path uses this so [B, T, V] is never built).
+
+    Returns:
+      `ModelOutput(out, cache, router_aux_loss)`.
+
+    Raises:
+      ValueError: tokens are not [B, T], or shapes of positions / segment ids / cache disagree.
+    """
+    c = self.config
+    if tokens_bt.ndim != 2:
+      raise ValueError(f"tokens_bt must be [B, T], got shape {tokens_bt.shape}")
+    b, t = tokens_bt.shape
+    if segment_ids_bt is None:
+      segment_ids_bt = jnp.ones((b, t), jnp.int32)
+    if segment_ids_bt.shape != (b, t):
+      raise ValueError(f"segment_ids_bt has shape {segment_ids_bt.shape}, expected {(b, t)}")
+    segment_ids_bt = segment_ids_bt.astype(jnp.int32)
+    if positions_bt is None:
+      positions_bt = segment_positions(segment_ids_bt)
+    if positions_bt.shape != (b, t):
+      raise ValueError(f"positions_bt has shape {positions_bt.shape}, expected {(b, t)}")
+    if cache is not None:
+      if cache.k.shape[1] != b or cache.k.shape[2] < t:
+        raise ValueError(f"cache of shape {cache.k.shape} does not fit tokens of shape {(b, t)}")
+      kv_segment = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, cache_index))
+    else:
+      kv_segment = segment_ids_bt
+      cache_index = 0
+
+    x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.jnp_dtype)
+    x = constrain(x, ("batch", "act_seq", "act_embed"))
+
+    def run_layer(layer, x, kv):
+      return layer(x, positions_bt, segment_ids_bt, kv_segment, kv, cache_index)
+
+    if c.remat == "block":
+      run_layer = nnx.remat(run_layer, prevent_cse=not c.scan_layers)
+
+    if c.scan_layers:
+      if cache is None:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def body(x, layer):
+          x, _, aux = run_layer(layer, x, None)
+          return x, aux
+        x, aux = body(x, self.layers)
+        new_k = new_v = None
+      else:
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0, 0))
+        def body(x, layer, k, v):
+          x, (k, v), aux = run_layer(layer, x, (k, v))
+          return x, k, v, aux
+        x, new_k, new_v, aux = body(x, self.layers, cache.k, cache.v)
+    else:
+      graphdef, state = nnx.split(self.layers)
+      auxes, ks, vs = [], [], []
+      for i in range(c.num_layers):
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+        kv = None if cache is None else (cache.k[i], cache.v[i])
+        x, kv, a = run_layer(layer, x, kv)
+        auxes.append(a)
+        if kv is not None:
+          ks.append(kv[0])
+          vs.append(kv[1])
+      aux = jnp.stack(auxes)
+      new_k, new_v = (jnp.stack(ks), jnp.stack(vs)) if cache is not None else (None, None)
+
+    hidden = self.final_norm(x)
+    new_cache = None if cache is None else KVCache(k=new_k, v=new_v, segment_ids=kv_segment)
+    aux_loss = jnp.mean(aux) if c.is_moe else jnp.zeros((), jnp.float32)
+    out = hidden if return_hidden else self.logits(hidden)
+    return ModelOutput(out, new_cache, aux_loss)
+
+
+def init_model(config: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | None = None, rules=None) -> Transformer:
+  """Creates a randomly initialised `Transformer`.
+
+  With a mesh, parameters are created directly sharded by the logical-axis rules inside one jitted call,
+  so no full host copy of the model ever exists. Without one, they live on the default device.
+
+  Args:
+    config: the model config.
+    seed: PRNG seed of the initialisers (HF's normal(0, 0.02) for matrices, ones for norms).
+    mesh: optional device mesh (see `minpro_jax.sharding.make_mesh`).
+    rules: logical-axis rules (default `minpro_jax.sharding.DEFAULT_RULES`).
+  """
+  from minpro_jax.sharding import DEFAULT_RULES, use_mesh
+  if mesh is None:
+    with nnx.use_eager_sharding(False):
+      return Transformer(config, rngs=nnx.Rngs(seed))
+  with use_mesh(mesh, rules or DEFAULT_RULES):
+    return nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(seed)))()

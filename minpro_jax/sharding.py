@@ -1,0 +1,130 @@
+"""Device mesh and logical-axis sharding rules.
+
+Every parameter and key activation of the model carries *logical* axis names ("embed", "mlp",
+"q_heads", ...). A rule table maps each logical name to a mesh axis (or None = replicated); a
+sharding sweep edits the rules or the mesh shape in the config, never the model code (MaxText's
+design). Meshes use `AxisType.Auto` so XLA's GSPMD propagates shardings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Logical axis -> mesh axis. Batch is split over data and fsdp (ZeRO-3 style); weights over fsdp on their
+# embed dimension and over tensor on heads / mlp / vocab; experts over the expert axis.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("layers", None),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("expert", "expert"),
+    ("norm", None),
+    ("act_seq", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_vocab", "tensor"),
+    ("cache_seq", None),
+)
+
+
+def make_mesh(shape: Sequence[int] | dict[str, int] | None = None,
+              axis_names: Sequence[str] = MESH_AXES,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds a `jax.sharding.Mesh` with Auto axis types.
+
+  Args:
+    shape: sizes per axis, either a sequence aligned with `axis_names` or a dict {axis: size}; one entry
+      may be -1 (filled with the remaining devices). None puts every device on "data".
+    axis_names: mesh axis names (default ("data", "fsdp", "tensor", "expert")).
+    devices: devices to use (default: all of `jax.devices()`).
+
+  Raises:
+    ValueError: the sizes do not multiply to the number of devices, or name an unknown axis.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  axis_names = tuple(axis_names)
+  if shape is None:
+    sizes = [n] + [1] * (len(axis_names) - 1)
+  elif isinstance(shape, dict):
+    unknown = set(shape) - set(axis_names)
+    if unknown:
+      raise ValueError(f"mesh shape names unknown axes {sorted(unknown)}; mesh axes are {axis_names}")
+    sizes = [int(shape.get(a, 1)) for a in axis_names]
+  else:
+    sizes = [int(s) for s in shape]
+    if len(sizes) != len(axis_names):
+      raise ValueError(f"mesh shape {tuple(sizes)} has {len(sizes)} entries but axis_names has {len(axis_names)}")
+  if sizes.count(-1) > 1:
+    raise ValueError(f"mesh shape {tuple(sizes)}: at most one axis may be -1")
+  if -1 in sizes:
+    rest = math.prod(s for s in sizes if s != -1)
+    if n % rest:
+      raise ValueError(f"mesh shape {tuple(sizes)} cannot be filled from {n} devices")
+    sizes[sizes.index(-1)] = n // rest
+  if math.prod(sizes) != n or any(s <= 0 for s in sizes):
+    raise ValueError(
+        f"mesh shape {dict(zip(axis_names, sizes))} needs {math.prod(sizes)} devices but {n} are available; "
+        "make the product of the axis sizes equal the device count")
+  return Mesh(np.asarray(devices).reshape(sizes), axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None, rules=DEFAULT_RULES) -> Iterator[None]:
+  """Context in which models are created and run sharded: sets the mesh and the logical-axis rules.
+
+  With `mesh=None` it is a no-op, so single-device code paths need no special casing.
+  """
+  if mesh is None:
+    yield
+    return
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(tuple(rules)):
+    yield
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules=None) -> P:
+  """Resolves logical axis names to a `PartitionSpec` with the active (or given) rules."""
+  table = dict(rules if rules is not None else _active_rules())
+  return P(*[table.get(a) if a is not None else None for a in logical_axes])
+
+
+def _active_rules():
+  from flax.core import spmd as core_spmd
+  return core_spmd.get_logical_axis_rules() or ()
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """`with_sharding_constraint` by logical names; a no-op outside a mesh context.
+
+  Axes that do not divide the mesh axis they map to are left unconstrained rather than padded.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or not _active_rules():
+    return x
+  spec = list(logical_to_spec(logical_axes))
+  for i, axis in enumerate(spec):
+    if axis is None:
+      continue
+    names = axis if isinstance(axis, tuple) else (axis,)
+    if x.shape[i] % math.prod(mesh.shape[a] for a in names):
+      spec[i] = None
+  return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules=DEFAULT_RULES) -> NamedSharding:
+  """NamedSharding on `mesh` for an array whose dimensions carry `logical_axes`."""
+  return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
