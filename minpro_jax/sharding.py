@@ -110,12 +110,21 @@ def _active_rules():
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """`with_sharding_constraint` by logical names; a no-op outside a mesh context.
 
-  Axes that do not divide the mesh axis they map to are left unconstrained rather than padded.
+  Axes that do not divide the mesh axis they map to are left unconstrained rather than padded. A mesh axis
+  that two dimensions map to (e.g. "batch" -> (data, fsdp, expert) and "expert" -> expert in the MoE
+  activations [B, T, E, F]) is kept only on the later dimension.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or not _active_rules():
     return x
   spec = list(logical_to_spec(logical_axes))
+  used: set[str] = set()
+  for i in reversed(range(len(spec))):  # a mesh axis claimed twice (batch and expert) stays on the later dim
+    if spec[i] is None:
+      continue
+    names = tuple(a for a in (spec[i] if isinstance(spec[i], tuple) else (spec[i],)) if a not in used)
+    used.update(names)
+    spec[i] = names if len(names) > 1 else (names[0] if names else None)
   for i, axis in enumerate(spec):
     if axis is None:
       continue

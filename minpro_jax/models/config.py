@@ -15,6 +15,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 _ROPE_TYPES = ("default", "linear", "llama3")
 _REMAT = ("none", "block")
 _MOE_IMPLS = ("dense", "ragged")
+_ACT_QUANT = ("none", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,8 @@ class ModelConfig:
     dtype: compute dtype of activations and matmuls ("float32" or "bfloat16"). Log-softmax is always fp32.
     remat: "none" or "block" (recompute each decoder block in the backward pass).
     scan_layers: run the stacked layers with `nnx.scan` (fast compile for deep models) instead of a Python loop.
+    act_quant: "none", or "fp8" to fake-quantize every matmul input of attention and MLP/experts to e4m3
+      (dynamic per-token scale; `minpro_jax.models.quant`). Used by the sampler's simulated FP8 mode.
     logits_soft_cap: unused by Qwen3/Llama; kept None.
   """
 
@@ -74,6 +77,7 @@ class ModelConfig:
   dtype: str = "float32"
   remat: str = "none"
   scan_layers: bool = False
+  act_quant: str = "none"
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
@@ -97,6 +101,8 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
     if self.remat not in _REMAT:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {_REMAT}")
+    if self.act_quant not in _ACT_QUANT:
+      raise ValueError(f"ModelConfig.act_quant={self.act_quant!r}; choose one of {_ACT_QUANT}")
     if self.moe_impl not in _MOE_IMPLS:
       raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; choose one of {_MOE_IMPLS}")
     if self.rope_scaling is not None:

@@ -38,7 +38,8 @@ def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: 
     head_dv: [D, V] output projection.
     targets_bt: [B, T] int32 token whose log-prob is wanted at each position.
     temperature: > 0; logits are divided by it before the softmax (the sampler's distribution).
-    chunk_size: tokens per chunk C; peak logits memory is B * C * V * 4 bytes. `chunk_size >= T` is dense.
+    chunk_size: tokens per chunk C; peak logits memory is B * C * V * 4 bytes. `chunk_size >= T` is dense
+      (one chunk, no recomputation in the backward pass).
     return_entropy: also return the entropy (nats) of each position's distribution.
 
   Returns:
@@ -59,7 +60,6 @@ def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: 
   y = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
   inv_t = 1.0 / temperature
 
-  @jax.checkpoint
   def chunk(h_bcd, y_bc):
     logits = jnp.einsum("bcd,dv->bcv", h_bcd, head_dv, preferred_element_type=jnp.float32) * inv_t
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -69,10 +69,17 @@ def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: 
     p = jnp.exp(logits - lse[..., None])
     return logp, lse - jnp.sum(p * logits, axis=-1)
 
-  def body(carry, xs):
-    return carry, chunk(*xs)
+  if n == 1:
+    # One chunk holds all B * T * V logits anyway, so recomputing them in the backward pass would cost a
+    # fourth head matmul and save no peak memory: the forward keeps them for the backward instead.
+    logp, ent = jax.tree.map(lambda a: a[None], chunk(h[0], y[0]))
+  else:
+    chunk = jax.checkpoint(chunk)
 
-  _, (logp, ent) = jax.lax.scan(body, None, (h, y))
+    def body(carry, xs):
+      return carry, chunk(*xs)
+
+    _, (logp, ent) = jax.lax.scan(body, None, (h, y))
   logp = logp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
   if ent is not None:
     ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, :t]

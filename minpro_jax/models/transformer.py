@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
+from minpro_jax.models.quant import maybe_quant_act
 from minpro_jax.sharding import constrain
 
 _NEG_INF = -1e30  # finite, so fully-masked (padding) rows give a uniform softmax instead of NaN
@@ -154,6 +155,7 @@ class Attention(nnx.Module):
     c = self.config
     dt = c.jnp_dtype
     inv_freq = rope_inv_freq(c)
+    x_btd = maybe_quant_act(x_btd, c.act_quant)  # sampler's simulated FP8 (identity by default)
     q = jnp.einsum("btd,dhk->bthk", x_btd, self.q_proj[...].astype(dt))
     k = jnp.einsum("btd,dhk->bthk", x_btd, self.k_proj[...].astype(dt))
     v = jnp.einsum("btd,dhk->bthk", x_btd, self.v_proj[...].astype(dt))
@@ -181,7 +183,7 @@ class Attention(nnx.Module):
     scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(dt), v_all.astype(dt)).reshape(b, t, h, hd)
-    y = jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt))
+    y = jnp.einsum("bthk,hkd->btd", maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt))
     return y, new_cache
 
 
@@ -191,16 +193,18 @@ class MLP(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c, pd = config, config.jnp_param_dtype
     self.dtype = c.jnp_dtype
+    self.act_quant = c.act_quant
     self.gate_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
     self.up_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
     self.down_proj = nnx.Param(_init(0.02, ("mlp", "embed"))(rngs.params(), (c.intermediate_size, c.hidden_size), pd))
 
   def __call__(self, x_btd):
     dt = self.dtype
+    x_btd = maybe_quant_act(x_btd, self.act_quant)
     g = x_btd @ self.gate_proj[...].astype(dt)
     u = x_btd @ self.up_proj[...].astype(dt)
     h = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "mlp"))
-    return h @ self.down_proj[...].astype(dt)
+    return maybe_quant_act(h, self.act_quant) @ self.down_proj[...].astype(dt)
 
 
 class MoE(nnx.Module):
@@ -224,6 +228,7 @@ class MoE(nnx.Module):
     c = self.config
     dt = c.jnp_dtype
     b, t, d = x_btd.shape
+    x_btd = maybe_quant_act(x_btd, c.act_quant)
     router_logits = jnp.einsum("btd,de->bte", x_btd, self.router[...].astype(dt), preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(router_logits, axis=-1)
     top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)  # [B, T, k]
@@ -236,7 +241,7 @@ class MoE(nnx.Module):
       combine = jnp.sum(jax.nn.one_hot(top_i, c.num_experts, dtype=dt) * top_p[..., None], axis=2)  # [B, T, E]
       g = jnp.einsum("btd,edf->btef", x_btd, self.gate_proj[...].astype(dt))
       u = jnp.einsum("btd,edf->btef", x_btd, self.up_proj[...].astype(dt))
-      h = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "expert", "mlp"))
+      h = maybe_quant_act(constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "expert", "mlp")), c.act_quant)
       y = jnp.einsum("btef,efd,bte->btd", h, self.down_proj[...].astype(dt), combine)
     w = valid_bt.astype(jnp.float32)[..., None]
     n = jnp.maximum(jnp.sum(w), 1.0)
@@ -258,7 +263,7 @@ class MoE(nnx.Module):
     group_sizes = jnp.bincount(flat_e, length=c.num_experts).astype(jnp.int32)
     g = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), group_sizes)
     u = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(g) * u, self.down_proj[...].astype(dt), group_sizes)
+    ys = jax.lax.ragged_dot(maybe_quant_act(jax.nn.silu(g) * u, c.act_quant), self.down_proj[...].astype(dt), group_sizes)
     ys = ys * top_p.reshape(-1)[order][:, None]
     return jnp.zeros_like(x_nd).at[token_of].add(ys)
 

@@ -1,0 +1,231 @@
+"""Learner step throughput: our JAX/NNX train step vs Hugging Face transformers (torch CPU), same run.
+
+One training step = forward + backward + AdamW update on a [B, T] batch of random tokens, fp32:
+
+  * ours: `nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)` and an `nnx.jit` step (model and optimizer
+    donated) taking `nnx.value_and_grad` of the mean teacher-forced token log-prob loss from
+    `minpro_jax.models.token_logprobs` (chunked fp32 log-softmax).
+  * baseline "transformers": `LlamaForCausalLM` (or `Qwen3ForCausalLM`) built from the same config, fp32, SDPA
+    attention, `labels=tokens` loss, `torch.optim.AdamW(lr=1e-4, weight_decay=1e-4)`, torch threads = XLA's
+    CPU threads (os.cpu_count()).
+
+Both models are randomly initialised (no weights are loaded). Reported per preset: seconds per step (best and
+median of the timed steps), tokens/s, achieved FLOP/s and MFU against this machine's fp32 matmul peak measured in
+the same run (best of several large `jnp.dot`, before and after the model steps; the larger is used).
+
+FLOPs per step are counted analytically (PaLM, Chowdhery et al. 2022, app. B):
+    flops = tokens * (6 * N_matmul + 12 * L * H * head_dim * T)
+with N_matmul = L * (D * head_dim * (2H + 2K) + 3 * D * F) + D * V (every weight that is a matmul operand,
+including the LM head; the embedding gather is free), attention counted over the full T x T square. XLA's own
+count for the compiled step (`cost_analysis()["flops"]`, which also counts the recomputation of a
+checkpointed chunk and elementwise work) is reported next to it.
+
+Usage:
+  .venv/bin/python benchmarks/model_step.py                      # tiny + smollm2-135m, B=8, T=256
+  .venv/bin/python benchmarks/model_step.py --presets smollm2-135m --layers 4 --steps 2   # quick look
+
+Prints one JSON object and writes benchmarks/results/model_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+  """nproc, CPU model (from /proc/cpuinfo), load average, library versions and the UTC date."""
+  cpu = "unknown"
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  import jax
+  info = {"nproc": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
+          "loadavg_1m_5m_15m": list(os.getloadavg()), "jax": jax.__version__,
+          "jax_backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  return info
+
+
+def write_result(name: str, result: dict) -> pathlib.Path:
+  """Prints `result` as JSON and writes it to benchmarks/results/<name>.json."""
+  RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+  path = RESULTS_DIR / f"{name}.json"
+  text = json.dumps(result, indent=2, sort_keys=False)
+  path.write_text(text + "\n")
+  print(text)
+  return path
+
+
+def matmul_peak(sizes=(2048, 4096), repeats: int = 5) -> dict:
+  """Best fp32 FLOP/s of a square `jnp.dot` per size (default matmul precision)."""
+  import jax
+  import jax.numpy as jnp
+  out = {}
+  for n in sizes:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(jnp.dot)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      f(a, b).block_until_ready()
+      best = min(best, time.perf_counter() - t0)
+    out[str(n)] = 2 * n ** 3 / best
+  return out
+
+
+def analytic_flops(cfg, batch: int, seq: int) -> dict:
+  """Training FLOPs of one step by the formula in the module docstring (dense models only)."""
+  d, hd, h, k, f = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+  n_layer = d * hd * (2 * h + 2 * k) + 3 * d * f
+  n_matmul = cfg.num_layers * n_layer + d * cfg.vocab_size
+  tokens = batch * seq
+  attn = 12 * cfg.num_layers * h * hd * seq
+  return {"n_matmul_params": n_matmul, "n_params": cfg.num_params(), "tokens": tokens,
+          "flops_per_token": 6 * n_matmul + attn, "flops": tokens * (6 * n_matmul + attn),
+          "formula": "tokens * (6 * N_matmul + 12 * L * H * head_dim * T); "
+                     "N_matmul = L * (D*hd*(2H+2K) + 3*D*F) + D*V"}
+
+
+def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
+  """Times our nnx.jit train step; returns timings and XLA's flop count."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  from minpro_jax.models import token_logprobs
+  from minpro_jax.models.transformer import init_model
+
+  model = init_model(cfg, seed=0)
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+
+  def loss_fn(m, tokens_bt):
+    return -jnp.mean(token_logprobs(m, tokens_bt, chunk_size=chunk_size).logp[:, 1:])
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def train_step(m, opt, tokens_bt):
+    loss, grads = nnx.value_and_grad(loss_fn)(m, tokens_bt)
+    opt.update(m, grads)
+    return loss
+
+  tokens = jax.random.randint(jax.random.key(0), (batch, seq), 0, cfg.vocab_size, jnp.int32)
+  t0 = time.perf_counter()
+  compiled = train_step.lower(model, optimizer, tokens).compile()
+  compile_s = time.perf_counter() - t0
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
+  times, loss = [], None
+  for i in range(steps + 1):  # first call is warm-up
+    t0 = time.perf_counter()
+    loss = train_step(model, optimizer, tokens)
+    loss.block_until_ready()
+    if i:
+      times.append(time.perf_counter() - t0)
+  return {"compile_s": compile_s, "step_s": times, "loss": float(loss), "xla_cost_analysis_flops": xla_flops}
+
+
+def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> dict:
+  """Times a transformers (torch CPU, fp32, eager) forward + backward + AdamW step of the same model."""
+  import torch
+  import transformers
+
+  torch.set_num_threads(threads)
+  torch.manual_seed(0)
+  common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+                rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+                max_position_embeddings=cfg.max_position_embeddings, attention_bias=False)
+  if cfg.architecture == "llama":
+    hf_cfg, cls = transformers.LlamaConfig(**common, mlp_bias=False), transformers.LlamaForCausalLM
+  elif cfg.architecture == "qwen3":
+    hf_cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+  else:
+    raise ValueError(f"no transformers baseline for architecture {cfg.architecture!r}")
+  hf_cfg._attn_implementation = "sdpa"
+  model = cls(hf_cfg).float().train()
+  opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
+  tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+  times, loss = [], None
+  for i in range(steps + 1):
+    t0 = time.perf_counter()
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if i:
+      times.append(time.perf_counter() - t0)
+  return {"step_s": times, "loss": float(loss), "torch": torch.__version__, "transformers": transformers.__version__,
+          "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa"}
+
+
+def summarize(times, flops, tokens, peak) -> dict:
+  best = min(times)
+  return {"step_s_best": best, "step_s_median": statistics.median(times), "tokens_per_s": tokens / best,
+          "achieved_flops_per_s": flops / best, "mfu": flops / best / peak}
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--presets", default="tiny,smollm2-135m")
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=256)
+  p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+  p.add_argument("--layers", type=int, default=None, help="override num_layers (quick looks only)")
+  p.add_argument("--chunk-size", type=int, default=256, help="token_logprobs chunk_size")
+  p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+  p.add_argument("--name", default="model_step", help="results file name")
+  args = p.parse_args(argv)
+
+  import jax
+  from minpro_jax.models import get_preset
+
+  threads = os.cpu_count()
+  result = {"benchmark": "model_step", "baseline": "transformers (torch CPU eager, fp32, SDPA) fwd+bwd+AdamW",
+            "machine": machine_info(), "batch": args.batch, "seq": args.seq, "dtype": "float32",
+            "matmul_precision": str(jax.config.jax_default_matmul_precision), "xla_cpu_threads": threads,
+            "presets": {}}
+  peak_before = matmul_peak()
+  for name in args.presets.split(","):
+    cfg = get_preset(name) if args.layers is None else get_preset(name, num_layers=args.layers)
+    fl = analytic_flops(cfg, args.batch, args.seq)
+    ours = bench_ours(cfg, args.batch, args.seq, args.steps, args.chunk_size)
+    base = None if args.no_baseline else bench_transformers(cfg, args.batch, args.seq, args.steps, threads)
+    result["presets"][name] = {"num_layers": cfg.num_layers, "flops": fl, "ours": ours, "transformers": base}
+  peak_after = matmul_peak()
+  peak = max(list(peak_before.values()) + list(peak_after.values()))
+  result["matmul_peak"] = {"before": peak_before, "after": peak_after, "peak_flops_per_s": peak,
+                           "method": "best of 5 jnp.dot fp32 NxN, N in (2048, 4096), before and after"}
+  for name, r in result["presets"].items():
+    fl, tok = r["flops"]["flops"], r["flops"]["tokens"]
+    r["ours"].update(summarize(r["ours"]["step_s"], fl, tok, peak))
+    if r["transformers"] is not None:
+      r["transformers"].update(summarize(r["transformers"]["step_s"], fl, tok, peak))
+      r["ratio_ours_over_transformers_tokens_per_s"] = r["ours"]["tokens_per_s"] / r["transformers"]["tokens_per_s"]
+  result["machine"]["loadavg_end"] = list(os.getloadavg())
+  if "smollm2-135m" in result["presets"] and args.layers is None:
+    r = result["presets"]["smollm2-135m"]
+    result["targets"] = {
+        "smollm2_ours_ge_transformers": (r.get("ratio_ours_over_transformers_tokens_per_s") or 0) >= 1.0,
+        "smollm2_mfu_ge_0.70": r["ours"]["mfu"] >= 0.70}
+  write_result(args.name, result)
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,168 @@
+"""From a config to the run's parts: validation, tokenizer, problems, model, loss and optimizer configs.
+
+`validate_config` runs before anything expensive and fails with a message naming the config field and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+
+from minpro_jax.data.records import MathProblem
+from minpro_jax.learner import LossConfig, OptimizerConfig
+from minpro_jax.objectives import METHODS
+
+logger = logging.getLogger(__name__)
+
+MODEL_SOURCES = ("scratch", "hf", "gguf")
+TOKENIZER_KINDS = ("train_spm", "path", "model")
+DATA_SOURCES = ("reasoning_gym", "file", "champ")
+
+
+class ConfigError(ValueError):
+  """A config field is invalid; the message names `config.<field>` and how to fix it."""
+
+
+def _need(cond: bool, field: str, msg: str) -> None:
+  if not cond:
+    raise ConfigError(f"config.{field}: {msg}")
+
+
+def parse_mesh_shape(spec: str) -> dict[str, int] | None:
+  """"data=2,fsdp=4" -> {"data": 2, "fsdp": 4}; "" -> None."""
+  if not spec:
+    return None
+  out = {}
+  for part in spec.split(","):
+    name, _, size = part.partition("=")
+    _need(bool(name.strip()) and size.strip().lstrip("-").isdigit(), "mesh.shape",
+          f"cannot parse {part!r}; write e.g. 'data=2,fsdp=4'")
+    out[name.strip()] = int(size)
+  return out
+
+
+def validate_config(c, num_devices: int | None = None) -> None:
+  """Checks every cross-field constraint of a training config.
+
+  Raises:
+    ConfigError: naming the field, e.g. batch not divisible by the number of updates or micro-batch,
+      negative delay, unknown method, mesh not dividing the device count, missing checkpoint path.
+  """
+  num_devices = num_devices or len(jax.devices())
+  _need(c.total_steps > 0, "total_steps", f"must be > 0, got {c.total_steps}")
+  _need(c.prompts_per_step > 0, "prompts_per_step", f"must be > 0, got {c.prompts_per_step}")
+  _need(c.group_size >= 1, "group_size", f"must be >= 1, got {c.group_size}")
+  _need(c.delay >= 0, "delay", f"must be >= 0 (0 = on-policy), got {c.delay}")
+  _need(c.num_updates_per_step >= 1, "num_updates_per_step", f"must be >= 1, got {c.num_updates_per_step}")
+  n = c.prompts_per_step * c.group_size
+  _need(n % c.num_updates_per_step == 0, "num_updates_per_step",
+        f"prompts_per_step * group_size = {n} samples must split into {c.num_updates_per_step} equal mini-batches")
+  mini = n // c.num_updates_per_step
+  _need(c.group_size == 1 or mini % c.group_size == 0, "num_updates_per_step",
+        f"each mini-batch of {mini} samples must hold whole groups of group_size={c.group_size}")
+  _need(c.micro_batch_size >= 1 and mini % c.micro_batch_size == 0 or c.micro_batch_size > mini, "micro_batch_size",
+        f"mini-batch of {mini} samples is not divisible by micro_batch_size={c.micro_batch_size}")
+  _need(c.loss.method in METHODS, "loss.method", f"unknown method {c.loss.method!r}; choose one of {METHODS}")
+  _need(c.model.source in MODEL_SOURCES, "model.source", f"{c.model.source!r}; choose one of {MODEL_SOURCES}")
+  if c.model.source == "hf":
+    _need(bool(c.model.path) and os.path.isdir(c.model.path), "model.path",
+          f"HF checkpoint folder {c.model.path!r} does not exist; point it at a folder with config.json + safetensors")
+  if c.model.source == "gguf" and c.model.path:
+    _need(os.path.isfile(c.model.path), "model.path", f"GGUF file {c.model.path!r} does not exist")
+  _need(c.tokenizer.kind in TOKENIZER_KINDS, "tokenizer.kind", f"{c.tokenizer.kind!r}; choose one of {TOKENIZER_KINDS}")
+  if c.tokenizer.kind == "path":
+    _need(bool(c.tokenizer.path) and os.path.exists(c.tokenizer.path), "tokenizer.path",
+          f"{c.tokenizer.path!r} does not exist")
+  _need(c.data.source in DATA_SOURCES, "data.source", f"{c.data.source!r}; choose one of {DATA_SOURCES}")
+  if c.data.source == "file":
+    _need(bool(c.data.path) and os.path.isfile(c.data.path), "data.path", f"data file {c.data.path!r} does not exist")
+  _need(c.sampling.max_new_tokens > 0, "sampling.max_new_tokens", f"must be > 0, got {c.sampling.max_new_tokens}")
+  _need(c.sampling.temperature > 0, "sampling.temperature",
+        "must be > 0 for RL (the learner scores the sampled tokens under the temperature-scaled distribution)")
+  _need(c.sampling.precision in ("fp32", "bf16", "fp8"), "sampling.precision",
+        f"{c.sampling.precision!r}; choose fp32, bf16 or fp8")
+  _need(c.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0, got {c.checkpoint.every}")
+  _need(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}")
+  _need(c.eval.n >= 1, "eval.n", f"must be >= 1, got {c.eval.n}")
+  _need(all(1 <= k <= c.eval.n for k in c.eval.ks), "eval.ks", f"every k must lie in [1, eval.n={c.eval.n}]")
+  shape = parse_mesh_shape(c.mesh.shape)
+  if shape:
+    from minpro_jax.sharding import MESH_AXES
+    unknown = set(shape) - set(MESH_AXES)
+    _need(not unknown, "mesh.shape", f"unknown axes {sorted(unknown)}; mesh axes are {MESH_AXES}")
+    prod = 1
+    for v in shape.values():
+      prod *= v
+    _need(prod == num_devices, "mesh.shape",
+          f"{c.mesh.shape!r} needs {prod} devices but {num_devices} are available")
+
+
+def loss_config(c) -> LossConfig:
+  """`LossConfig` from `config.loss` (negative/empty values mean the method's default)."""
+  l = c.loss
+  hp: dict[str, Any] = {}
+  if l.method == "minpro":
+    hp["prefix_statistic"] = l.prefix_statistic
+  if l.eps_low >= 0:
+    hp["eps_low"] = float(l.eps_low)
+  if l.eps_high >= 0:
+    hp["eps_high"] = float(l.eps_high)
+  if l.loss_agg_mode:
+    hp["loss_agg_mode"] = l.loss_agg_mode
+    if l.loss_agg_mode == "seq-mean-token-sum-norm":
+      hp["max_response_length"] = int(c.sampling.max_new_tokens)
+  if l.method == "grpo" and l.dual_clip_c > 0:
+    hp["dual_clip_c"] = float(l.dual_clip_c)
+  if l.rollout_is:
+    hp["rollout_is"] = l.rollout_is
+    hp["tis_cap"] = float(l.tis_cap)
+  if l.rollout_mis:
+    hp["rollout_mis"] = l.rollout_mis
+  return LossConfig(method=l.method, hparams=tuple(sorted(hp.items())), temperature=float(c.sampling.temperature),
+                    entropy_coef=float(l.entropy_coef), kl_coef=float(l.kl_coef),
+                    router_aux_coef=float(l.router_aux_coef), logprob_chunk_size=int(l.logprob_chunk_size))
+
+
+def optimizer_config(c) -> OptimizerConfig:
+  o = c.optimizer
+  return OptimizerConfig(learning_rate=float(o.learning_rate), warmup_steps=int(o.warmup_steps), schedule=o.schedule,
+                         decay_steps=int(o.decay_steps), final_lr_ratio=float(o.final_lr_ratio),
+                         weight_decay=float(o.weight_decay), max_grad_norm=float(o.max_grad_norm), b2=float(o.b2))
+
+
+def load_problems(c, *, seed: int, size: int) -> list[MathProblem]:
+  """Problems of `config.data` (for reasoning-gym: `size` problems from generator seed `seed`)."""
+  from minpro_jax.data import champ_problems, load_file, reasoning_gym_problems
+  d = c.data
+  if d.source == "reasoning_gym":
+    return reasoning_gym_problems(d.task, size, seed, **dict(d.task_config))
+  if d.source == "champ":
+    return champ_problems()
+  return load_file(d.path, d.format)
+
+
+def eval_benchmarks(c) -> dict[str, list[MathProblem]]:
+  """Held-out problems: a reasoning-gym draw with generator seed `eval.seed` (the trainer removes these prompts from
+  the training set), plus the `eval.path` files ("name=fmt:path,...")."""
+  from minpro_jax.data import load_file
+  out: dict[str, list[MathProblem]] = {}
+  if c.data.source == "reasoning_gym":
+    probs = load_problems(c, seed=c.eval.seed, size=c.eval.num_problems)
+    unique = list({p.prompt: p for p in probs}.values())
+    out[f"{c.data.task}_heldout"] = unique
+  if c.eval.path:
+    for item in c.eval.path.split(","):
+      name, _, rest = item.partition("=")
+      fmt, _, path = rest.partition(":")
+      _need(bool(name and fmt and path), "eval.path", f"cannot parse {item!r}; write name=fmt:path")
+      out[name] = load_file(path, fmt)[:c.eval.num_problems]
+  return out
+
+
+def remove_heldout(train: list[MathProblem], eval_sets: dict[str, list[MathProblem]]) -> list[MathProblem]:
+  """Training problems whose prompt text appears in no held-out set."""
+  held = {p.prompt for ps in eval_sets.values() for p in ps}
+  return [p for p in train if p.prompt not in held]

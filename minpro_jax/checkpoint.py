@@ -1,0 +1,115 @@
+"""Orbax checkpoints of a whole run: everything needed to resume bit-exactly.
+
+A run checkpoint at global step s holds
+  * "state": the learner `TrainState` (parameters, optax state incl. its step count, update counter),
+  * "buffer": the rollout batches waiting in the delay buffer (without them a resumed run would change
+    its staleness),
+  * "meta": JSON with the global step, the data iterator state, the best evaluation score so far and
+    counters.
+PRNG keys are derived from (seed, global step), so they need no storage beyond the step.
+
+`RunCheckpointer` keeps the last K run checkpoints under `workdir/checkpoints` and, separately, the
+parameters of the best evaluation under `workdir/best` (the papers select the checkpoint with the best
+average score).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+def _abstract(tree):
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+class RunCheckpointer:
+  """Save / restore run checkpoints (last `keep` kept) and the best parameters.
+
+  Args:
+    workdir: run directory; checkpoints go to `workdir/checkpoints`, best params to `workdir/best`.
+    keep: number of most recent run checkpoints kept.
+  """
+
+  def __init__(self, workdir: str, keep: int = 2):
+    if keep < 1:
+      raise ValueError(f"keep must be >= 1, got {keep}")
+    self.workdir = os.path.abspath(workdir)
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    self._mngr = ocp.CheckpointManager(os.path.join(self.workdir, "checkpoints"), options=opts)
+    self._best = ocp.CheckpointManager(os.path.join(self.workdir, "best"),
+                                       options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+
+  def latest_step(self) -> int | None:
+    """Global step of the newest complete run checkpoint, or None."""
+    return self._mngr.latest_step()
+
+  def save(self, step: int, state: Any, buffer_state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Writes the run checkpoint of global step `step` (blocking, so a following exit loses nothing)."""
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                              buffer=ocp.args.StandardSave(_numpy_tree(buffer_state)),
+                              meta=ocp.args.JsonSave(meta))
+    self._mngr.save(step, args=args, force=True)
+    self._mngr.wait_until_finished()
+
+  def restore(self, step: int, state_template: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Restores (state, buffer_state, meta) of `step`; `state_template` gives the structure and shardings."""
+    meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    restored = self._mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_abstract(state_template)), buffer=ocp.args.StandardRestore()))
+    buffer_state = jax.tree.map(np.asarray, restored["buffer"])
+    return restored["state"], buffer_state, meta
+
+  def save_best(self, step: int, params: Any, meta: dict[str, Any]) -> None:
+    """Stores `params` as the best-so-far parameters (replacing the previous best)."""
+    args = ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta))
+    self._best.save(step, args=args, force=True)
+    self._best.wait_until_finished()
+
+  def best_step(self) -> int | None:
+    return self._best.latest_step()
+
+  def restore_best(self, params_template: Any) -> tuple[Any, dict[str, Any]]:
+    """(params, meta) of the best checkpoint. Raises FileNotFoundError if there is none."""
+    step = self._best.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no best checkpoint under {self.workdir}/best")
+    out = self._best.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params_template)),
+                                                           meta=ocp.args.JsonRestore()))
+    return out["params"], out["meta"]
+
+  def close(self) -> None:
+    self._mngr.close()
+    self._best.close()
+
+
+def _numpy_tree(tree):
+  """Orbax refuses empty arrays and containers: store the buffer's steps with a -1 sentinel and a count."""
+  steps = np.asarray(tree.get("steps", np.zeros((0,), np.int64)), np.int64).reshape(-1)
+  out = {"count": np.asarray(steps.size, np.int64), "steps": np.concatenate([steps, np.full(1, -1, np.int64)])}
+  batches = tree.get("batches", {})
+  out["batches"] = {k: {f: np.asarray(v) for f, v in b.items()} for k, b in batches.items()} if batches else {"_": np.zeros(())}
+  return out
+
+
+def buffer_state_from_restored(tree: dict[str, Any]) -> dict[str, Any]:
+  """Inverse of `_numpy_tree` for `RolloutBuffer.load_state_dict`."""
+  batches = {k: v for k, v in tree["batches"].items() if k != "_"}
+  count = int(np.asarray(tree["count"]))
+  return {"steps": np.asarray(tree["steps"]).reshape(-1)[:count], "batches": batches}
+
+
+def save_params(path: str, params: Any) -> None:
+  """Saves a parameter pytree (e.g. the SFT warm-start cache) to `path` with orbax."""
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.abspath(path), params, force=True)
+  ckptr.wait_until_finished()
+
+
+def restore_params(path: str, params_template: Any) -> Any:
+  """Restores a parameter pytree saved by `save_params` onto the template's shapes/dtypes/shardings."""
+  return ocp.StandardCheckpointer().restore(os.path.abspath(path), _abstract(params_template))

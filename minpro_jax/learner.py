@@ -1,0 +1,301 @@
+"""The jitted, sharded learner: one optimizer update per mini-batch with exact micro-batch accumulation.
+
+State is an explicit pytree (`TrainState`: parameters, optax state, update counter, skipped-update
+counter), so checkpointing, rollback (MIPU) and sharding are plain tree operations.
+
+Gradient accumulation is exact: the policy loss of each micro-batch is its *unreduced* sum divided by the
+denominator of the whole mini-batch (tokens for token-mean, sequences for seq-mean modes), which does
+not depend on the parameters and is computed up front, so the sum of micro-batch gradients is the
+gradient of the mini-batch loss (Tunix's `(unreduced_sum, denominator)` design).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from minpro_jax.models.logprobs import token_logprobs
+from minpro_jax.models.transformer import Transformer
+from minpro_jax.objectives import compute_m2po_mask, policy_loss
+
+NUM_POSITION_BINS = 8
+
+
+@flax.struct.dataclass
+class TrainState:
+  """params: nnx.State of the model's parameters; opt_state: optax state; step: int32 number of optimizer
+  updates applied (= the `policy_version` of `params`); skipped: int32 updates skipped by the non-finite guard."""
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  skipped: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with linear warmup, then constant / cosine / linear decay, and global-norm clipping.
+
+  Units: learning rates per update; `warmup_steps` and `decay_steps` in optimizer updates.
+  """
+  learning_rate: float = 1e-6
+  warmup_steps: int = 0
+  schedule: str = "constant"  # constant | cosine | linear
+  decay_steps: int = 0
+  final_lr_ratio: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+
+
+def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+  """Learning-rate schedule of `cfg`. Raises ValueError for an unknown schedule name."""
+  lr = cfg.learning_rate
+  warm = optax.linear_schedule(0.0, lr, max(cfg.warmup_steps, 1)) if cfg.warmup_steps > 0 else optax.constant_schedule(lr)
+  if cfg.schedule == "constant":
+    after = optax.constant_schedule(lr)
+  elif cfg.schedule == "cosine":
+    after = optax.cosine_decay_schedule(lr, max(cfg.decay_steps, 1), alpha=cfg.final_lr_ratio)
+  elif cfg.schedule == "linear":
+    after = optax.linear_schedule(lr, lr * cfg.final_lr_ratio, max(cfg.decay_steps, 1))
+  else:
+    raise ValueError(f"optimizer schedule {cfg.schedule!r} unknown; choose constant, cosine or linear")
+  if cfg.warmup_steps <= 0:
+    return after
+  return optax.join_schedules([warm, after], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  """optax chain: clip_by_global_norm(max_grad_norm) then AdamW(schedule)."""
+  parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm and cfg.max_grad_norm > 0 else []
+  parts.append(optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+  return optax.chain(*parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Which objective and its hyper-parameters, plus optional extra terms (all off by default).
+
+  method / hparams: passed to `minpro_jax.objectives.policy_loss`.
+  temperature: the sampler's temperature; learner log-probs are scored under the same scaled distribution.
+  entropy_coef: adds -coef * token-mean entropy. kl_coef: adds coef * token-mean k3 KL(mu || pi_theta) to the
+    behavior policy. router_aux_coef: weight of the MoE load-balancing loss (0 = off).
+  """
+  method: str = "minpro"
+  hparams: tuple[tuple[str, Any], ...] = ()
+  temperature: float = 1.0
+  entropy_coef: float = 0.0
+  kl_coef: float = 0.0
+  router_aux_coef: float = 0.0
+  logprob_chunk_size: int = 256
+
+  @property
+  def hparam_dict(self) -> dict[str, Any]:
+    return dict(self.hparams)
+
+
+def _call_policy_loss(loss_cfg: LossConfig, logp, batch: dict[str, jax.Array], m2po_mask=None):
+  """`policy_loss` on `batch` with the configured method. With rollout correction (TIS/MIS) on, the three-policy
+  form is used: ratio against the learner at the sampling version (`learner_logp`), correction factor
+  against the sampler (`behavior_logp`)."""
+  hp = loss_cfg.hparam_dict
+  old = batch["behavior_logp"]
+  if hp.get("rollout_is") or hp.get("rollout_mis"):
+    hp = {**hp, "rollout_logp": batch["behavior_logp"]}
+    old = batch["learner_logp"]
+  if m2po_mask is not None:
+    hp["m2po_mask"] = m2po_mask
+  return policy_loss(loss_cfg.method, logp, old, batch["advantages"], batch["response_mask"], **hp)
+
+
+def _position_bins(response_mask: jax.Array) -> jax.Array:
+  """[N, L] int32 bin of each response token's index inside its response (bins of 2^k tokens, last open)."""
+  idx = jnp.cumsum(response_mask.astype(jnp.int32), axis=1) - 1
+  edges = 2 ** jnp.arange(1, NUM_POSITION_BINS, dtype=jnp.int32) * 4  # 8, 16, 32, ..., 512
+  return jnp.sum(idx[..., None] >= edges, axis=-1)
+
+
+_METRIC_INIT = {"max": -jnp.inf, "min": jnp.inf}
+
+
+def _combine_metric(name: str, acc, value, weight):
+  """Micro-batch metrics: *_max / *_min are reduced exactly, the rest are token-weighted means."""
+  kind = name.rsplit("_", 1)[-1]
+  if kind == "max":
+    return jnp.maximum(acc, value)
+  if kind == "min":
+    return jnp.minimum(acc, value)
+  return acc + weight * value
+
+
+class Learner:
+  """Jitted update and scoring functions for one model architecture and objective.
+
+  Args:
+    model: a `Transformer` (only its graph definition and parameter shapes are kept).
+    loss_cfg: objective and extra terms.
+    opt_cfg: optimizer.
+    micro_batch_size: samples per micro-batch of the accumulation loop.
+    mesh: optional mesh; batches are placed along the "batch" logical axis.
+
+  Raises:
+    ValueError: micro_batch_size <= 0.
+  """
+
+  def __init__(self, model: Transformer, loss_cfg: LossConfig, opt_cfg: OptimizerConfig, *,
+               micro_batch_size: int, mesh=None):
+    if micro_batch_size <= 0:
+      raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+    self.graphdef, _ = nnx.split(model)
+    self.loss_cfg = loss_cfg
+    self.opt_cfg = opt_cfg
+    self.optimizer = make_optimizer(opt_cfg)
+    self.schedule = make_schedule(opt_cfg)
+    self.micro_batch_size = micro_batch_size
+    self.mesh = mesh
+    self._update = jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,))
+    self._score = jax.jit(self._score_impl, static_argnums=(2,))
+
+  # ----- state -----
+  def init_state(self, params) -> TrainState:
+    """A fresh `TrainState` (optimizer moments zero, step 0) for parameter state `params`."""
+    return TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                      skipped=jnp.zeros((), jnp.int32))
+
+  def model(self, params) -> Transformer:
+    return nnx.merge(self.graphdef, params)
+
+  # ----- scoring -----
+  def score(self, params, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """[N, L] float32 teacher-forced log-probs (sampler temperature) of `batch["tokens"]` under `params`."""
+    n = batch["tokens"].shape[0]
+    mb = min(self.micro_batch_size, n)
+    if n % mb:
+      raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size {mb}")
+    arrays = {k: jnp.asarray(batch[k]) for k in ("tokens", "segment_ids", "positions")}
+    return np.asarray(self._score(params, arrays, mb))
+
+  def _score_impl(self, params, arrays, mb):
+    model = self.model(params)
+    def one(x):
+      return token_logprobs(model, x["tokens"], x["segment_ids"], x["positions"],
+                            temperature=self.loss_cfg.temperature, chunk_size=self.loss_cfg.logprob_chunk_size).logp
+    split = jax.tree.map(lambda a: a.reshape(-1, mb, *a.shape[1:]), arrays)
+    return jax.lax.map(one, split).reshape(arrays["tokens"].shape)
+
+  # ----- update -----
+  def update(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
+    """One optimizer update on a mini-batch (donates `state`).
+
+    Args:
+      state: current `TrainState` (invalid after the call).
+      batch: `RolloutBatch.learner_arrays()` of the mini-batch: [M, L] arrays and [M] advantages.
+
+    Returns:
+      (new state, metrics dict of numpy scalars / arrays). If the loss or gradient is not finite the update
+      is skipped: parameters and optimizer state are unchanged and `skipped` increments.
+
+    Raises:
+      ValueError: M not divisible by the micro-batch size.
+    """
+    m = batch["tokens"].shape[0]
+    mb = min(self.micro_batch_size, m)
+    if m % mb:
+      raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
+    arrays = {k: jnp.asarray(v) for k, v in batch.items()}
+    state, metrics = self._update(state, arrays, mb)
+    return state, jax.device_get(metrics)
+
+  def _micro_objective(self, params, micro, denom, num_tokens, num_rows, m2po_mask):
+    lc = self.loss_cfg
+    model = self.model(params)
+    need_entropy = lc.entropy_coef != 0.0
+    lp = token_logprobs(model, micro["tokens"], micro["segment_ids"], micro["positions"], temperature=lc.temperature,
+                        chunk_size=lc.logprob_chunk_size, return_entropy=need_entropy)
+    out = _call_policy_loss(lc, lp.logp, micro, m2po_mask)
+    mask = micro["response_mask"].astype(jnp.float32)
+    total = out.loss_sum / denom
+    if need_entropy:
+      total = total - lc.entropy_coef * jnp.sum(lp.entropy * mask) / num_tokens
+    if lc.kl_coef:
+      delta = jnp.clip(jnp.where(mask > 0, micro["behavior_logp"] - lp.logp, 0.0), -20.0, 20.0)
+      total = total + lc.kl_coef * jnp.sum((jnp.exp(delta) - delta - 1.0) * mask) / num_tokens
+    if lc.router_aux_coef:
+      total = total + lc.router_aux_coef * lp.router_aux_loss * micro["tokens"].shape[0] / num_rows
+    return total, (out, lp)
+
+  def _update_impl(self, state: TrainState, arrays, mb):
+    lc = self.loss_cfg
+    m = arrays["tokens"].shape[0]
+    mask = arrays["response_mask"]
+    num_tokens = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+    # The policy-loss denominator does not depend on the parameters: get it for the whole mini-batch.
+    no_mask = mask.astype(bool) if lc.method == "m2po" else None
+    denom = jnp.maximum(_call_policy_loss(lc, jnp.zeros(mask.shape, jnp.float32), arrays, no_mask).denominator, 1.0)
+
+    m2po_mask = None
+    if lc.method == "m2po":  # the mask is a function of the whole mini-batch's log-ratios
+      logp_all = self._score_impl(state.params, {k: arrays[k] for k in ("tokens", "segment_ids", "positions")}, mb)
+      m2po_mask = compute_m2po_mask(jax.lax.stop_gradient(logp_all) - arrays["behavior_logp"], arrays["advantages"],
+                                    mask, lc.hparam_dict.get("m2_threshold", 0.04))
+
+    split = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), arrays)
+    split_mask = None if m2po_mask is None else m2po_mask.reshape(m // mb, mb, -1)
+    grad_fn = jax.grad(self._micro_objective, has_aux=True)
+    bins = _position_bins(mask)
+    split_bins = bins.reshape(m // mb, mb, -1)
+
+    def body(acc, xs):
+      micro, mmask, mbins = xs
+      grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, m, mmask)
+      g_acc, loss_acc, metric_acc, wsum, wcnt = acc
+      g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
+      valid = micro["response_mask"].astype(jnp.float32)
+      onehot = jax.nn.one_hot(mbins, NUM_POSITION_BINS) * valid[..., None]
+      wsum = wsum + jnp.einsum("nlb,nl->b", onehot, out.token_weights)
+      wcnt = wcnt + jnp.sum(onehot, axis=(0, 1))
+      w = jnp.sum(valid) / num_tokens
+      metric_acc = {k: _combine_metric(k, metric_acc[k], v, w) for k, v in out.metrics.items()}
+      return (g_acc, loss_acc + out.loss_sum, metric_acc, wsum, wcnt), lp.logp
+
+    zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    first = jax.tree.map(lambda a: a[0], split)
+    metric_shape = jax.eval_shape(lambda: _call_policy_loss(
+        lc, first["behavior_logp"], first, None if no_mask is None else first["response_mask"].astype(bool)).metrics)
+    zero_metrics = {k: jnp.full(s.shape, _METRIC_INIT.get(k.rsplit("_", 1)[-1], 0.0), jnp.float32)
+                    for k, s in metric_shape.items()}
+    init = (zero_grads, jnp.zeros((), jnp.float32), zero_metrics, jnp.zeros(NUM_POSITION_BINS), jnp.zeros(NUM_POSITION_BINS))
+    (grads, loss_sum, metrics, wsum, wcnt), logp = jax.lax.scan(body, init, (split, split_mask, split_bins))
+    logp = logp.reshape(mask.shape)
+    loss = loss_sum / denom
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt = self.optimizer.update(safe_grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = TrainState(params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
+                           step=state.step + finite.astype(jnp.int32), skipped=state.skipped + (~finite).astype(jnp.int32))
+    valid = mask.astype(bool)
+    delta = jnp.where(valid, logp - arrays["behavior_logp"], 0.0)
+    out_metrics = {f"policy/{k}": v for k, v in metrics.items()}
+    out_metrics.update({
+        "loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step), "update_skipped": ~finite,
+        "learner_behavior/abs_log_ratio_mean": jnp.sum(jnp.abs(delta)) / num_tokens,
+        "weight_by_position_bin": wsum / jnp.maximum(wcnt, 1.0), "tokens_by_position_bin": wcnt,
+    })
+    return new_state, out_metrics
+
+
+def staleness(update_index: int, policy_version: np.ndarray) -> np.ndarray:
+  """Updates applied between sampling and this update: `update_index - policy_version` per sample."""
+  return update_index - np.asarray(policy_version, np.int64)
+

@@ -1,0 +1,157 @@
+"""What a researcher watches: `metrics.jsonl` per global step, TensorBoard events, PNG plots and `summary.json`.
+
+TensorBoard files are written with `tensorboardX` (no TensorFlow needed) when it is importable.
+On resume, lines of `metrics.jsonl` after the restored step are dropped first, so the file always
+describes one consistent run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+
+def _jsonable(v: Any):
+  if isinstance(v, dict):
+    return {k: _jsonable(x) for k, x in v.items()}
+  if isinstance(v, (list, tuple)):
+    return [_jsonable(x) for x in v]
+  if isinstance(v, np.ndarray):
+    return _jsonable(v.tolist())
+  if isinstance(v, (np.floating, float)):
+    f = float(v)
+    return f if math.isfinite(f) else None
+  if isinstance(v, (np.integer, np.bool_)):
+    return v.item()
+  return v
+
+
+class MetricsWriter:
+  """Appends one JSON object per global step to `workdir/metrics.jsonl` (and TensorBoard scalars).
+
+  Args:
+    workdir: run directory.
+    resume_step: if given, existing lines with "step" > resume_step are removed (they will be recomputed).
+    tensorboard: write TensorBoard event files to `workdir/tb` when tensorboardX is installed.
+  """
+
+  def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(self.path):
+      keep = []
+      with open(self.path) as f:
+        for line in f:
+          try:
+            rec = json.loads(line)
+          except json.JSONDecodeError:
+            continue  # a line cut by a kill
+          if resume_step is not None and rec.get("step", -1) <= resume_step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+      with open(self.path, "w") as f:
+        f.writelines(keep)
+    self._tb = None
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      except ImportError:
+        self._tb = None
+
+  def write(self, step: int, metrics: dict[str, Any]) -> None:
+    rec = {"step": int(step), **_jsonable(metrics)}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(rec) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    if self._tb is not None:
+      for k, v in rec.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+          self._tb.add_scalar(k.replace("@", "_at_"), v, step)
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """All records of `workdir/metrics.jsonl`."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_run(workdir: str) -> list[str]:
+  """Writes PNG plots (reward/accuracy, staleness, weight by position, eval) from metrics.jsonl; returns paths."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  recs = read_metrics(workdir)
+  if not recs:
+    return []
+  out = []
+
+  def series(key):
+    pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
+    return ([p[0] for p in pts], [p[1] for p in pts]) if pts else None
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for key, label in (("reward/mean", "train reward"), ("reward/accuracy", "train accuracy"),
+                     ("eval/avg_score", "held-out pass@1")):
+    s = series(key)
+    if s:
+      ax.plot(*s, label=label, marker="." if key.startswith("eval") else None)
+  ax.set_xlabel("global step")
+  ax.legend()
+  ax.set_title("reward and accuracy")
+  path = os.path.join(workdir, "reward.png")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  out.append(path)
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for key in ("staleness/min", "staleness/mean", "staleness/max"):
+    s = series(key)
+    if s:
+      ax.plot(*s, label=key)
+  ax.set_xlabel("global step")
+  ax.set_ylabel("updates between sampling and use")
+  ax.legend()
+  path = os.path.join(workdir, "staleness.png")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  out.append(path)
+
+  bins = [r["learn/weight_by_position_bin"] for r in recs if r.get("learn/weight_by_position_bin")]
+  if bins:
+    arr = np.asarray([[np.nan if x is None else x for x in b] for b in bins], np.float64)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = ["0-7", "8-15", "16-31", "32-63", "64-127", "128-255", "256-511", "512+"][: arr.shape[1]]
+    ax.plot(labels, np.nanmean(arr, axis=0), marker="o", label="mean over run")
+    ax.plot(labels, arr[-1], marker="x", label="last step")
+    ax.set_xlabel("response token position")
+    ax.set_ylabel("mean per-token weight")
+    ax.legend()
+    path = os.path.join(workdir, "weight_by_position.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    out.append(path)
+  return out
+
+
+def write_summary(workdir: str, summary: dict[str, Any]) -> str:
+  path = os.path.join(workdir, "summary.json")
+  with open(path, "w") as f:
+    json.dump(_jsonable(summary), f, indent=2)
+  return path

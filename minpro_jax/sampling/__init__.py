@@ -1,0 +1,8 @@
+"""Generation: sampling parameters, the jitted KV-cache sampler and the batch it returns."""
+
+from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch, LearnerArrays
+from minpro_jax.sampling.methods import NextTokens, SamplingParams, get_next_tokens, truncation_logits
+from minpro_jax.sampling.sampler import Sampler
+
+__all__ = ["FINISH_LENGTH", "FINISH_STOP", "GenerationBatch", "LearnerArrays", "NextTokens", "SamplingParams",
+           "get_next_tokens", "truncation_logits", "Sampler"]

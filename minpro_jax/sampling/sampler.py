@@ -1,0 +1,240 @@
+"""`Sampler`: batched, KV-cached, jit-compiled generation with explicit parameter versions.
+
+Flow of one `generate` call:
+  1. Prompts are expanded to N = len(prompts) * group_size rows, left-padded to the smallest prompt bucket
+     P >= longest prompt, and the rows padded to a batch bucket (extra rows start done and are dropped).
+  2. The parameter State is converted once to the inference precision (`fp32`, `bf16`, or simulated `fp8`,
+     see `minpro_jax.models.quant`) by a small jitted function.
+  3. Jitted prefill: the prompts run through the model into a fresh KV cache of P + max_new_tokens slots
+     (segment id 1 on real tokens, 0 on pads, so pads are never attended to; RoPE positions count real
+     tokens only), and response index 0 is sampled from the last prompt position.
+  4. Jitted decode: a `lax.while_loop` feeds one token per row per step (cache slot P + i - 1, position
+     len(prompt) + i - 1), samples index i, and exits as soon as every row has stopped. Its carry (KV cache
+     and outputs) is donated, and nothing goes back to the host until the loop ends.
+
+The graphdef is static and the parameters are a traced argument, so new parameter values with the same
+shapes, dtypes and shardings never recompile (`Sampler.trace_count` counts traces for tests).
+
+Randomness: row r of prompt group g, sample s gets key_row = fold_in(fold_in(key(seed), g), s) and step i
+uses fold_in(key_row, i), so a row's draws do not depend on what else is in the batch.
+
+Behavior log-probs: see `minpro_jax.sampling.methods` (full-vocabulary log-softmax at the sampling
+temperature, T = 1 for greedy).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minpro_jax.models.config import ModelConfig
+from minpro_jax.models.quant import prepare_inference_params, PRECISIONS, precision_config
+from minpro_jax.models.transformer import KVCache, Transformer
+from minpro_jax.param_store import ParamStore
+from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
+from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
+from minpro_jax.sampling.methods import SamplingParams
+
+DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int | None:
+  i = bisect.bisect_left(buckets, n)
+  return buckets[i] if i < len(buckets) else None
+
+
+class Sampler:
+  """Generates responses for token prompts with a `Transformer` of a given config.
+
+  Args:
+    model_config: the `ModelConfig` of the policy (the learner's; the sampler derives its own precision).
+    precision: "fp32", "bf16" (params and compute in bfloat16) or "fp8" (simulated e4m3 weights of every
+      dense layer except embedding / LM head, per-tensor scale amax / 448, plus dynamic e4m3 activations
+      when `fp8_activations`; compute in fp32). Independent of the learner's precision.
+    prompt_buckets: increasing prompt lengths P that prompts are left-padded to (one compile per bucket).
+    batch_buckets: increasing row counts the batch is padded to; beyond the largest, multiples of it.
+    mesh: optional device mesh; prefill/decode then run under `use_mesh(mesh, rules)` so activations and
+      the cache follow the logical-axis rules.
+    rules: logical-axis rules for `mesh` (default `DEFAULT_RULES`).
+    pad_id: token id used for padding (never attended to or scored).
+    fp8_activations: with precision "fp8", also fake-quantize matmul inputs (per token, dynamic scale).
+
+  Raises:
+    ValueError: unknown precision, or empty / unsorted buckets.
+  """
+
+  def __init__(self, model_config: ModelConfig, *, precision: str = "fp32",
+               prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+               batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, mesh: jax.sharding.Mesh | None = None,
+               rules=None, pad_id: int = 0, fp8_activations: bool = True):
+    if precision not in PRECISIONS:
+      raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}")
+    for name, b in (("prompt_buckets", prompt_buckets), ("batch_buckets", batch_buckets)):
+      b = tuple(b)
+      if not b or any(x <= 0 for x in b) or list(b) != sorted(set(b)):
+        raise ValueError(f"{name} must be a non-empty strictly increasing tuple of positive ints, got {b}")
+    self.model_config = model_config
+    self.precision = precision
+    self.config = precision_config(model_config, precision, fp8_activations=fp8_activations)
+    self.prompt_buckets = tuple(prompt_buckets)
+    self.batch_buckets = tuple(batch_buckets)
+    self.mesh = mesh
+    self.rules = rules
+    self.pad_id = int(pad_id)
+    self.trace_count = 0  # incremented each time prefill or decode is traced (tests assert no recompiles)
+    with nnx.use_eager_sharding(False):
+      abstract = nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0)))
+    self._graphdef, abstract_state = nnx.split(abstract)
+    self._abstract_leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(abstract_state)]
+    self._prepare = jax.jit(lambda state: prepare_inference_params(state, precision, self.config))
+    self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
+    self._decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
+
+  # ----------------------------------------------------------------------------------------- jitted parts
+  def _prefill_impl(self, state, tokens_bp, segment_bp, row_keys, active_b, *, sampling: SamplingParams):
+    self.trace_count += 1
+    model = nnx.merge(self._graphdef, state)
+    b, p = tokens_bp.shape
+    positions = jnp.where(segment_bp > 0, jnp.cumsum(segment_bp, axis=1) - 1, 0).astype(jnp.int32)
+    cache = KVCache.zeros(self.config, b, p + sampling.max_new_tokens)
+    out = model(tokens_bp, positions, segment_bp, cache=cache, cache_index=0, return_hidden=True)
+    logits = model.logits(out.out[:, -1:])[:, 0]
+    carry = (out.cache, positions[:, -1] + 1)
+    st = init_loop_state(row_keys, active_b, sampling.max_new_tokens, carry, self.pad_id)
+    return sample_step(st, logits, sampling, self.pad_id)
+
+  def _decode_impl(self, state, loop_state: LoopState, *, sampling: SamplingParams, cache_offset: int):
+    self.trace_count += 1
+    model = nnx.merge(self._graphdef, state)
+
+    def step_fn(carry, tokens_b, step):
+      cache, next_pos = carry
+      pos = (next_pos + step - 1)[:, None]
+      out = model(tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, cache_index=cache_offset + step - 1)
+      return out.out[:, 0], (out.cache, next_pos)
+
+    return decode_loop(step_fn, loop_state, sampling, self.pad_id)
+
+  # ------------------------------------------------------------------------------------------- host side
+  def _mesh_ctx(self):
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    from minpro_jax.sharding import DEFAULT_RULES, use_mesh
+    return use_mesh(self.mesh, self.rules or DEFAULT_RULES)
+
+  def _check_state(self, state):
+    leaves = jax.tree.leaves(state)
+    got = [(x.shape, x.dtype) for x in leaves]
+    want = [(s, self.model_config.jnp_param_dtype) for s, _ in self._abstract_leaves]
+    if [s for s, _ in got] != [s for s, _ in want]:
+      raise ValueError("params do not match model_config: parameter shapes differ from the Transformer "
+                       f"that model_config builds ({len(got)} vs {len(want)} leaves)")
+
+  def prepare_params(self, params) -> Any:
+    """The parameter State converted to this sampler's precision (what prefill/decode consume)."""
+    state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
+    self._check_state(state)
+    if self.precision == "fp32" and all(x.dtype == jnp.float32 for x in jax.tree.leaves(state)):
+      return state  # no copy: the sampler reads exactly the learner's buffers
+    return self._prepare(state)
+
+  def generate(self, params, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int | jax.Array = 0,
+               *, group_size: int = 1, group_ids: Sequence[int] | None = None,
+               policy_version: int | None = None) -> GenerationBatch:
+    """Samples `group_size` responses for every prompt.
+
+    Args:
+      params: an `nnx.State` of the policy parameters (from `nnx.split(model)`), a `Transformer`, or a
+        `ParamStore` (then `policy_version` selects the version and must be held by the store).
+      prompts: list of N0 non-empty token-id lists (ints in [0, vocab_size)).
+      sampling: `SamplingParams`.
+      seed: int seed or a PRNG key.
+      group_size: G >= 1 samples per prompt; rows are ordered prompt-major (prompt0 x G, prompt1 x G, ...).
+      group_ids: N0 ints, one per prompt (default 0..N0-1); every sample of a prompt carries it.
+      policy_version: the version the params are (stamped on the batch; required with a `ParamStore`;
+        otherwise default -1 = unversioned).
+
+    Returns:
+      A `GenerationBatch` of N0 * G rows.
+
+    Raises:
+      ValueError: empty prompt list or prompt, token ids outside the vocabulary, a prompt longer than the
+        largest prompt bucket, bad group_size / group_ids / sampling, params that do not fit the config.
+      KeyError: `policy_version` is not (or no longer) held by the `ParamStore`.
+    """
+    if not isinstance(sampling, SamplingParams):
+      raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if isinstance(params, ParamStore):
+      if policy_version is None:
+        raise ValueError("policy_version is required when params is a ParamStore")
+      params = params.get(policy_version)
+    version = -1 if policy_version is None else int(policy_version)
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+      raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    prompts = self._check_prompts(prompts)
+    n0 = len(prompts)
+    if group_ids is None:
+      group_ids = np.arange(n0, dtype=np.int64)
+    else:
+      group_ids = np.asarray(group_ids)
+      if group_ids.shape != (n0,) or not np.issubdtype(group_ids.dtype, np.integer):
+        raise ValueError(f"group_ids must be {n0} ints (one per prompt), got {group_ids!r}")
+      group_ids = group_ids.astype(np.int64)
+
+    n = n0 * group_size
+    lens = np.repeat([len(p) for p in prompts], group_size)
+    p_len = _bucket(int(lens.max()), self.prompt_buckets)
+    rows = _bucket(n, self.batch_buckets) or -(-n // self.batch_buckets[-1]) * self.batch_buckets[-1]
+    tokens = np.full((rows, p_len), self.pad_id, np.int32)
+    segs = np.zeros((rows, p_len), np.int32)
+    for r in range(rows):
+      prompt = prompts[min(r, n - 1) // group_size]  # padding rows copy the last row (then are dropped)
+      tokens[r, p_len - len(prompt):] = prompt
+      segs[r, p_len - len(prompt):] = 1
+    row_group = np.repeat(group_ids, group_size)
+    row_sample = np.tile(np.arange(group_size, dtype=np.int32), n0)
+    base = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
+    pad_rows = rows - n
+    g_all = np.concatenate([row_group, np.zeros(pad_rows, np.int64)]).astype(np.uint32)
+    s_all = np.concatenate([row_sample, np.zeros(pad_rows, np.int32)]).astype(np.uint32)
+    row_keys = jax.vmap(lambda g, s: jax.random.fold_in(jax.random.fold_in(base, g), s))(g_all, s_all)
+    active = np.arange(rows) < n
+
+    state = self.prepare_params(params)
+    with self._mesh_ctx():
+      st = self._prefill(state, tokens, segs, row_keys, active, sampling=sampling)
+      st = self._decode(state, st, sampling=sampling, cache_offset=p_len)
+    tok, logp, ent, mask, stopped = jax.device_get((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
+    mask = mask[:n]
+    return GenerationBatch(
+        prompt_tokens=tokens[:n], prompt_mask=segs[:n].astype(bool), response_tokens=tok[:n],
+        response_mask=mask, behavior_logp=logp[:n], entropy=ent[:n], lengths=mask.sum(-1).astype(np.int32),
+        finish_reason=np.where(stopped[:n], FINISH_STOP, FINISH_LENGTH), group_ids=row_group,
+        sample_index=row_sample, policy_version=version, temperature=sampling.logprob_temperature)
+
+  def _check_prompts(self, prompts) -> list[list[int]]:
+    if prompts is None or len(prompts) == 0:
+      raise ValueError("prompts must be a non-empty list of token-id lists")
+    out = []
+    v = self.config.vocab_size
+    max_p = self.prompt_buckets[-1]
+    for i, p in enumerate(prompts):
+      arr = np.asarray(p)
+      if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"prompts[{i}] must be a non-empty 1-D list of token ids, got shape {arr.shape}")
+      if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"prompts[{i}] must hold int token ids, got dtype {arr.dtype}")
+      if arr.min() < 0 or arr.max() >= v:
+        raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size={v})")
+      if arr.size > max_p:
+        raise ValueError(f"prompts[{i}] has length {arr.size} > the largest prompt bucket {max_p} (cache "
+                         "size); truncate the prompt or add a larger bucket to Sampler(prompt_buckets=...)")
+      out.append(arr.astype(np.int32).tolist())
+    return out

@@ -1,0 +1,147 @@
+"""Supervised warm start, so a model trained from scratch reaches a non-zero reward before RL.
+
+Each training example is `prompt + " \\boxed{answer}" + eos`; the loss is the token-mean negative log-likelihood of the
+response tokens only (fp32, chunked log-probs). The result is cached under a key that hashes everything it
+depends on (model config, tokenizer file, problems, hyper-parameters), so a second run — or a resumed one —
+reuses it instead of training again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from minpro_jax.checkpoint import restore_params, save_params
+from minpro_jax.models.logprobs import token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """steps: optimizer updates; batch_size: examples per update; learning_rate: peak AdamW lr (cosine decay to
+  10% after `warmup_steps`); seed: example order; max_len: tokens per row (longer examples are dropped)."""
+  steps: int = 1000
+  batch_size: int = 64
+  learning_rate: float = 1e-3
+  warmup_steps: int = 50
+  weight_decay: float = 0.0
+  seed: int = 0
+  max_len: int = 64
+
+
+def sft_target(answer: str) -> str:
+  """The response text a warm-started model learns: a boxed final answer."""
+  return f" \\boxed{{{answer}}}"
+
+
+def build_examples(prompt_ids: Sequence[Sequence[int]], answers: Sequence[str], tokenizer, max_len: int):
+  """Token rows for SFT: (tokens [N, max_len] int32, segment_ids [N, max_len], response_mask [N, max_len]).
+
+  Rows are right-padded; examples longer than `max_len` are dropped (counted in the log).
+  """
+  rows, masks, lengths = [], [], []
+  dropped = 0
+  for ids, ans in zip(prompt_ids, answers):
+    resp = tokenizer.encode(sft_target(ans)) + [tokenizer.eos_id]
+    seq = list(ids) + resp
+    if len(seq) > max_len:
+      dropped += 1
+      continue
+    pad = max_len - len(seq)
+    rows.append(seq + [0] * pad)
+    masks.append([0] * len(ids) + [1] * len(resp) + [0] * pad)
+    lengths.append(len(seq))
+  if dropped:
+    logger.info("SFT: dropped %d examples longer than max_len=%d", dropped, max_len)
+  if not rows:
+    raise ValueError(f"SFT: no example fits max_len={max_len}; raise sft.max_len")
+  tokens = np.asarray(rows, np.int32)
+  mask = np.asarray(masks, bool)
+  seg = (np.arange(max_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
+  return tokens, seg, mask
+
+
+def cache_key(parts: dict[str, Any]) -> str:
+  """Stable short hash of a JSON-able description of the SFT run."""
+  return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_sft(model, tokens: np.ndarray, segment_ids: np.ndarray, response_mask: np.ndarray, cfg: SFTConfig, *,
+            cache_dir: str | None = None, key_parts: dict[str, Any] | None = None, log_every: int = 100):
+  """Trains `model`'s parameters with next-token NLL on the response tokens; returns (params, info).
+
+  Args:
+    model: a `Transformer` (its parameters are the starting point; the model object is not modified).
+    tokens, segment_ids, response_mask: [N, L] arrays from `build_examples`.
+    cfg: `SFTConfig`.
+    cache_dir: if given, the trained parameters are stored in / reused from `cache_dir/sft-<hash>`.
+    key_parts: what the cache key hashes besides `cfg` (model config, tokenizer, data description).
+    log_every: log the running loss every this many steps.
+
+  Returns:
+    (nnx.State params, dict with "cached", "final_loss", "path").
+  """
+  graphdef, params = nnx.split(model)
+  path = None
+  if cache_dir is not None:
+    key = cache_key({"cfg": dataclasses.asdict(cfg), **(key_parts or {}), "n": int(tokens.shape[0]),
+                     "tokens_sha": hashlib.sha256(tokens.tobytes()).hexdigest()})
+    path = os.path.join(os.path.abspath(cache_dir), f"sft-{key}")
+    if os.path.exists(os.path.join(path, "done")):
+      try:
+        restored = restore_params(os.path.join(path, "params"), params)
+        logger.info("SFT: reusing cached warm start %s", path)
+        with open(os.path.join(path, "info.json")) as f:
+          info = json.load(f)
+        return restored, {**info, "cached": True, "path": path}
+      except Exception as e:  # noqa: BLE001 - a broken cache is retrained, never trusted
+        logger.warning("SFT: cache at %s unreadable (%s); retraining", path, e)
+
+  sched = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.steps, 2),
+                                             end_value=cfg.learning_rate * 0.1)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=cfg.weight_decay))
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state, tok, seg, mask):
+    def loss_fn(p):
+      lp = token_logprobs(nnx.merge(graphdef, p), tok, seg).logp
+      m = mask.astype(jnp.float32)
+      return -jnp.sum(lp * m) / jnp.maximum(jnp.sum(m), 1.0)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  rng = np.random.default_rng(cfg.seed)
+  n = tokens.shape[0]
+  bs = min(cfg.batch_size, n)
+  order = rng.permutation(n)
+  pos = 0
+  running = None
+  for i in range(cfg.steps):
+    if pos + bs > n:
+      order, pos = rng.permutation(n), 0
+    idx = order[pos:pos + bs]
+    pos += bs
+    params, opt_state, loss = step(params, opt_state, tokens[idx], segment_ids[idx], response_mask[idx])
+    if (i + 1) % log_every == 0 or i == cfg.steps - 1:
+      running = float(loss)
+      logger.info("SFT step %d/%d loss %.4f", i + 1, cfg.steps, running)
+  info = {"final_loss": running, "steps": cfg.steps}
+  if path is not None:
+    save_params(os.path.join(path, "params"), params)
+    with open(os.path.join(path, "info.json"), "w") as f:
+      json.dump(info, f)
+    open(os.path.join(path, "done"), "w").close()
+  return params, {**info, "cached": False, "path": path}

@@ -1,0 +1,260 @@
+"""Sampler: exact behavior log-probs, cache/position correctness, stop and top-k/top-p edge cases (B09, B11,
+B12, B13), versions, bad input, no recompilation, group ids, precision mismatch, HF greedy parity."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minpro_jax.models import get_preset, init_model, token_logprobs
+from minpro_jax.param_store import ParamStore
+from minpro_jax.sampling import Sampler, SamplingParams, get_next_tokens, truncation_logits
+from minpro_jax.sampling.loop import decode_loop, init_loop_state, sample_step
+
+CFG = get_preset("tiny")
+PROMPTS = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [400]]  # ragged -> left padding in bucket 16
+# Each distinct SamplingParams / bucket pair is one compile (seconds on a loaded CPU), so tests share these.
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=9)
+TOPK = SamplingParams(temperature=0.7, top_k=40, max_new_tokens=9)
+TOPP = SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=9)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return init_model(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def state(model):
+  return nnx.split(model)[1]
+
+
+@pytest.fixture(scope="module")
+def sampler():
+  return Sampler(CFG, prompt_buckets=(8, 16))
+
+
+def _learner_logp(model, batch):
+  la = batch.to_learner_arrays()
+  lp = token_logprobs(model, jnp.asarray(la.tokens), jnp.asarray(la.segment_ids), jnp.asarray(la.positions),
+                      temperature=batch.temperature, return_entropy=True)
+  return la, np.asarray(lp.logp), np.asarray(lp.entropy)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, TOPK, TOPP], ids=["greedy", "t0.7-topk", "t1.3-topp"])
+def test_behavior_logp_equals_teacher_forced(model, state, sampler, sampling):
+  batch = sampler.generate(state, PROMPTS, sampling, seed=1, group_size=2)
+  la, logp, ent = _learner_logp(model, batch)
+  m = la.response_mask
+  assert m.sum() == 2 * 3 * 9  # no stop ids: every row runs to max_new_tokens
+  np.testing.assert_allclose(la.behavior_logp[m], logp[m], atol=1e-5, rtol=0)
+  assert np.all(la.behavior_logp[~m] == 0)
+  resp_ent = np.concatenate([np.zeros_like(batch.prompt_tokens, np.float32), batch.entropy], 1)
+  np.testing.assert_allclose(resp_ent[m], ent[m], atol=1e-4, rtol=0)
+  assert np.all(batch.finish_reason == "length") and np.all(batch.lengths == 9)
+  if not sampling.greedy:  # samples of one prompt differ (independent keys)
+    assert not np.array_equal(batch.response_tokens[0], batch.response_tokens[1])
+
+
+def test_batched_greedy_equals_each_row_alone(state, sampler):
+  together = sampler.generate(state, PROMPTS, GREEDY, group_size=2)
+  for i, p in enumerate(PROMPTS):
+    alone = sampler.generate(state, [p], GREEDY)
+    np.testing.assert_array_equal(alone.response_tokens[0], together.response_tokens[2 * i])
+    np.testing.assert_allclose(alone.behavior_logp[0], together.behavior_logp[2 * i], atol=1e-5)
+
+
+def test_stop_handling_scripted_b09():
+  """Case B09: scripted rows [5,7,106,9,9,9] and [4,4,4,1,9,9], stop ids {1, 106}, max_new 6."""
+  script = jnp.array([[5, 7, 106, 9, 9, 9], [4, 4, 4, 1, 9, 9], [2, 3, 4, 5, 6, 8]])
+  v = 128
+  sp = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=(1, 106))
+  onehot = lambda step: 10.0 * jax.nn.one_hot(script[:, step], v)
+
+  def step_fn(carry, tokens_b, step):
+    return onehot(step), carry + 1  # carry counts model calls
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  st = init_loop_state(keys, jnp.ones(3, bool), 6, jnp.zeros((), jnp.int32), pad_id=0)
+  st = decode_loop(step_fn, sample_step(st, onehot(0), sp), sp)
+  tokens, mask, logp = np.asarray(st.tokens), np.asarray(st.mask), np.asarray(st.logp)
+  np.testing.assert_array_equal(tokens, [[5, 7, 106, 0, 0, 0], [4, 4, 4, 1, 0, 0], [2, 3, 4, 5, 6, 8]])
+  np.testing.assert_array_equal(mask, [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1] * 6])
+  assert np.all(logp[~mask] == 0) and np.all(logp[mask] < 0) and np.all(np.isfinite(logp))
+  np.testing.assert_array_equal(np.asarray(st.stopped), [True, True, False])  # row 2: finish "length"
+  assert int(st.model_carry) == 5
+
+  # Early exit: once every row stopped, no further model calls.
+  script2 = jnp.array([[1, 9, 9, 9, 9, 9], [9, 106, 9, 9, 9, 9]])
+  st = init_loop_state(keys[:2], jnp.ones(2, bool), 6, jnp.zeros((), jnp.int32))
+  f = lambda step: 10.0 * jax.nn.one_hot(script2[:, step], v)
+  st = decode_loop(lambda c, t, s: (f(s), c + 1), sample_step(st, f(0), sp), sp)
+  assert int(st.model_carry) == 1 and int(st.step) == 2
+
+
+def test_stop_and_finish_reason_in_sampler(model, state, sampler):
+  """Rows that emit a stop id report "stop", pad after it, and are masked; others report "length"."""
+  greedy = sampler.generate(state, PROMPTS, GREEDY, group_size=2)
+  stop = int(greedy.response_tokens[0, 2])  # row 0 emits this at index 2 (maybe earlier)
+  b = sampler.generate(state, PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=9, stop_token_ids=(stop,)),
+                       group_size=2)
+  first = int(np.argmax(greedy.response_tokens[0] == stop))
+  assert b.finish_reason[0] == "stop" and b.lengths[0] == first + 1
+  assert np.all(b.response_tokens[0, first + 1:] == 0) and not b.response_mask[0, first + 1:].any()
+  for r in range(6):
+    if stop not in greedy.response_tokens[r]:
+      assert b.finish_reason[r] == "length" and b.lengths[r] == 9
+      np.testing.assert_array_equal(b.response_tokens[r], greedy.response_tokens[r])
+
+
+def _draw(logits, sp, n=1000, seed=0):
+  logits = jnp.tile(jnp.asarray(logits, jnp.float32)[None], (n, 1))
+  return get_next_tokens(logits, jax.random.split(jax.random.key(seed), n), sp)
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.0), dict(top_p=0.5), dict(top_k=1, top_p=0.8), dict(top_k=1)])
+def test_b11_argmax_cases(kw):
+  out = _draw([1.0, 3.0, 2.0], SamplingParams(temperature=1.0, **kw))
+  assert np.all(np.asarray(out.tokens) == 1)
+  np.testing.assert_allclose(np.asarray(out.logp), np.log(0.66524096), atol=1e-6)  # full-vocab log-prob
+  assert np.all(np.isfinite(np.asarray(out.logp)))
+
+
+def test_b11_top_p_keeps_crossing_token():
+  cand, ids = truncation_logits(jnp.array([[1.0, 3.0, 2.0]]), None, 0.7)
+  np.testing.assert_array_equal(np.asarray(ids), [[1, 2, 0]])
+  np.testing.assert_allclose(np.asarray(jax.nn.softmax(cand))[0], [0.7310586, 0.2689414, 0.0], atol=1e-6)
+  toks = np.asarray(_draw([1.0, 3.0, 2.0], SamplingParams(temperature=1.0, top_p=0.7), n=4000).tokens)
+  assert set(toks.tolist()) == {1, 2}
+  assert abs(np.mean(toks == 1) - 0.7310586) < 0.03  # 4 sigma at n=4000
+  # top-k then top-p on the renormalised top-k distribution [.7311, .2689] (not the full one [.6652, .2447]):
+  # top_p=0.72 keeps only token 1 (on the full distribution it would keep two), top_p=0.74 keeps both.
+  for top_p, kept in ((0.72, 1), (0.74, 2)):
+    cand, _ = truncation_logits(jnp.array([[1.0, 3.0, 2.0]]), 2, top_p)
+    assert np.isfinite(np.asarray(cand)).sum() == kept
+
+
+def test_b12_temperature_logp_and_greedy():
+  out = _draw([2.0, 1.0, 0.0], SamplingParams(temperature=0.6, top_k=1), n=4)
+  assert np.all(np.asarray(out.tokens) == 0)
+  np.testing.assert_allclose(np.asarray(out.logp), -0.20257, atol=1e-5)  # not raw -0.40761, not raw/T -0.67934
+  for t in (0.0, 1e-7):
+    g = _draw([2.0, 1.0, 0.0, -1e30], SamplingParams(temperature=t), n=4)
+    assert np.all(np.asarray(g.tokens) == 0)
+    np.testing.assert_allclose(np.asarray(g.logp), -0.40760596, atol=1e-6)  # greedy reports T=1 log-probs
+    assert np.all(np.isfinite(np.asarray(g.logp))) and np.all(np.isfinite(np.asarray(g.entropy)))
+
+
+def test_b13_truncation_does_not_renormalise_logp():
+  out = _draw([3.0, 2.0, 1.0, 0.0], SamplingParams(temperature=1.0, top_p=0.8), n=2000)
+  toks, logp = np.asarray(out.tokens), np.asarray(out.logp)
+  assert set(toks.tolist()) == {0, 1}
+  np.testing.assert_allclose(logp[toks == 0], -0.440190, atol=1e-6)  # not log(p0 / S) = -0.313262
+  np.testing.assert_allclose(logp[toks == 1], -1.440190, atol=1e-6)
+
+
+def test_versions_are_stamped_and_evicted_versions_fail(model, state, sampler):
+  store = ParamStore(keep_last=2)
+  for v in range(3):
+    store.put(v, jax.tree.map(lambda x: x * (1.0 + 0.1 * v), state))
+  sp = GREEDY
+  b2 = sampler.generate(store, PROMPTS[:1], sp, policy_version=2)
+  assert b2.policy_version == 2
+  b2b = sampler.generate(store.get(2), PROMPTS[:1], sp, policy_version=2)
+  np.testing.assert_array_equal(b2.response_tokens, b2b.response_tokens)
+  with pytest.raises(KeyError, match=r"policy_version 0 .*\[1, 2\]"):
+    sampler.generate(store, PROMPTS[:1], sp, policy_version=0)
+  with pytest.raises(ValueError, match="policy_version is required"):
+    sampler.generate(store, PROMPTS[:1], sp)
+
+
+def test_bad_input(state, sampler):
+  sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+  with pytest.raises(ValueError, match="prompts must be a non-empty"):
+    sampler.generate(state, [], sp)
+  with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty"):
+    sampler.generate(state, [[1], []], sp)
+  with pytest.raises(ValueError, match=r"prompts\[0\] has length 17 > the largest prompt bucket 16"):
+    sampler.generate(state, [list(range(17))], sp)
+  with pytest.raises(ValueError, match=r"prompts\[0\] has token ids outside"):
+    sampler.generate(state, [[CFG.vocab_size]], sp)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    SamplingParams(max_new_tokens=0)
+  with pytest.raises(ValueError, match="stop_token_ids"):
+    SamplingParams(stop_token_ids=("<eos>",))
+  with pytest.raises(ValueError, match="stop_token_ids"):
+    SamplingParams(stop_token_ids=(1.5,))
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams(temperature=-0.1)
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=1.5)
+  with pytest.raises(ValueError, match="group_size"):
+    sampler.generate(state, [[1]], sp, group_size=0)
+  with pytest.raises(ValueError, match="group_ids"):
+    sampler.generate(state, [[1], [2]], sp, group_ids=[3])
+  with pytest.raises(ValueError, match="precision"):
+    Sampler(CFG, precision="int4")
+  with pytest.raises(ValueError, match="params do not match model_config"):
+    Sampler(get_preset("tiny", hidden_size=32), prompt_buckets=(8,)).generate(state, [[1]], sp)
+
+
+def test_new_param_values_do_not_recompile(state, sampler):
+  a = sampler.generate(state, PROMPTS, TOPK, seed=0, group_size=2)
+  traces, cache_size = sampler.trace_count, sampler._decode._cache_size()
+  new_state = jax.tree.map(lambda x: x * 1.5, state)
+  b = sampler.generate(new_state, [[3, 2], list(range(1, 13)), [7, 7, 7]], TOPK, seed=0, group_size=2,
+                       policy_version=7)
+  assert sampler.trace_count == traces and sampler._decode._cache_size() == cache_size
+  assert b.policy_version == 7 and not np.array_equal(a.behavior_logp, b.behavior_logp)
+
+
+def test_group_ids_travel_and_rows_are_batch_independent(state, sampler):
+  sp = TOPK
+  b = sampler.generate(state, PROMPTS[:2], sp, seed=5, group_size=3, group_ids=[7, 42])
+  np.testing.assert_array_equal(b.group_ids, [7, 7, 7, 42, 42, 42])
+  np.testing.assert_array_equal(b.sample_index, [0, 1, 2, 0, 1, 2])
+  np.testing.assert_array_equal(b.prompt_tokens[3, -len(PROMPTS[1]):], PROMPTS[1])
+  alone = sampler.generate(state, PROMPTS[1:2], sp, seed=5, group_size=2, group_ids=[42])
+  np.testing.assert_array_equal(alone.response_tokens, b.response_tokens[3:5])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_precision_modes_give_small_nonzero_mismatch(model, state, precision):
+  s = Sampler(CFG, precision=precision, prompt_buckets=(16,))
+  b = s.generate(state, PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16), seed=0, group_size=2)
+  la, logp, _ = _learner_logp(model, b)
+  m = la.response_mask
+  delta = logp[m] - la.behavior_logp[m]  # log pi (fp32 learner) - log mu (sampler)
+  k3 = float(np.mean(np.exp(delta) - 1 - delta))
+  mean_abs = float(np.mean(np.abs(delta)))
+  assert np.all(np.isfinite(delta))
+  assert 1e-6 < mean_abs < 0.05 and 0 < k3 < 1e-2, (mean_abs, k3)
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_generate(tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from minpro_jax.models.hf_io import load_hf_checkpoint
+  cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0,
+                                 rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True)
+  torch.manual_seed(0)
+  hf = transformers.Qwen3ForCausalLM(cfg).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
+              else torch.randn_like(p) / np.sqrt(p.shape[-1]))
+  hf.save_pretrained(str(tmp_path))
+  model, config = load_hf_checkpoint(str(tmp_path))
+  prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32]]
+  new = 12
+  ours = Sampler(config, prompt_buckets=(8,)).generate(model, prompts, SamplingParams(temperature=0.0,
+                                                                                       max_new_tokens=new))
+  for i, p in enumerate(prompts):  # one row at a time: HF generate without padding
+    with torch.no_grad():
+      out = hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                        use_cache=True, eos_token_id=None, pad_token_id=0)
+    np.testing.assert_array_equal(ours.response_tokens[i], out[0, len(p):].numpy())
