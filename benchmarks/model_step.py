@@ -170,7 +170,7 @@ def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> d
     opt.zero_grad(set_to_none=True)
     if i:
       times.append(time.perf_counter() - t0)
-  return {"step_s": times, "loss": float(loss), "torch": torch.__version__, "transformers": transformers.__version__,
+  return {"step_s": times, "loss": float(loss.detach()), "torch": torch.__version__, "transformers": transformers.__version__,
           "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa"}
 
 

@@ -93,11 +93,14 @@ def validate_config(c, num_devices: int | None = None) -> None:
     from minpro_jax.sharding import MESH_AXES
     unknown = set(shape) - set(MESH_AXES)
     _need(not unknown, "mesh.shape", f"unknown axes {sorted(unknown)}; mesh axes are {MESH_AXES}")
+    fill = [a for a, v in shape.items() if v == -1]
+    _need(len(fill) <= 1 and all(v > 0 or v == -1 for v in shape.values()), "mesh.shape",
+          f"{c.mesh.shape!r}: sizes must be positive, with at most one -1 (= the remaining devices)")
     prod = 1
     for v in shape.values():
-      prod *= v
-    _need(prod == num_devices, "mesh.shape",
-          f"{c.mesh.shape!r} needs {prod} devices but {num_devices} are available")
+      prod *= v if v > 0 else 1
+    _need(num_devices % prod == 0 if fill else prod == num_devices, "mesh.shape",
+          f"{c.mesh.shape!r} does not divide the {num_devices} available devices")
 
 
 def loss_config(c) -> LossConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -137,7 +138,10 @@ def plot_run(workdir: str) -> list[str]:
     arr = np.asarray([[np.nan if x is None else x for x in b] for b in bins], np.float64)
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = ["0-7", "8-15", "16-31", "32-63", "64-127", "128-255", "256-511", "512+"][: arr.shape[1]]
-    ax.plot(labels, np.nanmean(arr, axis=0), marker="o", label="mean over run")
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)  # bins no response reached are all-NaN
+      mean = np.nanmean(arr, axis=0)
+    ax.plot(labels, mean, marker="o", label="mean over run")
     ax.plot(labels, arr[-1], marker="x", label="last step")
     ax.set_xlabel("response token position")
     ax.set_ylabel("mean per-token weight")

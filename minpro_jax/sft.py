@@ -108,7 +108,9 @@ def run_sft(model, tokens: np.ndarray, segment_ids: np.ndarray, response_mask: n
       except Exception as e:  # noqa: BLE001 - a broken cache is retrained, never trusted
         logger.warning("SFT: cache at %s unreadable (%s); retraining", path, e)
 
-  sched = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1), max(cfg.steps, 2),
+  # Short runs (tests, smoke configs) warm up for at most half of the steps; optax needs decay_steps > warmup.
+  warmup = max(1, min(cfg.warmup_steps, cfg.steps // 2))
+  sched = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1),
                                              end_value=cfg.learning_rate * 0.1)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=cfg.weight_decay))
   opt_state = tx.init(params)

@@ -1,15 +1,20 @@
 """Per-token log-probabilities (and entropy) without materialising [B, T, V] logits.
 
 The final hidden states are cut into sequence chunks of C tokens; a `lax.scan` over chunks projects each
-chunk to the vocabulary, takes an fp32 logsumexp and gathers the target logit, under `jax.checkpoint`,
-so both the forward and the backward pass hold at most [B, C, V] logits (Tunix's chunked log-prob path;
-MaxText's vocabulary tiling is the same idea with a custom VJP).
+chunk to the vocabulary, takes an fp32 logsumexp and gathers the target logit, so the forward pass holds at
+most [B, C, V] logits (Tunix's chunked log-prob path). The backward pass is a custom VJP that recomputes each
+chunk's logits one vocabulary tile [B, C, V/n] at a time and writes the head gradient tile by tile into one
+[D, V] buffer, so it never holds a [D, V] temporary per chunk either (MaxText's vocabulary tiling idea). With
+a single chunk (C >= T) plain autodiff is used: the logits are kept for the backward pass instead of
+recomputed, which costs no extra peak memory there and saves one head matmul.
 
 This is the function the learner, the evaluator and the parity tests call.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -28,9 +33,88 @@ class TokenLogprobs(NamedTuple):
   router_aux_loss: jax.Array
 
 
+
+def _chunk_forward(h_bcd, head_dv, y_bc, inv_t, return_entropy):
+  """fp32 (logp, entropy or None, lse) of one [B, C] chunk."""
+  logits = jnp.einsum("bcd,dv->bcv", h_bcd, head_dv, preferred_element_type=jnp.float32) * inv_t
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  logp = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0] - lse
+  if not return_entropy:
+    return logp, None, lse
+  p = jnp.exp(logits - lse[..., None])
+  return logp, lse - jnp.sum(p * logits, axis=-1), lse
+
+
+def _num_vocab_tiles(vocab: int, vocab_tile: int) -> int:
+  """Smallest tile count >= vocab / vocab_tile that divides vocab; 1 when the vocabulary is sharded."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and not mesh.empty and math.prod(mesh.shape.values()) > 1:
+    return 1  # tiles would cut across vocabulary shards; keep one [D, V] matmul and let GSPMD shard it
+  for n in range(max(1, -(-vocab // vocab_tile)), vocab + 1):
+    if vocab % n == 0:
+      return n
+  return 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(h_nbcd, head_dv, y_nbc, inv_t, return_entropy, n_vtiles):
+  """[N, B, C] (logp, entropy or zeros) over N chunks; backward in vocabulary tiles (see module docstring)."""
+  return _chunked_fwd(h_nbcd, head_dv, y_nbc, inv_t, return_entropy, n_vtiles)[0]
+
+
+def _chunked_fwd(h_nbcd, head_dv, y_nbc, inv_t, return_entropy, n_vtiles):
+  del n_vtiles
+
+  def body(carry, xs):
+    logp, ent, lse = _chunk_forward(xs[0], head_dv, xs[1], inv_t, return_entropy)
+    return carry, (logp, jnp.zeros_like(logp) if ent is None else ent, lse)
+
+  _, (logp, ent, lse) = jax.lax.scan(body, None, (h_nbcd, y_nbc))
+  return (logp, ent), (h_nbcd, head_dv, y_nbc, lse, ent)
+
+
+def _chunked_bwd(inv_t, return_entropy, n_vtiles, res, g):
+  # With z = logits / T and p = softmax(z): d logp / dz = onehot(y) - p and
+  # d entropy / dz = -p * (z - sum_i p_i z_i), where sum_i p_i z_i = lse - entropy.
+  h_nbcd, head_dv, y_nbc, lse_nbc, ent_nbc = res
+  g_logp, g_ent = g
+  vt = head_dv.shape[1] // n_vtiles
+
+  def chunk_bwd(dw_dv, xs):
+    h_bcd, y_bc, lse, ent, gl, ge = xs
+
+    def tile(carry, j):
+      dh_bcd, dw_dv = carry
+      start = j * vt
+      w_dt = jax.lax.dynamic_slice_in_dim(head_dv, start, vt, axis=1)
+      z = jnp.einsum("bcd,dv->bcv", h_bcd, w_dt, preferred_element_type=jnp.float32) * inv_t
+      p = jnp.exp(z - lse[..., None])
+      dz = -gl[..., None] * p
+      if return_entropy:
+        dz = dz - ge[..., None] * p * (z - (lse - ent)[..., None])
+      hit = (y_bc - start)[..., None] == jnp.arange(vt, dtype=y_bc.dtype)
+      dz = (dz + jnp.where(hit, gl[..., None], 0.0)) * inv_t
+      dh_bcd = dh_bcd + jnp.einsum("bcv,dv->bcd", dz.astype(w_dt.dtype), w_dt, preferred_element_type=jnp.float32)
+      dw_tile = jnp.einsum("bcd,bcv->dv", h_bcd, dz.astype(h_bcd.dtype), preferred_element_type=jnp.float32)
+      old = jax.lax.dynamic_slice_in_dim(dw_dv, start, vt, axis=1)
+      dw_dv = jax.lax.dynamic_update_slice_in_dim(dw_dv, old + dw_tile.astype(dw_dv.dtype), start, axis=1)
+      return (dh_bcd, dw_dv), None
+
+    dh0 = jnp.zeros(h_bcd.shape, jnp.float32)
+    (dh, dw_dv), _ = jax.lax.scan(tile, (dh0, dw_dv), jnp.arange(n_vtiles))
+    return dw_dv, dh.astype(h_bcd.dtype)
+
+  dw, dh = jax.lax.scan(chunk_bwd, jnp.zeros(head_dv.shape, head_dv.dtype),
+                        (h_nbcd, y_nbc, lse_nbc, ent_nbc, g_logp, g_ent))
+  return dh, dw, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
 def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Array, *,
-                         temperature: float = 1.0, chunk_size: int = 256,
-                         return_entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                         temperature: float = 1.0, chunk_size: int = 256, return_entropy: bool = False,
+                         vocab_tile: int = 8192) -> tuple[jax.Array, jax.Array | None]:
   """log softmax(hidden @ head / temperature)[target] per position, chunked over the sequence.
 
   Args:
@@ -41,6 +125,9 @@ def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: 
     chunk_size: tokens per chunk C; peak logits memory is B * C * V * 4 bytes. `chunk_size >= T` is dense
       (one chunk, no recomputation in the backward pass).
     return_entropy: also return the entropy (nats) of each position's distribution.
+    vocab_tile: target width of the vocabulary tiles of the multi-chunk backward pass (the tile count is the
+      smallest divisor of V giving tiles <= this); backward scratch is about B * C * vocab_tile * 4 * 3 bytes
+      plus the [D, V] head gradient. Ignored (one tile) under a multi-device mesh.
 
   Returns:
     ([B, T] float32 log-probs, [B, T] float32 entropies or None).
@@ -52,6 +139,8 @@ def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: 
     raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
   if chunk_size <= 0:
     raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+  if vocab_tile <= 0:
+    raise ValueError(f"vocab_tile must be > 0, got {vocab_tile}")
   b, t, d = hidden_btd.shape
   c = min(chunk_size, t)
   n = -(-t // c)
@@ -60,26 +149,14 @@ def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: 
   y = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
   inv_t = 1.0 / temperature
 
-  def chunk(h_bcd, y_bc):
-    logits = jnp.einsum("bcd,dv->bcv", h_bcd, head_dv, preferred_element_type=jnp.float32) * inv_t
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    logp = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0] - lse
-    if not return_entropy:
-      return logp, None
-    p = jnp.exp(logits - lse[..., None])
-    return logp, lse - jnp.sum(p * logits, axis=-1)
-
   if n == 1:
     # One chunk holds all B * T * V logits anyway, so recomputing them in the backward pass would cost a
-    # fourth head matmul and save no peak memory: the forward keeps them for the backward instead.
-    logp, ent = jax.tree.map(lambda a: a[None], chunk(h[0], y[0]))
+    # fourth head matmul and save no peak memory: autodiff keeps them for the backward instead.
+    logp, ent, _ = _chunk_forward(h[0], head_dv, y[0], inv_t, return_entropy)
+    logp, ent = logp[None], None if ent is None else ent[None]
   else:
-    chunk = jax.checkpoint(chunk)
-
-    def body(carry, xs):
-      return carry, chunk(*xs)
-
-    _, (logp, ent) = jax.lax.scan(body, None, (h, y))
+    logp, ent = _chunked(h, head_dv, y, inv_t, return_entropy, _num_vocab_tiles(head_dv.shape[1], vocab_tile))
+    ent = ent if return_entropy else None
   logp = logp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
   if ent is not None:
     ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, :t]

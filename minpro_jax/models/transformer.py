@@ -146,11 +146,12 @@ class Attention(nnx.Module):
       positions_bt: [B, T] int32 RoPE positions.
       q_segment_bt: [B, T] int32 segment ids of the new tokens.
       kv_segment_bs: [B, S] int32 segment ids of all key slots (S = T without a cache).
-      cache_kv: None, or (k, v) of this layer, each [B, S, K, head_dim].
+      cache_kv: None, or (k, v, layer) with the FULL caches k, v [L, B, S, K, head_dim] and this layer's index;
+        the new keys/values are written in place at [layer, :, cache_index:cache_index + T].
       cache_index: int32 scalar slot where the new tokens are written (0 without a cache).
 
     Returns:
-      ([B, T, D] output, updated (k, v) or None).
+      ([B, T, D] output, updated full (k, v) or None).
     """
     c = self.config
     dt = c.jnp_dtype
@@ -166,9 +167,11 @@ class Attention(nnx.Module):
     q = constrain(q, ("batch", "act_seq", "act_heads", None))
     t = x_btd.shape[1]
     if cache_kv is not None:
-      k_cache = jax.lax.dynamic_update_slice(cache_kv[0], k.astype(cache_kv[0].dtype), (0, cache_index, 0, 0))
-      v_cache = jax.lax.dynamic_update_slice(cache_kv[1], v.astype(cache_kv[1].dtype), (0, cache_index, 0, 0))
-      k_all, v_all, new_cache = k_cache, v_cache, (k_cache, v_cache)
+      k_full, v_full, layer = cache_kv
+      at = (layer, 0, cache_index, 0, 0)
+      k_full = jax.lax.dynamic_update_slice(k_full, k.astype(k_full.dtype)[None], at)
+      v_full = jax.lax.dynamic_update_slice(v_full, v.astype(v_full.dtype)[None], at)
+      k_all, v_all, new_cache = k_full[layer], v_full[layer], (k_full, v_full)
     else:
       k_all, v_all, new_cache = k, v, None
     s = k_all.shape[1]
@@ -392,24 +395,24 @@ class Transformer(nnx.Module):
         x, aux = body(x, self.layers)
         new_k = new_v = None
       else:
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0, 0))
-        def body(x, layer, k, v):
-          x, (k, v), aux = run_layer(layer, x, (k, v))
-          return x, k, v, aux
-        x, new_k, new_v, aux = body(x, self.layers, cache.k, cache.v)
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+        def body(carry, layer, idx):
+          x, k, v = carry
+          x, (k, v), aux = run_layer(layer, x, (k, v, idx))
+          return (x, k, v), aux
+        (x, new_k, new_v), aux = body((x, cache.k, cache.v), self.layers, jnp.arange(c.num_layers))
     else:
       graphdef, state = nnx.split(self.layers)
-      auxes, ks, vs = [], [], []
+      auxes = []
+      new_k, new_v = (None, None) if cache is None else (cache.k, cache.v)
       for i in range(c.num_layers):
         layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-        kv = None if cache is None else (cache.k[i], cache.v[i])
+        kv = None if cache is None else (new_k, new_v, i)
         x, kv, a = run_layer(layer, x, kv)
         auxes.append(a)
         if kv is not None:
-          ks.append(kv[0])
-          vs.append(kv[1])
+          new_k, new_v = kv
       aux = jnp.stack(auxes)
-      new_k, new_v = (jnp.stack(ks), jnp.stack(vs)) if cache is not None else (None, None)
 
     hidden = self.final_norm(x)
     new_cache = None if cache is None else KVCache(k=new_k, v=new_v, segment_ids=kv_segment)

@@ -1,0 +1,156 @@
+"""Multi-process start-up: `jax.distributed.initialize()` only when the run spans several processes.
+
+`minpro_jax.train` calls :func:`maybe_initialize_distributed` first thing in `main()`, before any JAX call that
+could start the XLA backend (`jax.distributed.initialize` must come first, see its docstring).
+
+TPU VM pods (v4-16, v5p-32, v6e-16, ...): every worker is a host with its own process. Run the *same* command on
+every worker at once (`gcloud compute tpus tpu-vm ssh NAME --zone Z --worker=all --command "..."`, see
+`launch/tpu_vm.sh`). JAX then finds the coordinator, the process count and this worker's id from the TPU
+metadata server, so no addresses are passed. The metadata server is not visible as environment variables, so on a
+pod set ``MINPRO_DISTRIBUTED=1`` (the launcher does). Starting the command on only one worker hangs: initialize
+waits for all workers (jax-ml/jax#22436). A single-host TPU VM (v4-8, v5e-8, ...) needs nothing: one process sees
+all its chips.
+
+GPU: one node with several GPUs is one process (`launch/gpu.sh`); nothing to initialize. For several nodes, start
+one process per node (or per GPU) with either
+  * SLURM (`srun`): JAX reads SLURM_JOB_ID / SLURM_NTASKS / SLURM_PROCID / SLURM_STEP_NODELIST itself;
+  * Open MPI (`mpirun`): JAX reads OMPI_MCA_orte_hnp_uri / OMPI_COMM_WORLD_*;
+  * explicit variables on every node: JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i
+    (optionally JAX_LOCAL_DEVICE_IDS=0,1,... for one process per GPU).
+Whatever the launcher, `jax.devices()` then lists every device of every process and `--config.mesh.shape` must
+multiply to that global count.
+
+Control: ``MINPRO_DISTRIBUTED=1`` forces initialize (auto-detection by JAX, e.g. the TPU metadata server),
+``MINPRO_DISTRIBUTED=0`` forbids it, unset = detect from the variables above.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Mapping
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+ENV_FLAG = "MINPRO_DISTRIBUTED"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _count(env: Mapping[str, str], key: str) -> int:
+  """Integer value of env[key]; 0 when unset or empty. Raises ValueError naming the variable if not an int."""
+  raw = env.get(key, "").strip()
+  if not raw:
+    return 0
+  try:
+    return int(raw)
+  except ValueError:
+    raise ValueError(f"environment variable {key}={raw!r} must be an integer") from None
+
+
+def _flag(env: Mapping[str, str]) -> bool | None:
+  raw = env.get(ENV_FLAG, "").strip().lower()
+  if not raw:
+    return None
+  if raw in _TRUE:
+    return True
+  if raw in _FALSE:
+    return False
+  raise ValueError(f"environment variable {ENV_FLAG}={raw!r}: use 1 (force multi-process), 0 (never) or unset")
+
+
+def multiprocess_reason(env: Mapping[str, str] | None = None) -> str | None:
+  """Why this looks like one process of a multi-process job, or None for a single-process run.
+
+  Signals (any one): JAX_COORDINATOR_ADDRESS; MEGASCALE_COORDINATOR_ADDRESS (TPU multislice);
+  TPU_WORKER_HOSTNAMES / TPU_PROCESS_ADDRESSES listing more than one host (GKE TPU); SLURM_NTASKS > 1 inside a
+  SLURM job; OMPI_COMM_WORLD_SIZE > 1 (Open MPI). ``MINPRO_DISTRIBUTED`` is not read here.
+
+  Args:
+    env: mapping to read (default `os.environ`).
+
+  Returns:
+    A short reason naming the variable, e.g. "SLURM_NTASKS=4", or None.
+
+  Raises:
+    ValueError: a count variable (SLURM_NTASKS, OMPI_COMM_WORLD_SIZE) is not an integer.
+  """
+  env = os.environ if env is None else env
+  for key in ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS"):
+    if env.get(key, "").strip():
+      return f"{key}={env[key].strip()}"
+  for key in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES"):
+    hosts = [h for h in env.get(key, "").split(",") if h.strip()]
+    if len(hosts) > 1:
+      return f"{key} lists {len(hosts)} hosts"
+  if env.get("SLURM_JOB_ID") and _count(env, "SLURM_NTASKS") > 1:
+    return f"SLURM_NTASKS={_count(env, 'SLURM_NTASKS')}"
+  if _count(env, "OMPI_COMM_WORLD_SIZE") > 1:
+    return f"OMPI_COMM_WORLD_SIZE={_count(env, 'OMPI_COMM_WORLD_SIZE')}"
+  return None
+
+
+def maybe_initialize_distributed(
+    enable: bool | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    initialize_fn: Callable[..., None] | None = None,
+) -> bool:
+  """Calls `jax.distributed.initialize()` when running multi-process; a no-op on a single host.
+
+  Must run before anything starts the XLA backend (jax.devices(), any computation). Idempotent: returns True
+  without a second call when the distributed client is already up. Logs process_index / process_count and the
+  local / global device counts either way.
+
+  Args:
+    enable: True forces initialize (JAX auto-detects coordinator, process count and id: TPU metadata, SLURM,
+      Open MPI, GKE); False never initializes; None (default) reads ``MINPRO_DISTRIBUTED`` and, if that is unset,
+      :func:`multiprocess_reason`.
+    env: environment mapping to read (default `os.environ`); for tests.
+    initialize_fn: replacement for `jax.distributed.initialize` (tests); called with keyword arguments
+      num_processes / process_id taken from JAX_NUM_PROCESSES / JAX_PROCESS_ID when those are set (JAX reads
+      JAX_COORDINATOR_ADDRESS and JAX_LOCAL_DEVICE_IDS itself).
+
+  Returns:
+    True when this process is (now) part of a multi-process job, False for the single-process no-op.
+
+  Raises:
+    ValueError: MINPRO_DISTRIBUTED, JAX_NUM_PROCESSES, JAX_PROCESS_ID, SLURM_NTASKS or OMPI_COMM_WORLD_SIZE
+      holds an unusable value.
+    RuntimeError: from JAX, when the backend was already started before this call (call it earlier).
+
+  Source: `jax.distributed.initialize` docs (multi-process JAX); MaxText/Levanter launch the same way.
+  """
+  env = os.environ if env is None else env
+  initialize_fn = jax.distributed.initialize if initialize_fn is None else initialize_fn
+  if jax.distributed.is_initialized():
+    _log("already initialized")
+    return True
+  if enable is None:
+    enable = _flag(env)
+  reason = None
+  if enable is None:
+    reason = multiprocess_reason(env)
+    enable = reason is not None
+  elif enable:
+    reason = f"{ENV_FLAG}=1" if _flag(env) else "enable=True"
+  if not enable:
+    _log("not initialized (single process)")
+    return False
+  kwargs = {}
+  if _count(env, "JAX_NUM_PROCESSES"):
+    kwargs["num_processes"] = _count(env, "JAX_NUM_PROCESSES")
+  if env.get("JAX_PROCESS_ID", "").strip():
+    kwargs["process_id"] = _count(env, "JAX_PROCESS_ID")
+  logger.info("multi-process run (%s): calling jax.distributed.initialize(%s)", reason,
+              ", ".join(f"{k}={v}" for k, v in kwargs.items()))
+  initialize_fn(**kwargs)
+  _log("initialized")
+  return True
+
+
+def _log(what: str) -> None:
+  logger.info("jax.distributed %s: process_index=%d process_count=%d local_devices=%d global_devices=%d",
+              what, jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())

@@ -1,0 +1,229 @@
+"""Learner: exact micro-batch accumulation, sharded == single device, non-finite guard, optimizer state across a
+checkpoint (case B24) and the learning-rate schedule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from minpro_jax.checkpoint import RunCheckpointer
+from minpro_jax.learner import Learner, LossConfig, OptimizerConfig, make_schedule
+from minpro_jax.models import get_preset, init_model
+from minpro_jax.models.logprobs import token_logprobs
+from minpro_jax.sharding import make_mesh, use_mesh
+
+VOCAB = 64
+MODEL_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                head_dim=16)
+
+
+def _model(mesh=None):
+  return init_model(get_preset("tiny", **MODEL_KW), seed=0, mesh=mesh)
+
+
+def _batch(model, n=8, length=12, seed=0):
+  """Rows = left-padded prompt + response of unequal lengths; behavior log-probs = the model's plus noise so ratios
+  differ from 1 (clipping and prefix statistics are exercised)."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, VOCAB, (n, length)).astype(np.int32)
+  seg = np.zeros((n, length), np.int32)
+  pos = np.zeros((n, length), np.int32)
+  mask = np.zeros((n, length), bool)
+  for i in range(n):
+    pad = int(rng.integers(0, 3))
+    prompt = int(rng.integers(2, 4))
+    resp = int(rng.integers(1, length - pad - prompt + 1))
+    end = pad + prompt + resp
+    seg[i, pad:end] = 1
+    pos[i, pad:end] = np.arange(end - pad)
+    mask[i, pad + prompt:end] = True
+    tokens[i, :pad] = 0
+    tokens[i, end:] = 0
+  logp = np.asarray(token_logprobs(model, jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(pos)).logp)
+  behavior = np.where(mask, logp + rng.normal(0, 0.3, logp.shape), 0.0).astype(np.float32)
+  adv = rng.normal(size=n).astype(np.float32)
+  return {"tokens": tokens, "segment_ids": seg, "positions": pos, "response_mask": mask, "behavior_logp": behavior,
+          "learner_logp": np.where(mask, logp, 0.0).astype(np.float32), "advantages": adv}
+
+
+def _sgd_delta(model, loss_cfg, batch, mb, mesh=None):
+  """-gradient of the mini-batch loss as the learner computes it (optimizer replaced by SGD with lr 1)."""
+  learner = Learner(model, loss_cfg, OptimizerConfig(max_grad_norm=0.0), micro_batch_size=mb, mesh=mesh)
+  learner.optimizer = optax.sgd(1.0)
+  _, params = nnx.split(model)
+  before = jax.tree.map(np.asarray, params)
+  with use_mesh(mesh):
+    state, metrics = learner.update(learner.init_state(jax.tree.map(jnp.array, params)), batch)
+  delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, state.params, before)
+  return delta, metrics, state
+
+
+def _max_abs_diff(a, b):
+  return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _max_abs(a):
+  return max(float(np.max(np.abs(x))) for x in jax.tree.leaves(a))
+
+
+CASES = [
+    ("minpro", ()), ("minpro", (("prefix_statistic", "mean"),)), ("grpo", ()), ("gspo", ()), ("gspo_token", ()),
+    ("cispo", ()), ("m2po", ()),
+    ("grpo", (("loss_agg_mode", "seq-mean-token-mean"),)), ("grpo", (("loss_agg_mode", "seq-mean-token-sum"),)),
+    ("minpro", (("loss_agg_mode", "seq-mean-token-sum-norm"), ("max_response_length", 12))),
+]
+
+
+@pytest.fixture(scope="module")
+def model_and_batch():
+  model = _model()
+  return model, _batch(model)
+
+
+@pytest.mark.parametrize("method,hparams", CASES, ids=lambda x: str(x))
+def test_micro_batch_accumulation_equals_single_batch(model_and_batch, method, hparams):
+  model, batch = model_and_batch
+  cfg = LossConfig(method=method, hparams=hparams)
+  full, m_full, _ = _sgd_delta(model, cfg, batch, mb=8)
+  for mb in (1, 2, 4):
+    acc, m_acc, _ = _sgd_delta(model, cfg, batch, mb=mb)
+    assert _max_abs(full) > 1e-3, "gradient is ~0; the comparison would be vacuous"
+    assert _max_abs_diff(acc, full) <= 1e-6, (method, hparams, mb)
+    assert abs(float(m_acc["loss"]) - float(m_full["loss"])) <= 1e-6
+    assert abs(float(m_acc["grad_norm"]) - float(m_full["grad_norm"])) <= 1e-6 * max(1.0, float(m_full["grad_norm"]))
+
+
+def test_accumulation_check_detects_per_micro_batch_means(model_and_batch):
+  """The wrong variant (mean of per-micro-batch token means) differs, so the check above can fail."""
+  model, batch = model_and_batch
+  cfg = LossConfig(method="minpro")
+  full, _, _ = _sgd_delta(model, cfg, batch, mb=8)
+  halves = [_sgd_delta(model, cfg, {k: v[s] for k, v in batch.items()}, mb=4)[0]
+            for s in (slice(0, 4), slice(4, 8))]
+  wrong = jax.tree.map(lambda a, b: (a + b) / 2, *halves)
+  assert _max_abs_diff(wrong, full) > 1e-4
+
+
+def test_sharded_update_equals_single_device():
+  assert len(jax.devices()) == 8
+  mesh = make_mesh({"data": 2, "fsdp": 4})
+  cfg = LossConfig(method="minpro")
+  opt = OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0)
+  model1 = _model()
+  batch = _batch(model1)
+  l1 = Learner(model1, cfg, opt, micro_batch_size=4)
+  s1 = l1.init_state(nnx.split(model1)[1])
+  model8 = _model(mesh)
+  l8 = Learner(model8, cfg, opt, micro_batch_size=4, mesh=mesh)
+  s8 = l8.init_state(nnx.split(model8)[1])
+  assert _max_abs_diff(jax.tree.map(np.asarray, s1.params), jax.tree.map(np.asarray, s8.params)) == 0.0
+  shardings = {str(x.sharding.spec) for x in jax.tree.leaves(s8.params)}
+  assert any("fsdp" in s for s in shardings), shardings
+  for _ in range(2):
+    s1, m1 = l1.update(s1, batch)
+    with use_mesh(mesh):
+      s8, m8 = l8.update(s8, batch)
+  assert int(s8.step) == 2
+  assert _max_abs_diff(jax.tree.map(np.asarray, s1.params), jax.tree.map(np.asarray, s8.params)) <= 1e-5
+  assert abs(float(m1["loss"]) - float(m8["loss"])) <= 1e-5
+  assert abs(float(m1["grad_norm"]) - float(m8["grad_norm"])) <= 1e-5
+  assert {str(x.sharding.spec) for x in jax.tree.leaves(s8.params)} == shardings  # still sharded after updates
+
+
+@pytest.mark.parametrize("bad", ["advantages", "behavior_logp"])
+def test_non_finite_guard_skips_update(model_and_batch, bad):
+  model, batch = model_and_batch
+  learner = Learner(model, LossConfig(method="grpo"), OptimizerConfig(learning_rate=1e-2), micro_batch_size=4)
+  state = learner.init_state(jax.tree.map(jnp.array, nnx.split(model)[1]))
+  state, m = learner.update(state, batch)  # one good update so the optimizer moments are non-zero
+  assert int(state.step) == 1 and not bool(m["update_skipped"])
+  before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  poisoned = dict(batch)
+  arr = batch[bad].copy()
+  if bad == "advantages":
+    arr[3] = np.nan
+  else:
+    arr[batch["response_mask"]] = np.where(np.arange(batch["response_mask"].sum()) == 0, np.nan, 0.0)
+  poisoned[bad] = arr
+  state, m = learner.update(state, poisoned)
+  assert bool(m["update_skipped"])
+  assert int(state.step) == 1 and int(state.skipped) == 1
+  after = jax.tree.map(np.asarray, (state.params, state.opt_state))
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, b)
+  state, m = learner.update(state, batch)  # training continues
+  assert int(state.step) == 2 and int(state.skipped) == 1 and not bool(m["update_skipped"])
+
+
+# ----------------------------------------------------------------------------------------- case B24
+def _b24_tx():
+  return optax.adam(lambda t: 0.1 * jnp.minimum(1.0, (t + 1) / 4), b1=0.9, b2=0.999, eps=1e-8)
+
+
+def _b24_steps(tx, params, opt_state, k):
+  grad_fn = jax.grad(lambda p: jnp.sum(p["w"] ** 2))
+  for _ in range(k):
+    updates, opt_state = tx.update(grad_fn(params), opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params, opt_state
+
+
+@pytest.mark.parametrize("variant,expected", [("restore", 0.850279), ("full_reset", 0.900037), ("count_reset", 0.886028)])
+def test_b24_optimizer_step_count_survives_checkpoint(tmp_path, variant, expected):
+  """cases.md B24: Adam + warmup schedule; save after 2 steps, restore, 1 step == 3 uninterrupted steps. The two
+  wrong variants (optimizer state rebuilt; only the count reset) give the documented different values."""
+  from minpro_jax.learner import TrainState
+  tx = _b24_tx()
+  p0 = {"w": jnp.ones((), jnp.float32)}
+  p3, _ = _b24_steps(tx, p0, tx.init(p0), 3)
+  assert abs(float(p3["w"]) - 0.850279) <= 1e-6
+  p2, o2 = _b24_steps(tx, p0, tx.init(p0), 2)
+  ckpt = RunCheckpointer(str(tmp_path), keep=2)
+  state = TrainState(params=p2, opt_state=o2, step=jnp.asarray(2, jnp.int32), skipped=jnp.asarray(0, jnp.int32))
+  ckpt.save(2, state, {"steps": np.zeros((0,), np.int64), "batches": {}}, {"global_step": 2})
+  template = TrainState(params=p0, opt_state=tx.init(p0), step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+  restored, _, meta = RunCheckpointer(str(tmp_path), keep=2).restore(ckpt.latest_step(), template)
+  ckpt.close()
+  assert meta["global_step"] == 2 and int(restored.step) == 2
+  params, opt = restored.params, restored.opt_state
+  if variant == "full_reset":
+    opt = tx.init(params)
+  elif variant == "count_reset":
+    opt = (opt[0]._replace(count=jnp.zeros((), jnp.int32)), *opt[1:])
+  p, _ = _b24_steps(tx, params, opt, 1)
+  assert abs(float(p["w"]) - expected) <= 1e-6
+  assert (abs(float(p["w"]) - 0.850279) <= 1e-6) == (variant == "restore")
+
+
+# ----------------------------------------------------------------------------------------- schedule
+def test_lr_schedule_warmup_then_cosine():
+  s = make_schedule(OptimizerConfig(learning_rate=1e-3, warmup_steps=4, schedule="cosine", decay_steps=10,
+                                    final_lr_ratio=0.1))
+  got = [float(s(t)) for t in range(16)]
+  want = [1e-3 * t / 4 for t in range(4)]
+  want += [1e-3 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(t, 10) / 10))) for t in range(0, 12)]
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+
+
+def test_lr_schedule_linear_constant_and_unknown():
+  s = make_schedule(OptimizerConfig(learning_rate=2e-3, warmup_steps=2, schedule="linear", decay_steps=4,
+                                    final_lr_ratio=0.0))
+  np.testing.assert_allclose([float(s(t)) for t in range(8)], [0, 1e-3, 2e-3, 1.5e-3, 1e-3, 5e-4, 0, 0], atol=1e-9)
+  c = make_schedule(OptimizerConfig(learning_rate=3e-4))
+  assert float(c(0)) == pytest.approx(3e-4) and float(c(1000)) == pytest.approx(3e-4)
+  with pytest.raises(ValueError, match="schedule"):
+    make_schedule(OptimizerConfig(schedule="exp"))
+
+
+def test_learner_reports_lr_of_the_update_index(model_and_batch):
+  model, batch = model_and_batch
+  learner = Learner(model, LossConfig(), OptimizerConfig(learning_rate=1e-3, warmup_steps=4), micro_batch_size=8)
+  state = learner.init_state(jax.tree.map(jnp.array, nnx.split(model)[1]))
+  lrs = []
+  for _ in range(3):
+    state, m = learner.update(state, batch)
+    lrs.append(float(m["lr"]))
+  np.testing.assert_allclose(lrs, [0.0, 2.5e-4, 5e-4], atol=1e-10)
+  assert int(state.opt_state[-1][0].count) == 3 if hasattr(state.opt_state[-1][0], "count") else True

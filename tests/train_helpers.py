@@ -1,0 +1,68 @@
+"""Shared helpers for the trainer tests: a tiny config and CLI flags for it (fast on a 2-core CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
+
+TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+              "head_dim": 16}
+
+
+def tiny_overrides(tmp_path, **extra) -> dict:
+  """Dotted-field overrides of configs/default.py for a run of a few seconds per step."""
+  ov = {
+      "workdir": str(tmp_path / "run"), "total_steps": 4, "prompts_per_step": 4, "group_size": 2,
+      "num_updates_per_step": 2, "micro_batch_size": 2, "delay": 1,
+      "tokenizer.vocab_size": 384, "data.size": 400, "data.max_prompt_tokens": 32,
+      "sampling.max_new_tokens": 6,
+      "sft.steps": 5, "sft.batch_size": 16, "sft.num_examples": 64, "sft.cache_dir": str(tmp_path / "cache"),
+      "eval.every": 0, "eval.num_problems": 8, "eval.n": 2, "eval.ks": (1, 2),
+      "checkpoint.every": 0, "log.tensorboard": False, "log.plots": False, "log.progress": False,
+  }
+  ov.update(extra)
+  return ov
+
+
+def load_default_config():
+  spec = importlib.util.spec_from_file_location("minpro_default_config", DEFAULT_CONFIG)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def make_config(overrides: dict, model: dict | None = None):
+  """configs/default.py with `overrides` ({"a.b": value}) and the tiny model applied."""
+  c = load_default_config()
+  for k, v in overrides.items():
+    node = c
+    *parents, leaf = k.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = v
+  c.model.overrides = dict(TINY_MODEL, **(model or {}))
+  return c
+
+
+def cli_args(overrides: dict, model: dict | None = None) -> list[str]:
+  """`python -m minpro_jax.train` argv for the same config."""
+  args = [sys.executable, "-m", "minpro_jax.train", f"--config={DEFAULT_CONFIG}"]
+  for k, v in overrides.items():
+    if isinstance(v, tuple):
+      v = "(" + ",".join(str(x) for x in v) + ",)"
+    args.append(f"--config.{k}={v}")
+  for k, v in dict(TINY_MODEL, **(model or {})).items():
+    args.append(f"--config.model.overrides.{k}={v}")
+  return args
+
+
+def cli_env() -> dict:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # one CPU device, as a user would run it
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  return env
