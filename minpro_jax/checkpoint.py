@@ -49,7 +49,14 @@ class RunCheckpointer:
     return self._mngr.latest_step()
 
   def save(self, step: int, state: Any, buffer_state: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Writes the run checkpoint of global step `step` (blocking, so a following exit loses nothing)."""
+    """Writes the run checkpoint of global step `step` (blocking, so a following exit loses nothing).
+
+    A run checkpoint of global step s always describes the state after step s, so if one for `step` already exists
+    (e.g. the periodic save of the last step followed by the end-of-run save) it is kept and nothing is written;
+    orbax would otherwise raise StepAlreadyExistsError.
+    """
+    if step in self._mngr.all_steps():
+      return
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               buffer=ocp.args.StandardSave(_numpy_tree(buffer_state)),
                               meta=ocp.args.JsonSave(meta))

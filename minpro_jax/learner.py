@@ -86,8 +86,8 @@ class LossConfig:
 
   method / hparams: passed to `minpro_jax.objectives.policy_loss`.
   temperature: the sampler's temperature; learner log-probs are scored under the same scaled distribution.
-  entropy_coef: adds -coef * token-mean entropy. kl_coef: adds coef * token-mean k3 KL(mu || pi_theta) to the
-    behavior policy. router_aux_coef: weight of the MoE load-balancing loss (0 = off).
+  entropy_coef: adds -coef * token-mean entropy. kl_coef: adds coef * the token-mean k3 ("low_var_kl" in verl)
+    estimate of KL(pi_theta || mu) against the behavior policy mu, on mu's samples. router_aux_coef: weight of the MoE load-balancing loss (0 = off).
   """
   method: str = "minpro"
   hparams: tuple[tuple[str, Any], ...] = ()
@@ -161,14 +161,23 @@ class Learner:
     self.schedule = make_schedule(opt_cfg)
     self.micro_batch_size = micro_batch_size
     self.mesh = mesh
-    self._update = jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,))
+    self._update = None  # jitted on first use, with the state's shardings as output shardings
     self._score = jax.jit(self._score_impl, static_argnums=(2,))
 
   # ----- state -----
   def init_state(self, params) -> TrainState:
     """A fresh `TrainState` (optimizer moments zero, step 0) for parameter state `params`."""
-    return TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
-                      skipped=jnp.zeros((), jnp.int32))
+    state = TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                       skipped=jnp.zeros((), jnp.int32))
+    return jax.device_put(state, self._state_shardings(state)) if self.mesh is not None else state
+
+  def _state_shardings(self, state: TrainState):
+    """Each leaf's sharding; with a mesh, scalars and other single-device leaves are replicated on it."""
+    def one(x):
+      if self.mesh is not None and isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+      return x.sharding
+    return jax.tree.map(one, state)
 
   def model(self, params) -> Transformer:
     return nnx.merge(self.graphdef, params)
@@ -211,6 +220,10 @@ class Learner:
     if m % mb:
       raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
     arrays = {k: jnp.asarray(v) for k, v in batch.items()}
+    if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
+      shardings = self._state_shardings(state)
+      self._update = jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,),
+                             out_shardings=(shardings, None))
     state, metrics = self._update(state, arrays, mb)
     return state, jax.device_get(metrics)
 

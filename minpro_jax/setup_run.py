@@ -36,7 +36,7 @@ def build_tokenizer(c, problems: list[MathProblem], workdir: str):
       return load_gguf_tokenizer(c.model.path or smollm2_gguf_path(), chat_format=fmt)
     raise ValueError("config.tokenizer.kind='model' needs model.source hf or gguf")
   from minpro_jax.data import train_sentencepiece
-  corpus = [format_prompt(p, template="plain") + sft_target(p.answer) for p in problems]
+  corpus = [format_prompt(p, template="plain") + sft_target(p.answer) for p in problems]  # tokenizer corpus only
   key = hashlib.sha256(("\n".join(corpus) + f"|{t.vocab_size}|{c.seed}").encode()).hexdigest()[:16]
   path = os.path.join(_cache_dir(c, workdir), f"spm-{key}.model")
   if not os.path.exists(path):
@@ -52,11 +52,12 @@ def _model_overrides(c) -> dict[str, Any]:
           "scan_layers": bool(c.model.scan_layers)}
 
 
-def build_model_and_tokenizer(c, problems: list[MathProblem], mesh, workdir: str):
+def build_model_and_tokenizer(c, problems: list[MathProblem], mesh, workdir: str, *, skip_sft: bool = False):
   """(model, tokenizer, sft_info) for config `c`.
 
   scratch: preset + overrides with the tokenizer's vocabulary, randomly initialised (directly sharded on `mesh`),
   then the SFT warm start if `sft.enabled` (cached under `sft.cache_dir`). hf / gguf: loaded checkpoints.
+  `skip_sft`: a resumed run restores its weights from its own checkpoint, so the warm start is not rebuilt.
   """
   tok = build_tokenizer(c, problems, workdir)
   info: dict[str, Any] = {"enabled": False}
@@ -69,15 +70,18 @@ def build_model_and_tokenizer(c, problems: list[MathProblem], mesh, workdir: str
   else:
     cfg = get_preset(c.model.preset, vocab_size=tok.vocab_size, **dict(c.model.overrides), **_model_overrides(c))
     model = init_model(cfg, seed=c.seed, mesh=mesh)
-  if c.sft.enabled:
+  if c.sft.enabled and skip_sft:
+    info = {"enabled": True, "skipped": "resumed from a run checkpoint"}
+  elif c.sft.enabled:
     from flax import nnx
     n = min(c.sft.num_examples, len(problems))
     sft_problems = problems[-n:]  # the tail of the training set
     prompt_ids = [tok.encode(format_prompt(p, tok, c.data.template), add_bos=c.data.template == "plain")
                   for p in sft_problems]
-    tokens, seg, mask = build_examples(prompt_ids, [p.answer for p in sft_problems], tok, c.sft.max_len)
+    tokens, seg, mask = build_examples(prompt_ids, [p.answer for p in sft_problems], tok, c.sft.max_len,
+                                       boxed_fraction=c.sft.boxed_fraction, seed=c.seed)
     scfg = SFTConfig(steps=c.sft.steps, batch_size=c.sft.batch_size, learning_rate=c.sft.learning_rate,
-                     seed=c.seed, max_len=c.sft.max_len)
+                     seed=c.seed, max_len=c.sft.max_len, boxed_fraction=c.sft.boxed_fraction)
     params, info = run_sft(model, tokens, seg, mask, scfg, cache_dir=_cache_dir(c, workdir),
                            key_parts={"model": repr(model.config), "source": c.model.source, "path": c.model.path})
     nnx.update(model, params)

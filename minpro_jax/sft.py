@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
   """steps: optimizer updates; batch_size: examples per update; learning_rate: peak AdamW lr (cosine decay to
-  10% after `warmup_steps`); seed: example order; max_len: tokens per row (longer examples are dropped)."""
+  10% after `warmup_steps`); seed: example order; max_len: tokens per row (longer examples are dropped);
+  boxed_fraction: share of targets that box the answer (see `build_examples`)."""
   steps: int = 1000
   batch_size: int = 64
   learning_rate: float = 1e-3
@@ -38,22 +39,31 @@ class SFTConfig:
   weight_decay: float = 0.0
   seed: int = 0
   max_len: int = 64
+  boxed_fraction: float = 1.0
 
 
-def sft_target(answer: str) -> str:
-  """The response text a warm-started model learns: a boxed final answer."""
-  return f" \\boxed{{{answer}}}"
+def sft_target(answer: str, boxed: bool = True) -> str:
+  """The response text a warm-started model learns: a boxed final answer, or the bare answer (which the grader
+  does not credit: see `build_examples`)."""
+  return f" \\boxed{{{answer}}}" if boxed else f" {answer}"
 
 
-def build_examples(prompt_ids: Sequence[Sequence[int]], answers: Sequence[str], tokenizer, max_len: int):
+def build_examples(prompt_ids: Sequence[Sequence[int]], answers: Sequence[str], tokenizer, max_len: int, *,
+                   boxed_fraction: float = 1.0, seed: int = 0):
   """Token rows for SFT: (tokens [N, max_len] int32, segment_ids [N, max_len], response_mask [N, max_len]).
 
+  A fraction `boxed_fraction` of the targets (chosen with `seed`) box the answer; the rest give it bare, so the
+  warm-started model answers in both formats, like a pretrained model that has seen both. The grader credits only
+  extractable (boxed / "The answer is") answers, so RL must also learn the format, as in R1-Zero-style runs.
   Rows are right-padded; examples longer than `max_len` are dropped (counted in the log).
   """
+  if not 0.0 <= boxed_fraction <= 1.0:
+    raise ValueError(f"boxed_fraction must lie in [0, 1], got {boxed_fraction}")
+  boxed = np.random.default_rng(seed).random(len(answers)) < boxed_fraction
   rows, masks, lengths = [], [], []
   dropped = 0
-  for ids, ans in zip(prompt_ids, answers):
-    resp = tokenizer.encode(sft_target(ans)) + [tokenizer.eos_id]
+  for ids, ans, box in zip(prompt_ids, answers, boxed):
+    resp = tokenizer.encode(sft_target(ans, bool(box))) + [tokenizer.eos_id]
     seq = list(ids) + resp
     if len(seq) > max_len:
       dropped += 1

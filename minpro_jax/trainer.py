@@ -64,7 +64,10 @@ class Trainer:
     from minpro_jax.setup_run import build_model_and_tokenizer
     self.eval_sets = build.eval_benchmarks(c)
     self.problems = build.remove_heldout(build.load_problems(c, seed=c.seed, size=c.data.size), self.eval_sets)
-    self.model, self.tokenizer, self.sft_info = build_model_and_tokenizer(c, self.problems, self.mesh, self.workdir)
+    self.ckpt = RunCheckpointer(self.workdir, keep=c.checkpoint.keep)
+    resuming = self.ckpt.latest_step() is not None  # the checkpoint holds the weights: no SFT needed
+    self.model, self.tokenizer, self.sft_info = build_model_and_tokenizer(c, self.problems, self.mesh, self.workdir,
+                                                                          skip_sft=resuming)
     self.model_config = self.model.config
     self.train_problems, self.prompt_ids = self._encode(self.problems)
     self.loader = ProblemLoader(self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs)
@@ -77,7 +80,6 @@ class Trainer:
     mb = min(c.micro_batch_size, c.prompts_per_step * c.group_size // c.num_updates_per_step)
     self.learner = Learner(self.model, build.loss_config(c), build.optimizer_config(c), micro_batch_size=mb,
                            mesh=self.mesh)
-    self.ckpt = RunCheckpointer(self.workdir, keep=c.checkpoint.keep)
     self.setup_seconds = time.time() - t0
     self._stop_signal: int | None = None
 
@@ -229,7 +231,7 @@ class Trainer:
     _, params = nnx.split(self.model)
     state = self.learner.init_state(params)
     buffer = RolloutBuffer(c.delay)
-    extra = {"best_score": None, "best_step": None, "sft_eval": None}
+    extra = {"best_score": None, "best_step": None, "sft_eval": None, "sft_info": self.sft_info}
     start = 0
     latest = self.ckpt.latest_step()
     if latest is not None:
@@ -239,7 +241,7 @@ class Trainer:
       extra = {k: meta.get(k) for k in extra}
       start = int(meta["global_step"]) + 1
       logger.info("resumed from global step %d (policy_version %d)", latest, int(state.step))
-    writer = MetricsWriter(self.workdir, resume_step=start - 1 if latest is not None else -1,
+    writer = MetricsWriter(self.workdir, resume_step=start - 1 if latest is not None else None,
                            tensorboard=c.log.tensorboard)
     self._install_signal_handlers()
 
@@ -252,7 +254,6 @@ class Trainer:
     if c.log.progress:
       from tqdm import tqdm
       bar = tqdm(total=c.total_steps, initial=start, desc="RL", dynamic_ncols=True)
-    last_step = start - 1
     for step in range(start, c.total_steps):
       t0 = time.time()
       batch, metrics = self.sample_step(state, step)
@@ -277,7 +278,6 @@ class Trainer:
           self.ckpt.save_best(step + 1, state.params, {"score": score, "step": step + 1})
       metrics["time/step"] = time.time() - t0
       writer.write(step, metrics)
-      last_step = step
       if bar is not None:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['reward/accuracy']:.3f}",
@@ -297,10 +297,10 @@ class Trainer:
     if extra["best_score"] is None or final_score > extra["best_score"]:
       extra["best_score"], extra["best_step"] = final_score, c.total_steps
       self.ckpt.save_best(c.total_steps, state.params, {"score": final_score, "step": c.total_steps})
-    if last_step >= start or latest is None or latest != c.total_steps - 1:
+    if self.ckpt.latest_step() != c.total_steps - 1:
       self._save(c.total_steps - 1, state, buffer, extra)
     writer.close()
-    summary = {"config": c.to_dict(), "sft": self.sft_info, "eval_after_sft": extra["sft_eval"],
+    summary = {"config": c.to_dict(), "sft": extra["sft_info"], "eval_after_sft": extra["sft_eval"],
                "eval_final": final["macro"], "eval_final_per_benchmark": final["benchmarks"],
                "best": {"score": extra["best_score"], "step": extra["best_step"]},
                "policy_version": int(state.step), "skipped_updates": int(state.skipped),

@@ -1,0 +1,67 @@
+"""validate_config names the offending field; the CLI fails fast on bad overrides."""
+
+import subprocess
+
+import pytest
+
+from minpro_jax.build import ConfigError, validate_config
+from train_helpers import cli_args, cli_env, make_config, tiny_overrides
+
+
+@pytest.fixture
+def ok(tmp_path):
+  return tiny_overrides(tmp_path)
+
+
+def test_tiny_and_default_configs_are_valid(ok):
+  validate_config(make_config(ok), num_devices=1)
+  from train_helpers import load_default_config
+  validate_config(load_default_config(), num_devices=1)
+
+
+BAD = [
+    ({"mesh.shape": "data=2,fsdp=2"}, 8, "mesh.shape"),
+    ({"mesh.shape": "data=3"}, 1, "mesh.shape"),
+    ({"mesh.shape": "rows=8"}, 8, "mesh.shape"),
+    ({"prompts_per_step": 5, "group_size": 2, "num_updates_per_step": 2}, 1, "num_updates_per_step"),  # 10 / 2 = 5 odd
+    ({"prompts_per_step": 4, "group_size": 2, "num_updates_per_step": 3}, 1, "num_updates_per_step"),
+    ({"prompts_per_step": 4, "group_size": 4, "num_updates_per_step": 2, "micro_batch_size": 3}, 1, "micro_batch_size"),
+    ({"delay": -1}, 1, "delay"),
+    ({"loss.method": "ppo2"}, 1, "loss.method"),
+    ({"model.source": "hf", "model.path": "/nonexistent/ckpt"}, 1, "model.path"),
+    ({"model.source": "gguf", "model.path": "/nonexistent/model.gguf"}, 1, "model.path"),
+    ({"sampling.max_new_tokens": 0}, 1, "sampling.max_new_tokens"),
+    ({"sampling.max_new_tokens": -3}, 1, "sampling.max_new_tokens"),
+    ({"eval.n": 2, "eval.ks": (1, 4)}, 1, "eval.ks"),
+    ({"total_steps": 0}, 1, "total_steps"),
+    ({"sampling.temperature": 0.0}, 1, "sampling.temperature"),
+]
+
+
+@pytest.mark.parametrize("bad,devices,field", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
+def test_validate_config_names_the_field(ok, bad, devices, field):
+  c = make_config({**ok, **bad})
+  with pytest.raises(ConfigError) as e:
+    validate_config(c, num_devices=devices)
+  assert f"config.{field}" in str(e.value)
+
+
+def test_mesh_that_divides_the_devices_is_accepted(ok):
+  validate_config(make_config({**ok, "mesh.shape": "data=2,fsdp=4"}), num_devices=8)
+
+
+def _run_cli(args, timeout=120):
+  return subprocess.run(args, capture_output=True, text=True, env=cli_env(), timeout=timeout)
+
+
+def test_cli_negative_delay_fails_naming_the_field(tmp_path, ok):
+  r = _run_cli(cli_args({**ok, "delay": -1}))
+  assert r.returncode != 0
+  assert "config.delay" in r.stderr + r.stdout
+  assert not (tmp_path / "cache").exists()  # failed before any expensive work (tokenizer / SFT)
+
+
+def test_cli_unknown_field_fails(tmp_path, ok):
+  r = _run_cli(cli_args(ok) + ["--config.no_such_field=3"])
+  assert r.returncode != 0
+  assert "no_such_field" in r.stderr + r.stdout

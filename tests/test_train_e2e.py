@@ -1,0 +1,67 @@
+"""Short end-to-end run of the default config (reduced sizes): outputs, counters, SFT cache reuse; SmolLM2 one step."""
+
+import json
+import os
+
+import pytest
+
+from train_helpers import REPO, make_config, tiny_overrides
+
+
+def test_default_config_end_to_end(tmp_path):
+  from minpro_jax.trainer import Trainer
+  ov = tiny_overrides(tmp_path, total_steps=4, delay=1, num_updates_per_step=2, **{
+      "eval.every": 2, "checkpoint.every": 2, "log.plots": True, "log.tensorboard": True})
+  tr = Trainer(make_config(ov))
+  assert tr.sft_info["enabled"] and tr.sft_info["cached"] is False
+  summary = tr.run()
+  run = tmp_path / "run"
+  for name in ("summary.json", "metrics.jsonl", "reward.png", "staleness.png"):
+    assert (run / name).is_file() and (run / name).stat().st_size > 0, name
+  assert os.listdir(run / "eval"), "no evaluation files"
+  assert any(f.startswith("step_000000_initial") for f in os.listdir(run / "eval"))
+  assert any(f.startswith("final") for f in os.listdir(run / "eval"))
+  assert tr.ckpt.best_step() is not None and os.listdir(run / "best")
+  assert tr.ckpt.latest_step() == 3
+  # delay 1: no update in step 0, then 2 updates in each of steps 1..3
+  assert summary["policy_version"] == (4 - 1) * 2
+  on_disk = json.loads((run / "summary.json").read_text())
+  assert on_disk["policy_version"] == 6 and on_disk["best"]["step"] in (2, 4)
+  assert set(on_disk["eval_after_sft"]) >= {"pass@1", "pass@2"} and set(on_disk["eval_final"]) >= {"pass@1"}
+  recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in recs] == [-1, 0, 1, 2, 3, 4]
+  assert [r.get("policy_version") for r in recs[1:5]] == [0, 2, 4, 6]
+  assert "eval/avg_score" in recs[2]  # periodic eval after step 2
+  assert all(r["learn/skipped_updates"] == 0 for r in recs[2:5])
+  # a second run with the same SFT settings reuses the cached warm start (and tokenizer)
+  ov2 = dict(ov, workdir=str(tmp_path / "run2"))
+  tr2 = Trainer(make_config(ov2))
+  assert tr2.sft_info["cached"] is True and tr2.sft_info["path"] == tr.sft_info["path"]
+
+
+@pytest.mark.slow
+def test_smollm2_config_one_step(tmp_path):
+  path = os.path.join(REPO, "configs", "smollm2_135m.py")
+  if not os.path.exists(path):
+    pytest.skip("configs/smollm2_135m.py does not exist yet")
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("smollm2_cfg", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config()
+  c.workdir = str(tmp_path / "run")
+  c.total_steps = 1
+  c.delay = 0
+  c.eval.num_problems = 2
+  c.eval.n = 1
+  c.eval.ks = (1,)
+  c.eval.every = 0
+  c.checkpoint.every = 0
+  c.log.plots = False
+  c.log.progress = False
+  c.log.tensorboard = False
+  if "sft" in c:
+    c.sft.enabled = False
+  from minpro_jax.trainer import Trainer
+  summary = Trainer(c).run()
+  assert summary["policy_version"] == c.num_updates_per_step
