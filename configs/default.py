@@ -16,7 +16,7 @@ def base_config() -> ConfigDict:
   c = ConfigDict()
   c.workdir = "runs/default"
   c.seed = 0
-  c.total_steps = 60                   # global steps (sample -> grade -> buffer -> updates)
+  c.total_steps = 40                   # global steps (sample -> grade -> buffer -> updates)
   c.prompts_per_step = 64              # B: prompts sampled per global step
   c.group_size = 8                     # G: responses per prompt
   c.num_updates_per_step = 4           # n: optimizer updates (mini-batches) per global step
@@ -79,7 +79,7 @@ def base_config() -> ConfigDict:
   c.loss.logprob_chunk_size = 256
 
   c.optimizer = ConfigDict()
-  c.optimizer.learning_rate = 2e-4
+  c.optimizer.learning_rate = 1e-4
   c.optimizer.warmup_steps = 0
   c.optimizer.schedule = "constant"
   c.optimizer.decay_steps = 0
@@ -90,7 +90,7 @@ def base_config() -> ConfigDict:
 
   c.sft = ConfigDict()
   c.sft.enabled = True
-  c.sft.steps = 1200
+  c.sft.steps = 600
   c.sft.batch_size = 64
   c.sft.learning_rate = 2e-3
   c.sft.num_examples = 8000
@@ -99,7 +99,7 @@ def base_config() -> ConfigDict:
   c.sft.cache_dir = "cache"
 
   c.eval = ConfigDict()
-  c.eval.every = 20                    # global steps; 0 = only at start and end
+  c.eval.every = 10                    # global steps; 0 = only at start and end
   c.eval.num_problems = 200
   c.eval.n = 4                         # samples per problem (pass@1 = avg@n)
   c.eval.ks = (1, 4)
