@@ -4,8 +4,9 @@
 #
 # Pipeline: train a sentencepiece tokenizer on the task corpus, SFT warm start (cached), then MinPRO with
 # rollouts delayed by 2 global steps (4 updates per step, so staleness 8..11 updates after warm-up).
-# Expected on a 2-core CPU: about 10 minutes end to end; held-out pass@1 rises clearly from the SFT
-# checkpoint to the end of RL (the README records the measured numbers). Output: runs/default/.
+# Expected on a 2-core CPU: 10-14 minutes end to end (SFT ~6 of them, cached for later runs; RL ~4.5 s per step);
+# held-out pass@1 rose from 16.0% after SFT to 22.1% final / 24.7% best in the run recorded in the README.
+# Output: runs/default/.
 """Default experiment config (ml_collections)."""
 
 from ml_collections import ConfigDict
