@@ -108,6 +108,7 @@ def base_config() -> ConfigDict:
   c.eval.top_p = 1.0
   c.eval.seed = 12345                  # held-out problems come from a different generator seed
   c.eval.path = ""                     # optional extra benchmark files: "name=fmt:path,name2=fmt:path2"
+  c.eval.reward_mode = ""              # "" = reward.mode; "math" for MATH-500 / OlympiadBench-style answers
 
   c.checkpoint = ConfigDict()
   c.checkpoint.every = 10              # global steps; also on SIGTERM / SIGINT

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -88,6 +89,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}")
   _need(c.eval.n >= 1, "eval.n", f"must be >= 1, got {c.eval.n}")
   _need(all(1 <= k <= c.eval.n for k in c.eval.ks), "eval.ks", f"every k must lie in [1, eval.n={c.eval.n}]")
+  _validate_choices_and_ranges(c)
   shape = parse_mesh_shape(c.mesh.shape)
   if shape:
     from minpro_jax.sharding import MESH_AXES
@@ -101,6 +103,83 @@ def validate_config(c, num_devices: int | None = None) -> None:
       prod *= v if v > 0 else 1
     _need(num_devices % prod == 0 if fill else prod == num_devices, "mesh.shape",
           f"{c.mesh.shape!r} does not divide the {num_devices} available devices")
+
+
+def _validate_choices_and_ranges(c) -> None:
+  """Every enumerated or bounded field, so a typo fails at start and not after the warm start."""
+  from minpro_jax.advantages import ADVANTAGE_MODES
+  from minpro_jax.data.prompts import TEMPLATES
+  from minpro_jax.models.config import PRESETS
+  from minpro_jax.objectives_agg import LOSS_AGG_MODES
+  from minpro_jax.objectives_prefix import PREFIX_STATISTICS
+  l = c.loss
+  _need(l.prefix_statistic in PREFIX_STATISTICS, "loss.prefix_statistic",
+        f"{l.prefix_statistic!r}; choose one of {PREFIX_STATISTICS}")
+  _need(not l.loss_agg_mode or l.loss_agg_mode in LOSS_AGG_MODES, "loss.loss_agg_mode",
+        f"{l.loss_agg_mode!r}; choose one of {LOSS_AGG_MODES} (or '' for the method's default)")
+  _need(l.rollout_is in ("", "token", "sequence"), "loss.rollout_is", f"{l.rollout_is!r}; choose '', token or sequence")
+  _need(l.rollout_mis in ("", "token", "sequence", "geometric"), "loss.rollout_mis",
+        f"{l.rollout_mis!r}; choose '', token, sequence or geometric")
+  _need(l.eps_low < 1.0, "loss.eps_low", f"must be < 1 (a ratio bound 1 - eps_low > 0), or < 0 for the default")
+  _need(l.dual_clip_c == 0 or l.dual_clip_c > 1, "loss.dual_clip_c", "must be 0 (off) or > 1")
+  _need(l.tis_cap > 0, "loss.tis_cap", f"must be > 0, got {l.tis_cap}")
+  _need(l.logprob_chunk_size > 0, "loss.logprob_chunk_size", f"must be > 0, got {l.logprob_chunk_size}")
+  _need(c.optimizer.schedule in ("constant", "cosine", "linear"), "optimizer.schedule",
+        f"{c.optimizer.schedule!r}; choose constant, cosine or linear")
+  _need(c.optimizer.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {c.optimizer.learning_rate}")
+  _need(c.advantage_mode in ADVANTAGE_MODES, "advantage_mode", f"{c.advantage_mode!r}; choose one of {ADVANTAGE_MODES}")
+  _need(c.reward.mode in ("math", "integer"), "reward.mode", f"{c.reward.mode!r}; choose math or integer")
+  _need(c.eval.reward_mode in ("", "math", "integer"), "eval.reward_mode",
+        f"{c.eval.reward_mode!r}; choose '' (= reward.mode), math or integer")
+  _need(c.data.template in TEMPLATES, "data.template", f"{c.data.template!r}; choose one of {TEMPLATES}")
+  _need(c.data.num_epochs > 0, "data.num_epochs", f"must be > 0, got {c.data.num_epochs}")
+  _need(c.data.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {c.data.max_prompt_tokens}")
+  if c.model.source == "scratch":
+    _need(c.model.preset in PRESETS, "model.preset", f"{c.model.preset!r}; choose one of {sorted(PRESETS)}")
+    _need(c.tokenizer.kind != "model", "tokenizer.kind",
+          "'model' reads the tokenizer of an hf/gguf checkpoint; with model.source=scratch use train_spm or path")
+  for name in ("sampling.top_p", "eval.top_p"):
+    v = c.sampling.top_p if name.startswith("sampling") else c.eval.top_p
+    _need(0.0 < v <= 1.0, name, f"must lie in (0, 1] (1 = off), got {v}")
+  _need(c.sampling.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off), got {c.sampling.top_k}")
+  _need(c.eval.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {c.eval.temperature}")
+  _need(c.eval.every >= 0, "eval.every", f"must be >= 0 (0 = only at start and end), got {c.eval.every}")
+  if c.sft.enabled:
+    _need(c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0, "sft",
+          "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
+  if c.eval.path:
+    for item in c.eval.path.split(","):
+      path = item.partition("=")[2].partition(":")[2]
+      _need(bool(path) and os.path.isfile(path), "eval.path",
+            f"{item!r}: write name=fmt:path with an existing file")
+
+
+# Fields a run checkpoint is only valid for: resuming with other values would silently change the experiment.
+RESUME_KEYS = ("seed", "prompts_per_step", "group_size", "num_updates_per_step", "delay", "loss", "model",
+               "data", "sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.precision",
+               "advantage_mode", "reward")
+
+
+def resume_fingerprint(c) -> dict[str, Any]:
+  """The values of `RESUME_KEYS` as plain JSON (stored in each run checkpoint)."""
+  out = {}
+  for key in RESUME_KEYS:
+    node = c
+    for part in key.split("."):
+      node = node[part]
+    out[key] = node.to_dict() if hasattr(node, "to_dict") else node
+  return json.loads(json.dumps(out, default=str))
+
+
+def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
+  """Raises ConfigError when the config differs from the one the checkpoint in `workdir` was written with."""
+  if not stored:
+    return
+  now = resume_fingerprint(c)
+  diff = sorted(k for k in set(now) | set(stored) if now.get(k) != stored.get(k))
+  _need(not diff, "workdir",
+        f"{workdir} holds a checkpoint of a run with different {', '.join(diff)}; resuming would mix two "
+        "experiments. Use a new --config.workdir (or delete the old one)")
 
 
 def loss_config(c) -> LossConfig:

@@ -8,7 +8,7 @@ Public surface::
     compute_m2po_mask(log_ratio, advantages, response_mask, m2_threshold=0.04) -> [B, T] bool
     aggregate_loss, mismatch_metrics, inference_gap_t_post (from objectives_agg)
 
-Formulas and worked vectors: ``shared/research/algorithms.md`` (sections 1, 2, 4, 6). Conventions:
+Formulas: the MinPRO paper and the baselines cited per method; worked vectors V1-V7 are in tests/test_objectives.py. Conventions:
   * ``logp`` / ``behavior_logp``: [B, T] log-probs of the sampled tokens under pi_theta and the behaviour
     policy mu that generated them; l_t = logp_t - behavior_logp_t is computed in float32.
   * Masked positions may hold NaN/inf garbage: every input is passed through ``jnp.where(valid, x, 0)``

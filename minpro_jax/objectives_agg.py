@@ -187,7 +187,7 @@ def inference_gap_t_post(
 ) -> jax.Array:
     """MIPU step-2 statistic T_post = -mean_i( exp(masked_mean_t(logp_train - logp_sampler)) * A_i ).
 
-    Source: MIPU (arXiv 2606.29526, project page; ``shared/research/mipu.md`` section 2). Accept the update
+    Source: MIPU (arXiv 2606.29526, project page, Step 2). Accept the update
     iff T_post >= -c.
 
     Args:

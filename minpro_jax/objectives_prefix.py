@@ -12,7 +12,7 @@ Conventions (``[B, T]`` = batch x time):
     scan carries across them (e.g. prompt tokens inside a packed segment).
 
 Reference: MinPRO, arXiv 2601.22718 (prefix min of token ratios); the ablation statistics are from
-``shared/research/algorithms.md`` section 2.
+the MinPRO algorithm note, section 2 (worked vectors in tests/test_objectives.py).
 """
 
 from __future__ import annotations

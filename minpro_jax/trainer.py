@@ -124,7 +124,7 @@ class Trainer:
     fn = lambda prompts, n, seed: self.generate_texts(params, prompts, n, seed, temperature=e.temperature,  # noqa: E731
                                                       top_p=e.top_p)
     res = evaluate(fn, self.eval_sets, n=e.n, ks=tuple(e.ks), prompt_fn=self._prompt_text, seed=e.seed + step,
-                   batch_size=max(1, 256 // e.n), modes=self.c.reward.mode, out_dir=os.path.join(self.workdir, "eval"),
+                   batch_size=max(1, 256 // e.n), modes=e.reward_mode or self.c.reward.mode, out_dir=os.path.join(self.workdir, "eval"),
                    name=name)
     return res
 
@@ -218,7 +218,7 @@ class Trainer:
       signal.signal(sig, handler)
 
   def _save(self, step: int, state, buffer: RolloutBuffer, extra: dict[str, Any]) -> None:
-    meta = {"global_step": step, "data": self.loader.get_state(), **extra}
+    meta = {"global_step": step, "data": self.loader.get_state(), "config": build.resume_fingerprint(self.c), **extra}
     self.ckpt.save(step, state, buffer.state_dict(), meta)
 
   def run(self) -> dict[str, Any]:
@@ -236,6 +236,7 @@ class Trainer:
     latest = self.ckpt.latest_step()
     if latest is not None:
       state, buf_state, meta = self.ckpt.restore(latest, state)
+      build.check_resume(c, meta.get("config"), self.workdir)
       buffer.load_state_dict(buffer_state_from_restored(buf_state))
       self.loader.set_state(meta["data"])
       extra = {k: meta.get(k) for k in extra}

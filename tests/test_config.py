@@ -35,6 +35,21 @@ BAD = [
     ({"eval.n": 2, "eval.ks": (1, 4)}, 1, "eval.ks"),
     ({"total_steps": 0}, 1, "total_steps"),
     ({"sampling.temperature": 0.0}, 1, "sampling.temperature"),
+    ({"loss.prefix_statistic": "median"}, 1, "loss.prefix_statistic"),
+    ({"loss.loss_agg_mode": "token-sum"}, 1, "loss.loss_agg_mode"),
+    ({"loss.rollout_is": "tok"}, 1, "loss.rollout_is"),
+    ({"loss.eps_low": 1.5}, 1, "loss.eps_low"),
+    ({"loss.dual_clip_c": 0.5}, 1, "loss.dual_clip_c"),
+    ({"optimizer.schedule": "cosin"}, 1, "optimizer.schedule"),
+    ({"optimizer.learning_rate": -1.0}, 1, "optimizer.learning_rate"),
+    ({"advantage_mode": "ppo"}, 1, "advantage_mode"),
+    ({"reward.mode": "float"}, 1, "reward.mode"),
+    ({"model.preset": "nope"}, 1, "model.preset"),
+    ({"tokenizer.kind": "model"}, 1, "tokenizer.kind"),
+    ({"data.template": "chatml"}, 1, "data.template"),
+    ({"sampling.top_p": 1.5}, 1, "sampling.top_p"),
+    ({"sampling.top_k": -3}, 1, "sampling.top_k"),
+    ({"eval.path": "aime=aime:/nonexistent.jsonl"}, 1, "eval.path"),
 ]
 
 
@@ -65,3 +80,12 @@ def test_cli_unknown_field_fails(tmp_path, ok):
   r = _run_cli(cli_args(ok) + ["--config.no_such_field=3"])
   assert r.returncode != 0
   assert "no_such_field" in r.stderr + r.stdout
+
+
+def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
+  from minpro_jax.build import check_resume, resume_fingerprint
+  stored = resume_fingerprint(make_config(ok))
+  check_resume(make_config(ok), stored, "runs/x")  # same config: fine
+  with pytest.raises(ConfigError) as e:
+    check_resume(make_config({**ok, "loss.method": "grpo", "delay": 4}), stored, "runs/x")
+  assert "config.workdir" in str(e.value) and "delay" in str(e.value) and "loss" in str(e.value)

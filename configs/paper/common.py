@@ -1,7 +1,7 @@
 """Shared settings of the paper-scale configs (Qwen3 on DAPO-Math-17K, TPU/GPU).
 
 Every value marked ASSUMPTION is not given in the sources we could read (the MinPRO paper's full text and
-hyper-parameter table were not available; see the algorithms note in the README); they follow common verl/DAPO
+hyper-parameter table were not available to us); they follow common verl/DAPO
 recipes and the CPPO re-run of MinPRO (lr 1e-6, no KL, no entropy bonus).
 """
 
@@ -61,7 +61,8 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
   c.data.template = "chat"
   c.data.max_prompt_tokens = 2048
   c.data.num_epochs = 100
-  c.reward.mode = "math"
+  c.reward.mode = "integer"              # DAPO-Math-17K answers are integers
+  c.eval.reward_mode = "math"            # the benchmarks have expressions (MATH-500, OlympiadBench, Minerva)
 
   c.sampling.temperature = 1.0           # ASSUMPTION
   c.sampling.top_p = 1.0                 # ASSUMPTION

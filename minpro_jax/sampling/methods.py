@@ -1,6 +1,6 @@
 """Sampling parameters and the pure next-token function of the sampler.
 
-The behavior log-prob contract (cases B12, B13 of shared/cases.md):
+The behavior log-prob contract (public bug-report cases B12, B13; tests/test_sampler.py):
 
   behavior_logp(token) = log_softmax(logits / T)[token], over the FULL vocabulary.
 
