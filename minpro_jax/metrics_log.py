@@ -113,11 +113,7 @@ def plot_run(workdir: str) -> list[str]:
   ax.set_xlabel("global step")
   ax.legend()
   ax.set_title("reward and accuracy")
-  path = os.path.join(workdir, "reward.png")
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  out.append(path)
+  out.append(_save(fig, workdir, "reward.png"))
 
   fig, ax = plt.subplots(figsize=(6, 4))
   for key in ("staleness/min", "staleness/mean", "staleness/max"):
@@ -127,11 +123,7 @@ def plot_run(workdir: str) -> list[str]:
   ax.set_xlabel("global step")
   ax.set_ylabel("updates between sampling and use")
   ax.legend()
-  path = os.path.join(workdir, "staleness.png")
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  out.append(path)
+  out.append(_save(fig, workdir, "staleness.png"))
 
   bins = [r["learn/weight_by_position_bin"] for r in recs if r.get("learn/weight_by_position_bin")]
   if bins:
@@ -146,12 +138,18 @@ def plot_run(workdir: str) -> list[str]:
     ax.set_xlabel("response token position")
     ax.set_ylabel("mean per-token weight")
     ax.legend()
-    path = os.path.join(workdir, "weight_by_position.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    out.append(path)
+    out.append(_save(fig, workdir, "weight_by_position.png"))
   return out
+
+
+def _save(fig, workdir: str, name: str) -> str:
+  """Writes `fig` to `workdir/name` as PNG, closes it, and returns the path."""
+  import matplotlib.pyplot as plt
+  path = os.path.join(workdir, name)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
 
 
 def write_summary(workdir: str, summary: dict[str, Any]) -> str:
