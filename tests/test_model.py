@@ -15,7 +15,7 @@ from flax import nnx
 from minpro_jax.models import KVCache, ModelConfig, get_preset, segment_positions, token_logprobs
 from minpro_jax.models.hf_io import (DictSource, hf_tensor_shapes, load_from_source, load_hf_checkpoint,
                                      save_hf_checkpoint)
-from minpro_jax.models.transformer import MoE
+from minpro_jax.models.transformer import MoE, Transformer, unstack_layer_params
 from minpro_jax.sharding import make_mesh, use_mesh
 
 
@@ -148,6 +148,40 @@ def test_cache_decode_equals_full_forward(name, scan):
   real = np.asarray(seg).astype(bool)
   np.testing.assert_allclose(got[real], full[real], atol=1e-5, rtol=0)
   np.testing.assert_array_equal(np.asarray(cache.segment_ids)[:, :9], np.asarray(seg))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_unstacked_layers_equal_stacked_with_and_without_cache(name):
+  """`unstack_layer_params` + a stack_layers=False model: same logits, same cached decode, per-layer cache."""
+  model = _model(name)
+  flat_config = model.config.replace(stack_layers=False)
+  state = jax.jit(lambda s: unstack_layer_params(s, model.config))(nnx.split(model)[1])
+  with nnx.use_eager_sharding(False):
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(flat_config, rngs=nnx.Rngs(0))))[0]
+  flat = nnx.merge(graphdef, state)
+  assert len(flat.layers) == model.config.num_layers
+  np.testing.assert_array_equal(np.asarray(flat.layers[1].attn.q_proj[...]), np.asarray(model.layers.attn.q_proj[1]))
+  tokens, seg = _tokens(b=4, t=9), _left_pad_segments(b=4, t=9)
+  np.testing.assert_allclose(np.asarray(_fwd(flat, tokens, seg)), np.asarray(_fwd(model, tokens, seg)), atol=1e-6)
+  pos = segment_positions(seg)
+  step = nnx.jit(lambda m, x, p, s, c, i: m(x, p, s, cache=c, cache_index=i))
+  outs = {}
+  for m in (model, flat):
+    cache = KVCache.zeros(m.config, 4, 12)
+    out = step(m, tokens[:, :8], pos[:, :8], seg[:, :8], cache, jnp.int32(0))
+    out = step(m, tokens[:, 8:], pos[:, 8:], seg[:, 8:], out.cache, jnp.int32(8))
+    outs[m.config.stack_layers] = out
+  assert isinstance(outs[False].cache.k, tuple) and outs[False].cache.k[0].shape == (4, 2, 12, 16)
+  np.testing.assert_allclose(np.asarray(outs[False].out), np.asarray(outs[True].out), atol=1e-6)
+  for i in range(model.config.num_layers):
+    np.testing.assert_allclose(np.asarray(outs[False].cache.k[i]), np.asarray(outs[True].cache.k[i]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(outs[False].cache.v[i]), np.asarray(outs[True].cache.v[i]), atol=1e-6)
+  with pytest.raises(ValueError, match="stack_layers"):
+    flat(tokens, cache=KVCache.zeros(model.config, 4, 12))
+  with pytest.raises(ValueError, match="stacked config"):
+    unstack_layer_params(state, flat_config)
+  with pytest.raises(ValueError, match="scan_layers=True needs stack_layers=True"):
+    model.config.replace(stack_layers=False, scan_layers=True)
 
 
 def _loss(model, tokens, seg):

@@ -60,3 +60,21 @@ def test_precision_config_and_cast():
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(prepare_inference_params(state, "bf16")))
   with pytest.raises(ValueError, match="precision"):
     precision_config(cfg, "fp4")
+
+
+def test_fp8_scales_are_per_layer_in_both_layouts():
+  """fp8 of the stacked State then unstacking == unstacking then fp8 of the per-layer State (one scale per
+  layer and tensor either way), and layers with different ranges get different scales."""
+  from minpro_jax.models.transformer import unstack_layer_params
+  cfg = get_preset("tiny")
+  state = nnx.split(init_model(cfg, seed=1))[1]
+  state["layers"]["mlp"]["up_proj"].value = state["layers"]["mlp"]["up_proj"][...] * jnp.array([1.0, 7.0])[:, None, None]
+  flat_cfg = cfg.replace(stack_layers=False)
+  a = unstack_layer_params(prepare_inference_params(state, "fp8", cfg), cfg)
+  b = prepare_inference_params(unstack_layer_params(state, cfg), "fp8", flat_cfg)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):  # equal up to 1 ulp (x / s * s order of rounding)
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=3e-7, atol=0)
+  up0, up1 = (np.asarray(a["layers"][i]["mlp"]["up_proj"][...]) for i in (0, 1))
+  grid = lambda w: np.unique(np.abs(w)).size
+  assert grid(up0) <= 256 and grid(up1) <= 256  # e4m3 has at most 2^7 magnitudes (+ scale): quantized
+  assert np.abs(up1).max() > 5 * np.abs(up0).max()  # not one shared scale squashing layer 0

@@ -48,6 +48,10 @@ class ModelConfig:
     dtype: compute dtype of activations and matmuls ("float32" or "bfloat16"). Log-softmax is always fp32.
     remat: "none" or "block" (recompute each decoder block in the backward pass).
     scan_layers: run the stacked layers with `nnx.scan` (fast compile for deep models) instead of a Python loop.
+    stack_layers: True (default, what checkpoints and the learner use): every per-layer parameter has a
+      leading `layers` axis. False: one separate `DecoderLayer` per layer (an `nnx.List`) and a per-layer
+      KV cache; the sampler converts to this layout (`minpro_jax.models.unstack_layer_params`) because
+      XLA:CPU copies every slice of a stacked weight or cache out of the stack at each decode step.
     act_quant: "none", or "fp8" to fake-quantize every matmul input of attention and MLP/experts to e4m3
       (dynamic per-token scale; `minpro_jax.models.quant`). Used by the sampler's simulated FP8 mode.
     logits_soft_cap: unused by Qwen3/Llama; kept None.
@@ -77,6 +81,7 @@ class ModelConfig:
   dtype: str = "float32"
   remat: str = "none"
   scan_layers: bool = False
+  stack_layers: bool = True
   act_quant: str = "none"
 
   def __post_init__(self):
@@ -101,6 +106,8 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
     if self.remat not in _REMAT:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {_REMAT}")
+    if self.scan_layers and not self.stack_layers:
+      raise ValueError("ModelConfig.scan_layers=True needs stack_layers=True (nnx.scan runs stacked layers)")
     if self.act_quant not in _ACT_QUANT:
       raise ValueError(f"ModelConfig.act_quant={self.act_quant!r}; choose one of {_ACT_QUANT}")
     if self.moe_impl not in _MOE_IMPLS:

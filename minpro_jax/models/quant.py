@@ -84,12 +84,16 @@ def precision_config(config: ModelConfig, precision: str, *, fp8_activations: bo
 
 
 def prepare_inference_params(state, precision: str, config: ModelConfig | None = None):
-  """The parameter State in the sampler's precision: cast (fp32 / bf16) and fake-quantized (fp8)."""
-  del config
+  """The parameter State in the sampler's precision: cast (fp32 / bf16) and fake-quantized (fp8).
+
+  `config` (the model's) tells whether layer weights are stacked ([L, ...], one fp8 scale per layer
+  and tensor) or per-layer arrays; default stacked.
+  """
+  stacked = 1 if config is None or getattr(config, "stack_layers", True) else 0
   if precision == "fp32":
     return jax.tree.map(lambda x: x.astype(jnp.float32), state)
   if precision == "bf16":
     return jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
   if precision == "fp8":
-    return fake_quant_weights(jax.tree.map(lambda x: x.astype(jnp.float32), state))
+    return fake_quant_weights(jax.tree.map(lambda x: x.astype(jnp.float32), state), num_stacked_axes=stacked)
   raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}")

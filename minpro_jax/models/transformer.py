@@ -40,21 +40,34 @@ def _init(stddev: float, axes: tuple[str | None, ...]):
 class KVCache:
   """Key/value cache of all layers.
 
+  The layout is heads-major, [B, K, S, head_dim], which a decode step's attention contracts without a
+  transposed copy of the cache (XLA:CPU copied a [B, S, K, head_dim] cache into this order at every step).
+  A [B, K, head_dim, S] key cache would be faster still in fp32 but has no bf16 x bf16 -> fp32 dot on CPU.
+
   Attributes:
-    k: [L, B, S, K, head_dim] keys (compute dtype), RoPE already applied.
-    v: [L, B, S, K, head_dim] values.
+    k: keys (compute dtype, RoPE already applied): one [L, B, K, S, head_dim] array when the config stacks
+      its layers (`stack_layers=True`), else a tuple of L arrays [B, K, S, head_dim] (so a decode step
+      reads and writes each layer's cache in place instead of slicing it out of a stack).
+    v: values, same layout as `k`.
     segment_ids: [B, S] int32 segment id of each slot (0 = empty or padding; never attended to).
   """
-  k: jax.Array
-  v: jax.Array
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
   segment_ids: jax.Array
 
   @classmethod
   def zeros(cls, config: ModelConfig, batch: int, length: int) -> "KVCache":
-    """An empty cache for `batch` rows and `length` slots."""
-    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
-    k = constrain(jnp.zeros(shape, config.jnp_dtype), ("layers", "batch", "cache_seq", "act_kv_heads", None))
-    return cls(k=k, v=k, segment_ids=jnp.zeros((batch, length), jnp.int32))
+    """An empty cache for `batch` rows and `length` slots, in the layout `config.stack_layers` selects."""
+    kh, hd, dt = config.num_kv_heads, config.head_dim, config.jnp_dtype
+    k_shape = v_shape = (batch, kh, length, hd)
+    k_axes = v_axes = ("batch", "act_kv_heads", "cache_seq", None)
+    if config.stack_layers:
+      k = constrain(jnp.zeros((config.num_layers, *k_shape), dt), ("layers", *k_axes))
+      v = constrain(jnp.zeros((config.num_layers, *v_shape), dt), ("layers", *v_axes))
+    else:
+      k = tuple(constrain(jnp.zeros(k_shape, dt), k_axes) for _ in range(config.num_layers))
+      v = tuple(constrain(jnp.zeros(v_shape, dt), v_axes) for _ in range(config.num_layers))
+    return cls(k=k, v=v, segment_ids=jnp.zeros((batch, length), jnp.int32))
 
 
 class ModelOutput(NamedTuple):
@@ -146,12 +159,13 @@ class Attention(nnx.Module):
       positions_bt: [B, T] int32 RoPE positions.
       q_segment_bt: [B, T] int32 segment ids of the new tokens.
       kv_segment_bs: [B, S] int32 segment ids of all key slots (S = T without a cache).
-      cache_kv: None, or (k, v, layer) with the FULL caches k, v [L, B, S, K, head_dim] and this layer's index;
-        the new keys/values are written in place at [layer, :, cache_index:cache_index + T].
+      cache_kv: None; or (k, v, layer) with the stacked caches (`KVCache` layouts, leading [L]) and this
+        layer's index; or (k, v, None) with this layer's own caches. The new keys/values are written in
+        place at slots [cache_index, cache_index + T).
       cache_index: int32 scalar slot where the new tokens are written (0 without a cache).
 
     Returns:
-      ([B, T, D] output, updated full (k, v) or None).
+      ([B, T, D] output, the updated (k, v) caches in the layout given, or None).
     """
     c = self.config
     dt = c.jnp_dtype
@@ -166,26 +180,36 @@ class Attention(nnx.Module):
     k = apply_rope(k, positions_bt, inv_freq)
     q = constrain(q, ("batch", "act_seq", "act_heads", None))
     t = x_btd.shape[1]
-    if cache_kv is not None:
-      k_full, v_full, layer = cache_kv
-      at = (layer, 0, cache_index, 0, 0)
-      k_full = jax.lax.dynamic_update_slice(k_full, k.astype(k_full.dtype)[None], at)
-      v_full = jax.lax.dynamic_update_slice(v_full, v.astype(v_full.dtype)[None], at)
-      k_all, v_all, new_cache = k_full[layer], v_full[layer], (k_full, v_full)
-    else:
-      k_all, v_all, new_cache = k, v, None
-    s = k_all.shape[1]
     b, _, h, hd = q.shape
     kh = c.num_kv_heads
+    # heads-major operands: every attention dot is then a plain batched [M, K] x [K, N] matmul on XLA:CPU
+    # (the token-major einsums were 3x slower there in the forward pass, from operand transposes)
+    qg = jnp.transpose(q.reshape(b, t, kh, h // kh, hd), (0, 2, 3, 1, 4))  # [B, K, G, T, hd]
+    k_new = jnp.transpose(k, (0, 2, 1, 3))  # [B, K, T, hd]
+    v_new = jnp.transpose(v, (0, 2, 1, 3))
+    if cache_kv is not None:
+      k_cache, v_cache, layer = cache_kv
+      k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
+      if layer is None:  # this layer's own cache: updated in place and read without a copy
+        k_all = k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, (0, 0, cache_index, 0))
+        v_all = v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, (0, 0, cache_index, 0))
+      else:
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k_new[None], (layer, 0, 0, cache_index, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v_new[None], (layer, 0, 0, cache_index, 0))
+        k_all, v_all = k_cache[layer], v_cache[layer]
+      new_cache = (k_cache, v_cache)
+    else:
+      k_all, v_all, new_cache = k_new, v_new, None
+    s = k_all.shape[2]
+    scores = jnp.einsum("bkgth,bksh->bkgts", qg, k_all.astype(dt), preferred_element_type=jnp.float32)
     q_slot = cache_index + jnp.arange(t)
     mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
     mask = mask & (q_segment_bt[:, :, None] == kv_segment_bs[:, None, :]) & (q_segment_bt[:, :, None] != 0)
-    qg = q.reshape(b, t, kh, h // kh, hd)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k_all.astype(dt), preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(hd))
     scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(dt), v_all.astype(dt)).reshape(b, t, h, hd)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bksh->bkgth", probs, v_all.astype(dt))
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, hd)
     y = jnp.einsum("bthk,hkd->btd", maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt))
     return y, new_cache
 
@@ -314,12 +338,15 @@ class Transformer(nnx.Module):
     self.embed = nnx.Param(_init(0.02, ("vocab", "embed"))(rngs.params(), (c.vocab_size, c.hidden_size),
                                                            c.jnp_param_dtype))
 
-    @nnx.split_rngs(splits=c.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_layers(rngs):
-      return DecoderLayer(c, rngs=rngs)
+    if c.stack_layers:
+      @nnx.split_rngs(splits=c.num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def make_layers(rngs):
+        return DecoderLayer(c, rngs=rngs)
 
-    self.layers = make_layers(rngs)
+      self.layers = make_layers(rngs)
+    else:
+      self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
     self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.jnp_param_dtype, rngs=rngs)
     if not c.tie_embeddings:
       self.lm_head = nnx.Param(_init(0.02, ("embed", "vocab"))(rngs.params(), (c.hidden_size, c.vocab_size),
@@ -331,8 +358,15 @@ class Transformer(nnx.Module):
     return self.embed[...].T.astype(dt) if self.config.tie_embeddings else self.lm_head[...].astype(dt)
 
   def logits(self, hidden_btd: jax.Array) -> jax.Array:
-    """[B, T, V] float32 logits of final hidden states (fp32 accumulation)."""
-    return jnp.einsum("btd,dv->btv", hidden_btd, self.head_weight(), preferred_element_type=jnp.float32)
+    """[B, T, V] float32 logits of final hidden states (fp32 accumulation).
+
+    A tied head contracts with the [V, D] embedding as stored: no transposed copy (at batch 1 a copy of
+    the embedding would double the bytes read per decode step).
+    """
+    dt = self.config.jnp_dtype
+    if self.config.tie_embeddings:
+      return jnp.einsum("btd,vd->btv", hidden_btd, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", hidden_btd, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
@@ -370,8 +404,11 @@ class Transformer(nnx.Module):
     if positions_bt.shape != (b, t):
       raise ValueError(f"positions_bt has shape {positions_bt.shape}, expected {(b, t)}")
     if cache is not None:
-      if cache.k.shape[1] != b or cache.k.shape[2] < t:
-        raise ValueError(f"cache of shape {cache.k.shape} does not fit tokens of shape {(b, t)}")
+      if cache.segment_ids.shape[0] != b or cache.segment_ids.shape[1] < t:
+        raise ValueError(f"cache of {cache.segment_ids.shape} (rows, slots) does not fit tokens of shape {(b, t)}")
+      if isinstance(cache.k, tuple) == c.stack_layers:
+        raise ValueError("cache layout does not match ModelConfig.stack_layers; build it with "
+                         "KVCache.zeros(model.config, ...)")
       kv_segment = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, cache_index))
     else:
       kv_segment = segment_ids_bt
@@ -401,7 +438,7 @@ class Transformer(nnx.Module):
           x, (k, v), aux = run_layer(layer, x, (k, v, idx))
           return (x, k, v), aux
         (x, new_k, new_v), aux = body((x, cache.k, cache.v), self.layers, jnp.arange(c.num_layers))
-    else:
+    elif c.stack_layers:
       graphdef, state = nnx.split(self.layers)
       auxes = []
       new_k, new_v = (None, None) if cache is None else (cache.k, cache.v)
@@ -413,6 +450,17 @@ class Transformer(nnx.Module):
         if kv is not None:
           new_k, new_v = kv
       aux = jnp.stack(auxes)
+    else:
+      auxes, ks, vs = [], [], []
+      for i, layer in enumerate(self.layers):
+        kv = None if cache is None else (cache.k[i], cache.v[i], None)
+        x, kv, a = run_layer(layer, x, kv)
+        auxes.append(a)
+        if kv is not None:
+          ks.append(kv[0])
+          vs.append(kv[1])
+      aux = jnp.stack(auxes)
+      new_k, new_v = tuple(ks), tuple(vs)
 
     hidden = self.final_norm(x)
     new_cache = None if cache is None else KVCache(k=new_k, v=new_v, segment_ids=kv_segment)
@@ -439,3 +487,35 @@ def init_model(config: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | Non
       return Transformer(config, rngs=nnx.Rngs(seed))
   with use_mesh(mesh, rules or DEFAULT_RULES):
     return nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(seed)))()
+
+
+def unstack_layer_params(state: nnx.State, config: ModelConfig) -> nnx.State:
+  """The parameter State of a stacked-layer model rewritten for `config.replace(stack_layers=False)`.
+
+  Args:
+    state: the `nnx.State` of a `Transformer` built with `config` (stacked: every per-layer leaf has a
+      leading [L] axis), as `nnx.split(model)[1]` returns it.
+    config: that model's config (must have `stack_layers=True`).
+
+  Returns:
+    A State whose `layers` entry holds L per-layer subtrees (leaf i = stacked leaf [i]); merge it with the
+    graphdef of `Transformer(config.replace(stack_layers=False, scan_layers=False))`. Under jit the slices
+    are computed once, so a decode loop that consumes the result never slices the stack per step. The
+    result is a copy: it takes as much memory as the parameters.
+
+  Raises:
+    ValueError: `config.stack_layers` is False, or `state` does not have the config's layer count.
+  """
+  if not config.stack_layers:
+    raise ValueError("unstack_layer_params needs the stacked config (stack_layers=True)")
+  flat_config = config.replace(stack_layers=False, scan_layers=False)
+  with nnx.use_eager_sharding(False):
+    template = nnx.split(nnx.eval_shape(lambda: Transformer(flat_config, rngs=nnx.Rngs(0))))[1]
+  pure = nnx.to_pure_dict(state)
+  stacked = pure["layers"]
+  depth = {x.shape[0] for x in jax.tree.leaves(stacked)}
+  if depth != {config.num_layers}:
+    raise ValueError(f"state has layer stacks of depth {sorted(depth)}, config.num_layers={config.num_layers}")
+  pure["layers"] = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(config.num_layers)}
+  nnx.replace_by_pure_dict(template, pure)
+  return template

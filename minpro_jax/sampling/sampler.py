@@ -4,7 +4,10 @@ Flow of one `generate` call:
   1. Prompts are expanded to N = len(prompts) * group_size rows, left-padded to the smallest prompt bucket
      P >= longest prompt, and the rows padded to a batch bucket (extra rows start done and are dropped).
   2. The parameter State is converted once to the inference precision (`fp32`, `bf16`, or simulated `fp8`,
-     see `minpro_jax.models.quant`) by a small jitted function.
+     see `minpro_jax.models.quant`) and to per-layer arrays (`unstack_layer_params`) by a small jitted
+     function. The sampler's model runs its layers unrolled with a per-layer KV cache: XLA:CPU copies every
+     slice of a stacked weight or cache out of the stack inside a loop, which at batch 1 tripled the bytes
+     a decode step reads. The copy costs one parameter-sized buffer while `generate` runs.
   3. Jitted prefill: the prompts run through the model into a fresh KV cache of P + max_new_tokens slots
      (segment id 1 on real tokens, 0 on pads, so pads are never attended to; RoPE positions count real
      tokens only), and response index 0 is sampled from the last prompt position.
@@ -35,7 +38,7 @@ from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.quant import prepare_inference_params, PRECISIONS, precision_config
-from minpro_jax.models.transformer import KVCache, Transformer
+from minpro_jax.models.transformer import KVCache, Transformer, unstack_layer_params
 from minpro_jax.param_store import ParamStore
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
@@ -82,7 +85,10 @@ class Sampler:
         raise ValueError(f"{name} must be a non-empty strictly increasing tuple of positive ints, got {b}")
     self.model_config = model_config
     self.precision = precision
-    self.config = precision_config(model_config, precision, fp8_activations=fp8_activations)
+    # the learner-layout config (what `params` look like after the precision cast) and the sampler's own
+    # unrolled, per-layer config (what prefill / decode run)
+    self._input_config = precision_config(model_config, precision, fp8_activations=fp8_activations)
+    self.config = self._input_config.replace(stack_layers=False, scan_layers=False)
     self.prompt_buckets = tuple(prompt_buckets)
     self.batch_buckets = tuple(batch_buckets)
     self.mesh = mesh
@@ -90,14 +96,18 @@ class Sampler:
     self.pad_id = int(pad_id)
     self.trace_count = 0  # incremented each time prefill or decode is traced (tests assert no recompiles)
     with nnx.use_eager_sharding(False):
-      abstract = nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0)))
-    self._graphdef, abstract_state = nnx.split(abstract)
-    self._abstract_leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(abstract_state)]
-    self._prepare = jax.jit(lambda state: prepare_inference_params(state, precision, self.config))
+      abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
+      self._graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))[0]
+    self._abstract_leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(nnx.split(abstract_in)[1])]
+    self._prepare = jax.jit(self._prepare_impl)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
     self._decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
 
   # ----------------------------------------------------------------------------------------- jitted parts
+  def _prepare_impl(self, state):
+    state = prepare_inference_params(state, self.precision, self._input_config)
+    return unstack_layer_params(state, self._input_config) if self._input_config.stack_layers else state
+
   def _prefill_impl(self, state, tokens_bp, segment_bp, row_keys, active_b, *, sampling: SamplingParams):
     self.trace_count += 1
     model = nnx.merge(self._graphdef, state)
@@ -141,8 +151,6 @@ class Sampler:
     """The parameter State converted to this sampler's precision (what prefill/decode consume)."""
     state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
     self._check_state(state)
-    if self.precision == "fp32" and all(x.dtype == jnp.float32 for x in jax.tree.leaves(state)):
-      return state  # no copy: the sampler reads exactly the learner's buffers
     return self._prepare(state)
 
   def generate(self, params, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int | jax.Array = 0,
