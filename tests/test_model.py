@@ -171,7 +171,7 @@ def test_unstacked_layers_equal_stacked_with_and_without_cache(name):
     out = step(m, tokens[:, :8], pos[:, :8], seg[:, :8], cache, jnp.int32(0))
     out = step(m, tokens[:, 8:], pos[:, 8:], seg[:, 8:], out.cache, jnp.int32(8))
     outs[m.config.stack_layers] = out
-  assert isinstance(outs[False].cache.k, tuple) and outs[False].cache.k[0].shape == (4, 2, 12, 16)
+  assert isinstance(outs[False].cache.k, tuple) and outs[False].cache.k[0].shape == (4, 2, 16, 12)  # fp32: [B, K, hd, S]
   np.testing.assert_allclose(np.asarray(outs[False].out), np.asarray(outs[True].out), atol=1e-6)
   for i in range(model.config.num_layers):
     np.testing.assert_allclose(np.asarray(outs[False].cache.k[i]), np.asarray(outs[True].cache.k[i]), atol=1e-6)
