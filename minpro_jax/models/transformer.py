@@ -346,6 +346,27 @@ class DecoderLayer(nnx.Module):
     return x_btd, new_kv, aux
 
 
+@jax.custom_vjp
+def _unstack_layers(x_l: jax.Array) -> tuple[jax.Array, ...]:
+  """The L slices of a stacked [L, ...] parameter, whose gradient is one stack of the L slice gradients.
+
+  Plain `x[i]` slicing differentiates into L zero-padded [L, ...] gradients that are then summed: O(L^2)
+  memory traffic per step (measured: 23% of a 12-layer smollm2 train step on CPU, more at 30 layers).
+  """
+  return tuple(x_l[i] for i in range(x_l.shape[0]))
+
+
+def _unstack_layers_fwd(x_l):
+  return _unstack_layers(x_l), None
+
+
+def _unstack_layers_bwd(_, grads):
+  return (jnp.stack(grads),)
+
+
+_unstack_layers.defvjp(_unstack_layers_fwd, _unstack_layers_bwd)
+
+
 def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
   """[B, T] int32 position of each token inside its segment (0 at each segment start, 0 on padding).
 
@@ -471,10 +492,12 @@ class Transformer(nnx.Module):
         (x, new_k, new_v), aux = body((x, cache.k, cache.v), self.layers, jnp.arange(c.num_layers))
     elif c.stack_layers:
       graphdef, state = nnx.split(self.layers)
+      leaves, treedef = jax.tree.flatten(state)
+      per_leaf = [_unstack_layers(a) for a in leaves]
       auxes = []
       new_k, new_v = (None, None) if cache is None else (cache.k, cache.v)
       for i in range(c.num_layers):
-        layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+        layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, [layers[i] for layers in per_leaf]))
         kv = None if cache is None else (new_k, new_v, i)
         x, kv, a = run_layer(layer, x, kv)
         auxes.append(a)
