@@ -178,6 +178,8 @@ def test_unstacked_layers_equal_stacked_with_and_without_cache(name):
     np.testing.assert_allclose(np.asarray(outs[False].cache.v[i]), np.asarray(outs[True].cache.v[i]), atol=1e-6)
   with pytest.raises(ValueError, match="stack_layers"):
     flat(tokens, cache=KVCache.zeros(model.config, 4, 12))
+  with pytest.raises(ValueError, match="rope tables"):
+    flat(tokens, rope=(jnp.zeros((4, 9, 3)), jnp.zeros((4, 9, 3))))
   with pytest.raises(ValueError, match="stacked config"):
     unstack_layer_params(state, flat_config)
   with pytest.raises(ValueError, match="scan_layers=True needs stack_layers=True"):

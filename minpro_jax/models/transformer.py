@@ -134,8 +134,8 @@ def rope_tables(positions_bt: jax.Array, config: ModelConfig) -> tuple[jax.Array
   """(cos, sin), each [B, T, head_dim // 2] float32, of the RoPE angles positions * inv_freq (HF's
   `rotary_emb`), computed once per forward and shared by every layer.
 
-  Note: XLA:CPU still fuses cos/sin into each layer's q/k fusion and evaluates them per head (about 0.1 ms
-  per layer and decode step at batch 16); a position table gathered per step would avoid it.
+  XLA:CPU fuses cos/sin into each layer's q/k fusion and evaluates them per head (about 0.1 ms per layer
+  and decode step at batch 16), so the sampler passes tables gathered from a precomputed one instead.
   """
   angles = positions_bt.astype(jnp.float32)[..., None] * rope_inv_freq(config)
   return jnp.cos(angles), jnp.sin(angles)
@@ -420,7 +420,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
-               cache_index: jax.Array | int = 0, return_hidden: bool = False) -> ModelOutput:
+               cache_index: jax.Array | int = 0, return_hidden: bool = False,
+               rope: tuple[jax.Array, jax.Array] | None = None) -> ModelOutput:
     """Runs the decoder on T new tokens.
 
     Args:
@@ -433,6 +434,9 @@ class Transformer(nnx.Module):
       cache_index: int32 scalar, first slot written (only with a cache).
       return_hidden: return final-normed hidden states [B, T, D] instead of logits (the chunked log-prob
         path uses this so [B, T, V] is never built).
+      rope: optional precomputed `rope_tables(positions_bt, config)` (cos, sin), each [B, T, head_dim // 2].
+        The sampler gathers them from a table built once per `generate`: computed inside the decode loop,
+        XLA:CPU evaluates cos/sin again per head in every layer's q/k fusion.
 
     Returns:
       `ModelOutput(out, cache, router_aux_loss)`.
@@ -467,7 +471,10 @@ class Transformer(nnx.Module):
     x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.jnp_dtype)
     x = constrain(x, ("batch", "act_seq", "act_embed"))
 
-    rope = rope_tables(positions_bt, c)
+    if rope is None:
+      rope = rope_tables(positions_bt, c)
+    elif any(r.shape != (b, t, c.head_dim // 2) for r in rope):
+      raise ValueError(f"rope tables have shapes {[r.shape for r in rope]}, expected 2 x {(b, t, c.head_dim // 2)}")
 
     def run_layer(layer, x, kv):
       return layer(x, rope, segment_ids_bt, kv_segment, kv, cache_index)

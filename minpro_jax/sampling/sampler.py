@@ -38,7 +38,7 @@ from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.quant import prepare_inference_params, PRECISIONS, precision_config
-from minpro_jax.models.transformer import KVCache, Transformer, unstack_layer_params
+from minpro_jax.models.transformer import KVCache, Transformer, rope_tables, unstack_layer_params
 from minpro_jax.param_store import ParamStore
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
@@ -124,10 +124,16 @@ class Sampler:
     self.trace_count += 1
     model = nnx.merge(self._graphdef, state)
 
+    # cos/sin of every position a row can reach (prompt bucket + max_new_tokens), built once outside the
+    # loop; each step gathers its rows (see `rope_tables`)
+    cos_s, sin_s = rope_tables(jnp.arange(cache_offset + sampling.max_new_tokens)[None], self.config)
+
     def step_fn(carry, tokens_b, step):
       cache, next_pos = carry
       pos = (next_pos + step - 1)[:, None]
-      out = model(tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, cache_index=cache_offset + step - 1)
+      rope = (cos_s[0][pos], sin_s[0][pos])
+      out = model(tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, cache_index=cache_offset + step - 1,
+                  rope=rope)
       return out.out[:, 0], (out.cache, next_pos)
 
     return decode_loop(step_fn, loop_state, sampling, self.pad_id)
