@@ -195,8 +195,11 @@ def test_bad_input(state, sampler):
     sampler.generate(state, [[1], [2]], sp, group_ids=[3])
   with pytest.raises(ValueError, match="precision"):
     Sampler(CFG, precision="int4")
-  with pytest.raises(ValueError, match="params do not match model_config"):
+  with pytest.raises(ValueError, match=r"params do not match model_config: parameter \['embed'\] has shape "
+                     r"\(512, 64\), the config's model expects \(512, 32\)"):
     Sampler(get_preset("tiny", hidden_size=32), prompt_buckets=(8,)).generate(state, [[1]], sp)
+  with pytest.raises(ValueError, match="13 parameter arrays, the config's model has 14"):
+    Sampler(get_preset("tiny", tie_embeddings=False), prompt_buckets=(8,)).generate(state, [[1]], sp)
 
 
 def test_new_param_values_do_not_recompile(state, sampler):

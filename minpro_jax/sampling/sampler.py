@@ -98,7 +98,8 @@ class Sampler:
     with nnx.use_eager_sharding(False):
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
       self._graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))[0]
-    self._abstract_leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(nnx.split(abstract_in)[1])]
+    self._abstract_leaves = [(jax.tree_util.keystr(k).removesuffix(".value"), x.shape)
+                             for k, x in jax.tree_util.tree_leaves_with_path(nnx.split(abstract_in)[1])]
     self._prepare = jax.jit(self._prepare_impl)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
     self._decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
@@ -146,12 +147,17 @@ class Sampler:
     return use_mesh(self.mesh, self.rules or DEFAULT_RULES)
 
   def _check_state(self, state):
-    leaves = jax.tree.leaves(state)
-    got = [(x.shape, x.dtype) for x in leaves]
-    want = [(s, self.model_config.jnp_param_dtype) for s, _ in self._abstract_leaves]
-    if [s for s, _ in got] != [s for s, _ in want]:
-      raise ValueError("params do not match model_config: parameter shapes differ from the Transformer "
-                       f"that model_config builds ({len(got)} vs {len(want)} leaves)")
+    got = [(jax.tree_util.keystr(k).removesuffix(".value"), x.shape)
+           for k, x in jax.tree_util.tree_leaves_with_path(state)]
+    if got == self._abstract_leaves:
+      return
+    if len(got) != len(self._abstract_leaves):
+      detail = f"{len(got)} parameter arrays, the config's model has {len(self._abstract_leaves)}"
+    else:
+      (path, shape), (_, want) = next((g, w) for g, w in zip(got, self._abstract_leaves) if g != w)
+      detail = f"parameter {path} has shape {shape}, the config's model expects {want}"
+    raise ValueError(f"params do not match model_config: {detail}; build the Sampler with the ModelConfig "
+                     "of the model whose parameters you pass")
 
   def prepare_params(self, params) -> Any:
     """The parameter State converted to this sampler's precision (what prefill/decode consume)."""
