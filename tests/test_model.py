@@ -15,6 +15,7 @@ from flax import nnx
 from minpro_jax.models import KVCache, ModelConfig, get_preset, segment_positions, token_logprobs
 from minpro_jax.models.hf_io import (DictSource, hf_tensor_shapes, load_from_source, load_hf_checkpoint,
                                      save_hf_checkpoint)
+from minpro_jax.models.dense import dense
 from minpro_jax.models.transformer import MoE, Transformer, unstack_layer_params
 from minpro_jax.sharding import make_mesh, use_mesh
 
@@ -279,6 +280,29 @@ def test_moe_block_and_aux_loss_match_numpy(norm_topk):
 
 
 # ------------------------------------------------------------------------------------------------ masking
+
+def test_dense_equals_einsum_values_and_gradients():
+  """The flattened 2-D projection gives the einsum's values and gradients for every form the model uses."""
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.randn(2, 3, 4, 5), jnp.float32)
+  cases = [  # (w, dense kwargs, einsum of the same contraction)
+      (rng.randn(5, 6), {}, "abcd,df->abcf"),
+      (rng.randn(5, 2, 3), {}, "abcd,dhk->abchk"),
+      (rng.randn(4, 5, 6), {"n_in": 2}, "abcd,cdf->abf"),
+      (rng.randn(6, 5), {"w_transposed": True}, "abcd,fd->abcf"),
+  ]
+  for w, kw, eq in cases:
+    w = jnp.asarray(w, jnp.float32)
+    f_dense = lambda x, w: jnp.sum(jnp.sin(dense(x, w, **kw)))
+    f_ref = lambda x, w: jnp.sum(jnp.sin(jnp.einsum(eq, x, w)))
+    np.testing.assert_allclose(dense(x, w, **kw), jnp.einsum(eq, x, w), rtol=1e-6, atol=1e-6)
+    for g, r in zip(jax.grad(f_dense, (0, 1))(x, w), jax.grad(f_ref, (0, 1))(x, w)):
+      np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+  out = dense(x.astype(jnp.bfloat16), jnp.ones((5, 6), jnp.bfloat16), preferred_element_type=jnp.float32)
+  assert out.dtype == jnp.float32 and out.shape == (2, 3, 4, 6)
+  with pytest.raises(ValueError, match=r"contracted axes of x \(2, 3, 4, 5\) and w \(6, 5\)"):
+    dense(x, jnp.ones((6, 5)))
+
 
 def test_segment_positions_left_right_packed():
   seg = jnp.asarray([[0, 0, 1, 1, 1],    # left padding

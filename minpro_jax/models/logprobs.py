@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from minpro_jax.models.dense import dense
 from minpro_jax.models.transformer import Transformer
 
 
@@ -36,7 +37,7 @@ class TokenLogprobs(NamedTuple):
 
 def _chunk_forward(h_bcd, head_dv, y_bc, inv_t, return_entropy):
   """fp32 (logp, entropy or None, lse) of one [B, C] chunk."""
-  logits = jnp.einsum("bcd,dv->bcv", h_bcd, head_dv, preferred_element_type=jnp.float32) * inv_t
+  logits = dense(h_bcd, head_dv, preferred_element_type=jnp.float32) * inv_t
   lse = jax.nn.logsumexp(logits, axis=-1)
   logp = jnp.take_along_axis(logits, y_bc[..., None], axis=-1)[..., 0] - lse
   if not return_entropy:
@@ -87,15 +88,16 @@ def _chunked_bwd(inv_t, return_entropy, n_vtiles, res, g):
       dh_bcd, dw_dv = carry
       start = j * vt
       w_dt = jax.lax.dynamic_slice_in_dim(head_dv, start, vt, axis=1)
-      z = jnp.einsum("bcd,dv->bcv", h_bcd, w_dt, preferred_element_type=jnp.float32) * inv_t
+      z = dense(h_bcd, w_dt, preferred_element_type=jnp.float32) * inv_t
       p = jnp.exp(z - lse[..., None])
       dz = -gl[..., None] * p
       if return_entropy:
         dz = dz - ge[..., None] * p * (z - (lse - ent)[..., None])
       hit = (y_bc - start)[..., None] == jnp.arange(vt, dtype=y_bc.dtype)
       dz = (dz + jnp.where(hit, gl[..., None], 0.0)) * inv_t
-      dh_bcd = dh_bcd + jnp.einsum("bcv,dv->bcd", dz.astype(w_dt.dtype), w_dt, preferred_element_type=jnp.float32)
-      dw_tile = jnp.einsum("bcd,bcv->dv", h_bcd, dz.astype(h_bcd.dtype), preferred_element_type=jnp.float32)
+      dh_bcd = dh_bcd + dense(dz.astype(w_dt.dtype), w_dt, w_transposed=True, preferred_element_type=jnp.float32)
+      dw_tile = jax.lax.dot_general(h_bcd.reshape(-1, h_bcd.shape[-1]), dz.astype(h_bcd.dtype).reshape(-1, vt),
+                                    (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
       old = jax.lax.dynamic_slice_in_dim(dw_dv, start, vt, axis=1)
       dw_dv = jax.lax.dynamic_update_slice_in_dim(dw_dv, old + dw_tile.astype(dw_dv.dtype), start, axis=1)
       return (dh_bcd, dw_dv), None

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
+from minpro_jax.models.dense import dense
 from minpro_jax.models.quant import maybe_quant_act
 from minpro_jax.sharding import constrain
 
@@ -194,9 +195,9 @@ class Attention(nnx.Module):
     c = self.config
     dt = c.jnp_dtype
     x_btd = maybe_quant_act(x_btd, c.act_quant)  # sampler's simulated FP8 (identity by default)
-    q = jnp.einsum("btd,dhk->bthk", x_btd, self.q_proj[...].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x_btd, self.k_proj[...].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x_btd, self.v_proj[...].astype(dt))
+    q = dense(x_btd, self.q_proj[...].astype(dt))
+    k = dense(x_btd, self.k_proj[...].astype(dt))
+    v = dense(x_btd, self.v_proj[...].astype(dt))
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, rope)
@@ -239,7 +240,7 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bksh->bkgth", probs, v_all.astype(dt), preferred_element_type=jnp.float32).astype(dt)
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, hd)
-    y = jnp.einsum("bthk,hkd->btd", maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt))
+    y = dense(maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt), n_in=2)
     return y, new_cache
 
 
@@ -257,10 +258,10 @@ class MLP(nnx.Module):
   def __call__(self, x_btd):
     dt = self.dtype
     x_btd = maybe_quant_act(x_btd, self.act_quant)
-    g = x_btd @ self.gate_proj[...].astype(dt)
-    u = x_btd @ self.up_proj[...].astype(dt)
+    g = dense(x_btd, self.gate_proj[...].astype(dt))
+    u = dense(x_btd, self.up_proj[...].astype(dt))
     h = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "mlp"))
-    return maybe_quant_act(h, self.act_quant) @ self.down_proj[...].astype(dt)
+    return dense(maybe_quant_act(h, self.act_quant), self.down_proj[...].astype(dt))
 
 
 class MoE(nnx.Module):
@@ -415,8 +416,8 @@ class Transformer(nnx.Module):
     """
     dt = self.config.jnp_dtype
     if self.config.tie_embeddings:
-      return jnp.einsum("btd,vd->btv", hidden_btd, self.embed[...].astype(dt), preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", hidden_btd, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
+      return dense(hidden_btd, self.embed[...].astype(dt), w_transposed=True, preferred_element_type=jnp.float32)
+    return dense(hidden_btd, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
                segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
