@@ -135,11 +135,16 @@ def rope_tables(positions_bt: jax.Array, config: ModelConfig) -> tuple[jax.Array
   """(cos, sin), each [B, T, head_dim // 2] float32, of the RoPE angles positions * inv_freq (HF's
   `rotary_emb`), computed once per forward and shared by every layer.
 
-  XLA:CPU fuses cos/sin into each layer's q/k fusion and evaluates them per head (about 0.1 ms per layer
-  and decode step at batch 16), so the sampler passes tables gathered from a precomputed one instead.
+  The sampler passes tables gathered from one precomputed per `generate` instead.
   """
-  angles = positions_bt.astype(jnp.float32)[..., None] * rope_inv_freq(config)
-  return jnp.cos(angles), jnp.sin(angles)
+  def tables(positions_bt):
+    angles = positions_bt.astype(jnp.float32)[..., None] * rope_inv_freq(config)
+    return jnp.cos(angles), jnp.sin(angles)
+
+  # Both branches are the same function, so the predicate does not matter: the conditional only makes the
+  # tables real buffers. Without it XLA:CPU fuses cos/sin into every consumer and evaluates them per head,
+  # in every layer, forward and backward (and it drops `optimization_barrier`s before fusion).
+  return jax.lax.cond(positions_bt[0, 0] > 0, tables, tables, positions_bt)
 
 
 def apply_rope(x_bthk: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
