@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from minpro_jax.host_memory import keep_freed_host_memory  # noqa: E402
 from minpro_jax.models import get_preset, init_model, token_logprobs  # noqa: E402
 from minpro_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
 from minpro_jax.sampling import Sampler, SamplingParams  # noqa: E402
@@ -150,12 +151,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="batch 1 and 16 only, fewer tokens")
   args = ap.parse_args()
+  keep_freed = keep_freed_host_memory()  # as the train entry point does; applies to both frameworks
   import torch
   torch.set_num_threads(os.cpu_count() or 1)
   batches = (1, 16) if args.quick else (1, 16, 64)
   bw = read_bandwidth_gbs()
   result = dict(device=str(jax.devices()[0]), cpu_count=os.cpu_count(), read_bandwidth_gb_s=bw,
-                copy_bandwidth_gb_s=copy_bandwidth_gbs(), load_average=os.getloadavg(), models=[])
+                copy_bandwidth_gb_s=copy_bandwidth_gbs(), load_average=os.getloadavg(),
+                host_memory_keep_freed=keep_freed, models=[])
   for preset, new in (("tiny", 64), ("smollm2-135m", 16 if args.quick else 32)):
     r = bench_model(preset, batches, new)
     r["weight_streaming_bound_tok_s_batch1"] = bw * 1e9 / r["param_bytes"]

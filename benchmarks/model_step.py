@@ -9,7 +9,9 @@ One training step = forward + backward + AdamW update on a [B, T] batch of rando
     attention, `labels=tokens` loss, `torch.optim.AdamW(lr=1e-4, weight_decay=1e-4)`, torch threads = XLA's
     CPU threads (os.cpu_count()).
 
-Both models are randomly initialised (no weights are loaded). Reported per preset: seconds per step (best and
+Both models are randomly initialised (no weights are loaded). The process first calls
+`minpro_jax.host_memory.keep_freed_host_memory()` (glibc keeps freed blocks mapped; set MINPRO_KEEP_HOST_MEMORY=0
+to compare without), which applies to both frameworks alike; minor page faults per step are reported for both. Reported per preset: seconds per step (best and
 median of the timed steps), tokens/s, achieved FLOP/s and MFU against this machine's fp32 matmul peak measured in
 the same run (best of several large `jnp.dot`, before and after the model steps; the larger is used).
 
@@ -37,6 +39,8 @@ import pathlib
 import platform
 import statistics
 import time
+
+from minpro_jax.host_memory import keep_freed_host_memory, minor_page_faults
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -129,14 +133,16 @@ def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
-  times, loss = [], None
+  times, faults, loss = [], [], None
   for i in range(steps + 1):  # first call is warm-up
-    t0 = time.perf_counter()
+    f0, t0 = minor_page_faults(), time.perf_counter()
     loss = train_step(model, optimizer, tokens)
     loss.block_until_ready()
     if i:
       times.append(time.perf_counter() - t0)
-  return {"compile_s": compile_s, "step_s": times, "loss": float(loss), "xla_cost_analysis_flops": xla_flops}
+      faults.append(minor_page_faults() - f0)
+  return {"compile_s": compile_s, "step_s": times, "minor_page_faults": faults, "loss": float(loss),
+          "xla_cost_analysis_flops": xla_flops}
 
 
 def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> dict:
@@ -161,16 +167,17 @@ def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> d
   model = cls(hf_cfg).float().train()
   opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
   tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
-  times, loss = [], None
+  times, faults, loss = [], [], None
   for i in range(steps + 1):
-    t0 = time.perf_counter()
+    f0, t0 = minor_page_faults(), time.perf_counter()
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     if i:
       times.append(time.perf_counter() - t0)
-  return {"step_s": times, "loss": float(loss.detach()), "torch": torch.__version__, "transformers": transformers.__version__,
+      faults.append(minor_page_faults() - f0)
+  return {"step_s": times, "minor_page_faults": faults, "loss": float(loss.detach()), "torch": torch.__version__, "transformers": transformers.__version__,
           "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa"}
 
 
@@ -191,6 +198,7 @@ def main(argv=None) -> dict:
   p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
   p.add_argument("--name", default="model_step", help="results file name")
   args = p.parse_args(argv)
+  keep_freed = keep_freed_host_memory()  # before JAX starts its threads; applies to both frameworks
 
   import jax
   from minpro_jax.models import get_preset
@@ -199,7 +207,7 @@ def main(argv=None) -> dict:
   result = {"benchmark": "model_step", "baseline": "transformers (torch CPU eager, fp32, SDPA) fwd+bwd+AdamW",
             "machine": machine_info(), "batch": args.batch, "seq": args.seq, "dtype": "float32",
             "matmul_precision": str(jax.config.jax_default_matmul_precision), "xla_cpu_threads": threads,
-            "presets": {}}
+            "host_memory_keep_freed": keep_freed, "presets": {}}
   peak_before = matmul_peak()
   for name in args.presets.split(","):
     cfg = get_preset(name) if args.layers is None else get_preset(name, num_layers=args.layers)

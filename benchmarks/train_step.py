@@ -25,6 +25,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from minpro_jax.host_memory import keep_freed_host_memory  # noqa: E402
 
 
 def _config(name: str):
@@ -77,9 +78,10 @@ def main() -> int:
   ap.add_argument("--configs", nargs="+", default=["default", "smollm2_135m"])
   ap.add_argument("--steps", type=int, default=4)
   args = ap.parse_args()
+  keep_freed = keep_freed_host_memory()  # as the train entry point does
   results = {"benchmark": "train_step", "baseline": "the sampling phase of the same run (learn_over_sample)",
              "machine": {"nproc": os.cpu_count(), "platform": platform.platform(),
-                         "loadavg": os.getloadavg(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                         "loadavg": os.getloadavg(), "host_memory_keep_freed": keep_freed, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
              "runs": [bench(name, args.steps) for name in args.configs]}
   text = json.dumps(results, indent=2)
   print(text)

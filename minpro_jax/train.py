@@ -24,6 +24,8 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax._src", "orbax", "math_verify", "latex2sympy2_extended"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
+  from minpro_jax.host_memory import keep_freed_host_memory
+  keep_freed_host_memory()  # host (XLA:CPU) steps stop re-faulting their temporaries; before JAX starts threads
   from minpro_jax.distributed import maybe_initialize_distributed
   maybe_initialize_distributed()  # multi-host TPU / multi-node GPU only; must precede any JAX computation
   from minpro_jax.trainer import Trainer
