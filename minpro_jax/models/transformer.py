@@ -144,7 +144,7 @@ def rope_tables(positions_bt: jax.Array, config: ModelConfig) -> tuple[jax.Array
   # Both branches are the same function, so the predicate does not matter: the conditional only makes the
   # tables real buffers. Without it XLA:CPU fuses cos/sin into every consumer and evaluates them per head,
   # in every layer, forward and backward (and it drops `optimization_barrier`s before fusion).
-  return jax.lax.cond(positions_bt[0, 0] > 0, tables, tables, positions_bt)
+  return jax.lax.cond(jnp.any(positions_bt > 0), tables, tables, positions_bt)
 
 
 def apply_rope(x_bthk: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
