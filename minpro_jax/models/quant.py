@@ -89,7 +89,7 @@ def prepare_inference_params(state, precision: str, config: ModelConfig | None =
   `config` (the model's) tells whether layer weights are stacked ([L, ...], one fp8 scale per layer
   and tensor) or per-layer arrays; default stacked.
   """
-  stacked = 1 if config is None or getattr(config, "stack_layers", True) else 0
+  stacked = 1 if config is None or config.stack_layers else 0
   if precision == "fp32":
     return jax.tree.map(lambda x: x.astype(jnp.float32), state)
   if precision == "bf16":
