@@ -441,8 +441,8 @@ class Transformer(nnx.Module):
       return_hidden: return final-normed hidden states [B, T, D] instead of logits (the chunked log-prob
         path uses this so [B, T, V] is never built).
       rope: optional precomputed `rope_tables(positions_bt, config)` (cos, sin), each [B, T, head_dim // 2].
-        The sampler gathers them from a table built once per `generate`: computed inside the decode loop,
-        XLA:CPU evaluates cos/sin again per head in every layer's q/k fusion.
+        The sampler gathers them from a table built once per `generate`, so its decode loop computes no
+        cos/sin per step.
 
     Returns:
       `ModelOutput(out, cache, router_aux_loss)`.

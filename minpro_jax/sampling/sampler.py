@@ -53,6 +53,12 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
   return buckets[i] if i < len(buckets) else None
 
 
+def _param_shapes(state) -> list[tuple[str, tuple[int, ...]]]:
+  """(path, shape) of every parameter array of an nnx State, in tree order (for mismatch messages)."""
+  return [(jax.tree_util.keystr(k).removesuffix(".value"), x.shape)
+          for k, x in jax.tree_util.tree_leaves_with_path(state)]
+
+
 class Sampler:
   """Generates responses for token prompts with a `Transformer` of a given config.
 
@@ -98,8 +104,7 @@ class Sampler:
     with nnx.use_eager_sharding(False):
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
       self._graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))[0]
-    self._abstract_leaves = [(jax.tree_util.keystr(k).removesuffix(".value"), x.shape)
-                             for k, x in jax.tree_util.tree_leaves_with_path(nnx.split(abstract_in)[1])]
+    self._abstract_leaves = _param_shapes(nnx.split(abstract_in)[1])
     self._prepare = jax.jit(self._prepare_impl)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
     self._decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
@@ -147,8 +152,7 @@ class Sampler:
     return use_mesh(self.mesh, self.rules or DEFAULT_RULES)
 
   def _check_state(self, state):
-    got = [(jax.tree_util.keystr(k).removesuffix(".value"), x.shape)
-           for k, x in jax.tree_util.tree_leaves_with_path(state)]
+    got = _param_shapes(state)
     if got == self._abstract_leaves:
       return
     if len(got) != len(self._abstract_leaves):
