@@ -121,6 +121,8 @@ class Trainer:
   def evaluate(self, params, step: int, name: str) -> dict[str, Any]:
     from minpro_jax.evaluation import evaluate
     e = self.c.eval
+    with self._mesh():
+      params = self.sampler.prepare_params(params)  # converted once for all of the evaluation's batches
     fn = lambda prompts, n, seed: self.generate_texts(params, prompts, n, seed, temperature=e.temperature,  # noqa: E731
                                                       top_p=e.top_p)
     res = evaluate(fn, self.eval_sets, n=e.n, ks=tuple(e.ks), prompt_fn=self._prompt_text, seed=e.seed + step,

@@ -212,6 +212,18 @@ def test_new_param_values_do_not_recompile(state, sampler):
   assert b.policy_version == 7 and not np.array_equal(a.behavior_logp, b.behavior_logp)
 
 
+def test_prepared_params_reused_and_equal_to_raw(state, sampler):
+  prepared = sampler.prepare_params(state)
+  assert sampler.prepare_params(prepared) is prepared
+  raw = sampler.generate(state, PROMPTS, TOPK, seed=4, group_size=2)
+  for _ in range(2):  # reusable: generate does not donate or alter the prepared buffers
+    again = sampler.generate(prepared, PROMPTS, TOPK, seed=4, group_size=2)
+    np.testing.assert_array_equal(again.response_tokens, raw.response_tokens)
+    np.testing.assert_array_equal(again.behavior_logp, raw.behavior_logp)
+  with pytest.raises(ValueError, match="prepared by a Sampler with another precision"):
+    Sampler(CFG, precision="bf16", prompt_buckets=(16,)).generate(prepared, PROMPTS, TOPK)
+
+
 def test_group_ids_travel_and_rows_are_batch_independent(state, sampler):
   sp = TOPK
   b = sampler.generate(state, PROMPTS[:2], sp, seed=5, group_size=3, group_ids=[7, 42])

@@ -2,7 +2,7 @@
 
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch, LearnerArrays
 from minpro_jax.sampling.methods import NextTokens, SamplingParams, get_next_tokens, truncation_logits
-from minpro_jax.sampling.sampler import Sampler
+from minpro_jax.sampling.sampler import PreparedParams, Sampler
 
 __all__ = ["FINISH_LENGTH", "FINISH_STOP", "GenerationBatch", "LearnerArrays", "NextTokens", "SamplingParams",
-           "get_next_tokens", "truncation_logits", "Sampler"]
+           "get_next_tokens", "truncation_logits", "PreparedParams", "Sampler"]

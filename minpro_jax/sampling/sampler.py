@@ -7,7 +7,9 @@ Flow of one `generate` call:
      see `minpro_jax.models.quant`) and to per-layer arrays (`unstack_layer_params`) by a small jitted
      function. The sampler's model runs its layers unrolled with a per-layer KV cache: XLA:CPU copies every
      slice of a stacked weight or cache out of the stack inside a loop, which at batch 1 tripled the bytes
-     a decode step reads. The copy costs one parameter-sized buffer while `generate` runs.
+     a decode step reads. The copy costs one parameter-sized buffer while `generate` runs;
+     `prepare_params` does this step alone and returns a `PreparedParams` that later `generate` calls reuse
+     (once per parameter version instead of once per call).
   3. Jitted prefill: the prompts run through the model into a fresh KV cache of P + max_new_tokens slots
      (segment id 1 on real tokens, 0 on pads, so pads are never attended to; RoPE positions count real
      tokens only), and response index 0 is sampled from the last prompt position.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -57,6 +60,23 @@ def _param_shapes(state) -> list[tuple[str, tuple[int, ...]]]:
   """(path, shape) of every parameter array of an nnx State, in tree order (for mismatch messages)."""
   return [(jax.tree_util.keystr(k).removesuffix(".value"), x.shape)
           for k, x in jax.tree_util.tree_leaves_with_path(state)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreparedParams:
+  """Parameters already converted by `Sampler.prepare_params`: pass them to `generate` any number of times.
+
+  The conversion (precision cast and per-layer copy, step 2 of the module docstring) then runs once per
+  parameter version instead of once per `generate` call, like a weight sync to an inference engine. It holds
+  one parameter-sized buffer for as long as the object lives.
+
+  Attributes:
+    state: the converted `nnx.State` (per-layer layout, the sampler's precision).
+    signature: (precision, fp8_activations, ModelConfig) of the Sampler that made it; `generate` of a Sampler
+      with another signature rejects it.
+  """
+  state: Any
+  signature: tuple
 
 
 class Sampler:
@@ -100,6 +120,7 @@ class Sampler:
     self.mesh = mesh
     self.rules = rules
     self.pad_id = int(pad_id)
+    self._signature = (precision, bool(fp8_activations), model_config)
     self.trace_count = 0  # incremented each time prefill or decode is traced (tests assert no recompiles)
     with nnx.use_eager_sharding(False):
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
@@ -163,11 +184,28 @@ class Sampler:
     raise ValueError(f"params do not match model_config: {detail}; build the Sampler with the ModelConfig "
                      "of the model whose parameters you pass")
 
-  def prepare_params(self, params) -> Any:
-    """The parameter State converted to this sampler's precision (what prefill/decode consume)."""
+  def prepare_params(self, params) -> PreparedParams:
+    """Converts policy parameters once for this sampler (precision cast, per-layer layout).
+
+    Args:
+      params: an `nnx.State` of the policy (the learner's layout and dtype) or a `Transformer`; a
+        `PreparedParams` of this sampler is returned unchanged.
+
+    Returns:
+      A `PreparedParams` that `generate` accepts without converting again.
+
+    Raises:
+      ValueError: params that do not fit the sampler's `ModelConfig` (names the first mismatching parameter),
+        or a `PreparedParams` made by a sampler with another precision or config.
+    """
+    if isinstance(params, PreparedParams):
+      if params.signature != self._signature:
+        raise ValueError("params were prepared by a Sampler with another precision/config "
+                         f"({params.signature[0]!r}); call prepare_params of this Sampler on the raw parameters")
+      return params
     state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
     self._check_state(state)
-    return self._prepare(state)
+    return PreparedParams(self._prepare(state), self._signature)
 
   def generate(self, params, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int | jax.Array = 0,
                *, group_size: int = 1, group_ids: Sequence[int] | None = None,
@@ -175,8 +213,9 @@ class Sampler:
     """Samples `group_size` responses for every prompt.
 
     Args:
-      params: an `nnx.State` of the policy parameters (from `nnx.split(model)`), a `Transformer`, or a
-        `ParamStore` (then `policy_version` selects the version and must be held by the store).
+      params: an `nnx.State` of the policy parameters (from `nnx.split(model)`), a `Transformer`, the
+        `PreparedParams` of `prepare_params` (converted once, reused across calls), or a `ParamStore` (then
+        `policy_version` selects the version and must be held by the store).
       prompts: list of N0 non-empty token-id lists (ints in [0, vocab_size)).
       sampling: `SamplingParams`.
       seed: int seed or a PRNG key.
@@ -231,7 +270,7 @@ class Sampler:
     row_keys = jax.vmap(lambda g, s: jax.random.fold_in(jax.random.fold_in(base, g), s))(g_all, s_all)
     active = np.arange(rows) < n
 
-    state = self.prepare_params(params)
+    state = self.prepare_params(params).state
     with self._mesh_ctx():
       st = self._prefill(state, tokens, segs, row_keys, active, sampling=sampling)
       st = self._decode(state, st, sampling=sampling, cache_offset=p_len)
