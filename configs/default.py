@@ -99,6 +99,16 @@ def base_config() -> ConfigDict:
   c.sft.boxed_fraction = 0.5           # half the SFT targets give the bare answer, which the grader does not credit
   c.sft.cache_dir = "cache"
 
+  # MIPU Step 2 (arXiv 2606.29526; minpro_jax/mipu.py): after each step's updates, sample validation prompts with the
+  # new parameters at sampling.precision and keep the updates only if T_post >= -gap_tolerance. Pair with
+  # sampling.precision=fp8 and loss.rollout_is=token (Step 1). Costs one extra generation + scoring per step and a
+  # copy of params + optimizer state.
+  c.mipu = ConfigDict()
+  c.mipu.rollback = False
+  c.mipu.gap_tolerance = 1e-4          # c in "accept iff T_post >= -c" (the paper sweeps 0, +1e-4, -1e-4)
+  c.mipu.val_prompts = 8               # fresh training prompts per check (a pure function of seed and step)
+  c.mipu.val_group_size = 4            # samples per validation prompt (group-normalised advantages need >= 2)
+
   c.eval = ConfigDict()
   c.eval.every = 10                    # global steps; 0 = only at start and end
   c.eval.num_problems = 200

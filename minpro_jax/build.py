@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 from typing import Any
@@ -144,6 +145,11 @@ def _validate_choices_and_ranges(c) -> None:
   _need(c.sampling.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off), got {c.sampling.top_k}")
   _need(c.eval.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {c.eval.temperature}")
   _need(c.eval.every >= 0, "eval.every", f"must be >= 0 (0 = only at start and end), got {c.eval.every}")
+  if c.mipu.rollback:
+    _need(math.isfinite(c.mipu.gap_tolerance), "mipu.gap_tolerance", f"must be a finite number, got {c.mipu.gap_tolerance}")
+    _need(c.mipu.val_prompts >= 1, "mipu.val_prompts", f"must be >= 1, got {c.mipu.val_prompts}")
+    _need(c.mipu.val_group_size >= 2, "mipu.val_group_size",
+          f"must be >= 2 (T_post needs group-normalised advantages), got {c.mipu.val_group_size}")
   if c.sft.enabled:
     _need(c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0, "sft",
           "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
@@ -157,7 +163,11 @@ def _validate_choices_and_ranges(c) -> None:
 # Fields a run checkpoint is only valid for: resuming with other values would silently change the experiment.
 RESUME_KEYS = ("seed", "prompts_per_step", "group_size", "num_updates_per_step", "delay", "loss", "model",
                "data", "sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.precision",
-               "advantage_mode", "reward")
+               "advantage_mode", "reward", "mipu")
+
+
+# Resume keys added after checkpoints were first written: a checkpoint without one resumes if the feature is off.
+_ADDED_LATER = {"mipu": lambda v: not v.get("rollback")}
 
 
 def resume_fingerprint(c) -> dict[str, Any]:
@@ -176,7 +186,8 @@ def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
   if not stored:
     return
   now = resume_fingerprint(c)
-  diff = sorted(k for k in set(now) | set(stored) if now.get(k) != stored.get(k))
+  diff = sorted(k for k in set(now) | set(stored) if now.get(k) != stored.get(k)
+                and not (k not in stored and k in _ADDED_LATER and _ADDED_LATER[k](now[k])))
   _need(not diff, "workdir",
         f"{workdir} holds a checkpoint of a run with different {', '.join(diff)}; resuming would mix two "
         "experiments. Use a new --config.workdir (or delete the old one)")

@@ -9,6 +9,9 @@ One global step s:
   4. push the batch into the `RolloutBuffer`, pop the batch pushed at step s - delay (none during the first
      `delay` steps: the buffer fills and no update happens), split it into `num_updates_per_step` mini-batches
      and take one optimizer update on each (micro-batch accumulation inside).
+  5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.mipu`): sample validation prompts with the updated
+     parameters at the sampler's precision, compute T_post, and roll the step's updates back (parameters,
+     optimizer state, counters) when T_post < -gap_tolerance.
 A sample consumed by update j of a step therefore has staleness delay * n + j once the buffer has been full
 for `delay` steps (the paper's d = 2, n = 16: 32..47). The first `delay` consumed batches were sampled before
 any update and have staleness (s - delay) * n + j instead; their staleness is logged like every other.
@@ -31,13 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minpro_jax import build
+from minpro_jax import build, mipu
 from minpro_jax.advantages import group_advantages
 from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, encode_prompts, format_prompt
 from minpro_jax.learner import Learner, staleness
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
 from minpro_jax.objectives import mismatch_metrics
+from minpro_jax.objectives_agg import inference_gap_t_post
 from minpro_jax.rewards import grade
 from minpro_jax.rollout import RolloutBatch, RolloutBuffer
 from minpro_jax.sampler import Sampler, SamplingParams
@@ -115,6 +119,17 @@ class Trainer:
     texts = self._decode(gen)
     return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
 
+  def _grade(self, gen, problems, group_size: int):
+    """Texts, float32 rewards, grading stats and group advantages of a generated batch (prompt-major rows)."""
+    c = self.c
+    texts = self._decode(gen)
+    golds = [p.answer for p in problems for _ in range(group_size)]
+    rewards, gstats = grade(texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward,
+                            truncated=list(gen.truncated))
+    rewards = np.asarray(rewards, np.float32)
+    adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=c.advantage_mode))
+    return texts, rewards, gstats, adv
+
   def _decode(self, gen) -> list[str]:
     return [self.tokenizer.decode(t[m].tolist()) for t, m in zip(gen.response_tokens, gen.response_mask)]
 
@@ -144,12 +159,7 @@ class Trainer:
                                   policy_version=version)
     arrays = gen.to_learner_arrays()
     t1 = time.time()
-    texts = self._decode(gen)
-    golds = [p.answer for p in problems for _ in range(c.group_size)]
-    rewards, gstats = grade(texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward,
-                            truncated=list(gen.truncated))
-    rewards = np.asarray(rewards, np.float32)
-    adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=c.advantage_mode))
+    texts, rewards, gstats, adv = self._grade(gen, problems, c.group_size)
     t2 = time.time()
     with self._mesh():
       learner_logp = self.learner.score(state.params, arrays._asdict())
@@ -176,6 +186,25 @@ class Trainer:
     }
     metrics.update({f"sampler_learner/{k}": float(v) for k, v in mm.items()})
     return batch, metrics
+
+  def check_inference_gap(self, state, step: int) -> mipu.GapCheck:
+    """MIPU Step 2 at the parameters `state.params` (just updated): sample validation prompts with the
+    sampler, score them with the learner, and test T_post >= -config.mipu.gap_tolerance (`minpro_jax.mipu`)."""
+    m = self.c.mipu
+    idx = mipu.validation_indices(len(self.train_problems), m.val_prompts, self._step_seed(step, 3))
+    problems = [self.train_problems[i] for i in idx]
+    with self._mesh():
+      gen = self.sampler.generate(state.params, [self.prompt_ids[p.id] for p in problems], self.sampling,
+                                  self._step_seed(step, 4), group_size=m.val_group_size,
+                                  policy_version=int(state.step))
+    arrays = gen.to_learner_arrays()
+    _, rewards, _, adv = self._grade(gen, problems, m.val_group_size)
+    with self._mesh():
+      learner_logp = self.learner.score(state.params, arrays._asdict())
+    t_post = float(inference_gap_t_post(jnp.asarray(learner_logp), jnp.asarray(arrays.behavior_logp),
+                                        jnp.asarray(adv), jnp.asarray(arrays.response_mask)))
+    return mipu.GapCheck(t_post=t_post, accepted=mipu.accept_update(t_post, float(m.gap_tolerance)),
+                         reward_mean=float(rewards.mean()), num_samples=len(rewards))
 
   def learn_step(self, state, batch: RolloutBatch) -> tuple[Any, dict[str, Any]]:
     """Step 4: one optimizer update per mini-batch of a released batch."""
@@ -233,7 +262,8 @@ class Trainer:
     _, params = nnx.split(self.model)
     state = self.learner.init_state(params)
     buffer = RolloutBuffer(c.delay)
-    extra = {"best_score": None, "best_step": None, "sft_eval": None, "sft_info": self.sft_info}
+    extra = {"best_score": None, "best_step": None, "sft_eval": None, "sft_info": self.sft_info,
+             "mipu_checks": 0, "mipu_rollbacks": 0}
     start = 0
     latest = self.ckpt.latest_step()
     if latest is not None:
@@ -241,7 +271,7 @@ class Trainer:
       build.check_resume(c, meta.get("config"), self.workdir)
       buffer.load_state_dict(buffer_state_from_restored(buf_state))
       self.loader.set_state(meta["data"])
-      extra = {k: meta.get(k) for k in extra}
+      extra = {k: meta.get(k, extra[k]) for k in extra}
       start = int(meta["global_step"]) + 1
       logger.info("resumed from global step %d (policy_version %d)", latest, int(state.step))
     writer = MetricsWriter(self.workdir, resume_step=start - 1 if latest is not None else None,
@@ -263,8 +293,19 @@ class Trainer:
       buffer.push(step, batch)
       released = buffer.pop(step)
       if released is not None:
+        before = mipu.snapshot(state) if c.mipu.rollback else None
         state, lm = self.learn_step(state, released)
         metrics.update(lm)
+        if before is not None:
+          tm = time.time()
+          check = self.check_inference_gap(state, step)
+          if not check.accepted:
+            state = before  # roll back parameters, optimizer state and counters; the batch is dropped
+          extra["mipu_checks"] += 1
+          extra["mipu_rollbacks"] += int(not check.accepted)
+          metrics.update({"mipu/t_post": check.t_post, "mipu/accepted": int(check.accepted),
+                          "mipu/val_reward": check.reward_mean, "mipu/rollbacks_total": extra["mipu_rollbacks"],
+                          "time/mipu": time.time() - tm})
       metrics["policy_version"] = int(state.step)
       metrics["skipped_updates_total"] = int(state.skipped)
       metrics["buffer/waiting"] = len(buffer)
@@ -307,6 +348,7 @@ class Trainer:
                "eval_final": final["macro"], "eval_final_per_benchmark": final["benchmarks"],
                "best": {"score": extra["best_score"], "step": extra["best_step"]},
                "policy_version": int(state.step), "skipped_updates": int(state.skipped),
+               "mipu": {"checks": extra["mipu_checks"], "rollbacks": extra["mipu_rollbacks"]},
                "eval_problems": {k: len(v) for k, v in self.eval_sets.items()}, "eval_samples_per_problem": c.eval.n,
                "setup_seconds": self.setup_seconds}
     write_summary(self.workdir, summary)
