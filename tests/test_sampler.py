@@ -122,17 +122,75 @@ def test_b11_argmax_cases(kw):
 
 
 def test_b11_top_p_keeps_crossing_token():
-  cand, ids = truncation_logits(jnp.array([[1.0, 3.0, 2.0]]), None, 0.7)
-  np.testing.assert_array_equal(np.asarray(ids), [[1, 2, 0]])
-  np.testing.assert_allclose(np.asarray(jax.nn.softmax(cand))[0], [0.7310586, 0.2689414, 0.0], atol=1e-6)
+  cand = truncation_logits(jnp.array([[1.0, 3.0, 2.0]]), None, 0.7)  # vocabulary order, -inf outside
+  np.testing.assert_array_equal(np.asarray(cand), [[-np.inf, 3.0, 2.0]])
+  np.testing.assert_allclose(np.asarray(jax.nn.softmax(cand))[0], [0.0, 0.7310586, 0.2689414], atol=1e-6)
   toks = np.asarray(_draw([1.0, 3.0, 2.0], SamplingParams(temperature=1.0, top_p=0.7), n=4000).tokens)
   assert set(toks.tolist()) == {1, 2}
   assert abs(np.mean(toks == 1) - 0.7310586) < 0.03  # 4 sigma at n=4000
   # top-k then top-p on the renormalised top-k distribution [.7311, .2689] (not the full one [.6652, .2447]):
   # top_p=0.72 keeps only token 1 (on the full distribution it would keep two), top_p=0.74 keeps both.
   for top_p, kept in ((0.72, 1), (0.74, 2)):
-    cand, _ = truncation_logits(jnp.array([[1.0, 3.0, 2.0]]), 2, top_p)
+    cand = truncation_logits(jnp.array([[1.0, 3.0, 2.0]]), 2, top_p)
     assert np.isfinite(np.asarray(cand)).sum() == kept
+
+
+def _nucleus_by_sorting(logits, top_k, top_p):
+  """Reference candidate set in float64: a stable sort by (-logit, id), top-k, then top-p on the renormalised
+  top-k. Also returns the tokens whose mass-before lies within 1e-5 of top_p (fp32 rounding may go either way)."""
+  order = np.lexsort((np.arange(len(logits)), -logits))[:top_k or len(logits)]
+  p = np.exp(logits[order].astype(np.float64) - logits[order].max())
+  p /= p.sum()
+  mass_before = np.cumsum(p) - p
+  top_p = top_p if top_p is not None else 2.0
+  keep = mass_before < top_p
+  keep[0] = True
+  return set(order[keep].tolist()), set(order[np.abs(mass_before - top_p) < 1e-5].tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(None, 0.9), (None, 0.3), (7, None), (7, 0.8), (3000, 0.95), (None, 0.999)])
+def test_truncation_set_equals_sorting_reference_with_ties(top_k, top_p):
+  # 3000 tokens (past TOP_P_CANDIDATES=1024, so top_p=0.999 takes the full-sort fallback), bf16-like rounding
+  # makes many exact ties: the kept set must still be the sorted prefix, lower ids first among equal logits
+  rng = np.random.RandomState(0)
+  logits = np.round(rng.standard_normal((4, 3000)) * 4, 1).astype(np.float32)
+  logits[1, :5] = logits[1].max() + 1.0  # five tied maxima
+  cand = np.asarray(truncation_logits(jnp.asarray(logits), top_k, top_p))
+  for row in range(4):
+    want, edge = _nucleus_by_sorting(logits[row], top_k, top_p)
+    assert set(np.flatnonzero(np.isfinite(cand[row])).tolist()) ^ want <= edge
+    np.testing.assert_array_equal(cand[row][np.isfinite(cand[row])], logits[row][np.isfinite(cand[row])])
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+                                SamplingParams(temperature=1.0, top_p=0.8)], ids=["full", "t0.7-topk5", "topp0.8"])
+def test_sampled_frequencies_match_the_distribution(sp):
+  # 600 tokens = 3 blocks of the two-level draw (the last one padded); token probabilities span 1e-4..0.2
+  logits = np.full(600, -40.0, np.float32)  # ~e-40: never drawn
+  hot = np.array([3, 255, 256, 257, 511, 512, 599])
+  logits[hot] = [2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -3.0]
+  logits[100:110] = -5.0
+  n = 40_000
+  toks = np.asarray(_draw(logits, sp, n=n, seed=3).tokens)
+  ref = np.asarray(jax.nn.softmax(truncation_logits(jnp.asarray(logits)[None] / sp.logprob_temperature,
+                                                    sp.top_k, sp.top_p))[0], np.float64)
+  counts = np.bincount(toks, minlength=600)
+  assert counts[ref == 0].sum() == 0  # nothing outside the candidate set
+  expected = n * ref
+  big = expected >= 5
+  chi2 = float(np.sum((counts[big] - expected[big]) ** 2 / expected[big]))
+  dof = int(big.sum()) - 1
+  assert chi2 < dof + 6 * np.sqrt(2 * dof) + 10, (chi2, dof)  # far out in the tail of chi2(dof)
+  assert counts[~big].sum() <= expected[~big].sum() + 6 * np.sqrt(expected[~big].sum()) + 3
+
+
+def test_rows_draw_independently_of_batch_composition():
+  logits = jnp.asarray(np.random.RandomState(1).standard_normal((5, 700)).astype(np.float32))
+  keys = jax.random.split(jax.random.key(9), 5)
+  sp = SamplingParams(temperature=1.0)
+  together = np.asarray(get_next_tokens(logits, keys, sp).tokens)
+  alone = [int(get_next_tokens(logits[i:i + 1], keys[i:i + 1], sp).tokens[0]) for i in range(5)]
+  np.testing.assert_array_equal(together, alone)
 
 
 def test_b12_temperature_logp_and_greedy():
