@@ -1,9 +1,11 @@
 """Decode throughput of `Sampler` vs `transformers` `generate` (torch CPU, KV cache on), same weights, same run.
 
 Run:  .venv/bin/python benchmarks/decode.py [--quick]     (a few minutes on 2 CPU cores)
-Writes benchmarks/results/decode.json. Greedy decoding, no stop ids (every row produces exactly
+Writes benchmarks/results/decode.json. Greedy decoding, and sampling at temperature 1 over the full
+vocabulary (the RL setting; `generate(do_sample=True, top_k=0)`), no stop ids (every row produces exactly
 `new_tokens`), prompt length 16. tokens/s = batch * new_tokens / wall time of one warm `generate` call
-(prefill included, compile excluded). The sampler's
+(prefill included, compile excluded); the two sides are called in turn, 3 rounds, and the best time of each
+is reported (`speedup_median` from the medians). The sampler's
 once-per-parameter-version conversion (`Sampler.prepare_params`: per-layer copy, precision cast) is timed
 separately (`prepare_params_s`, like a weight sync to an inference engine); `speedup_incl_prepare` charges it
 to every call. Weights are random (init_model) in the preset's shapes, exported to a
@@ -92,7 +94,21 @@ def timed(fn, reps=1):
   return best
 
 
-def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, reps: int = 2):
+def _interleaved(fns: dict, reps: int) -> dict:
+  """{name: (best, median) seconds}: one warm-up call each, then `reps` rounds calling each fn in turn, so a
+  drift of the machine's speed hits both sides alike."""
+  for fn in fns.values():
+    fn()
+  times = {k: [] for k in fns}
+  for _ in range(reps):
+    for k, fn in fns.items():
+      t = time.perf_counter()
+      fn()
+      times[k].append(time.perf_counter() - t)
+  return {k: (min(v), float(np.median(v))) for k, v in times.items()}
+
+
+def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, reps: int = 3):
   import torch
   import transformers
   cfg = get_preset(preset)
@@ -103,35 +119,38 @@ def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, rep
     save_hf_checkpoint(model, d)
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
   sampler = Sampler(cfg, prompt_buckets=(prompt_len,))
-  sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
   rng = np.random.RandomState(0)
   rows = []
   for b in batches:
     prompts = rng.randint(1, cfg.vocab_size, (b, prompt_len)).tolist()
-    out = {}
+    ids = torch.tensor(prompts)
     # the per-version weight conversion (`prepare_params`) is timed on its own, as a weight sync; the
     # generate calls reuse its output, as the trainer's evaluation does
     t_prepare = timed(lambda: jax.block_until_ready(sampler.prepare_params(state).state), reps)
     prepared = sampler.prepare_params(state)
-    t_ours = timed(lambda: jax.block_until_ready(sampler.generate(prepared, prompts, sp).response_tokens), reps)
-    ids = torch.tensor(prompts)
-
-    def hf_gen():
-      with torch.no_grad():
-        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, use_cache=True, eos_token_id=None,
-                           pad_token_id=0)
-    t_hf = timed(hf_gen, reps)
-    ours_tokens = sampler.generate(prepared, prompts, sp).response_tokens
-    hf_tokens = hf_gen()[:, prompt_len:].numpy()
     floor = matmul_floor_tok_s(cfg, b)
-    out = dict(batch=b, new_tokens=new_tokens, ours_tok_s=b * new_tokens / t_ours,
-               hf_generate_tok_s=b * new_tokens / t_hf, speedup=t_hf / t_ours, prepare_params_s=t_prepare,
-               speedup_incl_prepare=t_hf / (t_ours + t_prepare),
-               xla_matmul_floor_tok_s=floor, ours_over_floor=b * new_tokens / t_ours / floor,
-               greedy_token_agreement=float(np.mean(ours_tokens == hf_tokens)))
-    print(json.dumps({preset: out}), flush=True)
-    rows.append(out)
+    for mode in ("greedy", "sample"):
+      # sample: temperature 1 over the full vocabulary (the RL setting); HF's default top_k=50 switched off
+      sp = SamplingParams(temperature=0.0 if mode == "greedy" else 1.0, max_new_tokens=new_tokens)
+
+      def ours():
+        return sampler.generate(prepared, prompts, sp).response_tokens
+
+      def hf_gen():
+        with torch.no_grad():
+          return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=mode == "sample", temperature=1.0, top_k=0,
+                             top_p=1.0, use_cache=True, eos_token_id=None, pad_token_id=0)
+      t = _interleaved({"ours": ours, "hf": hf_gen}, reps)
+      (t_ours, t_ours_med), (t_hf, t_hf_med) = t["ours"], t["hf"]
+      out = dict(batch=b, mode=mode, new_tokens=new_tokens, ours_tok_s=b * new_tokens / t_ours,
+                 hf_generate_tok_s=b * new_tokens / t_hf, speedup=t_hf / t_ours, speedup_median=t_hf_med / t_ours_med,
+                 prepare_params_s=t_prepare, speedup_incl_prepare=t_hf / (t_ours + t_prepare),
+                 xla_matmul_floor_tok_s=floor, ours_over_floor=b * new_tokens / t_ours / floor)
+      if mode == "greedy":
+        out["greedy_token_agreement"] = float(np.mean(ours() == hf_gen()[:, prompt_len:].numpy()))
+      print(json.dumps({preset: out}), flush=True)
+      rows.append(out)
   return dict(preset=preset, weights="random init_model (same weights in both)", param_bytes=int(param_bytes),
               runs=rows)
 
