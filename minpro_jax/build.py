@@ -106,6 +106,18 @@ def validate_config(c, num_devices: int | None = None) -> None:
           f"{c.mesh.shape!r} does not divide the {num_devices} available devices")
 
 
+def check_mipu_problem_count(c, num_problems: int) -> None:
+  """With `mipu.rollback`, the validation draw needs `mipu.val_prompts` distinct training problems.
+
+  Raises:
+    ConfigError: naming `mipu.val_prompts`, before the expensive setup.
+  """
+  if c.mipu.rollback:
+    _need(c.mipu.val_prompts <= num_problems, "mipu.val_prompts",
+          f"{c.mipu.val_prompts} validation prompts are drawn from the training problems, but only {num_problems} "
+          "are available; lower mipu.val_prompts or raise data.size")
+
+
 def _validate_choices_and_ranges(c) -> None:
   """Every enumerated or bounded field, so a typo fails at start and not after the warm start."""
   from minpro_jax.advantages import ADVANTAGE_MODES
@@ -150,6 +162,12 @@ def _validate_choices_and_ranges(c) -> None:
     _need(c.mipu.val_prompts >= 1, "mipu.val_prompts", f"must be >= 1, got {c.mipu.val_prompts}")
     _need(c.mipu.val_group_size >= 2, "mipu.val_group_size",
           f"must be >= 2 (T_post needs group-normalised advantages), got {c.mipu.val_group_size}")
+    n_val = c.mipu.val_prompts * c.mipu.val_group_size
+    mini = c.prompts_per_step * c.group_size // c.num_updates_per_step
+    mb = min(c.micro_batch_size, mini, n_val)  # the learner scores the validation batch in these micro-batches
+    _need(n_val % mb == 0, "mipu.val_prompts",
+          f"val_prompts * val_group_size = {n_val} validation samples are not divisible by the scoring micro-batch "
+          f"{mb} (micro_batch_size); choose sizes whose product is a multiple of {mb}")
   if c.sft.enabled:
     _need(c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0, "sft",
           "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
@@ -166,8 +184,22 @@ RESUME_KEYS = ("seed", "prompts_per_step", "group_size", "num_updates_per_step",
                "advantage_mode", "reward", "mipu")
 
 
-# Resume keys added after checkpoints were first written: a checkpoint without one resumes if the feature is off.
-_ADDED_LATER = {"mipu": lambda v: not v.get("rollback")}
+def _mipu_equivalent(now: Any, stored: Any) -> bool:
+  """The mipu settings matter only when rollback is on (a checkpoint from before they existed has none)."""
+  off = lambda v: not (v or {}).get("rollback", False)  # noqa: E731
+  return now == stored or (off(now) and off(stored))
+
+
+# Fingerprint keys whose values may differ without changing the experiment.
+_EQUIVALENT = {"mipu": _mipu_equivalent}
+
+
+def _differing_fields(key: str, now: Any, stored: Any) -> list[str]:
+  """`key`, or `key.field` for each differing field when the values are dicts (absent = empty)."""
+  if isinstance(now, dict) or isinstance(stored, dict):
+    now, stored = now if isinstance(now, dict) else {}, stored if isinstance(stored, dict) else {}
+    return [f"{key}.{k}" for k in sorted(set(now) | set(stored)) if now.get(k) != stored.get(k)]
+  return [key]
 
 
 def resume_fingerprint(c) -> dict[str, Any]:
@@ -186,8 +218,9 @@ def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
   if not stored:
     return
   now = resume_fingerprint(c)
-  diff = sorted(k for k in set(now) | set(stored) if now.get(k) != stored.get(k)
-                and not (k not in stored and k in _ADDED_LATER and _ADDED_LATER[k](now[k])))
+  diff = [f for k in sorted(set(now) | set(stored)) if now.get(k) != stored.get(k)
+          and not (k in _EQUIVALENT and _EQUIVALENT[k](now.get(k), stored.get(k)))
+          for f in _differing_fields(k, now.get(k), stored.get(k))]
   _need(not diff, "workdir",
         f"{workdir} holds a checkpoint of a run with different {', '.join(diff)}; resuming would mix two "
         "experiments. Use a new --config.workdir (or delete the old one)")

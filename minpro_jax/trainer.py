@@ -68,12 +68,14 @@ class Trainer:
     from minpro_jax.setup_run import build_model_and_tokenizer
     self.eval_sets = build.eval_benchmarks(c)
     self.problems = build.remove_heldout(build.load_problems(c, seed=c.seed, size=c.data.size), self.eval_sets)
+    build.check_mipu_problem_count(c, len(self.problems))  # before the tokenizer and SFT
     self.ckpt = RunCheckpointer(self.workdir, keep=c.checkpoint.keep)
     resuming = self.ckpt.latest_step() is not None  # the checkpoint holds the weights: no SFT needed
     self.model, self.tokenizer, self.sft_info = build_model_and_tokenizer(c, self.problems, self.mesh, self.workdir,
                                                                           skip_sft=resuming)
     self.model_config = self.model.config
     self.train_problems, self.prompt_ids = self._encode(self.problems)
+    build.check_mipu_problem_count(c, len(self.train_problems))  # after prompts too long were dropped
     self.loader = ProblemLoader(self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs)
     self.sampling = SamplingParams(temperature=float(c.sampling.temperature), top_k=int(c.sampling.top_k) or None,
                                    top_p=float(c.sampling.top_p) if c.sampling.top_p < 1.0 else None,

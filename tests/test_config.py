@@ -89,3 +89,22 @@ def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
   with pytest.raises(ConfigError) as e:
     check_resume(make_config({**ok, "loss.method": "grpo", "delay": 4}), stored, "runs/x")
   assert "config.workdir" in str(e.value) and "delay" in str(e.value) and "loss" in str(e.value)
+  assert "loss.method" in str(e.value)  # dict-valued keys name the field inside them
+  # mipu settings matter only with rollback on; a checkpoint from before they existed has none
+  check_resume(make_config({**ok, "mipu.val_prompts": 16}), stored, "runs/x")
+  old = {k: v for k, v in stored.items() if k != "mipu"}
+  check_resume(make_config(ok), old, "runs/x")
+  for bad in (stored, old):
+    with pytest.raises(ConfigError, match="mipu.rollback"):
+      check_resume(make_config({**ok, "mipu.rollback": True}), bad, "runs/x")
+
+
+def test_mipu_validation_batch_must_split_into_scoring_micro_batches(ok):
+  c = make_config({**ok, "mipu.rollback": True, "mipu.val_prompts": 3, "mipu.val_group_size": 3})
+  with pytest.raises(ConfigError, match=r"mipu.val_prompts: .* 9 validation samples .* micro-batch"):
+    validate_config(c)
+  from minpro_jax.build import check_mipu_problem_count
+  c = make_config({**ok, "mipu.rollback": True, "mipu.val_prompts": 8})
+  check_mipu_problem_count(c, 8)
+  with pytest.raises(ConfigError, match="mipu.val_prompts: 8 validation prompts .* only 7 are available"):
+    check_mipu_problem_count(c, 7)

@@ -162,6 +162,14 @@ def test_truncation_set_equals_sorting_reference_with_ties(top_k, top_p):
     np.testing.assert_array_equal(cand[row][np.isfinite(cand[row])], logits[row][np.isfinite(cand[row])])
 
 
+def test_signed_zero_logits_are_one_tie():
+  # lax.top_k orders +0.0 before -0.0; the kept set must still be k tokens, lower id first among equal logits
+  cand = np.asarray(truncation_logits(jnp.asarray([[-0.0, 0.0, -5.0]]), 1, None))
+  assert np.isfinite(cand).sum() == 1 and np.isfinite(cand[0, 0])
+  toks = np.asarray(_draw([-0.0, 0.0, -5.0], SamplingParams(temperature=1.0, top_k=1), n=200).tokens)
+  assert np.all(toks == 0)
+
+
 @pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
                                 SamplingParams(temperature=1.0, top_p=0.8)], ids=["full", "t0.7-topk5", "topp0.8"])
 def test_sampled_frequencies_match_the_distribution(sp):
@@ -278,8 +286,10 @@ def test_prepared_params_reused_and_equal_to_raw(state, sampler):
     again = sampler.generate(prepared, PROMPTS, TOPK, seed=4, group_size=2)
     np.testing.assert_array_equal(again.response_tokens, raw.response_tokens)
     np.testing.assert_array_equal(again.behavior_logp, raw.behavior_logp)
-  with pytest.raises(ValueError, match="prepared by a Sampler with another precision"):
+  with pytest.raises(ValueError, match=r"another precision \('fp32', this Sampler: 'bf16'\)"):
     Sampler(CFG, precision="bf16", prompt_buckets=(16,)).generate(prepared, PROMPTS, TOPK)
+  with pytest.raises(ValueError, match=r"another ModelConfig \(rope_theta=.*, this Sampler: 500.0\)"):
+    Sampler(CFG.replace(rope_theta=500.0), prompt_buckets=(16,)).generate(prepared, PROMPTS, TOPK)
 
 
 def test_group_ids_travel_and_rows_are_batch_independent(state, sampler):

@@ -149,6 +149,8 @@ def truncation_logits(scaled_logits_bv: jax.Array, top_k: int | None, top_p: flo
   use_p = top_p is not None and top_p < 1.0
   if not use_k and not use_p:
     return scaled_logits_bv
+  # `lax.top_k` orders +0.0 before -0.0, while == and > treat them as equal: one zero for the mask below
+  scaled_logits_bv = jnp.where(scaled_logits_bv == 0, 0.0, scaled_logits_bv)
 
   def mask_from_top(k: int) -> jax.Array:
     vals, ids = jax.lax.top_k(scaled_logits_bv, k)
@@ -206,7 +208,9 @@ def sample_categorical(weights_bv: jax.Array, keys_b: jax.Array, block: int = SA
   b, v = weights_bv.shape
   nb = -(-v // block)
   w = jnp.pad(weights_bv, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
-  u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys_b)
+  # uniforms on the midpoints of their 2^-23 grid, in (0, 1): u = 0 would hand the first positive weight of a
+  # row or block an extra 2^-23 of probability however small that weight is
+  u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys_b) + 2.0 ** -24
   blk = _first_above(jnp.sum(w, axis=-1), u[:, 0])
   inner = _first_above(jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0], u[:, 1])
   return blk * block + inner

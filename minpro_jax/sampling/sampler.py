@@ -56,6 +56,17 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
   return buckets[i] if i < len(buckets) else None
 
 
+def _signature_diff(got: tuple, want: tuple) -> str:
+  """Which part of two `PreparedParams.signature`s differs, e.g. "precision ('bf16', this Sampler: 'fp32')"."""
+  names = ("precision", "fp8_activations")
+  for name, a, b in zip(names, got, want):
+    if a != b:
+      return f"{name} ({a!r}, this Sampler: {b!r})"
+  fields = [f.name for f in dataclasses.fields(want[2]) if getattr(got[2], f.name) != getattr(want[2], f.name)]
+  return "ModelConfig (" + ", ".join(f"{f}={getattr(got[2], f)!r}, this Sampler: {getattr(want[2], f)!r}"
+                                     for f in fields) + ")"
+
+
 def _param_shapes(state) -> list[tuple[str, tuple[int, ...]]]:
   """(path, shape) of every parameter array of an nnx State, in tree order (for mismatch messages)."""
   return [(jax.tree_util.keystr(k).removesuffix(".value"), x.shape)
@@ -200,8 +211,8 @@ class Sampler:
     """
     if isinstance(params, PreparedParams):
       if params.signature != self._signature:
-        raise ValueError("params were prepared by a Sampler with another precision/config "
-                         f"({params.signature[0]!r}); call prepare_params of this Sampler on the raw parameters")
+        raise ValueError(f"params were prepared by a Sampler with another {_signature_diff(params.signature, self._signature)}; "
+                         "call prepare_params of this Sampler on the raw parameters")
       return params
     state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
     self._check_state(state)
