@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 from typing import Any
 
@@ -158,7 +158,8 @@ def _validate_choices_and_ranges(c) -> None:
   _need(c.eval.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {c.eval.temperature}")
   _need(c.eval.every >= 0, "eval.every", f"must be >= 0 (0 = only at start and end), got {c.eval.every}")
   if c.mipu.rollback:
-    _need(math.isfinite(c.mipu.gap_tolerance), "mipu.gap_tolerance", f"must be a finite number, got {c.mipu.gap_tolerance}")
+    _need(math.isfinite(c.mipu.gap_tolerance), "mipu.gap_tolerance",
+          f"must be a finite number, got {c.mipu.gap_tolerance}")
     _need(c.mipu.val_prompts >= 1, "mipu.val_prompts", f"must be >= 1, got {c.mipu.val_prompts}")
     _need(c.mipu.val_group_size >= 2, "mipu.val_group_size",
           f"must be >= 2 (T_post needs group-normalised advantages), got {c.mipu.val_group_size}")

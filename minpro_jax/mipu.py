@@ -8,12 +8,13 @@ fp8: the inference policy mu') samples validation prompts, the learner scores th
 
 (`objectives_agg.inference_gap_t_post`). The update is accepted iff T_post >= -gap_tolerance; otherwise the
 parameters, the optimizer state and the update counters go back to the snapshot taken before the updates,
-and the consumed batch is dropped. T_post estimates J(mu') - J(pi') with a minus sign: it is negative when
-the trainer puts more weight on well-rewarded answers than the deployed sampler does, i.e. when the
-improvement did not survive quantisation. Step 1 (truncated IS against the sampler) is
+and the consumed batch is dropped. T_post estimates the post-update inference gap J(mu') - J(pi') (with
+group-centred advantages, J(pi) - J(mu) = E_mu[(pi/mu) A]): it is negative when the trainer policy puts more
+weight on well-rewarded answers than the deployed sampler does, i.e. when the improvement did not survive
+quantisation. Step 1 (truncated IS against the sampler) is
 `config.loss.rollout_is = "token"` with `tis_cap = 2`.
 
-Assumptions where the paper's page is silent (see ../shared/research/mipu.md "Not on the page"):
+Assumptions where the paper's project page is silent:
   * validation prompts are fresh draws from the training problems (never the held-out evaluation sets), a
     pure function of (seed, global step) so a resumed run makes the same decisions;
   * the validation advantages use the run's `advantage_mode` (group-normalised, as the training batch);

@@ -211,8 +211,9 @@ class Sampler:
     """
     if isinstance(params, PreparedParams):
       if params.signature != self._signature:
-        raise ValueError(f"params were prepared by a Sampler with another {_signature_diff(params.signature, self._signature)}; "
-                         "call prepare_params of this Sampler on the raw parameters")
+        diff = _signature_diff(params.signature, self._signature)
+        raise ValueError(f"params were prepared by a Sampler with another {diff}; call prepare_params of this "
+                         "Sampler on the raw parameters")
       return params
     state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
     self._check_state(state)
