@@ -190,8 +190,19 @@ class Trainer:
     return batch, metrics
 
   def check_inference_gap(self, state, step: int) -> mipu.GapCheck:
-    """MIPU Step 2 at the parameters `state.params` (just updated): sample validation prompts with the
-    sampler, score them with the learner, and test T_post >= -config.mipu.gap_tolerance (`minpro_jax.mipu`)."""
+    """MIPU Step 2 (arXiv 2606.29526) at the parameters `state.params` (just updated): sample validation
+    prompts with the sampler, score them with the learner, and test T_post >= -config.mipu.gap_tolerance.
+
+    Args:
+      state: the `TrainState` after the step's updates (read only; the caller rolls back).
+      step: global step (seeds the validation draw and its sampling, so a resumed run decides the same).
+
+    Returns:
+      A `mipu.GapCheck` (float t_post in advantage units, the verdict, the validation reward mean and count).
+
+    Raises:
+      ValueError: config.mipu.val_prompts larger than the training problems (normally caught at start).
+    """
     m = self.c.mipu
     idx = mipu.validation_indices(len(self.train_problems), m.val_prompts, self._step_seed(step, 3))
     problems = [self.train_problems[i] for i in idx]
