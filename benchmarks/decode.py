@@ -18,6 +18,9 @@ decoder's matmuls per token (q, k, v, o, gate, up, down per layer, then the tied
 norms, RoPE or sampling). It is what XLA:CPU itself reaches streaming these weights at each batch size, so
 `ours / floor` says how much of the decode step is overhead, whatever the speed of the machine that day.
 
+Ablation (greedy rows): `ours_unfused_tok_s`, the same sampler with `fuse_projections=False` (q/k/v and
+gate/up as separate matmuls, the learner's layout), called in the same rounds.
+
 Also reports the sampler-vs-learner log-prob mismatch (mean |dlogp|, K3 of KL(mu||pi)) of bf16 and fp8
 sampling on `tiny`.
 """
@@ -119,6 +122,7 @@ def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, rep
     save_hf_checkpoint(model, d)
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
   sampler = Sampler(cfg, prompt_buckets=(prompt_len,))
+  unfused = Sampler(cfg, prompt_buckets=(prompt_len,), fuse_projections=False)  # ablation: learner's projections
   rng = np.random.RandomState(0)
   rows = []
   for b in batches:
@@ -127,7 +131,7 @@ def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, rep
     # the per-version weight conversion (`prepare_params`) is timed on its own, as a weight sync; the
     # generate calls reuse its output, as the trainer's evaluation does
     t_prepare = timed(lambda: jax.block_until_ready(sampler.prepare_params(state).state), reps)
-    prepared = sampler.prepare_params(state)
+    prepared, prepared_unfused = sampler.prepare_params(state), unfused.prepare_params(state)
     floor = matmul_floor_tok_s(cfg, b)
     for mode in ("greedy", "sample"):
       # sample: temperature 1 over the full vocabulary (the RL setting); HF's default top_k=50 switched off
@@ -141,13 +145,18 @@ def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, rep
           return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=mode == "sample", temperature=1.0, top_k=0,
                              top_p=1.0, use_cache=True, eos_token_id=None, pad_token_id=0)
-      t = _interleaved({"ours": ours, "hf": hf_gen}, reps)
+      fns = {"ours": ours, "hf": hf_gen}
+      if mode == "greedy":
+        fns["unfused"] = lambda: unfused.generate(prepared_unfused, prompts, sp).response_tokens
+      t = _interleaved(fns, reps)
       (t_ours, t_ours_med), (t_hf, t_hf_med) = t["ours"], t["hf"]
       out = dict(batch=b, mode=mode, new_tokens=new_tokens, ours_tok_s=b * new_tokens / t_ours,
                  hf_generate_tok_s=b * new_tokens / t_hf, speedup=t_hf / t_ours, speedup_median=t_hf_med / t_ours_med,
                  prepare_params_s=t_prepare, speedup_incl_prepare=t_hf / (t_ours + t_prepare),
                  xla_matmul_floor_tok_s=floor, ours_over_floor=b * new_tokens / t_ours / floor)
       if mode == "greedy":
+        out["ours_unfused_tok_s"] = b * new_tokens / t["unfused"][0]
+        out["fused_over_unfused"] = t["unfused"][0] / t_ours
         out["greedy_token_agreement"] = float(np.mean(ours() == hf_gen()[:, prompt_len:].numpy()))
       print(json.dumps({preset: out}), flush=True)
       rows.append(out)

@@ -16,7 +16,9 @@ from minpro_jax.models import KVCache, ModelConfig, get_preset, segment_position
 from minpro_jax.models.hf_io import (DictSource, hf_tensor_shapes, load_from_source, load_hf_checkpoint,
                                      save_hf_checkpoint)
 from minpro_jax.models.dense import dense
-from minpro_jax.models.transformer import MoE, Transformer, unstack_layer_params
+from minpro_jax.models.inference_layout import fuse_projection_params, unstack_layer_params
+from minpro_jax.models.quant import fake_quant_weights
+from minpro_jax.models.transformer import MoE, Transformer
 from minpro_jax.sharding import make_mesh, use_mesh
 
 
@@ -186,6 +188,63 @@ def test_unstacked_layers_equal_stacked_with_and_without_cache(name):
   with pytest.raises(ValueError, match="scan_layers=True needs stack_layers=True"):
     model.config.replace(stack_layers=False, scan_layers=True)
 
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-llama"])
+def test_fused_projections_hold_the_same_weights_and_give_the_same_outputs(name):
+  """`fuse_projection_params`: each q/k/v/gate/up value lands where the fused forward reads it (KV head k's
+  query heads k*G .. k*G+G-1, then its key, then its value), and the fused model equals the unfused one,
+  with and without a cache (the MoE experts stay unfused)."""
+  model = _model(name)
+  c = model.config
+  flat_config = c.replace(stack_layers=False)
+  flat_state = jax.jit(lambda s: unstack_layer_params(s, c))(nnx.split(model)[1])
+  fused_state = jax.jit(lambda s: fuse_projection_params(s, flat_config))(flat_state)
+  graphdefs = {}
+  for fuse in (False, True):
+    with nnx.use_eager_sharding(False):
+      graphdefs[fuse] = nnx.split(nnx.eval_shape(
+          lambda fuse=fuse: Transformer(flat_config.replace(fuse_projections=fuse), rngs=nnx.Rngs(0))))[0]
+  flat, fused = nnx.merge(graphdefs[False], flat_state), nnx.merge(graphdefs[True], fused_state)
+  g = c.num_heads // c.num_kv_heads
+  for i in range(c.num_layers):
+    qkv = np.asarray(fused.layers[i].attn.qkv_proj[...])
+    assert qkv.shape == (c.hidden_size, c.num_kv_heads, g + 2, c.head_dim)
+    q = np.asarray(model.layers.attn.q_proj[i])
+    for k in range(c.num_kv_heads):
+      for j in range(g):
+        np.testing.assert_array_equal(qkv[:, k, j], q[:, k * g + j])
+      np.testing.assert_array_equal(qkv[:, k, g], np.asarray(model.layers.attn.k_proj[i])[:, k])
+      np.testing.assert_array_equal(qkv[:, k, g + 1], np.asarray(model.layers.attn.v_proj[i])[:, k])
+    if c.is_moe:
+      assert not hasattr(fused.layers[i].mlp, "gate_up_proj")
+    else:
+      gu = np.asarray(fused.layers[i].mlp.gate_up_proj[...])
+      np.testing.assert_array_equal(gu[:, 0], np.asarray(model.layers.mlp.gate_proj[i]))
+      np.testing.assert_array_equal(gu[:, 1], np.asarray(model.layers.mlp.up_proj[i]))
+  tokens, seg = _tokens(b=4, t=9), _left_pad_segments(b=4, t=9)
+  np.testing.assert_allclose(np.asarray(_fwd(fused, tokens, seg)), np.asarray(_fwd(model, tokens, seg)), atol=1e-5)
+  pos = segment_positions(seg)
+  step = nnx.jit(lambda m, x, p, s, cache, i: m(x, p, s, cache=cache, cache_index=i))
+  outs = []
+  for m in (flat, fused):
+    out = step(m, tokens[:, :8], pos[:, :8], seg[:, :8], KVCache.zeros(m.config, 4, 12), jnp.int32(0))
+    outs.append(step(m, tokens[:, 8:], pos[:, 8:], seg[:, 8:], out.cache, jnp.int32(8)))
+  np.testing.assert_allclose(np.asarray(outs[1].out), np.asarray(outs[0].out), atol=1e-5)
+  for i in range(c.num_layers):
+    np.testing.assert_allclose(np.asarray(outs[1].cache.k[i]), np.asarray(outs[0].cache.k[i]), atol=1e-5)
+
+
+def test_fused_projections_bad_input():
+  model = _model("tiny")
+  with pytest.raises(ValueError, match="fuse_projections=True.*needs stack_layers=False"):
+    model.config.replace(fuse_projections=True)
+  with pytest.raises(ValueError, match="per-layer, unfused config.*unstack_layer_params first"):
+    fuse_projection_params(nnx.split(model)[1], model.config)
+  flat_config = model.config.replace(stack_layers=False)
+  fused = fuse_projection_params(unstack_layer_params(nnx.split(model)[1], model.config), flat_config)
+  with pytest.raises(ValueError, match=r"fused projection \(.*qkv_proj.*\); quantize the unfused State"):
+    fake_quant_weights(fused, num_stacked_axes=0)
 
 def _loss(model, tokens, seg):
   return -jnp.sum(token_logprobs(model, tokens, seg, chunk_size=4).logp * seg)

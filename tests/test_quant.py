@@ -65,7 +65,7 @@ def test_precision_config_and_cast():
 def test_fp8_scales_are_per_layer_in_both_layouts():
   """fp8 of the stacked State then unstacking == unstacking then fp8 of the per-layer State (one scale per
   layer and tensor either way), and layers with different ranges get different scales."""
-  from minpro_jax.models.transformer import unstack_layer_params
+  from minpro_jax.models.inference_layout import unstack_layer_params
   cfg = get_preset("tiny")
   state = nnx.split(init_model(cfg, seed=1))[1]
   state["layers"]["mlp"]["up_proj"].value = state["layers"]["mlp"]["up_proj"][...] * jnp.array([1.0, 7.0])[:, None, None]

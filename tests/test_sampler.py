@@ -290,6 +290,19 @@ def test_prepared_params_reused_and_equal_to_raw(state, sampler):
     Sampler(CFG, precision="bf16", prompt_buckets=(16,)).generate(prepared, PROMPTS, TOPK)
   with pytest.raises(ValueError, match=r"another ModelConfig \(rope_theta=.*, this Sampler: 500.0\)"):
     Sampler(CFG.replace(rope_theta=500.0), prompt_buckets=(16,)).generate(prepared, PROMPTS, TOPK)
+  with pytest.raises(ValueError, match=r"another fuse_projections \(True, this Sampler: False\)"):
+    Sampler(CFG, prompt_buckets=(16,), fuse_projections=False).generate(prepared, PROMPTS, TOPK)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_fused_projections_sample_what_unfused_samples(state, precision):
+  """The default fused q/k/v and gate/up layout draws the same tokens with the same behavior log-probs as the
+  learner's separate projections; under fp8 each original tensor keeps its own scale (quantized, then
+  fused), so the two stay equal there too."""
+  got = {fuse: Sampler(CFG, precision=precision, prompt_buckets=(16,), fuse_projections=fuse).generate(
+      state, PROMPTS, TOPK, seed=4, group_size=2) for fuse in (False, True)}
+  np.testing.assert_array_equal(got[True].response_tokens, got[False].response_tokens)
+  np.testing.assert_allclose(got[True].behavior_logp, got[False].behavior_logp, atol=1e-5, rtol=0)
 
 
 def test_group_ids_travel_and_rows_are_batch_independent(state, sampler):

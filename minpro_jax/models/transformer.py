@@ -169,12 +169,16 @@ class Attention(nnx.Module):
     pd = c.jnp_param_dtype
     std = 0.02
     self.config = c
-    self.q_proj = nnx.Param(_init(std, ("embed", "q_heads", "head_dim"))(
-        rngs.params(), (c.hidden_size, c.num_heads, c.head_dim), pd))
-    self.k_proj = nnx.Param(_init(std, ("embed", "kv_heads", "head_dim"))(
-        rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd))
-    self.v_proj = nnx.Param(_init(std, ("embed", "kv_heads", "head_dim"))(
-        rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd))
+    if c.fuse_projections:  # the sampler's layout (`fuse_projection_params`); sharded by KV head
+      self.qkv_proj = nnx.Param(_init(std, ("embed", "kv_heads", None, "head_dim"))(
+          rngs.params(), (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2, c.head_dim), pd))
+    else:
+      self.q_proj = nnx.Param(_init(std, ("embed", "q_heads", "head_dim"))(
+          rngs.params(), (c.hidden_size, c.num_heads, c.head_dim), pd))
+      self.k_proj = nnx.Param(_init(std, ("embed", "kv_heads", "head_dim"))(
+          rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd))
+      self.v_proj = nnx.Param(_init(std, ("embed", "kv_heads", "head_dim"))(
+          rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd))
     self.o_proj = nnx.Param(_init(std, ("q_heads", "head_dim", "embed"))(
         rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), pd))
     if c.qk_norm:
@@ -200,9 +204,15 @@ class Attention(nnx.Module):
     c = self.config
     dt = c.jnp_dtype
     x_btd = maybe_quant_act(x_btd, c.act_quant)  # sampler's simulated FP8 (identity by default)
-    q = dense(x_btd, self.q_proj[...].astype(dt))
-    k = dense(x_btd, self.k_proj[...].astype(dt))
-    v = dense(x_btd, self.v_proj[...].astype(dt))
+    if c.fuse_projections:
+      qkv = dense(x_btd, self.qkv_proj[...].astype(dt))  # [B, T, K, G + 2, hd]
+      g = qkv.shape[3] - 2
+      q = qkv[:, :, :, :g].reshape(*qkv.shape[:2], c.num_heads, c.head_dim)  # head k * G + j, as unfused
+      k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    else:
+      q = dense(x_btd, self.q_proj[...].astype(dt))
+      k = dense(x_btd, self.k_proj[...].astype(dt))
+      v = dense(x_btd, self.v_proj[...].astype(dt))
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, rope)
@@ -256,15 +266,24 @@ class MLP(nnx.Module):
     c, pd = config, config.jnp_param_dtype
     self.dtype = c.jnp_dtype
     self.act_quant = c.act_quant
-    self.gate_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
-    self.up_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
+    self.fused = c.fuse_projections
+    if self.fused:  # the sampler's layout (`fuse_projection_params`): [D, (gate, up), F]
+      self.gate_up_proj = nnx.Param(_init(0.02, ("embed", None, "mlp"))(
+          rngs.params(), (c.hidden_size, 2, c.intermediate_size), pd))
+    else:
+      self.gate_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
+      self.up_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
     self.down_proj = nnx.Param(_init(0.02, ("mlp", "embed"))(rngs.params(), (c.intermediate_size, c.hidden_size), pd))
 
   def __call__(self, x_btd):
     dt = self.dtype
     x_btd = maybe_quant_act(x_btd, self.act_quant)
-    g = dense(x_btd, self.gate_proj[...].astype(dt))
-    u = dense(x_btd, self.up_proj[...].astype(dt))
+    if self.fused:
+      gu = dense(x_btd, self.gate_up_proj[...].astype(dt))  # [B, T, 2, F]
+      g, u = gu[:, :, 0], gu[:, :, 1]
+    else:
+      g = dense(x_btd, self.gate_proj[...].astype(dt))
+      u = dense(x_btd, self.up_proj[...].astype(dt))
     h = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "mlp"))
     return dense(maybe_quant_act(h, self.act_quant), self.down_proj[...].astype(dt))
 
@@ -554,35 +573,3 @@ def init_model(config: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | Non
       return Transformer(config, rngs=nnx.Rngs(seed))
   with use_mesh(mesh, rules or DEFAULT_RULES):
     return nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(seed)))()
-
-
-def unstack_layer_params(state: nnx.State, config: ModelConfig) -> nnx.State:
-  """The parameter State of a stacked-layer model rewritten for `config.replace(stack_layers=False)`.
-
-  Args:
-    state: the `nnx.State` of a `Transformer` built with `config` (stacked: every per-layer leaf has a
-      leading [L] axis), as `nnx.split(model)[1]` returns it.
-    config: that model's config (must have `stack_layers=True`).
-
-  Returns:
-    A State whose `layers` entry holds L per-layer subtrees (leaf i = stacked leaf [i]); merge it with the
-    graphdef of `Transformer(config.replace(stack_layers=False, scan_layers=False))`. Under jit the slices
-    are computed once, so a decode loop that consumes the result never slices the stack per step. The
-    result is a copy: it takes as much memory as the parameters.
-
-  Raises:
-    ValueError: `config.stack_layers` is False, or `state` does not have the config's layer count.
-  """
-  if not config.stack_layers:
-    raise ValueError("unstack_layer_params needs the stacked config (stack_layers=True)")
-  flat_config = config.replace(stack_layers=False, scan_layers=False)
-  with nnx.use_eager_sharding(False):
-    template = nnx.split(nnx.eval_shape(lambda: Transformer(flat_config, rngs=nnx.Rngs(0))))[1]
-  pure = nnx.to_pure_dict(state)
-  stacked = pure["layers"]
-  depth = {x.shape[0] for x in jax.tree.leaves(stacked)}
-  if depth != {config.num_layers}:
-    raise ValueError(f"state has layer stacks of depth {sorted(depth)}, config.num_layers={config.num_layers}")
-  pure["layers"] = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(config.num_layers)}
-  nnx.replace_by_pure_dict(template, pure)
-  return template
