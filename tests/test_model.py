@@ -220,8 +220,9 @@ def test_fused_projections_hold_the_same_weights_and_give_the_same_outputs(name)
       assert not hasattr(fused.layers[i].mlp, "gate_up_proj")
     else:
       gu = np.asarray(fused.layers[i].mlp.gate_up_proj[...])
-      np.testing.assert_array_equal(gu[:, 0], np.asarray(model.layers.mlp.gate_proj[i]))
-      np.testing.assert_array_equal(gu[:, 1], np.asarray(model.layers.mlp.up_proj[i]))
+      assert gu.shape == (c.hidden_size, c.intermediate_size, 2)
+      np.testing.assert_array_equal(gu[:, :, 0], np.asarray(model.layers.mlp.gate_proj[i]))
+      np.testing.assert_array_equal(gu[:, :, 1], np.asarray(model.layers.mlp.up_proj[i]))
   tokens, seg = _tokens(b=4, t=9), _left_pad_segments(b=4, t=9)
   np.testing.assert_allclose(np.asarray(_fwd(fused, tokens, seg)), np.asarray(_fwd(model, tokens, seg)), atol=1e-5)
   pos = segment_positions(seg)
@@ -233,6 +234,7 @@ def test_fused_projections_hold_the_same_weights_and_give_the_same_outputs(name)
   np.testing.assert_allclose(np.asarray(outs[1].out), np.asarray(outs[0].out), atol=1e-5)
   for i in range(c.num_layers):
     np.testing.assert_allclose(np.asarray(outs[1].cache.k[i]), np.asarray(outs[0].cache.k[i]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(outs[1].cache.v[i]), np.asarray(outs[0].cache.v[i]), atol=1e-5)
 
 
 def test_fused_projections_bad_input():
@@ -242,7 +244,15 @@ def test_fused_projections_bad_input():
   with pytest.raises(ValueError, match="per-layer, unfused config.*unstack_layer_params first"):
     fuse_projection_params(nnx.split(model)[1], model.config)
   flat_config = model.config.replace(stack_layers=False)
-  fused = fuse_projection_params(unstack_layer_params(nnx.split(model)[1], model.config), flat_config)
+  with pytest.raises(ValueError, match=r"has keys .*expected the per-layer indices 0..1; a stacked State"):
+    fuse_projection_params(nnx.split(model)[1], flat_config)
+  flat = unstack_layer_params(nnx.split(model)[1], model.config)
+  with pytest.raises(ValueError, match=r"layers\[0\]\.attn\.q_proj has shape \(64, 4, 16\), the config gives "
+                                       r"\(64, 8, 8\)"):
+    fuse_projection_params(flat, flat_config.replace(num_heads=8, head_dim=8))
+  fused = fuse_projection_params(flat, flat_config)
+  with pytest.raises(ValueError, match=r"layers\[0\]\.attn has no q_proj .*already fused"):
+    fuse_projection_params(fused, flat_config)
   with pytest.raises(ValueError, match=r"fused projection \(.*qkv_proj.*\); quantize the unfused State"):
     fake_quant_weights(fused, num_stacked_axes=0)
 

@@ -54,8 +54,9 @@ class ModelConfig:
       XLA:CPU copies every slice of a stacked weight or cache out of the stack at each decode step.
     fuse_projections: inference layout (needs stack_layers=False): each attention block holds one
       `qkv_proj` [D, K, H/K + 2, head_dim] (per KV head: its query heads, then its key, then its value) and
-      each dense MLP one `gate_up_proj` [D, 2, F], so a decode step runs 2 matmuls where it ran 5. The sampler
-      converts to it (`minpro_jax.models.fuse_projection_params`); checkpoints and the learner never use it.
+      each dense MLP one `gate_up_proj` [D, F, 2] (MoE experts stay unfused), so a dense layer runs 4
+      matmuls per token instead of 7. The sampler converts to it (`minpro_jax.models.fuse_projection_params`);
+      checkpoints and the learner never use it.
     act_quant: "none", or "fp8" to fake-quantize every matmul input of attention and MLP/experts to e4m3
       (dynamic per-token scale; `minpro_jax.models.quant`). Used by the sampler's simulated FP8 mode.
     logits_soft_cap: unused by Qwen3/Llama; kept None.

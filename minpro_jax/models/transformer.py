@@ -267,9 +267,10 @@ class MLP(nnx.Module):
     self.dtype = c.jnp_dtype
     self.act_quant = c.act_quant
     self.fused = c.fuse_projections
-    if self.fused:  # the sampler's layout (`fuse_projection_params`): [D, (gate, up), F]
-      self.gate_up_proj = nnx.Param(_init(0.02, ("embed", None, "mlp"))(
-          rngs.params(), (c.hidden_size, 2, c.intermediate_size), pd))
+    if self.fused:  # the sampler's layout (`fuse_projection_params`): [D, F, (gate, up)]; F stays the outer,
+      # sharded axis when the trailing axes are flattened for the matmul, so a tensor split survives
+      self.gate_up_proj = nnx.Param(_init(0.02, ("embed", "mlp", None))(
+          rngs.params(), (c.hidden_size, c.intermediate_size, 2), pd))
     else:
       self.gate_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
       self.up_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
@@ -279,8 +280,8 @@ class MLP(nnx.Module):
     dt = self.dtype
     x_btd = maybe_quant_act(x_btd, self.act_quant)
     if self.fused:
-      gu = dense(x_btd, self.gate_up_proj[...].astype(dt))  # [B, T, 2, F]
-      g, u = gu[:, :, 0], gu[:, :, 1]
+      gu = dense(x_btd, self.gate_up_proj[...].astype(dt))  # [B, T, F, 2]
+      g, u = gu[..., 0], gu[..., 1]
     else:
       g = dense(x_btd, self.gate_proj[...].astype(dt))
       u = dense(x_btd, self.up_proj[...].astype(dt))

@@ -8,8 +8,8 @@ Flow of one `generate` call:
      gate/up matrices (`fuse_projection_params`) by a small jitted function. The sampler's model runs its
      layers unrolled with a per-layer KV cache: XLA:CPU copies every slice of a stacked weight or cache out
      of the stack inside a loop, which at batch 1 tripled the bytes a decode step reads. Fusing the
-     projections cuts a layer's matmuls per token from 7 to 4, whose fixed per-dot cost matters at small
-     batch. The copy costs one parameter-sized buffer while `generate` runs;
+     projections cuts a dense layer's matmuls per token from 7 to 4, whose fixed per-dot cost matters at
+     small batch. The copy costs one parameter-sized buffer while `generate` runs;
      `prepare_params` does this step alone and returns a `PreparedParams` that later `generate` calls reuse
      (once per parameter version instead of once per call).
   3. Jitted prefill: the prompts run through the model into a fresh KV cache of P + max_new_tokens slots
@@ -43,7 +43,7 @@ from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.quant import prepare_inference_params, PRECISIONS, precision_config
-from minpro_jax.models.inference_layout import fuse_projection_params, unstack_layer_params
+from minpro_jax.models.inference_layout import fuse_projection_params, fusion_keeps_sharding, unstack_layer_params
 from minpro_jax.models.transformer import KVCache, Transformer, rope_tables
 from minpro_jax.param_store import ParamStore
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
@@ -109,9 +109,12 @@ class Sampler:
     rules: logical-axis rules for `mesh` (default `DEFAULT_RULES`).
     pad_id: token id used for padding (never attended to or scored).
     fp8_activations: with precision "fp8", also fake-quantize matmul inputs (per token, dynamic scale).
-    fuse_projections: run q/k/v and gate/up as one matmul each (`ModelConfig.fuse_projections`; the
-      conversion happens in `prepare_params`, after the FP8 rounding). Same tokens and log-probs up to the
-      matmul's summation order; False keeps the learner's projections (for A/B measurements).
+    fuse_projections: run q/k/v, and the gate/up of dense MLPs, as one matmul each
+      (`ModelConfig.fuse_projections`; the conversion happens in `prepare_params`, after the FP8 rounding).
+      Same tokens and log-probs up to the matmul's summation order. Ignored (no fusion) on a mesh whose head
+      split does not divide the KV-head count, where the fused matrix could not be split like the unfused
+      ones (`fusion_keeps_sharding`); `self.config.fuse_projections` says what runs. False keeps the
+      learner's projections (for A/B measurements).
 
   Raises:
     ValueError: unknown precision, or empty / unsorted buckets.
@@ -133,13 +136,14 @@ class Sampler:
     # unrolled, per-layer config (what prefill / decode run)
     self._input_config = precision_config(model_config, precision, fp8_activations=fp8_activations)
     self._per_layer_config = self._input_config.replace(stack_layers=False, scan_layers=False)
-    self.config = self._per_layer_config.replace(fuse_projections=bool(fuse_projections))
+    fuse = bool(fuse_projections) and fusion_keeps_sharding(self._input_config, mesh, rules)
+    self.config = self._per_layer_config.replace(fuse_projections=fuse)
     self.prompt_buckets = tuple(prompt_buckets)
     self.batch_buckets = tuple(batch_buckets)
     self.mesh = mesh
     self.rules = rules
     self.pad_id = int(pad_id)
-    self._signature = (precision, bool(fp8_activations), bool(fuse_projections), model_config)
+    self._signature = (precision, bool(fp8_activations), fuse, model_config)
     self.trace_count = 0  # incremented each time prefill or decode is traced (tests assert no recompiles)
     with nnx.use_eager_sharding(False):
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
