@@ -15,12 +15,12 @@ weights. The weight-streaming bound at batch 1 is param_bytes / measured read ba
 the numpy copy bandwidth is reported too).
 
 Second named baseline, `xla_matmul_floor`: the same parameter shapes run as a bare jitted chain of the
-decoder's matmuls per token in the sampler's fused layout (q/k/v, o, gate/up, down per layer, then the
+decoder's matmuls per token in the sampler's layout (fused q/k/v, o, gate, up, down per layer, then the
 tied/untied head; no attention, norms, RoPE or sampling). It is what XLA:CPU itself reaches streaming these weights at each batch size, so
 `ours / floor` says how much of the decode step is overhead, whatever the speed of the machine that day.
 
-Ablation (greedy rows): `ours_unfused_tok_s`, the same sampler with `fuse_projections=False` (q/k/v and
-gate/up as separate matmuls, the learner's layout), called in the same rounds.
+Ablation (greedy rows): `ours_unfused_tok_s`, the same sampler with `fuse_qkv=False` (q, k and v as separate
+matmuls, the learner's layout), called in the same rounds.
 
 Also reports the sampler-vs-learner log-prob mismatch (mean |dlogp|, K3 of KL(mu||pi)) of bf16 and fp8
 sampling on `tiny`.
@@ -72,8 +72,8 @@ def matmul_floor_tok_s(cfg, batch: int, reps: int = 3) -> float:
   qd, kvd = cfg.num_heads * hd, cfg.num_kv_heads * hd
   key = iter(jax.random.split(jax.random.key(0), 8 * cfg.num_layers + 2))
   w = lambda *shape: 0.02 * jax.random.normal(next(key), shape, jnp.float32)
-  # the sampler's fused layout: one q/k/v matrix and one gate/up matrix per layer
-  layers = [dict(qkv=w(d, qd + 2 * kvd), o=w(qd, d), gu=w(d, 2 * f), dn=w(f, d)) for _ in range(cfg.num_layers)]
+  # the sampler's layout: one fused q/k/v matrix per layer
+  layers = [dict(qkv=w(d, qd + 2 * kvd), o=w(qd, d), g=w(d, f), u=w(d, f), dn=w(f, d)) for _ in range(cfg.num_layers)]
   head = w(cfg.vocab_size, d)
 
   @jax.jit
@@ -82,8 +82,7 @@ def matmul_floor_tok_s(cfg, batch: int, reps: int = 3) -> float:
       qkv = x @ p["qkv"]
       q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
       x = x + (q + jnp.tile(k + v, qd // kvd)) @ p["o"]
-      gu = x @ p["gu"]
-      x = x + (jax.nn.silu(gu[:, :f]) * gu[:, f:]) @ p["dn"]
+      x = x + (jax.nn.silu(x @ p["g"]) * (x @ p["u"])) @ p["dn"]
     return jnp.einsum("bd,vd->bv", x, head)
 
   x = jnp.ones((batch, d), jnp.float32)
@@ -125,7 +124,7 @@ def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, rep
     save_hf_checkpoint(model, d)
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
   sampler = Sampler(cfg, prompt_buckets=(prompt_len,))
-  unfused = Sampler(cfg, prompt_buckets=(prompt_len,), fuse_projections=False)  # ablation: learner's projections
+  unfused = Sampler(cfg, prompt_buckets=(prompt_len,), fuse_qkv=False)  # ablation: learner's q/k/v
   rng = np.random.RandomState(0)
   rows = []
   for b in batches:

@@ -16,7 +16,7 @@ from minpro_jax.models import KVCache, ModelConfig, get_preset, segment_position
 from minpro_jax.models.hf_io import (DictSource, hf_tensor_shapes, load_from_source, load_hf_checkpoint,
                                      save_hf_checkpoint)
 from minpro_jax.models.dense import dense
-from minpro_jax.models.inference_layout import fuse_projection_params, unstack_layer_params
+from minpro_jax.models.inference_layout import fuse_qkv_params, unstack_layer_params
 from minpro_jax.models.quant import fake_quant_weights
 from minpro_jax.models.transformer import MoE, Transformer
 from minpro_jax.sharding import make_mesh, use_mesh
@@ -191,20 +191,20 @@ def test_unstacked_layers_equal_stacked_with_and_without_cache(name):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-llama"])
-def test_fused_projections_hold_the_same_weights_and_give_the_same_outputs(name):
-  """`fuse_projection_params`: each q/k/v/gate/up value lands where the fused forward reads it (KV head k's
-  query heads k*G .. k*G+G-1, then its key, then its value), and the fused model equals the unfused one,
-  with and without a cache (the MoE experts stay unfused)."""
+def test_fused_qkv_holds_the_same_weights_and_gives_the_same_outputs(name):
+  """`fuse_qkv_params`: each q/k/v value lands where the fused forward reads it (KV head k's query heads
+  k*G .. k*G+G-1, then its key, then its value), and the fused model equals the unfused one, with and
+  without a cache."""
   model = _model(name)
   c = model.config
   flat_config = c.replace(stack_layers=False)
   flat_state = jax.jit(lambda s: unstack_layer_params(s, c))(nnx.split(model)[1])
-  fused_state = jax.jit(lambda s: fuse_projection_params(s, flat_config))(flat_state)
+  fused_state = jax.jit(lambda s: fuse_qkv_params(s, flat_config))(flat_state)
   graphdefs = {}
   for fuse in (False, True):
     with nnx.use_eager_sharding(False):
       graphdefs[fuse] = nnx.split(nnx.eval_shape(
-          lambda fuse=fuse: Transformer(flat_config.replace(fuse_projections=fuse), rngs=nnx.Rngs(0))))[0]
+          lambda fuse=fuse: Transformer(flat_config.replace(fuse_qkv=fuse), rngs=nnx.Rngs(0))))[0]
   flat, fused = nnx.merge(graphdefs[False], flat_state), nnx.merge(graphdefs[True], fused_state)
   g = c.num_heads // c.num_kv_heads
   for i in range(c.num_layers):
@@ -216,13 +216,7 @@ def test_fused_projections_hold_the_same_weights_and_give_the_same_outputs(name)
         np.testing.assert_array_equal(qkv[:, k, j], q[:, k * g + j])
       np.testing.assert_array_equal(qkv[:, k, g], np.asarray(model.layers.attn.k_proj[i])[:, k])
       np.testing.assert_array_equal(qkv[:, k, g + 1], np.asarray(model.layers.attn.v_proj[i])[:, k])
-    if c.is_moe:
-      assert not hasattr(fused.layers[i].mlp, "gate_up_proj")
-    else:
-      gu = np.asarray(fused.layers[i].mlp.gate_up_proj[...])
-      assert gu.shape == (c.hidden_size, c.intermediate_size, 2)
-      np.testing.assert_array_equal(gu[:, :, 0], np.asarray(model.layers.mlp.gate_proj[i]))
-      np.testing.assert_array_equal(gu[:, :, 1], np.asarray(model.layers.mlp.up_proj[i]))
+    assert not hasattr(fused.layers[i].attn, "q_proj")
   tokens, seg = _tokens(b=4, t=9), _left_pad_segments(b=4, t=9)
   np.testing.assert_allclose(np.asarray(_fwd(fused, tokens, seg)), np.asarray(_fwd(model, tokens, seg)), atol=1e-5)
   pos = segment_positions(seg)
@@ -237,22 +231,22 @@ def test_fused_projections_hold_the_same_weights_and_give_the_same_outputs(name)
     np.testing.assert_allclose(np.asarray(outs[1].cache.v[i]), np.asarray(outs[0].cache.v[i]), atol=1e-5)
 
 
-def test_fused_projections_bad_input():
+def test_fused_qkv_bad_input():
   model = _model("tiny")
-  with pytest.raises(ValueError, match="fuse_projections=True.*needs stack_layers=False"):
-    model.config.replace(fuse_projections=True)
+  with pytest.raises(ValueError, match="fuse_qkv=True.*needs stack_layers=False"):
+    model.config.replace(fuse_qkv=True)
   with pytest.raises(ValueError, match="per-layer, unfused config.*unstack_layer_params first"):
-    fuse_projection_params(nnx.split(model)[1], model.config)
+    fuse_qkv_params(nnx.split(model)[1], model.config)
   flat_config = model.config.replace(stack_layers=False)
   with pytest.raises(ValueError, match=r"has keys .*expected the per-layer indices 0..1; a stacked State"):
-    fuse_projection_params(nnx.split(model)[1], flat_config)
+    fuse_qkv_params(nnx.split(model)[1], flat_config)
   flat = unstack_layer_params(nnx.split(model)[1], model.config)
   with pytest.raises(ValueError, match=r"layers\[0\]\.attn\.q_proj has shape \(64, 4, 16\), the config gives "
                                        r"\(64, 8, 8\)"):
-    fuse_projection_params(flat, flat_config.replace(num_heads=8, head_dim=8))
-  fused = fuse_projection_params(flat, flat_config)
+    fuse_qkv_params(flat, flat_config.replace(num_heads=8, head_dim=8))
+  fused = fuse_qkv_params(flat, flat_config)
   with pytest.raises(ValueError, match=r"layers\[0\]\.attn has no q_proj .*already fused"):
-    fuse_projection_params(fused, flat_config)
+    fuse_qkv_params(fused, flat_config)
   with pytest.raises(ValueError, match=r"fused projection \(.*qkv_proj.*\); quantize the unfused State"):
     fake_quant_weights(fused, num_stacked_axes=0)
 

@@ -290,16 +290,16 @@ def test_prepared_params_reused_and_equal_to_raw(state, sampler):
     Sampler(CFG, precision="bf16", prompt_buckets=(16,)).generate(prepared, PROMPTS, TOPK)
   with pytest.raises(ValueError, match=r"another ModelConfig \(rope_theta=.*, this Sampler: 500.0\)"):
     Sampler(CFG.replace(rope_theta=500.0), prompt_buckets=(16,)).generate(prepared, PROMPTS, TOPK)
-  with pytest.raises(ValueError, match=r"another fuse_projections \(True, this Sampler: False\)"):
-    Sampler(CFG, prompt_buckets=(16,), fuse_projections=False).generate(prepared, PROMPTS, TOPK)
+  with pytest.raises(ValueError, match=r"another fuse_qkv \(True, this Sampler: False\)"):
+    Sampler(CFG, prompt_buckets=(16,), fuse_qkv=False).generate(prepared, PROMPTS, TOPK)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
-def test_fused_projections_sample_what_unfused_samples(state, precision):
-  """The default fused q/k/v and gate/up layout draws the same tokens with the same behavior log-probs as the
-  learner's separate projections; under fp8 each original tensor keeps its own scale (quantized, then
-  fused), so the two stay equal there too."""
-  got = {fuse: Sampler(CFG, precision=precision, prompt_buckets=(16,), fuse_projections=fuse).generate(
+def test_fused_qkv_samples_what_unfused_samples(state, precision):
+  """The default fused q/k/v layout draws the same tokens with the same behavior log-probs as the learner's
+  separate projections; under fp8 q, k and v keep their own scales (quantized, then fused), so the two stay
+  equal there too."""
+  got = {fuse: Sampler(CFG, precision=precision, prompt_buckets=(16,), fuse_qkv=fuse).generate(
       state, PROMPTS, TOPK, seed=4, group_size=2) for fuse in (False, True)}
   np.testing.assert_array_equal(got[True].response_tokens, got[False].response_tokens)
   np.testing.assert_allclose(got[True].behavior_logp, got[False].behavior_logp, atol=1e-5, rtol=0)
@@ -381,22 +381,21 @@ def _decode_hlo(sampler, state, sp):
     return prepared, sampler._decode.lower(prepared, st, sampling=sp, cache_offset=16).compile().as_text()
 
 
-def test_fused_projections_keep_the_tensor_split():
-  """On {data: 4, tensor: 2} the fused q/k/v and gate/up matrices stay split over `tensor` like the unfused
-  ones, and the decode loop gathers no weight; on {data: 2, tensor: 4} the tensor split (4) does not divide
-  the 2 KV heads, so the sampler keeps the unfused layout instead of replicating a fused matrix."""
+def test_fused_qkv_keeps_the_tensor_split():
+  """On {data: 4, tensor: 2} the fused q/k/v matrix stays split over `tensor` like the unfused ones, and the
+  decode loop gathers no weight; on {data: 2, tensor: 4} the tensor split (4) does not divide the 2 KV heads,
+  so the sampler keeps the unfused layout instead of replicating a fused matrix."""
   from minpro_jax.sharding import make_mesh
   mesh = make_mesh({"data": 4, "tensor": 2})
   sharded_state = nnx.split(init_model(CFG, seed=3, mesh=mesh))[1]
   sp = SamplingParams(temperature=0.0, max_new_tokens=4)
   hlo = {}
   for fuse in (False, True):
-    s = Sampler(CFG, prompt_buckets=(16,), mesh=mesh, fuse_projections=fuse)
-    assert s.config.fuse_projections == fuse
+    s = Sampler(CFG, prompt_buckets=(16,), mesh=mesh, fuse_qkv=fuse)
+    assert s.config.fuse_qkv == fuse
     prepared, hlo[fuse] = _decode_hlo(s, sharded_state, sp)
   layer = prepared["layers"][0]
   assert "tensor" in str(layer["attn"]["qkv_proj"].sharding.spec), layer["attn"]["qkv_proj"].sharding
-  assert "tensor" in str(layer["mlp"]["gate_up_proj"].sharding.spec), layer["mlp"]["gate_up_proj"].sharding
   assert hlo[False].count("all-gather(") == 0  # the reference: the unfused decode gathers nothing
   assert hlo[True].count("all-gather(") == 0
-  assert not Sampler(CFG, prompt_buckets=(16,), mesh=make_mesh({"data": 2, "tensor": 4})).config.fuse_projections
+  assert not Sampler(CFG, prompt_buckets=(16,), mesh=make_mesh({"data": 2, "tensor": 4})).config.fuse_qkv

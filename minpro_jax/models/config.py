@@ -52,11 +52,10 @@ class ModelConfig:
       leading `layers` axis. False: one separate `DecoderLayer` per layer (an `nnx.List`) and a per-layer
       KV cache; the sampler converts to this layout (`minpro_jax.models.unstack_layer_params`) because
       XLA:CPU copies every slice of a stacked weight or cache out of the stack at each decode step.
-    fuse_projections: inference layout (needs stack_layers=False): each attention block holds one
-      `qkv_proj` [D, K, H/K + 2, head_dim] (per KV head: its query heads, then its key, then its value) and
-      each dense MLP one `gate_up_proj` [D, F, 2] (MoE experts stay unfused), so a dense layer runs 4
-      matmuls per token instead of 7. The sampler converts to it (`minpro_jax.models.fuse_projection_params`);
-      checkpoints and the learner never use it.
+    fuse_qkv: inference layout (needs stack_layers=False): each attention block holds one `qkv_proj`
+      [D, K, H/K + 2, head_dim] (per KV head: its query heads, then its key, then its value) instead of
+      q/k/v_proj, so attention runs 1 input matmul per token instead of 3. The sampler converts to it
+      (`minpro_jax.models.fuse_qkv_params`); checkpoints and the learner never use it.
     act_quant: "none", or "fp8" to fake-quantize every matmul input of attention and MLP/experts to e4m3
       (dynamic per-token scale; `minpro_jax.models.quant`). Used by the sampler's simulated FP8 mode.
     logits_soft_cap: unused by Qwen3/Llama; kept None.
@@ -87,7 +86,7 @@ class ModelConfig:
   remat: str = "none"
   scan_layers: bool = False
   stack_layers: bool = True
-  fuse_projections: bool = False
+  fuse_qkv: bool = False
   act_quant: str = "none"
 
   def __post_init__(self):
@@ -114,8 +113,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.remat={self.remat!r}; choose one of {_REMAT}")
     if self.scan_layers and not self.stack_layers:
       raise ValueError("ModelConfig.scan_layers=True needs stack_layers=True (nnx.scan runs stacked layers)")
-    if self.fuse_projections and self.stack_layers:
-      raise ValueError("ModelConfig.fuse_projections=True is the sampler's per-layer inference layout; it needs "
+    if self.fuse_qkv and self.stack_layers:
+      raise ValueError("ModelConfig.fuse_qkv=True is the sampler's per-layer inference layout; it needs "
                        "stack_layers=False")
     if self.act_quant not in _ACT_QUANT:
       raise ValueError(f"ModelConfig.act_quant={self.act_quant!r}; choose one of {_ACT_QUANT}")

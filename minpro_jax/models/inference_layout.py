@@ -1,22 +1,23 @@
-"""The sampler's parameter layouts: per-layer arrays and fused projections, converted from the learner's.
+"""The sampler's parameter layouts: per-layer arrays and a fused q/k/v matrix, converted from the learner's.
 
 The learner and every checkpoint keep stacked layers ([L, ...] leaves) and one matrix per HF projection.
 A decode step on XLA:CPU prefers otherwise:
 
 * per-layer arrays (`unstack_layer_params`): inside a `while_loop`, XLA:CPU copies every slice of a stacked
   weight out of the stack at every step;
-* fused projections (`fuse_projection_params`): q/k/v as one `qkv_proj` and, in dense MLPs, gate/up as one
-  `gate_up_proj`, so a dense layer runs 4 matmuls per token instead of 7 (MoE experts stay unfused). At
+* one `qkv_proj` per layer (`fuse_qkv_params`): attention's three input projections as one matmul. At
   batch 1 each matmul streams a few MB of weights and XLA:CPU's fixed cost per dot is a large part of the
-  step (`benchmarks/decode.py` measures both layouts in the same run).
+  step (`benchmarks/decode.py` measures both layouts in the same run). Fusing gate/up the same way was
+  measured too and left out: no gain at batch 1 beyond the q/k/v fusion, and slower at batch 64.
 
 Both conversions only move values (no arithmetic), so the converted model computes the same function up to
-the matmul's summation order. The sampler fake-quantizes (FP8) *before* fusing, so each original tensor keeps
-the per-tensor scale of `minpro_jax.models.quant` and mu does not depend on the layout. (vLLM's FP8 path
+the matmul's summation order. The sampler fake-quantizes (FP8) *before* fusing, so q, k and v keep the
+per-tensor scales of `minpro_jax.models.quant` and mu does not depend on the layout. (vLLM's FP8 path
 differs: it requantizes a fused matrix with one max scale.)
 
-Sharding: the fused matrices keep the tensor-parallel split of the unfused ones as long as the mesh axes
-that split heads divide the KV-head count (`fusion_keeps_sharding`); the sampler does not fuse otherwise.
+Sharding: `qkv_proj` is split by KV head, which keeps the tensor-parallel split of the unfused q/k/v as long
+as the mesh axes that split heads divide the KV-head count (`fused_qkv_keeps_sharding`); the sampler does not
+fuse otherwise.
 """
 
 from __future__ import annotations
@@ -74,12 +75,11 @@ def _mesh_axes(logical: str, mesh: jax.sharding.Mesh, rules) -> tuple[str, ...]:
   return ()
 
 
-def fusion_keeps_sharding(config: ModelConfig, mesh: jax.sharding.Mesh | None, rules=None) -> bool:
-  """Whether the fused layout shards like the unfused one on `mesh` under the logical-axis `rules`.
+def fused_qkv_keeps_sharding(config: ModelConfig, mesh: jax.sharding.Mesh | None, rules=None) -> bool:
+  """Whether `qkv_proj` is split over `mesh` like the unfused q/k/v under the logical-axis `rules`.
 
-  `qkv_proj` is split by KV head, `q_proj` by query head: the same mesh axes must split both, and their size
-  must divide `num_kv_heads` (else the fused matrix would be replicated on every device). `gate_up_proj`
-  keeps `mlp` as its split axis, so it never decides.
+  `qkv_proj` is split by KV head and `q_proj` by query head: the same mesh axes must split both, and their
+  size must divide `num_kv_heads` (else the fused matrix would be replicated on every device).
 
   Args:
     config: the model config.
@@ -95,32 +95,31 @@ def fusion_keeps_sharding(config: ModelConfig, mesh: jax.sharding.Mesh | None, r
   return q_axes == kv_axes and config.num_kv_heads % n == 0
 
 
-def fuse_projection_params(state: nnx.State, config: ModelConfig) -> nnx.State:
-  """A per-layer parameter State rewritten for `config.replace(fuse_projections=True)`.
+def fuse_qkv_params(state: nnx.State, config: ModelConfig) -> nnx.State:
+  """A per-layer parameter State rewritten for `config.replace(fuse_qkv=True)`.
 
-  Per layer, `qkv_proj[:, k, j] = q_proj[:, k * G + j]` for j < G = H / K, `qkv_proj[:, k, G] = k_proj[:, k]`,
-  `qkv_proj[:, k, G + 1] = v_proj[:, k]` ([D, K, G + 2, head_dim]: each KV head next to the query heads that
-  read it, so splitting the KV-head axis keeps every group on one device), and `gate_up_proj[:, :, 0] =
-  gate_proj`, `gate_up_proj[:, :, 1] = up_proj` ([D, F, 2]: F outermost, so its split survives the matmul's
-  flattening). Mixture-of-experts blocks keep their experts as they are; every other leaf is passed through.
+  Per layer, `qkv_proj[:, k, j] = q_proj[:, k * G + j]` for j < G = H / K, `qkv_proj[:, k, G] = k_proj[:, k]`
+  and `qkv_proj[:, k, G + 1] = v_proj[:, k]` ([D, K, G + 2, head_dim]: each KV head next to the query heads
+  that read it, so splitting the KV-head axis keeps every group on one device). Every other leaf is passed
+  through.
 
   Args:
     state: the `nnx.State` of a `Transformer` built with `config` (per-layer: `stack_layers=False`, e.g. the
       output of `unstack_layer_params`), any dtype.
-    config: that model's config (`stack_layers=False`, `fuse_projections=False`).
+    config: that model's config (`stack_layers=False`, `fuse_qkv=False`).
 
   Returns:
-    A State to merge with the graphdef of `Transformer(config.replace(fuse_projections=True))`. Under jit the
-    concatenations run once; the result is a copy of the projection weights.
+    A State to merge with the graphdef of `Transformer(config.replace(fuse_qkv=True))`. Under jit the
+    concatenation runs once; the result is a copy of the q/k/v weights.
 
   Raises:
     ValueError: `config` is stacked or already fused; `state` is not per-layer with `config.num_layers`
-      layers, is already fused, or has a projection of another shape than `config` gives (names the path).
+      layers, is already fused, or has a q/k/v projection of another shape than `config` gives (names it).
   """
-  if config.stack_layers or config.fuse_projections:
-    raise ValueError("fuse_projection_params needs a per-layer, unfused config (stack_layers=False, "
-                     "fuse_projections=False); convert a stacked State with unstack_layer_params first")
-  template = _template(config.replace(fuse_projections=True))
+  if config.stack_layers or config.fuse_qkv:
+    raise ValueError("fuse_qkv_params needs a per-layer, unfused config (stack_layers=False, fuse_qkv=False); "
+                     "convert a stacked State with unstack_layer_params first")
+  template = _template(config.replace(fuse_qkv=True))
   pure = nnx.to_pure_dict(state)
   layers = pure.get("layers", {})
   if sorted(layers, key=str) != sorted(range(config.num_layers), key=str):
@@ -128,23 +127,16 @@ def fuse_projection_params(state: nnx.State, config: ModelConfig) -> nnx.State:
                      f"0..{config.num_layers - 1}; a stacked State needs unstack_layer_params first")
   d, k, g, hd = config.hidden_size, config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
   want = {"q_proj": (d, k * g, hd), "k_proj": (d, k, hd), "v_proj": (d, k, hd)}
-  if not config.is_moe:
-    want.update(gate_proj=(d, config.intermediate_size), up_proj=(d, config.intermediate_size))
   for i, layer in layers.items():
-    for block, name in [("attn", n) for n in ("q_proj", "k_proj", "v_proj")] + \
-                       [("mlp", n) for n in ("gate_proj", "up_proj") if n in want]:
-      if name not in layer[block]:
-        raise ValueError(f"state layers[{i}].{block} has no {name} (fields: {sorted(layer[block])}); "
-                         "is it already fused?")
-      if tuple(layer[block][name].shape) != want[name]:
-        raise ValueError(f"state layers[{i}].{block}.{name} has shape {tuple(layer[block][name].shape)}, "
-                         f"the config gives {want[name]}")
     attn = layer["attn"]
+    for name, shape in want.items():
+      if name not in attn:
+        raise ValueError(f"state layers[{i}].attn has no {name} (fields: {sorted(attn)}); is it already fused?")
+      if tuple(attn[name].shape) != shape:
+        raise ValueError(f"state layers[{i}].attn.{name} has shape {tuple(attn[name].shape)}, the config gives "
+                         f"{shape}")
     q = attn.pop("q_proj").reshape(d, k, g, hd)
     kv = [attn.pop(name)[:, :, None] for name in ("k_proj", "v_proj")]
     attn["qkv_proj"] = jnp.concatenate([q, *kv], axis=2)
-    if not config.is_moe:
-      mlp = layer["mlp"]
-      mlp["gate_up_proj"] = jnp.stack([mlp.pop("gate_proj"), mlp.pop("up_proj")], axis=-1)
   nnx.replace_by_pure_dict(template, pure)
   return template

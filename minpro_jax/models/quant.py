@@ -18,7 +18,7 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 PRECISIONS = ("fp32", "bf16", "fp8")
 # Parameter paths (last key) that are dense-layer weights; stacked layers keep a leading L axis.
 DENSE_WEIGHT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router")
-FUSED_WEIGHT_NAMES = ("qkv_proj", "gate_up_proj")  # the sampler's fused layout (models/inference_layout.py)
+FUSED_WEIGHT_NAMES = ("qkv_proj",)  # the sampler's fused layout (models/inference_layout.py)
 
 
 def fake_quant_e4m3(x: jax.Array, axis=None) -> jax.Array:
@@ -62,13 +62,13 @@ def fake_quant_weights(state, *, num_stacked_axes: int = 1):
   over all axes but the first `num_stacked_axes`. Embedding, LM head and norm scales are returned unchanged.
 
   Raises:
-    ValueError: the State has fused projections (`qkv_proj`, `gate_up_proj`): one scale over a fused matrix
-      is not the per-tensor FP8 of the model; quantize first, then fuse (as `Sampler.prepare_params` does).
+    ValueError: the State has a fused `qkv_proj`: one scale over the fused matrix is not the per-tensor FP8
+      of the model; quantize first, then fuse (as `Sampler.prepare_params` does).
   """
   def q(path, x):
     if _path_name(path) in FUSED_WEIGHT_NAMES:
       raise ValueError(f"fake_quant_weights got a fused projection ({jax.tree_util.keystr(path)}); quantize the "
-                       "unfused State, then fuse it (minpro_jax.models.fuse_projection_params)")
+                       "unfused State, then fuse it (minpro_jax.models.fuse_qkv_params)")
     if _path_name(path) not in DENSE_WEIGHT_NAMES:
       return x
     axes = tuple(range(num_stacked_axes, x.ndim))

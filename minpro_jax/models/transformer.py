@@ -169,7 +169,7 @@ class Attention(nnx.Module):
     pd = c.jnp_param_dtype
     std = 0.02
     self.config = c
-    if c.fuse_projections:  # the sampler's layout (`fuse_projection_params`); sharded by KV head
+    if c.fuse_qkv:  # the sampler's layout (`fuse_qkv_params`); split by KV head
       self.qkv_proj = nnx.Param(_init(std, ("embed", "kv_heads", None, "head_dim"))(
           rngs.params(), (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2, c.head_dim), pd))
     else:
@@ -204,7 +204,7 @@ class Attention(nnx.Module):
     c = self.config
     dt = c.jnp_dtype
     x_btd = maybe_quant_act(x_btd, c.act_quant)  # sampler's simulated FP8 (identity by default)
-    if c.fuse_projections:
+    if c.fuse_qkv:
       qkv = dense(x_btd, self.qkv_proj[...].astype(dt))  # [B, T, K, G + 2, hd]
       g = qkv.shape[3] - 2
       q = qkv[:, :, :, :g].reshape(*qkv.shape[:2], c.num_heads, c.head_dim)  # head k * G + j, as unfused
@@ -266,25 +266,15 @@ class MLP(nnx.Module):
     c, pd = config, config.jnp_param_dtype
     self.dtype = c.jnp_dtype
     self.act_quant = c.act_quant
-    self.fused = c.fuse_projections
-    if self.fused:  # the sampler's layout (`fuse_projection_params`): [D, F, (gate, up)]; F stays the outer,
-      # sharded axis when the trailing axes are flattened for the matmul, so a tensor split survives
-      self.gate_up_proj = nnx.Param(_init(0.02, ("embed", "mlp", None))(
-          rngs.params(), (c.hidden_size, c.intermediate_size, 2), pd))
-    else:
-      self.gate_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
-      self.up_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
+    self.gate_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
+    self.up_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
     self.down_proj = nnx.Param(_init(0.02, ("mlp", "embed"))(rngs.params(), (c.intermediate_size, c.hidden_size), pd))
 
   def __call__(self, x_btd):
     dt = self.dtype
     x_btd = maybe_quant_act(x_btd, self.act_quant)
-    if self.fused:
-      gu = dense(x_btd, self.gate_up_proj[...].astype(dt))  # [B, T, F, 2]
-      g, u = gu[..., 0], gu[..., 1]
-    else:
-      g = dense(x_btd, self.gate_proj[...].astype(dt))
-      u = dense(x_btd, self.up_proj[...].astype(dt))
+    g = dense(x_btd, self.gate_proj[...].astype(dt))
+    u = dense(x_btd, self.up_proj[...].astype(dt))
     h = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "mlp"))
     return dense(maybe_quant_act(h, self.act_quant), self.down_proj[...].astype(dt))
 

@@ -4,12 +4,11 @@ Flow of one `generate` call:
   1. Prompts are expanded to N = len(prompts) * group_size rows, left-padded to the smallest prompt bucket
      P >= longest prompt, and the rows padded to a batch bucket (extra rows start done and are dropped).
   2. The parameter State is converted once to the inference precision (`fp32`, `bf16`, or simulated `fp8`,
-     see `minpro_jax.models.quant`), to per-layer arrays (`unstack_layer_params`) and to fused q/k/v and
-     gate/up matrices (`fuse_projection_params`) by a small jitted function. The sampler's model runs its
+     see `minpro_jax.models.quant`), to per-layer arrays (`unstack_layer_params`) and to one fused q/k/v
+     matrix per layer (`fuse_qkv_params`) by a small jitted function. The sampler's model runs its
      layers unrolled with a per-layer KV cache: XLA:CPU copies every slice of a stacked weight or cache out
-     of the stack inside a loop, which at batch 1 tripled the bytes a decode step reads. Fusing the
-     projections cuts a dense layer's matmuls per token from 7 to 4, whose fixed per-dot cost matters at
-     small batch. The copy costs one parameter-sized buffer while `generate` runs;
+     of the stack inside a loop, which at batch 1 tripled the bytes a decode step reads. Fusing q/k/v
+     cuts a layer's matmuls per token from 7 to 5, whose fixed per-dot cost matters at small batch. The copy costs one parameter-sized buffer while `generate` runs;
      `prepare_params` does this step alone and returns a `PreparedParams` that later `generate` calls reuse
      (once per parameter version instead of once per call).
   3. Jitted prefill: the prompts run through the model into a fresh KV cache of P + max_new_tokens slots
@@ -43,7 +42,7 @@ from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.quant import prepare_inference_params, PRECISIONS, precision_config
-from minpro_jax.models.inference_layout import fuse_projection_params, fusion_keeps_sharding, unstack_layer_params
+from minpro_jax.models.inference_layout import fuse_qkv_params, fused_qkv_keeps_sharding, unstack_layer_params
 from minpro_jax.models.transformer import KVCache, Transformer, rope_tables
 from minpro_jax.param_store import ParamStore
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
@@ -61,7 +60,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
 
 def _signature_diff(got: tuple, want: tuple) -> str:
   """Which part of two `PreparedParams.signature`s differs, e.g. "precision ('bf16', this Sampler: 'fp32')"."""
-  names = ("precision", "fp8_activations", "fuse_projections")
+  names = ("precision", "fp8_activations", "fuse_qkv")
   for name, a, b in zip(names, got, want):
     if a != b:
       return f"{name} ({a!r}, this Sampler: {b!r})"
@@ -87,7 +86,7 @@ class PreparedParams:
 
   Attributes:
     state: the converted `nnx.State` (per-layer layout, the sampler's precision).
-    signature: (precision, fp8_activations, fuse_projections, ModelConfig) of the Sampler that made it;
+    signature: (precision, fp8_activations, fuse_qkv, ModelConfig) of the Sampler that made it;
       `generate` of a Sampler with another signature rejects it.
   """
   state: Any
@@ -109,12 +108,11 @@ class Sampler:
     rules: logical-axis rules for `mesh` (default `DEFAULT_RULES`).
     pad_id: token id used for padding (never attended to or scored).
     fp8_activations: with precision "fp8", also fake-quantize matmul inputs (per token, dynamic scale).
-    fuse_projections: run q/k/v, and the gate/up of dense MLPs, as one matmul each
-      (`ModelConfig.fuse_projections`; the conversion happens in `prepare_params`, after the FP8 rounding).
-      Same tokens and log-probs up to the matmul's summation order. Ignored (no fusion) on a mesh whose head
-      split does not divide the KV-head count, where the fused matrix could not be split like the unfused
-      ones (`fusion_keeps_sharding`); `self.config.fuse_projections` says what runs. False keeps the
-      learner's projections (for A/B measurements).
+    fuse_qkv: run attention's q/k/v projections as one matmul (`ModelConfig.fuse_qkv`; the conversion
+      happens in `prepare_params`, after the FP8 rounding). Same tokens and log-probs up to the matmul's
+      summation order. Ignored (no fusion) on a mesh whose head split does not divide the KV-head count,
+      where the fused matrix could not be split like the unfused ones (`fused_qkv_keeps_sharding`);
+      `self.config.fuse_qkv` says what runs. False keeps the learner's projections (for A/B measurements).
 
   Raises:
     ValueError: unknown precision, or empty / unsorted buckets.
@@ -123,7 +121,7 @@ class Sampler:
   def __init__(self, model_config: ModelConfig, *, precision: str = "fp32",
                prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
                batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, mesh: jax.sharding.Mesh | None = None,
-               rules=None, pad_id: int = 0, fp8_activations: bool = True, fuse_projections: bool = True):
+               rules=None, pad_id: int = 0, fp8_activations: bool = True, fuse_qkv: bool = True):
     if precision not in PRECISIONS:
       raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}")
     for name, b in (("prompt_buckets", prompt_buckets), ("batch_buckets", batch_buckets)):
@@ -136,8 +134,8 @@ class Sampler:
     # unrolled, per-layer config (what prefill / decode run)
     self._input_config = precision_config(model_config, precision, fp8_activations=fp8_activations)
     self._per_layer_config = self._input_config.replace(stack_layers=False, scan_layers=False)
-    fuse = bool(fuse_projections) and fusion_keeps_sharding(self._input_config, mesh, rules)
-    self.config = self._per_layer_config.replace(fuse_projections=fuse)
+    fuse = bool(fuse_qkv) and fused_qkv_keeps_sharding(self._input_config, mesh, rules)
+    self.config = self._per_layer_config.replace(fuse_qkv=fuse)
     self.prompt_buckets = tuple(prompt_buckets)
     self.batch_buckets = tuple(batch_buckets)
     self.mesh = mesh
@@ -158,7 +156,7 @@ class Sampler:
     state = prepare_inference_params(state, self.precision, self._input_config)
     if self._input_config.stack_layers:
       state = unstack_layer_params(state, self._input_config)
-    return fuse_projection_params(state, self._per_layer_config) if self.config.fuse_projections else state
+    return fuse_qkv_params(state, self._per_layer_config) if self.config.fuse_qkv else state
 
   def _prefill_impl(self, state, tokens_bp, segment_bp, row_keys, active_b, *, sampling: SamplingParams):
     self.trace_count += 1
