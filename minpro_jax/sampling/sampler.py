@@ -8,9 +8,10 @@ Flow of one `generate` call:
      matrix per layer (`fuse_qkv_params`) by a small jitted function. The sampler's model runs its
      layers unrolled with a per-layer KV cache: XLA:CPU copies every slice of a stacked weight or cache out
      of the stack inside a loop, which at batch 1 tripled the bytes a decode step reads. Fusing q/k/v
-     cuts a layer's matmuls per token from 7 to 5, whose fixed per-dot cost matters at small batch. The copy costs one parameter-sized buffer while `generate` runs;
-     `prepare_params` does this step alone and returns a `PreparedParams` that later `generate` calls reuse
-     (once per parameter version instead of once per call).
+     cuts a layer's matmuls per token from 7 to 5, whose fixed per-dot cost matters at small batch. The
+     copy costs one parameter-sized buffer while `generate` runs; `prepare_params` does this step alone and
+     returns a `PreparedParams` that later `generate` calls reuse (once per parameter version instead of
+     once per call).
   3. Jitted prefill: the prompts run through the model into a fresh KV cache of P + max_new_tokens slots
      (segment id 1 on real tokens, 0 on pads, so pads are never attended to; RoPE positions count real
      tokens only), and response index 0 is sampled from the last prompt position.
