@@ -67,32 +67,29 @@ def unstack_layer_params(state: nnx.State, config: ModelConfig) -> nnx.State:
   return template
 
 
-def _mesh_axes(logical: str, mesh: jax.sharding.Mesh, rules) -> tuple[str, ...]:
-  for name, axes in rules:
-    if name == logical:
-      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-      return tuple(a for a in axes if a in mesh.shape)
-  return ()
-
-
 def fused_qkv_keeps_sharding(config: ModelConfig, mesh: jax.sharding.Mesh | None, rules=None) -> bool:
   """Whether `qkv_proj` is split over `mesh` like the unfused q/k/v under the logical-axis `rules`.
 
   `qkv_proj` is split by KV head and `q_proj` by query head: the same mesh axes must split both, and their
-  size must divide `num_kv_heads` (else the fused matrix would be replicated on every device).
+  size must divide `num_kv_heads` (else the fused matrix would be replicated on every device). Mesh axes the
+  rules name but the mesh lacks split nothing.
 
   Args:
     config: the model config.
     mesh: the sampler's mesh, or None (one device: always True).
-    rules: logical-axis rules (default `minpro_jax.sharding.DEFAULT_RULES`).
+    rules: logical-axis rules (default `minpro_jax.sharding.DEFAULT_RULES`), resolved with
+      `minpro_jax.sharding.logical_to_spec` as the parameters' own shardings are.
+
+  Returns:
+    True when fusing keeps every q/k/v weight split as before (the sampler then fuses), else False.
   """
   if mesh is None:
     return True
-  from minpro_jax.sharding import DEFAULT_RULES
-  rules = rules or DEFAULT_RULES
-  q_axes, kv_axes = _mesh_axes("q_heads", mesh, rules), _mesh_axes("kv_heads", mesh, rules)
-  n = math.prod(mesh.shape[a] for a in kv_axes)
-  return q_axes == kv_axes and config.num_kv_heads % n == 0
+  from minpro_jax.sharding import DEFAULT_RULES, logical_to_spec
+  q_spec, kv_spec = logical_to_spec(("q_heads", "kv_heads"), rules or DEFAULT_RULES)
+  names = lambda s: tuple(a for a in ((s,) if isinstance(s, str) else s or ()) if a in mesh.shape)  # noqa: E731
+  n = math.prod(mesh.shape[a] for a in names(kv_spec))
+  return names(q_spec) == names(kv_spec) and config.num_kv_heads % n == 0
 
 
 def fuse_qkv_params(state: nnx.State, config: ModelConfig) -> nnx.State:
@@ -100,8 +97,9 @@ def fuse_qkv_params(state: nnx.State, config: ModelConfig) -> nnx.State:
 
   Per layer, `qkv_proj[:, k, j] = q_proj[:, k * G + j]` for j < G = H / K, `qkv_proj[:, k, G] = k_proj[:, k]`
   and `qkv_proj[:, k, G + 1] = v_proj[:, k]` ([D, K, G + 2, head_dim]: each KV head next to the query heads
-  that read it, so splitting the KV-head axis keeps every group on one device). Every other leaf is passed
-  through.
+  that read it, so splitting the KV-head axis keeps every group on one device). Query head k * G + j reads KV
+  head k, the grouped-query mapping of Hugging Face's `repeat_kv` that the unfused attention uses too. Every
+  other leaf is passed through.
 
   Args:
     state: the `nnx.State` of a `Transformer` built with `config` (per-layer: `stack_layers=False`, e.g. the
@@ -122,7 +120,7 @@ def fuse_qkv_params(state: nnx.State, config: ModelConfig) -> nnx.State:
   template = _template(config.replace(fuse_qkv=True))
   pure = nnx.to_pure_dict(state)
   layers = pure.get("layers", {})
-  if sorted(layers, key=str) != sorted(range(config.num_layers), key=str):
+  if set(layers) != set(range(config.num_layers)):
     raise ValueError(f"state['layers'] has keys {sorted(layers, key=str)[:6]}..., expected the per-layer indices "
                      f"0..{config.num_layers - 1}; a stacked State needs unstack_layer_params first")
   d, k, g, hd = config.hidden_size, config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
