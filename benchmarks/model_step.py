@@ -145,12 +145,12 @@ def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
           "xla_cost_analysis_flops": xla_flops}
 
 
-def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> dict:
-  """Times a transformers (torch CPU, fp32, eager) forward + backward + AdamW step of the same model."""
+def hf_model(cfg):
+  """The transformers (torch CPU) model of `cfg`'s architecture, randomly initialised, fp32, SDPA attention,
+  in train mode. Raises ValueError for an architecture without a transformers class here."""
   import torch
   import transformers
 
-  torch.set_num_threads(threads)
   torch.manual_seed(0)
   common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -164,7 +164,16 @@ def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> d
   else:
     raise ValueError(f"no transformers baseline for architecture {cfg.architecture!r}")
   hf_cfg._attn_implementation = "sdpa"
-  model = cls(hf_cfg).float().train()
+  return cls(hf_cfg).float().train()
+
+
+def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> dict:
+  """Times a transformers (torch CPU, fp32, eager) forward + backward + AdamW step of the same model."""
+  import torch
+  import transformers
+
+  torch.set_num_threads(threads)
+  model = hf_model(cfg)
   opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
   tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
   times, faults, loss = [], [], None

@@ -56,6 +56,11 @@ class ModelConfig:
       [D, K, H/K + 2, head_dim] (per KV head: its query heads, then its key, then its value) instead of
       q/k/v_proj, so attention runs 1 input matmul per token instead of 3. The sampler converts to it
       (`minpro_jax.models.fuse_qkv_params`); checkpoints and the learner never use it.
+    attn_causal_blocks: without a KV cache (the learner, scoring), attention splits the T queries into at
+      most this many blocks, each of at least 64 queries, and scores each block only against the keys up to
+      its last query (`models.attention_core`): (n + 1) / (2n) of the T x T work, n = 4: 62.5 %. The
+      skipped keys are masked anyway, so outputs are unchanged. 1, or T < 128, scores the full T x T
+      matrix. The KV-cache path (the sampler) always scores all cache slots.
     act_quant: "none", or "fp8" to fake-quantize every matmul input of attention and MLP/experts to e4m3
       (dynamic per-token scale; `minpro_jax.models.quant`). Used by the sampler's simulated FP8 mode.
     logits_soft_cap: unused by Qwen3/Llama; kept None.
@@ -87,6 +92,7 @@ class ModelConfig:
   scan_layers: bool = False
   stack_layers: bool = True
   fuse_qkv: bool = False
+  attn_causal_blocks: int = 4
   act_quant: str = "none"
 
   def __post_init__(self):
@@ -116,6 +122,9 @@ class ModelConfig:
     if self.fuse_qkv and self.stack_layers:
       raise ValueError("ModelConfig.fuse_qkv=True is the sampler's per-layer inference layout; it needs "
                        "stack_layers=False")
+    if int(self.attn_causal_blocks) < 1:
+      raise ValueError(f"ModelConfig.attn_causal_blocks={self.attn_causal_blocks} must be >= 1 "
+                       "(1 = one full T x T score matrix)")
     if self.act_quant not in _ACT_QUANT:
       raise ValueError(f"ModelConfig.act_quant={self.act_quant!r}; choose one of {_ACT_QUANT}")
     if self.moe_impl not in _MOE_IMPLS:

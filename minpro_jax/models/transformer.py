@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from minpro_jax.models.attention_core import causal_block_attention, causal_block_count, masked_attention
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
 from minpro_jax.models.quant import maybe_quant_act
 from minpro_jax.sharding import constrain
-
-_NEG_INF = -1e30  # finite, so fully-masked (padding) rows give a uniform softmax instead of NaN
 
 
 def _init(stddev: float, axes: tuple[str | None, ...]):
@@ -245,15 +244,14 @@ class Attention(nnx.Module):
     else:
       k_all, v_all, new_cache = k_new, v_new, None
     s = v_all.shape[2]
-    scores = jnp.einsum("bkgth,bkhs->bkgts" if hd_major else "bkgth,bksh->bkgts", qg, k_all.astype(dt),
-                        preferred_element_type=jnp.float32)
     q_slot = cache_index + jnp.arange(t)
     mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
     mask = mask & (q_segment_bt[:, :, None] == kv_segment_bs[:, None, :]) & (q_segment_bt[:, :, None] != 0)
-    scores = scores * (1.0 / math.sqrt(hd))
-    scores = jnp.where(mask[:, None, None], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bksh->bkgth", probs, v_all.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+    blocks = causal_block_count(t, c.attn_causal_blocks)
+    if cache_kv is None and blocks > 1:  # query t is key slot t: skip the keys after each query block
+      out = causal_block_attention(qg, k_all, v_all, mask, blocks, dtype=dt)
+    else:
+      out = masked_attention(qg, k_all, v_all, mask, keys_hd_major=hd_major, dtype=dt)
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, hd)
     y = dense(maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt), n_in=2)
     return y, new_cache

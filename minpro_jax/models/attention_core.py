@@ -1,0 +1,99 @@
+"""The attention core, softmax(q·kᵀ / √head_dim + mask) · v, on heads-major grouped-query operands.
+
+Queries come grouped by KV head, qg [B, K, G, T, hd] (query head k * G + j is group j of KV head k, HF's
+`repeat_kv` order), so every dot is a batched [G * T, hd] x [hd, S] matmul over (B, K) without repeating the
+keys. Scores and the softmax are fp32 whatever the compute dtype.
+
+`masked_attention` scores every query against every key slot and is what the KV-cache path uses.
+`causal_block_attention` is for a forward without a cache (training, scoring), where query t sits in key
+slot t: it splits the queries into blocks and scores each block only against the keys up to its last
+query. The keys it skips are masked in every case (they lie after every query of the block), so a query
+with at least one visible key gets the same output either way. A fully masked query row (padding) gets
+the uniform average of the values it scored: over all S slots in `masked_attention`, over its block's
+keys in `causal_block_attention`; callers never read those rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so fully masked (padding) rows give a uniform softmax instead of NaN
+MIN_BLOCK_QUERIES = 64  # shorter query blocks cost more in per-op overhead and compile time than they save
+
+
+def causal_block_count(seq_len: int, max_blocks: int) -> int:
+  """Query blocks `causal_block_attention` should use for `seq_len` queries: at most `max_blocks`
+  (`ModelConfig.attn_causal_blocks`), each of at least MIN_BLOCK_QUERIES queries, and at least 1
+  (T = 256, max 4: 4 blocks; T < 128: 1, the full score matrix)."""
+  return max(1, min(max_blocks, seq_len // MIN_BLOCK_QUERIES))
+
+
+def masked_attention(qg_bkgth: jax.Array, k_all: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array, *,
+                     keys_hd_major: bool, dtype) -> jax.Array:
+  """Attention of T queries over S key slots with an explicit mask.
+
+  Args:
+    qg_bkgth: [B, K, G, T, hd] queries (compute dtype), grouped by KV head.
+    k_all: [B, K, S, hd] keys, or [B, K, hd, S] when `keys_hd_major` (the fp32 KV cache layout).
+    v_bksh: [B, K, S, hd] values.
+    mask_bts: [B, T, S] bool, True where query t may attend to slot s.
+    keys_hd_major: the layout of `k_all`.
+    dtype: compute dtype of the probabilities and the output.
+
+  Returns:
+    [B, K, G, T, hd] in `dtype`.
+  """
+  hd = qg_bkgth.shape[-1]
+  scores = jnp.einsum("bkgth,bkhs->bkgts" if keys_hd_major else "bkgth,bksh->bkgts", qg_bkgth,
+                      k_all.astype(dtype), preferred_element_type=jnp.float32)
+  scores = jnp.where(mask_bts[:, None, None], scores * (1.0 / math.sqrt(hd)), NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh.astype(dtype), preferred_element_type=jnp.float32)
+  return out.astype(dtype)
+
+
+def causal_block_attention(qg_bkgth: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_btt: jax.Array,
+                           num_blocks: int, *, dtype) -> jax.Array:
+  """`masked_attention` for queries in slots 0..T-1 of their own T keys, skipping the keys after each block.
+
+  Query block i covers rows [eᵢ, eᵢ₊₁) with eᵢ = round(i * T / n) and is scored against keys [0, eᵢ₊₁),
+  which is (n + 1) / (2n) of the T x T work for even blocks (n = 4: 62.5 %); the same blocking as the
+  causal block skipping of FlashAttention (Dao et al. 2022), done here with whole-block XLA matmuls. The
+  mask enters as an additive 0 / NEG_INF bias, which gives the same scores as `masked_attention`'s select
+  and has no select in its gradient.
+
+  Args:
+    qg_bkgth: [B, K, G, T, hd] queries (compute dtype).
+    k_bksh, v_bksh: [B, K, T, hd] keys and values of the same T tokens.
+    mask_btt: [B, T, T] bool attention mask; must already be causal (True only at s <= t).
+    num_blocks: number of query blocks n >= 1 (capped at T); 1 is one full score matrix.
+    dtype: compute dtype of the probabilities and the output.
+
+  Returns:
+    [B, K, G, T, hd] in `dtype`; equal to `masked_attention` on every row with a visible key.
+
+  Raises:
+    ValueError: if the key length or the mask is not [.., T, T], or num_blocks < 1.
+  """
+  t, hd = qg_bkgth.shape[3], qg_bkgth.shape[4]
+  if k_bksh.shape[2] != t or v_bksh.shape[2] != t or mask_btt.shape[1:] != (t, t):
+    raise ValueError(f"causal_block_attention needs the T={t} queries' own keys: got keys "
+                     f"{k_bksh.shape}, values {v_bksh.shape}, mask {mask_btt.shape}; use masked_attention "
+                     "for a KV cache")
+  if num_blocks < 1:
+    raise ValueError(f"causal_block_attention: num_blocks={num_blocks} must be >= 1")
+  n = min(num_blocks, t)
+  edges = [round(i * t / n) for i in range(n + 1)]
+  bias = jnp.where(mask_btt, 0.0, NEG_INF).astype(jnp.float32)[:, None, None]  # [B, 1, 1, T, T]
+  k, v = k_bksh.astype(dtype), v_bksh.astype(dtype)
+  outs = []
+  for lo, hi in zip(edges[:-1], edges[1:]):
+    scores = jnp.einsum("bkgth,bksh->bkgts", qg_bkgth[:, :, :, lo:hi], k[:, :, :hi],
+                        preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(hd)) + bias[..., lo:hi, :hi]
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v[:, :, :hi], preferred_element_type=jnp.float32))
+  return (outs[0] if n == 1 else jnp.concatenate(outs, axis=3)).astype(dtype)
