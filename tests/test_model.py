@@ -431,6 +431,19 @@ def test_causal_blocks_give_the_full_score_matrix_results(name):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-6 * float(np.abs(want).max()), rtol=0)
 
 
+@pytest.mark.parametrize("name,layout", [("tiny", {"tensor": 2, "fsdp": 2, "data": 2}),
+                                         ("tiny-moe", {"expert": 2, "fsdp": 2, "tensor": 2})])
+def test_causal_blocks_on_a_mesh_equal_single_device_full_scores(name, layout):
+  """The blocked attention (T=160: 2 blocks) under a sharded mesh gives the single-device full-matrix logits."""
+  tokens, seg = _tokens(b=8, t=160), _left_pad_segments(b=8, t=160)
+  real = np.asarray(seg) != 0
+  want = np.asarray(_fwd(_model(name, attn_causal_blocks=1), tokens, seg))
+  mesh = make_mesh(layout)
+  with use_mesh(mesh):
+    got = np.asarray(_fwd(_model(name, mesh=mesh), tokens, seg))
+  np.testing.assert_allclose(got[real], want[real], atol=1e-5, rtol=0)
+
+
 def test_causal_block_attention_matches_masked_attention_and_checks_shapes():
   """The core alone, bf16-free fp32, random mask that is causal: equal on rows with a visible key."""
   b, k, g, t, hd = 2, 2, 3, 11, 8
