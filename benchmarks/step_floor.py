@@ -5,9 +5,9 @@ Two measurements per preset, each interleaved round by round with its torch coun
   * `matmul_floor`: forward + backward of a network made only of the step's projection matmuls (per layer
     q, k, v, o, gate, up, down at the preset's shapes, plus the tied LM head), over the same [B * T, D]
     tokens: no attention scores, norms, RoPE, softmax or optimizer. JAX runs it as one `jax.jit` of
-    `jax.grad`; torch runs the same graph eagerly with autograd. No step built on XLA:CPU's matmuls can be
-    faster than the JAX figure, so `jax_over_torch` is the part of the step ratio that the matmul kernels
-    decide, and `step_s - floor_s` on each side is everything else.
+    `jax.grad`; torch runs the same graph eagerly with autograd. The JAX figure is about the least time a
+    step built on XLA:CPU's matmuls can take, so `jax_over_torch_time` is the part of the step ratio that
+    the matmul kernels decide, and step minus floor on each side is everything else.
   * `attention_block`: one attention block forward + backward (input [B, T, D], gradients for the input and
     the block's weights): our `Attention` module as configured, the same with `attn_causal_blocks=1` (full
     T x T scores; `jax_full_scores`), and the transformers model's own `self_attn` of layer 0 with SDPA
@@ -142,6 +142,16 @@ def _interleave(fns: dict, rounds: int, repeats: int) -> dict:
 
 def measure(cfg, batch: int, seq: int, rounds: int = 3, threads: int | None = None) -> dict:
   """Both measurements for one preset config (dense only); see the module docstring.
+
+  Args:
+    cfg: a dense `ModelConfig` (e.g. `get_preset("smollm2-135m")`).
+    batch, seq: the token batch [B, T] of the train step.
+    rounds: interleaved rounds; each round takes the best of a few calls per side.
+    threads: torch threads (default os.cpu_count(), XLA:CPU's thread count).
+
+  Returns:
+    {"matmul_floor": {...}, "attention_block": {...}}: seconds per side per round, bests, the JAX / torch
+    time ratio of the bests and its per-round median, and the floor's matmul FLOPs and FLOP/s.
 
   Raises:
     ValueError: for a MoE config (the floor covers dense projections only).
