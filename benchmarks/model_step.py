@@ -147,7 +147,11 @@ def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
 
 def hf_model(cfg):
   """The transformers (torch CPU) model of `cfg`'s architecture, randomly initialised, fp32, SDPA attention,
-  in train mode. Raises ValueError for an architecture without a transformers class here."""
+  in train mode.
+
+  Raises:
+    ValueError: for an architecture without a transformers class here (only llama and qwen3 dense).
+  """
   import torch
   import transformers
 

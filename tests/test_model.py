@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from minpro_jax.models import KVCache, ModelConfig, get_preset, segment_positions, token_logprobs
+from minpro_jax.models.attention_core import causal_block_attention, masked_attention
 from minpro_jax.models.hf_io import (DictSource, hf_tensor_shapes, load_from_source, load_hf_checkpoint,
                                      save_hf_checkpoint)
-from minpro_jax.models.attention_core import causal_block_attention, masked_attention
 from minpro_jax.models.dense import dense
 from minpro_jax.models.inference_layout import fuse_qkv_params, unstack_layer_params
 from minpro_jax.models.quant import fake_quant_weights
@@ -396,19 +396,21 @@ def test_packed_and_padded_rows_equal_separate_sequences():
 def _padded_packed_segments(t):
   """Left padding, packing and right padding in one [4, t] batch (t >= 130)."""
   seg = np.asarray(_left_pad_segments(b=4, t=t)).copy()
-  seg[2, 70:] = 2          # two packed sequences, the second starting inside the first query block
+  seg[2, 70:] = 2          # two packed sequences, the second starting inside the second query block
   seg[3, 5:120] = 3        # a second segment, then right padding
   seg[3, 120:] = 0
   return jnp.asarray(seg)
 
 
 def _dot_count(model, tokens, seg):
-  fwd = lambda x: nnx.merge(*nnx.split(model))(x, segment_ids_bt=seg).out
-  return str(jax.make_jaxpr(fwd)(tokens)).count("dot_general")
+  graphdef, state = nnx.split(model)
+  fwd = lambda st, x: nnx.merge(graphdef, st)(x, segment_ids_bt=seg).out
+  return str(jax.make_jaxpr(fwd)(state, tokens)).count("dot_general")
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "tiny-moe"])
-def test_causal_blocks_give_the_full_score_matrix_results(name):
+@pytest.mark.parametrize("name,overrides", [("tiny", {}), ("tiny-llama", {}), ("tiny-moe", {}),
+                                            ("tiny-moe", dict(scan_layers=True, remat="block", moe_impl="ragged"))])
+def test_causal_blocks_give_the_full_score_matrix_results(name, overrides):
   """attn_causal_blocks=3 at T=200 (query blocks [0, 67), [67, 133), [133, 200), keys after each skipped)
   gives the logits and the parameter gradients of the full score matrix (attn_causal_blocks=1) on every
   real token, with left padding, packing and right padding. T < 128 keeps one block."""
@@ -420,9 +422,9 @@ def test_causal_blocks_give_the_full_score_matrix_results(name):
   def loss(m):
     return jnp.sum(jnp.where(scored, token_logprobs(m, tokens, seg).logp, 0.0))
 
-  full, blocked = _model(name, attn_causal_blocks=1), _model(name, attn_causal_blocks=3)
-  n_layers = full.config.num_layers
-  assert _dot_count(blocked, tokens, seg) == _dot_count(full, tokens, seg) + 2 * 2 * n_layers  # 3 blocks ran
+  full, blocked = _model(name, attn_causal_blocks=1, **overrides), _model(name, attn_causal_blocks=3, **overrides)
+  bodies = 1 if full.config.scan_layers else full.config.num_layers  # layer bodies in the jaxpr
+  assert _dot_count(blocked, tokens, seg) == _dot_count(full, tokens, seg) + 2 * 2 * bodies  # 3 blocks ran
   assert _dot_count(blocked, tokens[:, :127], seg[:, :127]) == _dot_count(full, tokens[:, :127], seg[:, :127])
   np.testing.assert_allclose(np.asarray(_fwd(blocked, tokens, seg))[real], np.asarray(_fwd(full, tokens, seg))[real],
                              atol=1e-5, rtol=0)
@@ -445,7 +447,7 @@ def test_causal_blocks_on_a_mesh_equal_single_device_full_scores(name, layout):
 
 
 def test_causal_block_attention_matches_masked_attention_and_checks_shapes():
-  """The core alone, bf16-free fp32, random mask that is causal: equal on rows with a visible key."""
+  """The core alone in fp32 with a random causal mask: equal to `masked_attention` on rows with a visible key."""
   b, k, g, t, hd = 2, 2, 3, 11, 8
   rng = np.random.RandomState(0)
   qg, keys, values = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((b, k, g, t, hd), (b, k, t, hd), (b, k, t, hd)))
@@ -459,10 +461,13 @@ def test_causal_block_attention_matches_masked_attention_and_checks_shapes():
                                np.asarray(want)[rows[:, None, None].repeat(k, 1).repeat(g, 2)], atol=1e-6, rtol=0)
   with pytest.raises(ValueError, match="use masked_attention for a KV cache"):
     causal_block_attention(qg, jnp.concatenate([keys, keys], 2), values, mask, 2, dtype=jnp.float32)
+  with pytest.raises(ValueError, match=r"mask_btt must be \[B, T, T\]"):
+    causal_block_attention(qg, keys, values, mask[0], 2, dtype=jnp.float32)
   with pytest.raises(ValueError, match="num_blocks=0"):
     causal_block_attention(qg, keys, values, mask, 0, dtype=jnp.float32)
-  with pytest.raises(ValueError, match="attn_causal_blocks=0 must be >= 1"):
-    get_preset("tiny", attn_causal_blocks=0)
+  for bad in (0, 2.5):
+    with pytest.raises(ValueError, match=f"attn_causal_blocks={bad} must be an int >= 1"):
+      get_preset("tiny", attn_causal_blocks=bad)
 
 
 # ------------------------------------------------------------------------------------------------ bad input

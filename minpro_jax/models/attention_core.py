@@ -8,9 +8,10 @@ keys. Scores and the softmax are fp32 whatever the compute dtype.
 `causal_block_attention` is for a forward without a cache (training, scoring), where query t sits in key
 slot t: it splits the queries into blocks and scores each block only against the keys up to its last
 query. The keys it skips are masked in every case (they lie after every query of the block), so a query
-with at least one visible key gets the same output either way. A fully masked query row (padding) gets
-the uniform average of the values it scored: over all S slots in `masked_attention`, over its block's
-keys in `causal_block_attention`; callers never read those rows.
+with at least one visible key gets the same output either way, up to float rounding (the softmax sums run
+over fewer exact zeros). A fully masked query row (padding) gets the uniform average of the values it
+scored: over all S slots in `masked_attention`, over its block's keys in `causal_block_attention`; so
+padding rows differ between the two, and callers never read them.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def causal_block_attention(qg_bkgth: jax.Array, k_bksh: jax.Array, v_bksh: jax.A
   """`masked_attention` for queries in slots 0..T-1 of their own T keys, skipping the keys after each block.
 
   Query block i covers rows [eᵢ, eᵢ₊₁) with eᵢ = round(i * T / n) and is scored against keys [0, eᵢ₊₁),
-  which is (n + 1) / (2n) of the T x T work for even blocks (n = 4: 62.5 %); the same blocking as the
+  which is (n + 1) / (2n) of the T x T work for equal blocks (n = 4: 62.5 %); the same blocking as the
   causal block skipping of FlashAttention (Dao et al. 2022), done here with whole-block XLA matmuls. The
   mask enters as an additive 0 / NEG_INF bias, which gives the same scores as `masked_attention`'s select
   and has no select in its gradient.
@@ -73,12 +74,16 @@ def causal_block_attention(qg_bkgth: jax.Array, k_bksh: jax.Array, v_bksh: jax.A
     dtype: compute dtype of the probabilities and the output.
 
   Returns:
-    [B, K, G, T, hd] in `dtype`; equal to `masked_attention` on every row with a visible key.
+    [B, K, G, T, hd] in `dtype`; equal to `masked_attention` up to float rounding on every row with a
+    visible key.
 
   Raises:
-    ValueError: if the key length or the mask is not [.., T, T], or num_blocks < 1.
+    ValueError: if the mask is not [B, T, T], the keys or values are not the T queries' own, or
+      num_blocks < 1.
   """
   t, hd = qg_bkgth.shape[3], qg_bkgth.shape[4]
+  if mask_btt.ndim != 3:
+    raise ValueError(f"causal_block_attention: mask_btt must be [B, T, T] bool, got shape {mask_btt.shape}")
   if k_bksh.shape[2] != t or v_bksh.shape[2] != t or mask_btt.shape[1:] != (t, t):
     raise ValueError(f"causal_block_attention needs the T={t} queries' own keys: got keys "
                      f"{k_bksh.shape}, values {v_bksh.shape}, mask {mask_btt.shape}; use masked_attention "

@@ -59,7 +59,8 @@ class ModelConfig:
     attn_causal_blocks: without a KV cache (the learner, scoring), attention splits the T queries into at
       most this many blocks, each of at least 64 queries, and scores each block only against the keys up to
       its last query (`models.attention_core`): (n + 1) / (2n) of the T x T work, n = 4: 62.5 %. The
-      skipped keys are masked anyway, so outputs are unchanged. 1, or T < 128, scores the full T x T
+      skipped keys are masked anyway, so real tokens' outputs are unchanged up to float rounding (padding
+      rows, which nothing reads, differ). 1, or T < 128, scores the full T x T
       matrix. The KV-cache path (the sampler) always scores all cache slots.
     act_quant: "none", or "fp8" to fake-quantize every matmul input of attention and MLP/experts to e4m3
       (dynamic per-token scale; `minpro_jax.models.quant`). Used by the sampler's simulated FP8 mode.
@@ -122,8 +123,8 @@ class ModelConfig:
     if self.fuse_qkv and self.stack_layers:
       raise ValueError("ModelConfig.fuse_qkv=True is the sampler's per-layer inference layout; it needs "
                        "stack_layers=False")
-    if int(self.attn_causal_blocks) < 1:
-      raise ValueError(f"ModelConfig.attn_causal_blocks={self.attn_causal_blocks} must be >= 1 "
+    if not isinstance(self.attn_causal_blocks, int) or self.attn_causal_blocks < 1:
+      raise ValueError(f"ModelConfig.attn_causal_blocks={self.attn_causal_blocks} must be an int >= 1 "
                        "(1 = one full T x T score matrix)")
     if self.act_quant not in _ACT_QUANT:
       raise ValueError(f"ModelConfig.act_quant={self.act_quant!r}; choose one of {_ACT_QUANT}")

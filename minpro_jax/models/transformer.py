@@ -195,7 +195,8 @@ class Attention(nnx.Module):
       cache_kv: None; or (k, v, layer) with the stacked caches (`KVCache` layouts, leading [L]) and this
         layer's index; or (k, v, None) with this layer's own caches. The new keys/values are written in
         place at slots [cache_index, cache_index + T).
-      cache_index: int32 scalar slot where the new tokens are written (0 without a cache).
+      cache_index: int32 scalar slot where the new tokens are written; ignored without a cache (the tokens
+        are then slots 0..T-1).
 
     Returns:
       ([B, T, D] output, the updated (k, v) caches in the layout given, or None).
@@ -244,7 +245,7 @@ class Attention(nnx.Module):
     else:
       k_all, v_all, new_cache = k_new, v_new, None
     s = v_all.shape[2]
-    q_slot = cache_index + jnp.arange(t)
+    q_slot = (0 if cache_kv is None else cache_index) + jnp.arange(t)
     mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
     mask = mask & (q_segment_bt[:, :, None] == kv_segment_bs[:, None, :]) & (q_segment_bt[:, :, None] != 0)
     blocks = causal_block_count(t, c.attn_causal_blocks)
