@@ -19,7 +19,7 @@ Usage:
 
 The full train steps of `model_step.py` (ours and transformers) run first in the same process, so
 `step_minus_floor_s` on each side (step best minus matmul floor best) is measured against the same machine
-state. `--no-step` skips them. Prints one JSON object and writes benchmarks/results/step_floor.json.
+state. `--no-step` skips them. Prints one JSON object and writes benchmarks/results/<--name, default step_floor>.json.
 """
 
 from __future__ import annotations
@@ -27,18 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-
-
-def _best(fn, repeats: int) -> float:
-  """Best wall time of `repeats` calls of `fn` (after one warm-up call), seconds."""
-  fn()
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    best = min(best, time.perf_counter() - t0)
-  return best
 
 
 def matmul_floor_fns(cfg, batch: int, seq: int):
@@ -130,10 +118,11 @@ def attention_block_fns(cfg, batch: int, seq: int) -> dict:
 def _interleave(fns: dict, rounds: int, repeats: int) -> dict:
   """Best time of each callable per round, round-robin, seconds: {name}_s per round, {name}_s_best, and
   jax_over_torch_time (of the bests) and its per-round median."""
+  from decode import timed  # pylint: disable=import-outside-toplevel  (best of reps after a warm-up call)
   out = {f"{name}_s": [] for name in fns}
   for _ in range(rounds):
     for name, fn in fns.items():
-      out[f"{name}_s"].append(_best(fn, repeats))
+      out[f"{name}_s"].append(timed(fn, repeats))
   for name in fns:
     out[f"{name}_s_best"] = min(out[f"{name}_s"])
   out["jax_over_torch_time"] = out["jax_s_best"] / out["torch_s_best"]
