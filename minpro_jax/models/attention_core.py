@@ -28,13 +28,15 @@ MIN_BLOCK_QUERIES = 64  # shorter query blocks cost more in per-op overhead and 
 def causal_block_count(seq_len: int, max_blocks: int) -> int:
   """Query blocks `causal_block_attention` should use for `seq_len` queries: at most `max_blocks`
   (`ModelConfig.attn_causal_blocks`), each of at least MIN_BLOCK_QUERIES queries, and at least 1
-  (T = 256, max 4: 4 blocks; T < 128: 1, the full score matrix)."""
+  (T = 256, max 4: 4 blocks; T < 128: 1, the full score matrix). Plain ints in, int out; a max_blocks
+  below 1 gives 1 (`ModelConfig` rejects it earlier)."""
   return max(1, min(max_blocks, seq_len // MIN_BLOCK_QUERIES))
 
 
 def masked_attention(qg_bkgth: jax.Array, k_all: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array, *,
                      keys_hd_major: bool, dtype) -> jax.Array:
-  """Attention of T queries over S key slots with an explicit mask.
+  """Attention of T queries over S key slots with an explicit mask: scaled dot-product attention (Vaswani et
+  al. 2017, eq. 1) with grouped-query heads, as HF's `eager_attention_forward` computes it.
 
   Args:
     qg_bkgth: [B, K, G, T, hd] queries (compute dtype), grouped by KV head.
