@@ -9,6 +9,13 @@ One training step = forward + backward + AdamW update on a [B, T] batch of rando
     attention, `labels=tokens` loss, `torch.optim.AdamW(lr=1e-4, weight_decay=1e-4)`, torch threads = XLA's
     CPU threads (os.cpu_count()).
 
+The two sides run in alternation, round by round (`bench_paired`): the transformers step lives in a spawned
+child process that sleeps on a pipe while ours runs, so the two frameworks never share a process (torch's
+OpenMP threads and XLA's pool slowed each other when interleaved in one process) and both see the machine in
+the same minutes; this shared CPU's speed drifts by 2x within an hour, so a ratio of two separate phases
+could land anywhere. Reported: best and median per side, the best-vs-best ratio, and the median of the
+per-round ratios (`ratio_median_of_paired_rounds`), which a drift between rounds does not move.
+
 Both models are randomly initialised (no weights are loaded). The process first calls
 `minpro_jax.host_memory.keep_freed_host_memory()` (glibc keeps freed blocks mapped; set MINPRO_KEEP_HOST_MEMORY=0
 to compare without), which applies to both frameworks alike; minor page faults per step are reported for both. Reported per preset: seconds per step (best and
@@ -23,7 +30,7 @@ count for the compiled step (`cost_analysis()["flops"]`, which also counts the r
 checkpointed chunk and elementwise work) is reported next to it.
 
 Usage:
-  .venv/bin/python benchmarks/model_step.py                      # tiny + smollm2-135m, B=8, T=256
+  .venv/bin/python benchmarks/model_step.py                      # tiny + smollm2-135m, B=8, T=256, 5 rounds
   .venv/bin/python benchmarks/model_step.py --presets smollm2-135m --layers 4 --steps 2   # quick look
 
 Prints one JSON object and writes benchmarks/results/model_step.json.
@@ -105,8 +112,12 @@ def analytic_flops(cfg, batch: int, seq: int) -> dict:
                      "N_matmul = L * (D*hd*(2H+2K) + 3*D*F) + D*V"}
 
 
-def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
-  """Times our nnx.jit train step; returns timings and XLA's flop count."""
+def ours_stepper(cfg, batch: int, seq: int, chunk_size: int):
+  """Builds and compiles our train step; returns (run_step, info).
+
+  run_step() runs one step on the same [batch, seq] random tokens and returns (seconds, minor page faults,
+  loss); info holds the compile time and XLA's flop count of the compiled step.
+  """
   import jax
   import jax.numpy as jnp
   import optax
@@ -133,16 +144,21 @@ def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   xla_flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
-  times, faults, loss = [], [], None
-  for i in range(steps + 1):  # first call is warm-up
+
+  def run_step():
     f0, t0 = minor_page_faults(), time.perf_counter()
     loss = train_step(model, optimizer, tokens)
     loss.block_until_ready()
-    if i:
-      times.append(time.perf_counter() - t0)
-      faults.append(minor_page_faults() - f0)
-  return {"compile_s": compile_s, "step_s": times, "minor_page_faults": faults, "loss": float(loss),
-          "xla_cost_analysis_flops": xla_flops}
+    return time.perf_counter() - t0, minor_page_faults() - f0, float(loss)
+
+  return run_step, {"compile_s": compile_s, "xla_cost_analysis_flops": xla_flops}
+
+
+def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
+  """Times our nnx.jit train step (one warm-up, then `steps` timed); returns timings and XLA's flop count."""
+  run_step, info = ours_stepper(cfg, batch, seq, chunk_size)
+  runs = [run_step() for _ in range(steps + 1)][1:]
+  return {**info, "step_s": [r[0] for r in runs], "minor_page_faults": [r[1] for r in runs], "loss": runs[-1][2]}
 
 
 def hf_model(cfg):
@@ -171,8 +187,9 @@ def hf_model(cfg):
   return cls(hf_cfg).float().train()
 
 
-def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> dict:
-  """Times a transformers (torch CPU, fp32, eager) forward + backward + AdamW step of the same model."""
+def transformers_stepper(cfg, batch: int, seq: int, threads: int):
+  """Builds the transformers step (`hf_model`, AdamW, `labels=tokens` loss); returns (run_step, info) as
+  `ours_stepper` does."""
   import torch
   import transformers
 
@@ -180,18 +197,84 @@ def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> d
   model = hf_model(cfg)
   opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-4)
   tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
-  times, faults, loss = [], [], None
-  for i in range(steps + 1):
+
+  def run_step():
     f0, t0 = minor_page_faults(), time.perf_counter()
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if i:
-      times.append(time.perf_counter() - t0)
-      faults.append(minor_page_faults() - f0)
-  return {"step_s": times, "minor_page_faults": faults, "loss": float(loss.detach()), "torch": torch.__version__, "transformers": transformers.__version__,
-          "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa"}
+    return time.perf_counter() - t0, minor_page_faults() - f0, float(loss.detach())
+
+  return run_step, {"torch": torch.__version__, "transformers": transformers.__version__,
+                    "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa"}
+
+
+def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> dict:
+  """Times a transformers (torch CPU, fp32, eager) forward + backward + AdamW step of the same model, in this
+  process (one warm-up, then `steps` timed)."""
+  run_step, info = transformers_stepper(cfg, batch, seq, threads)
+  runs = [run_step() for _ in range(steps + 1)][1:]
+  return {**info, "step_s": [r[0] for r in runs], "minor_page_faults": [r[1] for r in runs], "loss": runs[-1][2]}
+
+
+def _transformers_worker(conn, cfg, batch: int, seq: int, threads: int) -> None:
+  """Body of the baseline subprocess of `bench_paired`: one step per message received, until None."""
+  keep_freed_host_memory()
+  run_step, info = transformers_stepper(cfg, batch, seq, threads)
+  conn.send(info)
+  while conn.recv() is not None:
+    conn.send(run_step())
+
+
+def bench_paired(cfg, batch: int, seq: int, steps: int, chunk_size: int, threads: int) -> tuple[dict, dict]:
+  """Ours and transformers in alternation: round r runs one step of each, the first side alternating.
+
+  The transformers step runs in a child process (spawned, so its OpenMP threads and allocator never share
+  a process with XLA's), which sleeps on a pipe while ours runs, and the other way round. Both sides see the
+  machine in the same minutes, so a drift of this shared CPU's speed lands on both: the per-round ratios
+  `paired_ratio` (transformers seconds / ours seconds = ours / transformers tokens/s) are what the medians are
+  taken over. One warm-up step per side first.
+
+  Returns:
+    (ours, transformers) dicts as `bench_ours` / `bench_transformers` give, each with `step_s` in round order;
+    ours also has `paired_ratio`.
+  """
+  import multiprocessing
+
+  run_ours, ours_info = ours_stepper(cfg, batch, seq, chunk_size)
+  ctx = multiprocessing.get_context("spawn")
+  conn, child_conn = ctx.Pipe()
+  proc = ctx.Process(target=_transformers_worker, args=(child_conn, cfg, batch, seq, threads), daemon=True)
+  proc.start()
+  try:
+    base_info = conn.recv()
+
+    def run_base():
+      conn.send("step")
+      return conn.recv()
+
+    run_ours(), run_base()  # warm-up
+    ours_runs, base_runs = [], []
+    for r in range(steps):
+      if r % 2:
+        base_runs.append(run_base())
+        ours_runs.append(run_ours())
+      else:
+        ours_runs.append(run_ours())
+        base_runs.append(run_base())
+    conn.send(None)
+  finally:
+    proc.join(timeout=60)
+    if proc.is_alive():
+      proc.kill()
+
+  def pack(info, runs):
+    return {**info, "step_s": [x[0] for x in runs], "minor_page_faults": [x[1] for x in runs], "loss": runs[-1][2]}
+
+  ours, base = pack(ours_info, ours_runs), pack(base_info, base_runs)
+  ours["paired_ratio"] = [b / o for o, b in zip(ours["step_s"], base["step_s"])]
+  return ours, base
 
 
 def summarize(times, flops, tokens, peak) -> dict:
@@ -205,7 +288,7 @@ def main(argv=None) -> dict:
   p.add_argument("--presets", default="tiny,smollm2-135m")
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq", type=int, default=256)
-  p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+  p.add_argument("--steps", type=int, default=5, help="timed steps (paired rounds) after one warm-up step per side")
   p.add_argument("--layers", type=int, default=None, help="override num_layers (quick looks only)")
   p.add_argument("--chunk-size", type=int, default=256, help="token_logprobs chunk_size")
   p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
@@ -225,8 +308,10 @@ def main(argv=None) -> dict:
   for name in args.presets.split(","):
     cfg = get_preset(name) if args.layers is None else get_preset(name, num_layers=args.layers)
     fl = analytic_flops(cfg, args.batch, args.seq)
-    ours = bench_ours(cfg, args.batch, args.seq, args.steps, args.chunk_size)
-    base = None if args.no_baseline else bench_transformers(cfg, args.batch, args.seq, args.steps, threads)
+    if args.no_baseline:
+      ours, base = bench_ours(cfg, args.batch, args.seq, args.steps, args.chunk_size), None
+    else:
+      ours, base = bench_paired(cfg, args.batch, args.seq, args.steps, args.chunk_size, threads)
     result["presets"][name] = {"num_layers": cfg.num_layers, "flops": fl, "ours": ours, "transformers": base}
   peak_after = matmul_peak()
   peak = max(list(peak_before.values()) + list(peak_after.values()))
@@ -238,6 +323,7 @@ def main(argv=None) -> dict:
     if r["transformers"] is not None:
       r["transformers"].update(summarize(r["transformers"]["step_s"], fl, tok, peak))
       r["ratio_ours_over_transformers_tokens_per_s"] = r["ours"]["tokens_per_s"] / r["transformers"]["tokens_per_s"]
+      r["ratio_median_of_paired_rounds"] = statistics.median(r["ours"]["paired_ratio"])
   result["machine"]["loadavg_end"] = list(os.getloadavg())
   if "smollm2-135m" in result["presets"] and args.layers is None:
     r = result["presets"]["smollm2-135m"]

@@ -1,0 +1,148 @@
+"""The train step's fp32 matmuls one by one: XLA:CPU (`jax.lax.dot_general`) vs torch (MKL), each in its own process.
+
+`model_step.py` times whole steps and `step_floor.py` a matmul-only network with autograd; this one isolates
+the kernels. For the `smollm2-135m` shapes at B=8, T=256 (N = 2048 tokens; 2040 for the LM head, which
+skips the last position) it times every distinct matmul of one training step as `minpro_jax.models.dense`
+and autodiff issue it, and as torch's autograd issues it for `nn.Linear` (transposed views, no copies):
+
+  * per projection weight W [K, M] (q, k, v, o, gate, up, down): forward x[N, K] @ W ("nn"), input gradient
+    dy[N, M] @ Wᵀ ("nt"), weight gradient xᵀ @ dy ("tn");
+  * the tied LM head E [V, D]: logits h @ Eᵀ ("nt"), dh = dz @ E ("nn"), dE = dzᵀ @ h ("tn").
+
+Each side runs in a fresh subprocess (the frameworks' thread pools slow each other inside one process), the
+sides alternate for `--rounds` rounds so both see the machine in the same minutes, and each time is the
+median over the rounds of each round's median of `--reps` calls. `step_s` weights every matmul by how often
+one step issues it (30 layers), which is the step's matmul time if the kernels ran back to back.
+
+Usage:
+  .venv/bin/python benchmarks/gemm.py                 # 3 rounds per side, ~2 min
+  .venv/bin/python benchmarks/gemm.py --rounds 1      # quick look
+
+Prints one JSON object and writes benchmarks/results/gemm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+N, D, F, HD, H, KV, V, L = 2048, 576, 1536, 64, 9, 3, 49152, 30  # smollm2-135m, B=8, T=256
+WEIGHTS = {"q": (D, H * HD, 1), "k": (D, KV * HD, 1), "v": (D, KV * HD, 1), "o": (H * HD, D, 1),
+           "gate": (D, F, 1), "up": (D, F, 1), "down": (F, D, 1)}  # (K, M, count per layer)
+
+
+def gemms() -> list[dict]:
+  """Every distinct matmul of one step: name, kind, (m, k, n) of the product, operand shapes, count per step.
+
+  kind "nn": a[m, k] @ b[k, n]; "nt": a[m, k] @ b[n, k]ᵀ; "tn": a[k, m]ᵀ @ b[k, n].
+  """
+  out = []
+  seen = {}
+  for name, (k, m, count) in WEIGHTS.items():
+    for kind, mkn, a, b in (("nn", (N, k, m), (N, k), (k, m)),     # y = x @ W
+                            ("nt", (N, m, k), (N, m), (k, m)),     # dx = dy @ Wᵀ (W stored [K, M])
+                            ("tn", (k, N, m), (N, k), (N, m))):    # dW = xᵀ @ dy
+      key = (kind, a, b)
+      if key in seen:
+        seen[key]["count"] += count * L
+        seen[key]["name"] += "," + name
+        continue
+      seen[key] = {"name": name, "kind": kind, "mkn": mkn, "a": a, "b": b, "count": count * L}
+      out.append(seen[key])
+  n_head = N - 8  # one position per row has no next token
+  out += [{"name": "head", "kind": "nt", "mkn": (n_head, D, V), "a": (n_head, D), "b": (V, D), "count": 1},
+          {"name": "head", "kind": "nn", "mkn": (n_head, V, D), "a": (n_head, V), "b": (V, D), "count": 1},
+          {"name": "head", "kind": "tn", "mkn": (V, n_head, D), "a": (n_head, V), "b": (n_head, D), "count": 1}]
+  return out
+
+
+def _time(fn, reps: int) -> float:
+  fn()
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts)
+
+
+def run_side(side: str, reps: int) -> list[float]:
+  """Median seconds per matmul of `gemms()` in this process, with `side` = "jax" or "torch"."""
+  out = []
+  if side == "jax":
+    import jax
+    import jax.numpy as jnp
+    dims = {"nn": ((1,), (0,)), "nt": ((1,), (1,)), "tn": ((0,), (0,))}
+    for g in gemms():
+      a = jax.random.normal(jax.random.key(0), g["a"], jnp.float32)
+      b = jax.random.normal(jax.random.key(1), g["b"], jnp.float32)
+      f = jax.jit(lambda a, b, c=dims[g["kind"]]: jax.lax.dot_general(a, b, (c, ((), ()))))
+      out.append(_time(lambda: f(a, b).block_until_ready(), reps if g["name"] != "head" else 3))
+  else:
+    import torch
+    torch.set_num_threads(os.cpu_count())
+    for g in gemms():
+      a, b = torch.randn(g["a"]), torch.randn(g["b"])
+      op = {"nn": lambda: a @ b, "nt": lambda: a @ b.T, "tn": lambda: a.T @ b}[g["kind"]]
+      out.append(_time(op, reps if g["name"] != "head" else 3))
+  return out
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--rounds", type=int, default=3, help="subprocess runs per side, alternating")
+  p.add_argument("--reps", type=int, default=20, help="timed calls per matmul per run (3 for the LM head)")
+  p.add_argument("--side", choices=("jax", "torch"), help=argparse.SUPPRESS)  # worker mode
+  p.add_argument("--xla-flags", action="append", default=None, metavar="FLAGS",
+                 help="run the JAX side once per value with XLA_FLAGS=FLAGS (repeatable, written --xla-flags=VALUE; "
+                      "'' for the defaults) to "
+                      "compare XLA:CPU dot backends in the same rounds; default: one JAX side, XLA_FLAGS as inherited")
+  p.add_argument("--name", default="gemm", help="results file name")
+  args = p.parse_args(argv)
+  if args.side:
+    print(json.dumps(run_side(args.side, args.reps)))
+    return {}
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from model_step import machine_info, write_result  # pylint: disable=import-outside-toplevel
+
+  # side name -> XLA_FLAGS for its process (None: inherited)
+  sides = {"jax": None} if args.xla_flags is None else {f"jax[{f}]": f for f in args.xla_flags}
+  sides["torch"] = None
+  runs = {side: [] for side in sides}
+  for r in range(args.rounds):
+    order = list(sides) if r % 2 == 0 else list(reversed(sides))
+    for side in order:
+      env = dict(os.environ)
+      if sides[side] is not None:
+        env["XLA_FLAGS"] = sides[side]
+      res = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", side.split("[")[0], "--reps",
+                            str(args.reps)], capture_output=True, text=True, check=True, env=env)
+      runs[side].append(json.loads(res.stdout.strip().splitlines()[-1]))
+  rows, step = [], {side: 0.0 for side in sides}
+  for i, g in enumerate(gemms()):
+    m, k, n = g["mkn"]
+    t = {side: statistics.median(run[i] for run in runs[side]) for side in runs}
+    row = {"name": g["name"], "kind": g["kind"], "m_k_n": [m, k, n], "count_per_step": g["count"]}
+    for side in sides:
+      step[side] += g["count"] * t[side]
+      row[f"{side}_ms"] = t[side] * 1e3
+      row[f"{side}_gflops"] = 2 * m * k * n / t[side] / 1e9
+      if side != "torch":
+        row[f"{side}_over_torch_time"] = t[side] / t["torch"]
+    rows.append(row)
+  result = {"benchmark": "gemm", "baseline": "torch CPU (MKL) matmul of the same shapes, separate process",
+            "machine": machine_info(), "shapes": "smollm2-135m, B=8, T=256, fp32", "rounds": args.rounds,
+            "reps": args.reps, "gemms": rows,
+            "step_s": {**step, **{f"{side}_over_torch_time": step[side] / step["torch"] for side in sides
+                                  if side != "torch"}}}
+  write_result(args.name, result)
+  return result
+
+
+if __name__ == "__main__":
+  main()
