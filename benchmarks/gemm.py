@@ -104,6 +104,8 @@ def main(argv=None) -> dict:
                       "compare XLA:CPU dot backends in the same rounds; default: one JAX side, XLA_FLAGS as inherited")
   p.add_argument("--name", default="gemm", help="results file name")
   args = p.parse_args(argv)
+  if args.rounds < 1 or args.reps < 1:
+    p.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
   if args.side:
     print(json.dumps(run_side(args.side, args.reps)))
     return {}

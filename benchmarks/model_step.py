@@ -294,6 +294,8 @@ def main(argv=None) -> dict:
   p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
   p.add_argument("--name", default="model_step", help="results file name")
   args = p.parse_args(argv)
+  if args.steps < 1:
+    p.error(f"--steps must be >= 1 (timed rounds after the warm-up), got {args.steps}")
   keep_freed = keep_freed_host_memory()  # before JAX starts its threads; applies to both frameworks
 
   import jax
