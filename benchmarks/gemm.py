@@ -72,7 +72,14 @@ def _time(fn, reps: int) -> float:
 
 
 def run_side(side: str, reps: int) -> list[float]:
-  """Median seconds per matmul of `gemms()` in this process, with `side` = "jax" or "torch"."""
+  """Median seconds per matmul of `gemms()` in this process, with `side` = "jax" or "torch".
+
+  Calls `keep_freed_host_memory()` first, as the train step does: without it each call's output buffer (up
+  to 400 MB) is freshly mapped and page-faulted, which slowed XLA's matmuls here by 10-25 %.
+  """
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from minpro_jax.host_memory import keep_freed_host_memory  # pylint: disable=import-outside-toplevel
+  keep_freed_host_memory()
   out = []
   if side == "jax":
     import jax
