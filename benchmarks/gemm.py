@@ -2,12 +2,17 @@
 
 `model_step.py` times whole steps and `step_floor.py` a matmul-only network with autograd; this one isolates
 the kernels. For the `smollm2-135m` shapes at B=8, T=256 (N = 2048 tokens; 2040 for the LM head, which
-skips the last position) it times every distinct matmul of one training step as `minpro_jax.models.dense`
-and autodiff issue it, and as torch's autograd issues it for `nn.Linear` (transposed views, no copies):
+skips the last position) it times every distinct projection and LM-head matmul of one training step (not
+attention's q·kᵀ and p·v, about 6 % of the step's FLOPs):
 
-  * per projection weight W [K, M] (q, k, v, o, gate, up, down): forward x[N, K] @ W ("nn"), input gradient
-    dy[N, M] @ Wᵀ ("nt"), weight gradient xᵀ @ dy ("tn");
-  * the tied LM head E [V, D]: logits h @ Eᵀ ("nt"), dh = dz @ E ("nn"), dE = dzᵀ @ h ("tn").
+  * JAX, as `minpro_jax.models.dense` and autodiff issue them, per projection weight W [K, M] (q, k, v, o,
+    gate, up, down): forward x[N, K] @ W ("nn"), input gradient dy[N, M] @ Wᵀ ("nt"), weight gradient
+    xᵀ @ dy ("tn");
+  * torch, as autograd issues them for `nn.Linear`, whose weight is stored [M, K]: forward x @ Wᵀ, input
+    gradient dy @ W, weight gradient dyᵀ @ x (transposed views, no copies); same FLOPs, reported in the row of
+    the JAX product they correspond to;
+  * the tied LM head E [V, D], the same on both sides: logits h @ Eᵀ ("nt"), dh = dz @ E ("nn"),
+    dE = dzᵀ @ h ("tn").
 
 Each side runs in a fresh subprocess (the frameworks' thread pools slow each other inside one process), the
 sides alternate for `--rounds` rounds so both see the machine in the same minutes, and each time is the
@@ -72,7 +77,8 @@ def _time(fn, reps: int) -> float:
 
 
 def run_side(side: str, reps: int) -> list[float]:
-  """Median seconds per matmul of `gemms()` in this process, with `side` = "jax" or "torch".
+  """Median seconds per matmul of `gemms()` in this process (of `reps` calls; 3 for the LM head's), with
+  `side` = "jax" or "torch".
 
   Calls `keep_freed_host_memory()` first, as the train step does: without it each call's output buffer (up
   to 400 MB) is freshly mapped and page-faulted, which slowed XLA's matmuls here by 10-25 %.
@@ -95,12 +101,24 @@ def run_side(side: str, reps: int) -> list[float]:
     torch.set_num_threads(os.cpu_count())
     for g in gemms():
       a, b = torch.randn(g["a"]), torch.randn(g["b"])
-      op = {"nn": lambda: a @ b, "nt": lambda: a @ b.T, "tn": lambda: a.T @ b}[g["kind"]]
+      if g["name"] == "head":  # the embedding is [V, D] on both sides
+        op = {"nn": lambda: a @ b, "nt": lambda: a @ b.T, "tn": lambda: a.T @ b}[g["kind"]]
+      elif g["kind"] == "tn":  # dW = dyᵀ @ x, [M, K] (a is x [N, K], b is dy [N, M])
+        op = lambda: b.T @ a  # noqa: E731
+      else:  # nn.Linear's weight is [M, K], the JAX weight b transposed in memory
+        w_mk = torch.randn(g["b"][1], g["b"][0])
+        op = (lambda: a @ w_mk.T) if g["kind"] == "nn" else (lambda: a @ w_mk)  # y = x @ Wᵀ; dx = dy @ W
       out.append(_time(op, reps if g["name"] != "head" else 3))
   return out
 
 
 def main(argv=None) -> dict:
+  """Runs the benchmark (command-line flags in `argv`), writes results/<name>.json and returns the result
+  ({} in the internal --side worker mode, which prints its timings instead).
+
+  Raises:
+    RuntimeError: a side's subprocess failed or ran past 30 minutes (its stderr is included).
+  """
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--rounds", type=int, default=3, help="subprocess runs per side, alternating")
   p.add_argument("--reps", type=int, default=20, help="timed calls per matmul per run (3 for the LM head)")
@@ -119,6 +137,9 @@ def main(argv=None) -> dict:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from model_step import machine_info, write_result  # pylint: disable=import-outside-toplevel
 
+  if args.xla_flags is not None and len(set(args.xla_flags)) != len(args.xla_flags):
+    p.error(f"--xla-flags values must differ, got {args.xla_flags}")
+  machine = machine_info()
   # side name -> XLA_FLAGS for its process (None: inherited)
   sides = {"jax": None} if args.xla_flags is None else {f"jax[{f}]": f for f in args.xla_flags}
   sides["torch"] = None
@@ -129,8 +150,13 @@ def main(argv=None) -> dict:
       env = dict(os.environ)
       if sides[side] is not None:
         env["XLA_FLAGS"] = sides[side]
-      res = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", side.split("[")[0], "--reps",
-                            str(args.reps)], capture_output=True, text=True, check=True, env=env)
+      cmd = [sys.executable, os.path.abspath(__file__), "--side", side.split("[")[0], "--reps", str(args.reps)]
+      try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+      except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"gemm.py side {side!r} ran past 30 minutes") from e
+      if res.returncode != 0:
+        raise RuntimeError(f"gemm.py side {side!r} failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
       runs[side].append(json.loads(res.stdout.strip().splitlines()[-1]))
   rows, step = [], {side: 0.0 for side in sides}
   for i, g in enumerate(gemms()):
@@ -144,9 +170,13 @@ def main(argv=None) -> dict:
       if side != "torch":
         row[f"{side}_over_torch_time"] = t[side] / t["torch"]
     rows.append(row)
-  result = {"benchmark": "gemm", "baseline": "torch CPU (MKL) matmul of the same shapes, separate process",
-            "machine": machine_info(), "shapes": "smollm2-135m, B=8, T=256, fp32", "rounds": args.rounds,
-            "reps": args.reps, "gemms": rows,
+  import torch  # pylint: disable=import-outside-toplevel  # only for its version
+  machine["loadavg_end"] = list(os.getloadavg())
+  result = {"benchmark": "gemm", "baseline": "torch CPU (MKL) matmuls of the same products as nn.Linear's "
+                                             "autograd issues them, separate process",
+            "machine": machine, "torch": torch.__version__, "host_memory_keep_freed": True,
+            "shapes": "smollm2-135m, B=8, T=256, fp32", "rounds": args.rounds, "reps": args.reps,
+            "seconds_per_round": runs, "gemms": rows,
             "step_s": {**step, **{f"{side}_over_torch_time": step[side] / step["torch"] for side in sides
                                   if side != "torch"}}}
   write_result(args.name, result)

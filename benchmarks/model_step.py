@@ -12,7 +12,7 @@ One training step = forward + backward + AdamW update on a [B, T] batch of rando
 The two sides run in alternation, round by round (`bench_paired`): the transformers step lives in a spawned
 child process that sleeps on a pipe while ours runs, so the two frameworks never share a process (torch's
 OpenMP threads and XLA's pool slowed each other when interleaved in one process) and both see the machine in
-the same minutes; this shared CPU's speed drifts by 2x within an hour, so a ratio of two separate phases
+the same minutes; this shared CPU's speed drifts by 25 % and more from one minute to the next, so a ratio of two separate phases
 could land anywhere. Reported: best and median per side, the best-vs-best ratio, and the median of the
 per-round ratios (`ratio_median_of_paired_rounds`), which a drift between rounds does not move.
 
@@ -115,8 +115,15 @@ def analytic_flops(cfg, batch: int, seq: int) -> dict:
 def ours_stepper(cfg, batch: int, seq: int, chunk_size: int):
   """Builds and compiles our train step; returns (run_step, info).
 
-  run_step() runs one step on the same [batch, seq] random tokens and returns (seconds, minor page faults,
-  loss); info holds the compile time and XLA's flop count of the compiled step.
+  Args:
+    cfg: the `ModelConfig` (randomly initialised, seed 0).
+    batch, seq: the [B, T] shape of the random int32 token batch every step reuses.
+    chunk_size: `token_logprobs` sequence chunk (>= seq: one dense chunk, as in the benchmark's default).
+
+  Returns:
+    (run_step, info): run_step() runs one step (forward + backward + AdamW, model and optimizer donated) and
+    returns (wall seconds, minor page faults of the process during it, loss as a float); info has
+    `compile_s` and `xla_cost_analysis_flops` of the compiled step.
   """
   import jax
   import jax.numpy as jnp
@@ -155,7 +162,11 @@ def ours_stepper(cfg, batch: int, seq: int, chunk_size: int):
 
 
 def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
-  """Times our nnx.jit train step (one warm-up, then `steps` timed); returns timings and XLA's flop count."""
+  """Times our nnx.jit train step in this process: one warm-up, then `steps` >= 1 timed.
+
+  Returns:
+    `ours_stepper`'s info plus `step_s` and `minor_page_faults` (one per timed step) and the last `loss`.
+  """
   run_step, info = ours_stepper(cfg, batch, seq, chunk_size)
   runs = [run_step() for _ in range(steps + 1)][1:]
   return {**info, "step_s": [r[0] for r in runs], "minor_page_faults": [r[1] for r in runs], "loss": runs[-1][2]}
@@ -188,8 +199,20 @@ def hf_model(cfg):
 
 
 def transformers_stepper(cfg, batch: int, seq: int, threads: int):
-  """Builds the transformers step (`hf_model`, AdamW, `labels=tokens` loss); returns (run_step, info) as
-  `ours_stepper` does."""
+  """Builds the transformers step (`hf_model`, `torch.optim.AdamW`, `labels=tokens` loss).
+
+  Args:
+    cfg: the `ModelConfig` whose architecture `hf_model` rebuilds in transformers (torch seed 0).
+    batch, seq: the [B, T] shape of the random token batch every step reuses.
+    threads: `torch.set_num_threads(threads)`, which applies to the whole process.
+
+  Returns:
+    (run_step, info) as `ours_stepper`; info has the torch and transformers versions, the thread count and
+    the attention implementation.
+
+  Raises:
+    ValueError: from `hf_model`, for an architecture without a transformers class here.
+  """
   import torch
   import transformers
 
@@ -211,20 +234,29 @@ def transformers_stepper(cfg, batch: int, seq: int, threads: int):
 
 
 def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> dict:
-  """Times a transformers (torch CPU, fp32, eager) forward + backward + AdamW step of the same model, in this
-  process (one warm-up, then `steps` timed)."""
+  """Times a transformers (torch CPU, fp32, eager) forward + backward + AdamW step of the same model in this
+  process: one warm-up, then `steps` >= 1 timed. Returns the same keys as `bench_ours` (info from
+  `transformers_stepper`)."""
   run_step, info = transformers_stepper(cfg, batch, seq, threads)
   runs = [run_step() for _ in range(steps + 1)][1:]
   return {**info, "step_s": [r[0] for r in runs], "minor_page_faults": [r[1] for r in runs], "loss": runs[-1][2]}
 
 
 def _transformers_worker(conn, cfg, batch: int, seq: int, threads: int) -> None:
-  """Body of the baseline subprocess of `bench_paired`: one step per message received, until None."""
-  keep_freed_host_memory()
-  run_step, info = transformers_stepper(cfg, batch, seq, threads)
-  conn.send(info)
-  while conn.recv() is not None:
-    conn.send(run_step())
+  """Body of the baseline subprocess of `bench_paired`: one step per message received, until None.
+
+  Any exception is sent to the parent as ("error", traceback text) before the process exits.
+  """
+  import traceback
+
+  try:
+    keep_freed_host_memory()
+    run_step, info = transformers_stepper(cfg, batch, seq, threads)
+    conn.send(info)
+    while conn.recv() is not None:
+      conn.send(run_step())
+  except Exception:  # pylint: disable=broad-except  # reported to the parent, which raises
+    conn.send(("error", traceback.format_exc()))
 
 
 def bench_paired(cfg, batch: int, seq: int, steps: int, chunk_size: int, threads: int) -> tuple[dict, dict]:
@@ -247,12 +279,23 @@ def bench_paired(cfg, batch: int, seq: int, steps: int, chunk_size: int, threads
   conn, child_conn = ctx.Pipe()
   proc = ctx.Process(target=_transformers_worker, args=(child_conn, cfg, batch, seq, threads), daemon=True)
   proc.start()
+  child_conn.close()  # the child's end lives in the child only, so its death ends our recv with EOFError
+
+  def receive():
+    while not conn.poll(1.0):
+      if not proc.is_alive():
+        raise RuntimeError(f"transformers baseline process exited with code {proc.exitcode} (see its output above)")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "error":
+      raise RuntimeError(f"transformers baseline process failed:\n{msg[1]}")
+    return msg
+
   try:
-    base_info = conn.recv()
+    base_info = receive()
 
     def run_base():
       conn.send("step")
-      return conn.recv()
+      return receive()
 
     run_ours(), run_base()  # warm-up
     ours_runs, base_runs = [], []
@@ -264,10 +307,11 @@ def bench_paired(cfg, batch: int, seq: int, steps: int, chunk_size: int, threads
         ours_runs.append(run_ours())
         base_runs.append(run_base())
     conn.send(None)
-  finally:
     proc.join(timeout=60)
+  finally:
     if proc.is_alive():
       proc.kill()
+      proc.join()
 
   def pack(info, runs):
     return {**info, "step_s": [x[0] for x in runs], "minor_page_faults": [x[1] for x in runs], "loss": runs[-1][2]}
@@ -278,12 +322,14 @@ def bench_paired(cfg, batch: int, seq: int, steps: int, chunk_size: int, threads
 
 
 def summarize(times, flops, tokens, peak) -> dict:
+  """Best and median seconds of `times`, and tokens/s, FLOP/s and MFU (against `peak` FLOP/s) at the best."""
   best = min(times)
   return {"step_s_best": best, "step_s_median": statistics.median(times), "tokens_per_s": tokens / best,
           "achieved_flops_per_s": flops / best, "mfu": flops / best / peak}
 
 
 def main(argv=None) -> dict:
+  """Runs the benchmark (command-line flags in `argv`), writes results/<name>.json and returns the result."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--presets", default="tiny,smollm2-135m")
   p.add_argument("--batch", type=int, default=8)
