@@ -67,6 +67,8 @@ def gemms() -> list[dict]:
 
 
 def _time(fn, reps: int) -> float:
+  """Median seconds of `reps` calls of `fn` after one warm-up call (`decode.timed` gives the best instead and
+  would import JAX into the torch side)."""
   fn()
   ts = []
   for _ in range(reps):

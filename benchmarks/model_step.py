@@ -161,6 +161,12 @@ def ours_stepper(cfg, batch: int, seq: int, chunk_size: int):
   return run_step, {"compile_s": compile_s, "xla_cost_analysis_flops": xla_flops}
 
 
+def _timings(info: dict, runs: list) -> dict:
+  """`info` plus `step_s` and `minor_page_faults` (one per run) and the last `loss`, from the (seconds, faults,
+  loss) tuples that a stepper's run_step returns."""
+  return {**info, "step_s": [r[0] for r in runs], "minor_page_faults": [r[1] for r in runs], "loss": runs[-1][2]}
+
+
 def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
   """Times our nnx.jit train step in this process: one warm-up, then `steps` >= 1 timed.
 
@@ -168,8 +174,7 @@ def bench_ours(cfg, batch: int, seq: int, steps: int, chunk_size: int) -> dict:
     `ours_stepper`'s info plus `step_s` and `minor_page_faults` (one per timed step) and the last `loss`.
   """
   run_step, info = ours_stepper(cfg, batch, seq, chunk_size)
-  runs = [run_step() for _ in range(steps + 1)][1:]
-  return {**info, "step_s": [r[0] for r in runs], "minor_page_faults": [r[1] for r in runs], "loss": runs[-1][2]}
+  return _timings(info, [run_step() for _ in range(steps + 1)][1:])
 
 
 def hf_model(cfg):
@@ -238,8 +243,7 @@ def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> d
   process: one warm-up, then `steps` >= 1 timed. Returns the same keys as `bench_ours` (info from
   `transformers_stepper`)."""
   run_step, info = transformers_stepper(cfg, batch, seq, threads)
-  runs = [run_step() for _ in range(steps + 1)][1:]
-  return {**info, "step_s": [r[0] for r in runs], "minor_page_faults": [r[1] for r in runs], "loss": runs[-1][2]}
+  return _timings(info, [run_step() for _ in range(steps + 1)][1:])
 
 
 def _transformers_worker(conn, cfg, batch: int, seq: int, threads: int) -> None:
@@ -313,10 +317,7 @@ def bench_paired(cfg, batch: int, seq: int, steps: int, chunk_size: int, threads
       proc.kill()
       proc.join()
 
-  def pack(info, runs):
-    return {**info, "step_s": [x[0] for x in runs], "minor_page_faults": [x[1] for x in runs], "loss": runs[-1][2]}
-
-  ours, base = pack(ours_info, ours_runs), pack(base_info, base_runs)
+  ours, base = _timings(ours_info, ours_runs), _timings(base_info, base_runs)
   ours["paired_ratio"] = [b / o for o, b in zip(ours["step_s"], base["step_s"])]
   return ours, base
 
