@@ -71,9 +71,13 @@ def machine_info() -> dict:
 
 
 def write_result(name: str, result: dict) -> pathlib.Path:
-  """Prints `result` as JSON and writes it to benchmarks/results/<name>.json."""
-  RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-  path = RESULTS_DIR / f"{name}.json"
+  """Prints `result` as JSON and writes it to benchmarks/results/<name>.json.
+
+  `name` may end in ".json" (not added twice) or be a path (absolute, or relative to benchmarks/results/),
+  e.g. `--name /tmp/try1` for a run that should not replace a committed result. Returns the path written.
+  """
+  path = RESULTS_DIR / (name if name.endswith(".json") else f"{name}.json")
+  path.parent.mkdir(parents=True, exist_ok=True)
   text = json.dumps(result, indent=2, sort_keys=False)
   path.write_text(text + "\n")
   print(text)
