@@ -129,7 +129,8 @@ def main(argv=None) -> dict:
                  help="run the JAX side once per value with XLA_FLAGS=FLAGS (repeatable, written --xla-flags=VALUE; "
                       "'' for the defaults) to "
                       "compare XLA:CPU dot backends in the same rounds; default: one JAX side, XLA_FLAGS as inherited")
-  p.add_argument("--name", default="gemm", help="results file name")
+  p.add_argument("--name", default="gemm",
+                 help="results file name, or a path (absolute, or relative to benchmarks/results/)")
   args = p.parse_args(argv)
   if args.rounds < 1 or args.reps < 1:
     p.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")

@@ -343,7 +343,8 @@ def main(argv=None) -> dict:
   p.add_argument("--layers", type=int, default=None, help="override num_layers (quick looks only)")
   p.add_argument("--chunk-size", type=int, default=256, help="token_logprobs chunk_size")
   p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-  p.add_argument("--name", default="model_step", help="results file name")
+  p.add_argument("--name", default="model_step",
+                 help="results file name, or a path (absolute, or relative to benchmarks/results/)")
   args = p.parse_args(argv)
   if args.steps < 1:
     p.error(f"--steps must be >= 1 (timed rounds after the warm-up), got {args.steps}")

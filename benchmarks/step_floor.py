@@ -169,7 +169,8 @@ def main(argv=None) -> dict:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--steps", type=int, default=2, help="timed full steps per side (after one warm-up)")
   p.add_argument("--no-step", action="store_true", help="skip the full train steps")
-  p.add_argument("--name", default="step_floor", help="results file name")
+  p.add_argument("--name", default="step_floor",
+                 help="results file name, or a path (absolute, or relative to benchmarks/results/)")
   args = p.parse_args(argv)
   import model_step  # pylint: disable=import-outside-toplevel
   model_step.keep_freed_host_memory()
