@@ -17,7 +17,7 @@ attention's q·kᵀ and p·v, about 6 % of the step's FLOPs):
 Each side runs in a fresh subprocess (the frameworks' thread pools slow each other inside one process), the
 sides alternate for `--rounds` rounds so both see the machine in the same minutes, and each time is the
 median over the rounds of each round's median of `--reps` calls. `step_s` weights every matmul by how often
-one step issues it (30 layers), which is the step's matmul time if the kernels ran back to back.
+one step issues it (the preset's 30 layers), which is the step's matmul time if the kernels ran back to back.
 
 Usage:
   .venv/bin/python benchmarks/gemm.py                 # 3 rounds per side, ~2 min
@@ -36,19 +36,31 @@ import subprocess
 import sys
 import time
 
-N, D, F, HD, H, KV, V, L = 2048, 576, 1536, 64, 9, 3, 49152, 30  # smollm2-135m, B=8, T=256
-WEIGHTS = {"q": (D, H * HD, 1), "k": (D, KV * HD, 1), "v": (D, KV * HD, 1), "o": (H * HD, D, 1),
-           "gate": (D, F, 1), "up": (D, F, 1), "down": (F, D, 1)}  # (K, M, count per layer)
+B, T = 8, 256  # the train-step benchmark's batch
 
 
-def gemms() -> list[dict]:
+def step_dims(preset: str = "smollm2-135m") -> dict:
+  """The sizes `gemms` needs, from the model preset (imports JAX, so the parent calls it and passes the result
+  to the sides as JSON)."""
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from minpro_jax.models import get_preset  # pylint: disable=import-outside-toplevel
+  c = get_preset(preset)
+  return {"D": c.hidden_size, "F": c.intermediate_size, "HD": c.head_dim, "H": c.num_heads, "KV": c.num_kv_heads,
+          "V": c.vocab_size, "L": c.num_layers}
+
+
+def gemms(dims: dict) -> list[dict]:
   """Every distinct matmul of one step: name, kind, (m, k, n) of the product, operand shapes, count per step.
 
-  kind "nn": a[m, k] @ b[k, n]; "nt": a[m, k] @ b[n, k]ᵀ; "tn": a[k, m]ᵀ @ b[k, n].
+  kind "nn": a[m, k] @ b[k, n]; "nt": a[m, k] @ b[n, k]ᵀ; "tn": a[k, m]ᵀ @ b[k, n]. `dims` from `step_dims`.
   """
+  D, F, HD, H, KV, V, L = (dims[k] for k in ("D", "F", "HD", "H", "KV", "V", "L"))
+  N = B * T
+  weights = {"q": (D, H * HD, 1), "k": (D, KV * HD, 1), "v": (D, KV * HD, 1), "o": (H * HD, D, 1),
+             "gate": (D, F, 1), "up": (D, F, 1), "down": (F, D, 1)}  # (K, M, count per layer)
   out = []
   seen = {}
-  for name, (k, m, count) in WEIGHTS.items():
+  for name, (k, m, count) in weights.items():
     for kind, mkn, a, b in (("nn", (N, k, m), (N, k), (k, m)),     # y = x @ W
                             ("nt", (N, m, k), (N, m), (k, m)),     # dx = dy @ Wᵀ (W stored [K, M])
                             ("tn", (k, N, m), (N, k), (N, m))):    # dW = xᵀ @ dy
@@ -59,7 +71,7 @@ def gemms() -> list[dict]:
         continue
       seen[key] = {"name": name, "kind": kind, "mkn": mkn, "a": a, "b": b, "count": count * L}
       out.append(seen[key])
-  n_head = N - 8  # one position per row has no next token
+  n_head = N - B  # one position per row has no next token
   out += [{"name": "head", "kind": "nt", "mkn": (n_head, D, V), "a": (n_head, D), "b": (V, D), "count": 1},
           {"name": "head", "kind": "nn", "mkn": (n_head, V, D), "a": (n_head, V), "b": (V, D), "count": 1},
           {"name": "head", "kind": "tn", "mkn": (V, n_head, D), "a": (n_head, V), "b": (n_head, D), "count": 1}]
@@ -78,8 +90,8 @@ def _time(fn, reps: int) -> float:
   return statistics.median(ts)
 
 
-def run_side(side: str, reps: int) -> list[float]:
-  """Median seconds per matmul of `gemms()` in this process (of `reps` calls; 3 for the LM head's), with
+def run_side(side: str, reps: int, dims: dict) -> list[float]:
+  """Median seconds per matmul of `gemms(dims)` in this process (of `reps` calls; 3 for the LM head's), with
   `side` = "jax" or "torch".
 
   Calls `keep_freed_host_memory()` first, as the train step does: without it each call's output buffer (up
@@ -92,16 +104,16 @@ def run_side(side: str, reps: int) -> list[float]:
   if side == "jax":
     import jax
     import jax.numpy as jnp
-    dims = {"nn": ((1,), (0,)), "nt": ((1,), (1,)), "tn": ((0,), (0,))}
-    for g in gemms():
+    contract = {"nn": ((1,), (0,)), "nt": ((1,), (1,)), "tn": ((0,), (0,))}
+    for g in gemms(dims):
       a = jax.random.normal(jax.random.key(0), g["a"], jnp.float32)
       b = jax.random.normal(jax.random.key(1), g["b"], jnp.float32)
-      f = jax.jit(lambda a, b, c=dims[g["kind"]]: jax.lax.dot_general(a, b, (c, ((), ()))))
+      f = jax.jit(lambda a, b, c=contract[g["kind"]]: jax.lax.dot_general(a, b, (c, ((), ()))))
       out.append(_time(lambda: f(a, b).block_until_ready(), reps if g["name"] != "head" else 3))
   else:
     import torch
     torch.set_num_threads(os.cpu_count())
-    for g in gemms():
+    for g in gemms(dims):
       a, b = torch.randn(g["a"]), torch.randn(g["b"])
       if g["name"] == "head":  # the embedding is [V, D] on both sides
         op = {"nn": lambda: a @ b, "nt": lambda: a @ b.T, "tn": lambda: a.T @ b}[g["kind"]]
@@ -125,6 +137,7 @@ def main(argv=None) -> dict:
   p.add_argument("--rounds", type=int, default=3, help="subprocess runs per side, alternating")
   p.add_argument("--reps", type=int, default=20, help="timed calls per matmul per run (3 for the LM head)")
   p.add_argument("--side", choices=("jax", "torch"), help=argparse.SUPPRESS)  # worker mode
+  p.add_argument("--dims", help=argparse.SUPPRESS)  # worker mode: step_dims() as JSON
   p.add_argument("--xla-flags", action="append", default=None, metavar="FLAGS",
                  help="run the JAX side once per value with XLA_FLAGS=FLAGS (repeatable, written --xla-flags=VALUE; "
                       "'' for the defaults) to "
@@ -135,7 +148,7 @@ def main(argv=None) -> dict:
   if args.rounds < 1 or args.reps < 1:
     p.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
   if args.side:
-    print(json.dumps(run_side(args.side, args.reps)))
+    print(json.dumps(run_side(args.side, args.reps, json.loads(args.dims))))
     return {}
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from model_step import machine_info, write_result  # pylint: disable=import-outside-toplevel
@@ -143,6 +156,7 @@ def main(argv=None) -> dict:
   if args.xla_flags is not None and len(set(args.xla_flags)) != len(args.xla_flags):
     p.error(f"--xla-flags values must differ, got {args.xla_flags}")
   machine = machine_info()
+  dims = step_dims()
   # side name -> XLA_FLAGS for its process (None: inherited)
   sides = {"jax": None} if args.xla_flags is None else {f"jax[{f}]": f for f in args.xla_flags}
   sides["torch"] = None
@@ -153,7 +167,8 @@ def main(argv=None) -> dict:
       env = dict(os.environ)
       if sides[side] is not None:
         env["XLA_FLAGS"] = sides[side]
-      cmd = [sys.executable, os.path.abspath(__file__), "--side", side.split("[")[0], "--reps", str(args.reps)]
+      cmd = [sys.executable, os.path.abspath(__file__), "--side", side.split("[")[0], "--reps", str(args.reps),
+             "--dims", json.dumps(dims)]
       try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
       except subprocess.TimeoutExpired as e:
@@ -162,7 +177,7 @@ def main(argv=None) -> dict:
         raise RuntimeError(f"gemm.py side {side!r} failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
       runs[side].append(json.loads(res.stdout.strip().splitlines()[-1]))
   rows, step = [], {side: 0.0 for side in sides}
-  for i, g in enumerate(gemms()):
+  for i, g in enumerate(gemms(dims)):
     m, k, n = g["mkn"]
     t = {side: statistics.median(run[i] for run in runs[side]) for side in runs}
     row = {"name": g["name"], "kind": g["kind"], "m_k_n": [m, k, n], "count_per_step": g["count"]}

@@ -279,6 +279,10 @@ def bench_paired(cfg, batch: int, seq: int, steps: int, chunk_size: int, threads
   Returns:
     (ours, transformers) dicts as `bench_ours` / `bench_transformers` give, each with `step_s` in round order;
     ours also has `paired_ratio`.
+
+  Raises:
+    RuntimeError: the baseline process failed (e.g. no transformers class for the preset; its traceback is
+      included) or exited.
   """
   import multiprocessing
 
