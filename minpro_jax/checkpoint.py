@@ -16,6 +16,7 @@ average score).
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -43,6 +44,30 @@ class RunCheckpointer:
     self._mngr = ocp.CheckpointManager(os.path.join(self.workdir, "checkpoints"), options=opts)
     self._best = ocp.CheckpointManager(os.path.join(self.workdir, "best"),
                                        options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+
+  def check_disk_space(self, state: Any, params: Any) -> None:
+    """Fails fast when the workdir's disk cannot hold the next run checkpoint and the next best-params save.
+
+    Orbax only finds a full disk when it writes, which for the best parameters is at the end of the run, so
+    without this check a long run can train for hours and then lose its result. The estimate is the arrays'
+    bytes (`size * itemsize`, summed over the pytree) of one run checkpoint (`state`; the rollout buffer is
+    small and ignored) plus one best-params checkpoint (`params`); the orbax steps kept beyond these
+    (`checkpoint.keep`) are not counted, so this is the minimum, not a guarantee.
+
+    Args:
+      state: the learner state pytree that `save` will write (parameters and optimizer state).
+      params: the parameter pytree that `save_best` will write.
+
+    Raises:
+      OSError: when the free bytes of the workdir's filesystem are fewer than that sum; the message gives
+        both sizes in GB, the path, and the fixes.
+    """
+    need = _tree_bytes(state) + _tree_bytes(params)
+    free = shutil.disk_usage(self.workdir).free
+    if free < need:
+      raise OSError(f"config.workdir: {self.workdir} has {free / 1e9:.2f} GB free, but one run checkpoint plus the "
+                    f"best parameters of this model need about {need / 1e9:.2f} GB. Free disk space there, or set "
+                    f"workdir to a disk with room (e.g. `--config.workdir=/mnt/disk/run`).")
 
   def latest_step(self) -> int | None:
     """Global step of the newest complete run checkpoint, or None."""
@@ -92,6 +117,11 @@ class RunCheckpointer:
   def close(self) -> None:
     self._mngr.close()
     self._best.close()
+
+
+def _tree_bytes(tree: Any) -> int:
+  """Bytes of the array leaves of `tree` (global shapes, so a sharded array counts once)."""
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
 def _numpy_tree(tree):

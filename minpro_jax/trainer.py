@@ -274,6 +274,7 @@ class Trainer:
     c = self.c
     _, params = nnx.split(self.model)
     state = self.learner.init_state(params)
+    self.ckpt.check_disk_space(state, state.params)  # before any work a full disk would lose
     buffer = RolloutBuffer(c.delay)
     extra = {"best_score": None, "best_step": None, "sft_eval": None, "sft_info": self.sft_info,
              "mipu_checks": 0, "mipu_rollbacks": 0}

@@ -1,4 +1,5 @@
-"""RolloutBuffer release timing and checkpoint round trip; RolloutBatch shape checks, split and select."""
+"""RolloutBuffer release timing and checkpoint round trip; the checkpointer's disk-space check; RolloutBatch shape
+checks, split and select."""
 
 import numpy as np
 import pytest
@@ -92,6 +93,21 @@ def test_state_dict_round_trip_in_memory_and_through_orbax(tmp_path):
   e2 = RolloutBuffer(0)
   e2.load_state_dict(buffer_state_from_restored(restored))
   assert len(e2) == 0
+  ckpt.close()
+
+
+def test_disk_space_check_counts_state_and_params_bytes(tmp_path, monkeypatch):
+  import collections
+  import shutil
+  ckpt = RunCheckpointer(str(tmp_path), keep=1)
+  state = {"x": np.zeros((1000,), np.float32), "n": np.zeros((), np.int64)}  # 4008 bytes
+  params = {"y": np.zeros((250,), np.float32)}  # 1000 bytes
+  usage = collections.namedtuple("usage", "total used free")
+  monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, 5008))
+  ckpt.check_disk_space(state, params)  # exactly enough
+  monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, 5007))
+  with pytest.raises(OSError, match=r"config\.workdir: .* GB free.*need about .* GB"):
+    ckpt.check_disk_space(state, params)
   ckpt.close()
 
 

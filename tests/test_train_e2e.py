@@ -8,7 +8,7 @@ import pytest
 from train_helpers import REPO, make_config, tiny_overrides
 
 
-def test_default_config_end_to_end(tmp_path):
+def test_default_config_end_to_end(tmp_path, monkeypatch):
   from minpro_jax.trainer import Trainer
   ov = tiny_overrides(tmp_path, total_steps=4, delay=1, num_updates_per_step=2, **{
       "eval.every": 2, "checkpoint.every": 2, "log.plots": True, "log.tensorboard": True})
@@ -37,6 +37,13 @@ def test_default_config_end_to_end(tmp_path):
   ov2 = dict(ov, workdir=str(tmp_path / "run2"))
   tr2 = Trainer(make_config(ov2))
   assert tr2.sft_info["cached"] is True and tr2.sft_info["path"] == tr.sft_info["path"]
+  # a disk without room for the checkpoints fails before any evaluation or step, not at the first save
+  import collections
+  import shutil
+  monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("u", "total used free")(1, 1, 0))
+  with pytest.raises(OSError, match=r"config\.workdir: .*run2 has 0\.00 GB free"):
+    tr2.run()
+  assert not (tmp_path / "run2" / "metrics.jsonl").exists() and not (tmp_path / "run2" / "eval").exists()
 
 
 @pytest.mark.slow
