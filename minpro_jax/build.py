@@ -54,6 +54,10 @@ def validate_config(c, num_devices: int | None = None) -> None:
       negative delay, unknown method, mesh not dividing the device count, missing checkpoint path.
   """
   num_devices = num_devices or len(jax.devices())
+  _need(bool(c.workdir), "workdir", "must not be empty (the run writes checkpoints, metrics and plots there); "
+        "e.g. --config.workdir=runs/my_run")
+  _need(not os.path.exists(c.workdir) or os.path.isdir(c.workdir), "workdir",
+        f"{c.workdir!r} exists and is not a directory; choose another path")
   _need(c.total_steps > 0, "total_steps", f"must be > 0, got {c.total_steps}")
   _need(c.prompts_per_step > 0, "prompts_per_step", f"must be > 0, got {c.prompts_per_step}")
   _need(c.group_size >= 1, "group_size", f"must be >= 1, got {c.group_size}")
@@ -80,7 +84,9 @@ def validate_config(c, num_devices: int | None = None) -> None:
           f"{c.tokenizer.path!r} does not exist")
   _need(c.data.source in DATA_SOURCES, "data.source", f"{c.data.source!r}; choose one of {DATA_SOURCES}")
   if c.data.source == "file":
-    _need(bool(c.data.path) and os.path.isfile(c.data.path), "data.path", f"data file {c.data.path!r} does not exist")
+    _need(bool(c.data.path) and not os.path.isdir(c.data.path), "data.path",
+          f"{c.data.path!r} is a directory; point it at one .jsonl / .json / .parquet file")
+    _need(os.path.isfile(c.data.path), "data.path", f"data file {c.data.path!r} does not exist")
   _need(c.sampling.max_new_tokens > 0, "sampling.max_new_tokens", f"must be > 0, got {c.sampling.max_new_tokens}")
   _need(c.sampling.temperature > 0, "sampling.temperature",
         "must be > 0 for RL (the learner scores the sampled tokens under the temperature-scaled distribution)")
@@ -89,6 +95,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
   _need(c.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0, got {c.checkpoint.every}")
   _need(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}")
   _need(c.eval.n >= 1, "eval.n", f"must be >= 1, got {c.eval.n}")
+  _need(c.eval.num_problems >= 1, "eval.num_problems", f"must be >= 1, got {c.eval.num_problems}")
   _need(all(1 <= k <= c.eval.n for k in c.eval.ks), "eval.ks", f"every k must lie in [1, eval.n={c.eval.n}]")
   _validate_choices_and_ranges(c)
   shape = parse_mesh_shape(c.mesh.shape)
@@ -122,9 +129,11 @@ def _validate_choices_and_ranges(c) -> None:
   """Every enumerated or bounded field, so a typo fails at start and not after the warm start."""
   from minpro_jax.advantages import ADVANTAGE_MODES
   from minpro_jax.data.prompts import TEMPLATES
+  from minpro_jax.data.sources import FORMATS
   from minpro_jax.models.config import PRESETS
   from minpro_jax.objectives_agg import LOSS_AGG_MODES
   from minpro_jax.objectives_prefix import PREFIX_STATISTICS
+  _need(c.data.format in FORMATS, "data.format", f"{c.data.format!r}; choose one of {FORMATS}")
   l = c.loss
   _need(l.prefix_statistic in PREFIX_STATISTICS, "loss.prefix_statistic",
         f"{l.prefix_statistic!r}; choose one of {PREFIX_STATISTICS}")
@@ -182,7 +191,7 @@ def _validate_choices_and_ranges(c) -> None:
 # Fields a run checkpoint is only valid for: resuming with other values would silently change the experiment.
 RESUME_KEYS = ("seed", "prompts_per_step", "group_size", "num_updates_per_step", "delay", "loss", "model",
                "data", "sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.precision",
-               "advantage_mode", "reward", "mipu")
+               "sampling.max_new_tokens", "advantage_mode", "reward", "mipu")
 
 
 def _mipu_equivalent(now: Any, stored: Any) -> bool:
@@ -192,7 +201,9 @@ def _mipu_equivalent(now: Any, stored: Any) -> bool:
 
 
 # Fingerprint keys whose values may differ without changing the experiment.
-_EQUIVALENT = {"mipu": _mipu_equivalent}
+# A key added to RESUME_KEYS after a checkpoint was written is absent from its fingerprint: accept it.
+_EQUIVALENT = {"mipu": _mipu_equivalent,
+               "sampling.max_new_tokens": lambda now, stored: stored is None or now == stored}
 
 
 def _differing_fields(key: str, now: Any, stored: Any) -> list[str]:
@@ -268,7 +279,10 @@ def load_problems(c, *, seed: int, size: int) -> list[MathProblem]:
     return reasoning_gym_problems(d.task, size, seed, **dict(d.task_config))
   if d.source == "champ":
     return champ_problems()
-  return load_file(d.path, d.format)
+  problems = load_file(d.path, d.format)
+  _need(bool(problems), "data.path", f"{d.path!r} holds no usable problem (skipped rows are logged above); each row "
+        f"needs a question and an answer in data.format={d.format!r}")
+  return problems
 
 
 def eval_benchmarks(c) -> dict[str, list[MathProblem]]:

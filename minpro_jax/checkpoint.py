@@ -40,34 +40,38 @@ class RunCheckpointer:
     if keep < 1:
       raise ValueError(f"keep must be >= 1, got {keep}")
     self.workdir = os.path.abspath(workdir)
+    self._keep = keep
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
     self._mngr = ocp.CheckpointManager(os.path.join(self.workdir, "checkpoints"), options=opts)
     self._best = ocp.CheckpointManager(os.path.join(self.workdir, "best"),
                                        options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
 
   def check_disk_space(self, state: Any, params: Any) -> None:
-    """Fails fast when the workdir's disk cannot hold the next run checkpoint and the next best-params save.
+    """Fails fast when the workdir's disk cannot hold the checkpoints the run will still write.
 
-    Orbax only finds a full disk when it writes, which for the best parameters is at the end of the run, so
-    without this check a long run can train for hours and then lose its result. The estimate is the arrays'
-    bytes (`size * itemsize`, summed over the pytree) of one run checkpoint (`state`; the rollout buffer is
-    small and ignored) plus one best-params checkpoint (`params`); the orbax steps kept beyond these
-    (`checkpoint.keep`) are not counted, so this is the minimum, not a guarantee.
+    Orbax only finds a full disk when it writes, which for the best parameters may be at the end of the run, so
+    without this check a long run can train for hours and then lose its result. Orbax writes a new checkpoint
+    before it deletes the oldest, so at its peak a run holds `keep + 1` run checkpoints (`state` and the small
+    rollout buffer, which is ignored) and 2 best-params checkpoints (`params`); those already on disk are
+    subtracted. Sizes are the arrays' bytes (`size * itemsize`), so this is an estimate, not a guarantee.
 
     Args:
       state: the learner state pytree that `save` will write (parameters and optimizer state).
       params: the parameter pytree that `save_best` will write.
 
     Raises:
-      OSError: when the free bytes of the workdir's filesystem are fewer than that sum; the message gives
-        both sizes in GB, the path, and the fixes.
+      OSError: when the workdir's filesystem has fewer free bytes than that; the message gives both sizes in
+        GB, the path, and the fixes.
     """
-    need = _tree_bytes(state) + _tree_bytes(params)
+    n_state = max(1, self._keep + 1 - len(self._mngr.all_steps()))
+    n_params = max(1, 2 - len(self._best.all_steps()))
+    need = n_state * _tree_bytes(state) + n_params * _tree_bytes(params)
     free = shutil.disk_usage(self.workdir).free
     if free < need:
-      raise OSError(f"config.workdir: {self.workdir} has {free / 1e9:.2f} GB free, but one run checkpoint plus the "
-                    f"best parameters of this model need about {need / 1e9:.2f} GB. Free disk space there, or set "
-                    f"workdir to a disk with room (e.g. `--config.workdir=/mnt/disk/run`).")
+      raise OSError(f"config.workdir: {self.workdir} has {free / 1e9:.2f} GB free, but the {n_state} run "
+                    f"checkpoint(s) and {n_params} best-parameter checkpoint(s) this run will still write need about "
+                    f"{need / 1e9:.2f} GB. Free disk space there, set workdir to a disk with room (e.g. "
+                    f"`--config.workdir=/mnt/disk/run`), or lower `--config.checkpoint.keep`.")
 
   def latest_step(self) -> int | None:
     """Global step of the newest complete run checkpoint, or None."""
@@ -97,7 +101,13 @@ class RunCheckpointer:
     return restored["state"], buffer_state, meta
 
   def save_best(self, step: int, params: Any, meta: dict[str, Any]) -> None:
-    """Stores `params` as the best-so-far parameters (replacing the previous best)."""
+    """Stores `params` as the best-so-far parameters (replacing the previous best).
+
+    If a best checkpoint of `step` already exists it is kept (a re-run of a finished run repeats its final
+    evaluation, with the same parameters); orbax would otherwise raise StepAlreadyExistsError.
+    """
+    if step in self._best.all_steps():
+      return
     args = ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta))
     self._best.save(step, args=args, force=True)
     self._best.wait_until_finished()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import time
 from typing import Any
 
@@ -61,13 +62,22 @@ class Trainer:
     build.validate_config(config)
     self.c = c = config
     self.workdir = os.path.abspath(c.workdir)
-    os.makedirs(self.workdir, exist_ok=True)
+    try:
+      os.makedirs(self.workdir, exist_ok=True)
+      with tempfile.TemporaryFile(dir=self.workdir):
+        pass
+    except OSError as e:
+      raise build.ConfigError(f"config.workdir: cannot write to {self.workdir} ({e.strerror or e}); choose a "
+                              "writable directory, e.g. --config.workdir=runs/my_run") from e
     shape = build.parse_mesh_shape(c.mesh.shape)
     self.mesh = make_mesh(shape) if shape else None
     t0 = time.time()
     from minpro_jax.setup_run import build_model_and_tokenizer
     self.eval_sets = build.eval_benchmarks(c)
     self.problems = build.remove_heldout(build.load_problems(c, seed=c.seed, size=c.data.size), self.eval_sets)
+    if not self.problems:
+      raise build.ConfigError("config.data: every training problem is also in a held-out set (eval.path or the "
+                              "reasoning-gym draw of eval.seed); use other data or other held-out problems")
     build.check_mipu_problem_count(c, len(self.problems))  # before the tokenizer and SFT
     self.ckpt = RunCheckpointer(self.workdir, keep=c.checkpoint.keep)
     resuming = self.ckpt.latest_step() is not None  # the checkpoint holds the weights: no SFT needed

@@ -50,6 +50,11 @@ BAD = [
     ({"sampling.top_p": 1.5}, 1, "sampling.top_p"),
     ({"sampling.top_k": -3}, 1, "sampling.top_k"),
     ({"eval.path": "aime=aime:/nonexistent.jsonl"}, 1, "eval.path"),
+    ({"workdir": ""}, 1, "workdir"),
+    ({"workdir": "/etc/hostname"}, 1, "workdir"),  # a file
+    ({"data.source": "file", "data.path": "/"}, 1, "data.path"),  # a directory
+    ({"eval.num_problems": 0}, 1, "eval.num_problems"),
+    ({"data.format": "jsonl"}, 1, "data.format"),
 ]
 
 
@@ -97,6 +102,22 @@ def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
   for bad in (stored, old):
     with pytest.raises(ConfigError, match="mipu.rollback"):
       check_resume(make_config({**ok, "mipu.rollback": True}), bad, "runs/x")
+  # the response length is part of the experiment; a checkpoint written before it was recorded resumes
+  with pytest.raises(ConfigError, match="sampling.max_new_tokens"):
+    check_resume(make_config({**ok, "sampling.max_new_tokens": 4}), stored, "runs/x")
+  check_resume(make_config(ok), {k: v for k, v in stored.items() if k != "sampling.max_new_tokens"}, "runs/x")
+
+
+def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(tmp_path, ok):
+  from minpro_jax.trainer import Trainer
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  with pytest.raises(ConfigError, match=r"config\.workdir: cannot write to .*a_file/run"):
+    Trainer(make_config({**ok, "workdir": str(blocker / "run")}))
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("")
+  with pytest.raises(ConfigError, match=r"config\.data\.path: .*empty\.jsonl' holds no usable problem"):
+    Trainer(make_config({**ok, "data.source": "file", "data.path": str(empty)}))
 
 
 def test_mipu_validation_batch_must_split_into_scoring_micro_batches(ok):

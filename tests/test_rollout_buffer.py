@@ -96,18 +96,29 @@ def test_state_dict_round_trip_in_memory_and_through_orbax(tmp_path):
   ckpt.close()
 
 
-def test_disk_space_check_counts_state_and_params_bytes(tmp_path, monkeypatch):
+def test_disk_space_check_counts_the_checkpoints_still_to_write(tmp_path, monkeypatch):
   import collections
   import shutil
   ckpt = RunCheckpointer(str(tmp_path), keep=1)
   state = {"x": np.zeros((1000,), np.float32), "n": np.zeros((), np.int64)}  # 4008 bytes
   params = {"y": np.zeros((250,), np.float32)}  # 1000 bytes
   usage = collections.namedtuple("usage", "total used free")
-  monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, 5008))
-  ckpt.check_disk_space(state, params)  # exactly enough
-  monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, 5007))
-  with pytest.raises(OSError, match=r"config\.workdir: .* GB free.*need about .* GB"):
+
+  def check(free):
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, free))
     ckpt.check_disk_space(state, params)
+
+  # nothing on disk yet: keep + 1 = 2 run checkpoints (the new one is written before the old is deleted), 2 best
+  check(2 * 4008 + 2 * 1000)
+  with pytest.raises(OSError, match=r"config\.workdir: .* GB free.* 2 run checkpoint\(s\) and 2 best"):
+    check(2 * 4008 + 2 * 1000 - 1)
+  monkeypatch.undo()
+  ckpt.save(0, state, RolloutBuffer(0).state_dict(), {"global_step": 0})
+  ckpt.save_best(0, params, {"score": 0.0})
+  ckpt.save_best(0, params, {"score": 0.0})  # the same step again is kept, not an error
+  check(4008 + 1000)  # one of each is already on disk
+  with pytest.raises(OSError, match=r"1 run checkpoint\(s\) and 1 best"):
+    check(4008 + 1000 - 1)
   ckpt.close()
 
 

@@ -33,6 +33,12 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   assert [r.get("policy_version") for r in recs[1:5]] == [0, 2, 4, 6]
   assert "eval/avg_score" in recs[2]  # periodic eval after step 2
   assert all(r["learn/skipped_updates"] == 0 for r in recs[2:5])
+  # re-running the finished run's command resumes after its last step, repeats only the final evaluation and keeps
+  # the best checkpoint it already has (orbax raised StepAlreadyExistsError before)
+  best_before = sorted(os.listdir(run / "best"))
+  again = Trainer(make_config(ov)).run()
+  assert again["policy_version"] == 6 and again["eval_final"] == on_disk["eval_final"]
+  assert sorted(os.listdir(run / "best")) == best_before
   # a second run with the same SFT settings reuses the cached warm start (and tokenizer)
   ov2 = dict(ov, workdir=str(tmp_path / "run2"))
   tr2 = Trainer(make_config(ov2))
