@@ -70,6 +70,7 @@ def test_smollm2_config_one_step(tmp_path):
   c.eval.ks = (1,)
   c.eval.every = 0
   c.checkpoint.every = 0
+  c.checkpoint.keep = 1  # the disk check then asks for 2 run + 2 best checkpoints: about 4.3 GB
   c.log.plots = False
   c.log.progress = False
   c.log.tensorboard = False
