@@ -276,7 +276,12 @@ def load_problems(c, *, seed: int, size: int) -> list[MathProblem]:
   from minpro_jax.data import champ_problems, load_file, reasoning_gym_problems
   d = c.data
   if d.source == "reasoning_gym":
-    return reasoning_gym_problems(d.task, size, seed, **dict(d.task_config))
+    try:
+      return reasoning_gym_problems(d.task, size, seed, **dict(d.task_config))
+    except (ValueError, TypeError) as e:  # unknown task name / a task_config key the task does not take
+      raise ConfigError(f"config.data.task / config.data.task_config: reasoning-gym refused task {d.task!r} with "
+                        f"task_config={dict(d.task_config)} ({e}); configs/default.py sets chain_sum's fields, so "
+                        "for another task set data.task_config to that task's fields in your config file") from e
   if d.source == "champ":
     return champ_problems()
   problems = load_file(d.path, d.format)

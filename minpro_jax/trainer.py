@@ -61,6 +61,9 @@ class Trainer:
   def __init__(self, config):
     build.validate_config(config)
     self.c = c = config
+    if c.total_steps <= c.delay:
+      logger.warning("total_steps=%d <= delay=%d: every rollout is still in the delay buffer at the end, so the run "
+                     "makes no update", c.total_steps, c.delay)
     self.workdir = os.path.abspath(c.workdir)
     try:
       os.makedirs(self.workdir, exist_ok=True)

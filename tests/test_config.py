@@ -114,6 +114,8 @@ def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(
   blocker.write_text("x")
   with pytest.raises(ConfigError, match=r"config\.workdir: cannot write to .*a_file/run"):
     Trainer(make_config({**ok, "workdir": str(blocker / "run")}))
+  with pytest.raises(ConfigError, match=r"config\.data\.task / config\.data\.task_config: .*'no_such_task'"):
+    Trainer(make_config({**ok, "data.task": "no_such_task"}))
   empty = tmp_path / "empty.jsonl"
   empty.write_text("")
   with pytest.raises(ConfigError, match=r"config\.data\.path: .*empty\.jsonl' holds no usable problem"):
