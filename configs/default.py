@@ -117,7 +117,8 @@ def base_config() -> ConfigDict:
   c.eval.temperature = 1.0
   c.eval.top_p = 1.0
   c.eval.seed = 12345                  # held-out problems come from a different generator seed
-  c.eval.path = ""                     # optional extra benchmark files: "name=fmt:path,name2=fmt:path2"
+  c.eval.path = ""                     # benchmark files "name=fmt:path,name2=fmt:path2"; for data.source file/champ,
+                                       # empty = hold out min(num_problems, 20%) of the training problems
   c.eval.reward_mode = ""              # "" = reward.mode; "math" for MATH-500 / OlympiadBench-style answers
 
   c.checkpoint = ConfigDict()

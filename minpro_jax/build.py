@@ -312,3 +312,44 @@ def remove_heldout(train: list[MathProblem], eval_sets: dict[str, list[MathProbl
   """Training problems whose prompt text appears in no held-out set."""
   held = {p.prompt for ps in eval_sets.values() for p in ps}
   return [p for p in train if p.prompt not in held]
+
+
+HELDOUT_MAX_FRACTION = 0.2  # a split taken from the training data holds out at most this share of its prompts
+
+
+def train_and_eval_problems(c) -> tuple[list[MathProblem], dict[str, list[MathProblem]]]:
+  """The run's training problems and held-out benchmarks.
+
+  Held-out sets are `eval_benchmarks(c)`. A file or champ source has no held-out draw of its own: if `eval.path`
+  is empty too, `min(eval.num_problems, 20 % of the distinct prompts)` problems (at least 1) are split off the
+  training data with a shuffle seeded by `eval.seed` (benchmark "<name>_heldout"), so every run is evaluated on
+  problems it does not train on. Training problems whose prompt is in any held-out set are removed.
+
+  Returns:
+    (train problems in source order, {benchmark name: problems}).
+
+  Raises:
+    ConfigError: naming `config.data` if the held-out sets leave no training problem.
+  """
+  import numpy as np
+  eval_sets = eval_benchmarks(c)
+  problems = load_problems(c, seed=c.seed, size=c.data.size)
+  if not eval_sets:
+    prompts = list(dict.fromkeys(p.prompt for p in problems))
+    _need(len(prompts) >= 2, "data", f"{len(prompts)} distinct problem(s), too few to split off a held-out set; "
+          "give more problems or a held-out file with eval.path=name=fmt:path")
+    n_held = min(int(c.eval.num_problems), max(1, int(HELDOUT_MAX_FRACTION * len(prompts))))
+    held = {prompts[i] for i in np.random.default_rng(int(c.eval.seed)).permutation(len(prompts))[:n_held]}
+    first = {}
+    for p in problems:
+      if p.prompt in held:
+        first.setdefault(p.prompt, p)
+    name = (os.path.splitext(os.path.basename(c.data.path))[0] if c.data.source == "file" else c.data.source)
+    eval_sets[f"{name}_heldout"] = list(first.values())
+    logger.warning("config.eval.path is empty: holding out %d of %d distinct %s problems (eval.seed=%d) as benchmark "
+                   "%s_heldout; set eval.path=name=fmt:path to evaluate on a separate file instead", n_held,
+                   len(prompts), c.data.source, int(c.eval.seed), name)
+  train = remove_heldout(problems, eval_sets)
+  _need(bool(train), "data", "every training problem is also in a held-out set (eval.path or the reasoning-gym draw "
+        "of eval.seed); use other data or other held-out problems")
+  return train, eval_sets

@@ -15,13 +15,17 @@ average score).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
-from typing import Any
+import time
+from typing import Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+logger = logging.getLogger(__name__)
 
 
 def _abstract(tree):
@@ -99,6 +103,66 @@ class RunCheckpointer:
         state=ocp.args.StandardRestore(_abstract(state_template)), buffer=ocp.args.StandardRestore()))
     buffer_state = jax.tree.map(np.asarray, restored["buffer"])
     return restored["state"], buffer_state, meta
+
+  def restore_latest(self, state_template: Any, check_meta: Callable[[dict[str, Any]], None] | None = None
+                     ) -> tuple[int, Any, dict[str, Any], dict[str, Any]] | None:
+    """Restores the newest run checkpoint that reads back, falling back to older ones.
+
+    Orbax only lists checkpoints whose write finished, so a preempted save is never seen; this handles one that
+    was damaged afterwards (a truncated or deleted file). For each step, newest first: the JSON meta is read and
+    passed to `check_meta` (the trainer's config comparison, so a config change is reported as such and never
+    taken for damage), then the arrays. If an older step restores, the newer unreadable ones are moved to
+    `workdir/checkpoints_unreadable/` (kept for inspection, out of the way of the steps the run will save again)
+    and a warning names them.
+
+    Args:
+      state_template: pytree giving the state's structure, dtypes and shardings.
+      check_meta: called with each checkpoint's meta before its arrays are read; exceptions it raises propagate.
+
+    Returns:
+      (step, state, buffer_state, meta), or None when there is no run checkpoint.
+
+    Raises:
+      RuntimeError: when no checkpoint reads back; the message names the newest one and its error, and no
+        checkpoint is moved.
+    """
+    steps = sorted(self._mngr.all_steps(), reverse=True)
+    errors: list[tuple[int, Exception]] = []
+    for step in steps:
+      try:
+        meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
+        errors.append((step, e))
+        continue
+      if check_meta is not None:
+        check_meta(meta)
+      try:
+        restored = self._mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(state_template)), buffer=ocp.args.StandardRestore()))
+      except Exception as e:  # noqa: BLE001
+        errors.append((step, e))
+        continue
+      if errors:
+        self._set_aside([s for s, _ in errors], reason=errors[0][1], fallback=step)
+      return step, restored["state"], jax.tree.map(np.asarray, restored["buffer"]), meta
+    if errors:
+      newest, err = errors[0]
+      raise RuntimeError(f"config.workdir: no run checkpoint under {self.workdir}/checkpoints reads back (steps "
+                         f"{[s for s, _ in errors]}); the newest, {newest}, fails with {type(err).__name__}: {err}. "
+                         "Repair or delete the damaged step folders, or start over in a new --config.workdir"
+                         ) from err
+    return None
+
+  def _set_aside(self, steps: list[int], reason: Exception, fallback: int) -> None:
+    aside = os.path.join(self.workdir, "checkpoints_unreadable")
+    os.makedirs(aside, exist_ok=True)
+    for step in steps:
+      src = os.path.join(self.workdir, "checkpoints", str(step))
+      dst = os.path.join(aside, f"{step}_{int(time.time())}")
+      shutil.move(src, dst)
+      logger.warning("run checkpoint %d does not read back (%s: %s); moved it to %s and resumed from step %d",
+                     step, type(reason).__name__, str(reason)[:300], dst, fallback)
+    self._mngr.reload()
 
   def save_best(self, step: int, params: Any, meta: dict[str, Any]) -> None:
     """Stores `params` as the best-so-far parameters (replacing the previous best).

@@ -76,11 +76,7 @@ class Trainer:
     self.mesh = make_mesh(shape) if shape else None
     t0 = time.time()
     from minpro_jax.setup_run import build_model_and_tokenizer
-    self.eval_sets = build.eval_benchmarks(c)
-    self.problems = build.remove_heldout(build.load_problems(c, seed=c.seed, size=c.data.size), self.eval_sets)
-    if not self.problems:
-      raise build.ConfigError("config.data: every training problem is also in a held-out set (eval.path or the "
-                              "reasoning-gym draw of eval.seed); use other data or other held-out problems")
+    self.problems, self.eval_sets = build.train_and_eval_problems(c)
     build.check_mipu_problem_count(c, len(self.problems))  # before the tokenizer and SFT
     self.ckpt = RunCheckpointer(self.workdir, keep=c.checkpoint.keep)
     resuming = self.ckpt.latest_step() is not None  # the checkpoint holds the weights: no SFT needed
@@ -292,10 +288,10 @@ class Trainer:
     extra = {"best_score": None, "best_step": None, "sft_eval": None, "sft_info": self.sft_info,
              "mipu_checks": 0, "mipu_rollbacks": 0}
     start = 0
-    latest = self.ckpt.latest_step()
-    if latest is not None:
-      state, buf_state, meta = self.ckpt.restore(latest, state)
-      build.check_resume(c, meta.get("config"), self.workdir)
+    restored = self.ckpt.restore_latest(state, check_meta=lambda m: build.check_resume(c, m.get("config"), self.workdir))
+    latest = None
+    if restored is not None:
+      latest, state, buf_state, meta = restored
       buffer.load_state_dict(buffer_state_from_restored(buf_state))
       self.loader.set_state(meta["data"])
       extra = {k: meta.get(k, extra[k]) for k in extra}
@@ -308,6 +304,9 @@ class Trainer:
     if extra["sft_eval"] is None:
       res = self.evaluate(state.params, 0, "step_000000_initial")
       extra["sft_eval"] = res["macro"]
+      # the starting policy is a candidate for "best" too: a run whose updates only hurt keeps the initial weights
+      extra["best_score"], extra["best_step"] = res["macro"].get("pass@1"), 0
+      self.ckpt.save_best(0, state.params, {"score": extra["best_score"], "step": 0})
       writer.write(-1, {f"eval/{k}": v for k, v in res["macro"].items()} | {"eval/avg_score": res["macro"].get("pass@1")})
 
     bar = None

@@ -1,5 +1,6 @@
 """validate_config names the offending field; the CLI fails fast on bad overrides."""
 
+import json
 import subprocess
 
 import pytest
@@ -131,3 +132,32 @@ def test_mipu_validation_batch_must_split_into_scoring_micro_batches(ok):
   check_mipu_problem_count(c, 8)
   with pytest.raises(ConfigError, match="mipu.val_prompts: 8 validation prompts .* only 7 are available"):
     check_mipu_problem_count(c, 7)
+
+
+def test_a_data_file_without_eval_path_splits_off_a_seeded_heldout_set(tmp_path, ok):
+  from minpro_jax.build import train_and_eval_problems
+  path = tmp_path / "mine.jsonl"
+  rows = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(30)]
+  rows.append(dict(rows[3]))  # a duplicated prompt goes to one side only
+  path.write_text("\n".join(json.dumps(r) for r in rows))
+  cfg = {**ok, "data.source": "file", "data.path": str(path), "eval.num_problems": 100}
+  train, evals = train_and_eval_problems(make_config(cfg))
+  assert list(evals) == ["mine_heldout"]
+  held = {p.prompt for p in evals["mine_heldout"]}
+  assert len(held) == len(evals["mine_heldout"]) == 6  # 20 % of 30 distinct prompts, below eval.num_problems
+  assert not held & {p.prompt for p in train} and len(train) + 6 + ("What is 3 + 3?" in held) == 31
+  again, evals2 = train_and_eval_problems(make_config(cfg))
+  assert [p.prompt for p in evals2["mine_heldout"]] == [p.prompt for p in evals["mine_heldout"]]  # eval.seed fixes it
+  _, other = train_and_eval_problems(make_config({**cfg, "eval.seed": 7}))
+  assert {p.prompt for p in other["mine_heldout"]} != held
+  _, few = train_and_eval_problems(make_config({**cfg, "eval.num_problems": 2}))
+  assert len(few["mine_heldout"]) == 2
+  # with eval.path the file is the held-out set and nothing is split off
+  extra = tmp_path / "extra.jsonl"
+  extra.write_text(json.dumps({"problem": "What is 1 + 1?", "answer": "2"}))
+  train3, evals3 = train_and_eval_problems(make_config({**cfg, "eval.path": f"extra=auto:{extra}"}))
+  assert list(evals3) == ["extra"] and len(train3) == 30  # "What is 1 + 1?" removed from training
+  one = tmp_path / "one.jsonl"
+  one.write_text(json.dumps(rows[0]))
+  with pytest.raises(ConfigError, match=r"config\.data: 1 distinct problem\(s\), too few .* eval\.path"):
+    train_and_eval_problems(make_config({**cfg, "data.path": str(one)}))

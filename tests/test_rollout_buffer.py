@@ -150,3 +150,44 @@ def test_shape_validation_names_the_field():
   bad = dict(d, policy_version=d["policy_version"][:, None])
   with pytest.raises(ValueError, match="policy_version"):
     RolloutBatch(**bad)
+
+
+def test_restore_latest_falls_back_past_a_damaged_checkpoint_and_sets_it_aside(tmp_path):
+  import glob
+  import os
+  ckpt = RunCheckpointer(str(tmp_path), keep=3)
+  template = {"x": np.zeros((64,), np.float32)}
+  assert ckpt.restore_latest(template) is None
+
+  def on_disk():
+    return sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+
+  for step in (1, 2, 3):
+    ckpt.save(step, {"x": np.full((64,), step, np.float32)}, RolloutBuffer(0).state_dict(), {"global_step": step})
+  seen = []
+  step, state, _, meta = ckpt.restore_latest(template, check_meta=lambda m: seen.append(m["global_step"]))
+  assert (step, meta["global_step"], float(state["x"][0]), seen) == (3, 3, 3.0, [3])
+  # damage step 3's arrays: truncate every data file of its state item
+  files = [f for f in glob.glob(str(tmp_path / "checkpoints" / "3" / "state" / "**"), recursive=True)
+           if os.path.isfile(f) and "d/" in f.replace(os.sep, "/")]
+  assert files
+  for f in files:
+    open(f, "wb").close()
+  seen.clear()
+  step, state, _, meta = ckpt.restore_latest(template, check_meta=lambda m: seen.append(m["global_step"]))
+  assert (step, float(state["x"][0]), seen) == (2, 2.0, [3, 2])
+  assert on_disk() == [1, 2] and ckpt.latest_step() == 2 and os.listdir(tmp_path / "checkpoints_unreadable")[0].startswith("3_")
+  # the run can write step 3 again
+  ckpt.save(3, {"x": np.full((64,), 30, np.float32)}, RolloutBuffer(0).state_dict(), {"global_step": 3})
+  assert float(ckpt.restore_latest(template)[1]["x"][0]) == 30.0
+  # a config check that refuses stops at once and moves nothing
+  with pytest.raises(ValueError, match="other run"):
+    ckpt.restore_latest(template, check_meta=lambda m: (_ for _ in ()).throw(ValueError("other run")))
+  assert on_disk() == [1, 2, 3]
+  # when nothing reads back: an error naming the newest, and nothing moved
+  for s in (1, 2, 3):
+    os.remove(tmp_path / "checkpoints" / str(s) / "meta" / "metadata")
+  with pytest.raises(RuntimeError, match=r"config\.workdir: no run checkpoint .* \[3, 2, 1\].* newest, 3"):
+    ckpt.restore_latest(template)
+  assert on_disk() == [1, 2, 3]
+  ckpt.close()

@@ -26,12 +26,17 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   # delay 1: no update in step 0, then 2 updates in each of steps 1..3
   assert summary["policy_version"] == (4 - 1) * 2
   on_disk = json.loads((run / "summary.json").read_text())
-  assert on_disk["policy_version"] == 6 and on_disk["best"]["step"] in (2, 4)
+  assert on_disk["policy_version"] == 6 and on_disk["best"]["step"] in (0, 2, 4)
   assert set(on_disk["eval_after_sft"]) >= {"pass@1", "pass@2"} and set(on_disk["eval_final"]) >= {"pass@1"}
   recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in recs] == [-1, 0, 1, 2, 3, 4]
   assert [r.get("policy_version") for r in recs[1:5]] == [0, 2, 4, 6]
   assert "eval/avg_score" in recs[2]  # periodic eval after step 2
+  # "best" is the first evaluation with the highest pass@1, the one after SFT (policy step 0) included
+  scores = [(r["eval/avg_score"], r["step"] + 1 if r["step"] < 4 else 4) for r in recs if "eval/avg_score" in r]
+  assert [s for _, s in scores] == [0, 2, 4]
+  top = max(v for v, _ in scores)
+  assert on_disk["best"] == {"score": top, "step": next(s for v, s in scores if v == top)}
   assert all(r["learn/skipped_updates"] == 0 for r in recs[2:5])
   # re-running the finished run's command resumes after its last step, repeats only the final evaluation and keeps
   # the best checkpoint it already has (orbax raised StepAlreadyExistsError before)
