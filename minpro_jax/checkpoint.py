@@ -15,6 +15,8 @@ average score).
 
 from __future__ import annotations
 
+import errno
+import glob
 import logging
 import os
 import shutil
@@ -93,8 +95,7 @@ class RunCheckpointer:
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               buffer=ocp.args.StandardSave(_numpy_tree(buffer_state)),
                               meta=ocp.args.JsonSave(meta))
-    self._mngr.save(step, args=args, force=True)
-    self._mngr.wait_until_finished()
+    self._write(self._mngr, step, args, "run checkpoint")
 
   def restore(self, step: int, state_template: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """Restores (state, buffer_state, meta) of `step`; `state_template` gives the structure and shardings."""
@@ -173,8 +174,22 @@ class RunCheckpointer:
     if step in self._best.all_steps():
       return
     args = ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta))
-    self._best.save(step, args=args, force=True)
-    self._best.wait_until_finished()
+    self._write(self._best, step, args, "best-parameter checkpoint")
+
+  def _write(self, mngr: ocp.CheckpointManager, step: int, args: Any, what: str) -> None:
+    """Saves and waits; a full disk becomes an OSError(ENOSPC) that names the workdir and says how to resume."""
+    try:
+      mngr.save(step, args=args, force=True)
+      mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - tensorstore reports ENOSPC as ValueError("... os_error_code='28'")
+      if not _disk_full(e):
+        raise
+      for tmp in glob.glob(os.path.join(str(mngr.directory), f"{step}.orbax-checkpoint-tmp*")):
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial write; the complete checkpoints stay
+      raise OSError(errno.ENOSPC, f"config.workdir: the disk under {self.workdir} filled up while writing the "
+                    f"{what} of step {step} (the partial write was removed; the run checkpoints on disk, newest "
+                    f"{self._mngr.latest_step()}, are intact). Free space there, or lower "
+                    "--config.checkpoint.keep, and re-run the same command to resume.") from e
 
   def best_step(self) -> int | None:
     return self._best.latest_step()
@@ -191,6 +206,16 @@ class RunCheckpointer:
   def close(self) -> None:
     self._mngr.close()
     self._best.close()
+
+
+def _disk_full(e: BaseException) -> bool:
+  """Whether `e` (or an exception it was raised from) is a "no space left on device" error."""
+  while e is not None:
+    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e) \
+        or "os_error_code='28'" in str(e):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
 
 
 def _tree_bytes(tree: Any) -> int:

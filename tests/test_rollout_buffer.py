@@ -191,3 +191,26 @@ def test_restore_latest_falls_back_past_a_damaged_checkpoint_and_sets_it_aside(t
     ckpt.restore_latest(template)
   assert on_disk() == [1, 2, 3]
   ckpt.close()
+
+
+def test_a_full_disk_while_saving_names_the_workdir_and_removes_the_partial_write(tmp_path, monkeypatch):
+  import errno
+  import os
+  ckpt = RunCheckpointer(str(tmp_path), keep=2)
+  state = {"x": np.ones((8,), np.float32)}
+  ckpt.save(0, state, RolloutBuffer(0).state_dict(), {"global_step": 0})
+
+  def full(step, args, force):  # what tensorstore raises, after orbax made its temporary folder
+    os.makedirs(tmp_path / "checkpoints" / f"{step}.orbax-checkpoint-tmp" / "state")
+    raise ValueError("RESOURCE_EXHAUSTED: Failed to write 4 bytes: No space left on device [os_error_code='28']")
+
+  monkeypatch.setattr(ckpt._mngr, "save", full)
+  with pytest.raises(OSError, match=r"config\.workdir: the disk under .* filled up while writing the run checkpoint "
+                     r"of step 1 .* newest 0, are intact\)\..* re-run the same command to resume") as e:
+    ckpt.save(1, state, RolloutBuffer(0).state_dict(), {"global_step": 1})
+  assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path / "checkpoints") == ["0"]
+  monkeypatch.setattr(ckpt._mngr, "save", lambda step, args, force: (_ for _ in ()).throw(ValueError("other")))
+  with pytest.raises(ValueError, match="^other$"):  # any other failure is left as it is
+    ckpt.save(1, state, RolloutBuffer(0).state_dict(), {"global_step": 1})
+  monkeypatch.undo()
+  ckpt.close()
