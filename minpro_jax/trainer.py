@@ -288,7 +288,8 @@ class Trainer:
     extra = {"best_score": None, "best_step": None, "sft_eval": None, "sft_info": self.sft_info,
              "mipu_checks": 0, "mipu_rollbacks": 0}
     start = 0
-    restored = self.ckpt.restore_latest(state, check_meta=lambda m: build.check_resume(c, m.get("config"), self.workdir))
+    restored = self.ckpt.restore_latest(  # the config check comes before the arrays: a changed model is not "damage"
+        state, check_meta=lambda meta: build.check_resume(c, meta.get("config"), self.workdir))
     latest = None
     if restored is not None:
       latest, state, buf_state, meta = restored
