@@ -191,7 +191,8 @@ def _validate_choices_and_ranges(c) -> None:
 # Fields a run checkpoint is only valid for: resuming with other values would silently change the experiment.
 RESUME_KEYS = ("seed", "prompts_per_step", "group_size", "num_updates_per_step", "delay", "loss", "model",
                "data", "sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.precision",
-               "sampling.max_new_tokens", "advantage_mode", "reward", "mipu")
+               "sampling.max_new_tokens", "advantage_mode", "reward", "mipu",
+               "eval.seed", "eval.num_problems", "eval.path")  # the held-out prompts are removed from training
 
 
 def _mipu_equivalent(now: Any, stored: Any) -> bool:
@@ -202,8 +203,9 @@ def _mipu_equivalent(now: Any, stored: Any) -> bool:
 
 # Fingerprint keys whose values may differ without changing the experiment.
 # A key added to RESUME_KEYS after a checkpoint was written is absent from its fingerprint: accept it.
-_EQUIVALENT = {"mipu": _mipu_equivalent,
-               "sampling.max_new_tokens": lambda now, stored: stored is None or now == stored}
+_added_later = lambda now, stored: stored is None or now == stored  # noqa: E731
+_EQUIVALENT = {"mipu": _mipu_equivalent, "sampling.max_new_tokens": _added_later, "eval.seed": _added_later,
+               "eval.num_problems": _added_later, "eval.path": _added_later}
 
 
 def _differing_fields(key: str, now: Any, stored: Any) -> list[str]:

@@ -144,20 +144,21 @@ class RunCheckpointer:
         errors.append((step, e))
         continue
       if errors:
-        self._set_aside([s for s, _ in errors], reason=errors[0][1], fallback=step)
+        self._set_aside(errors, fallback=step)
       return step, restored["state"], jax.tree.map(np.asarray, restored["buffer"]), meta
     if errors:
       newest, err = errors[0]
       raise RuntimeError(f"config.workdir: no run checkpoint under {self.workdir}/checkpoints reads back (steps "
-                         f"{[s for s, _ in errors]}); the newest, {newest}, fails with {type(err).__name__}: {err}. "
-                         "Repair or delete the damaged step folders, or start over in a new --config.workdir"
-                         ) from err
+                         f"{[s for s, _ in errors]}); the newest, {newest}, fails with {type(err).__name__}: "
+                         f"{str(err).rstrip('.')}. If the config changed the parameter or optimizer-state structure "
+                         "(e.g. model or optimizer settings), resume with the original config or use a new "
+                         "--config.workdir; if the files are damaged, repair or delete those step folders") from err
     return None
 
-  def _set_aside(self, steps: list[int], reason: Exception, fallback: int) -> None:
+  def _set_aside(self, errors: list[tuple[int, Exception]], fallback: int) -> None:
     aside = os.path.join(self.workdir, "checkpoints_unreadable")
     os.makedirs(aside, exist_ok=True)
-    for step in steps:
+    for step, reason in errors:
       src = os.path.join(self.workdir, "checkpoints", str(step))
       dst = os.path.join(aside, f"{step}_{int(time.time())}")
       shutil.move(src, dst)

@@ -84,6 +84,7 @@ class Trainer:
                                                                           skip_sft=resuming)
     self.model_config = self.model.config
     self.train_problems, self.prompt_ids = self._encode(self.problems)
+    self.eval_sets = self._fit_eval_sets(self.eval_sets)
     build.check_mipu_problem_count(c, len(self.train_problems))  # after prompts too long were dropped
     self.loader = ProblemLoader(self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs)
     self.sampling = SamplingParams(temperature=float(c.sampling.temperature), top_k=int(c.sampling.top_k) or None,
@@ -109,9 +110,27 @@ class Trainer:
       logger.warning("skipped %d of %d training problems longer than data.max_prompt_tokens=%d", len(enc.skipped),
                      len(problems), self.c.data.max_prompt_tokens)
     if len(enc.problems) < self.c.prompts_per_step:
-      raise build.ConfigError(f"config.data: only {len(enc.problems)} problems fit max_prompt_tokens, fewer than "
-                              f"prompts_per_step={self.c.prompts_per_step}")
+      raise build.ConfigError(
+          f"config.data: {len(enc.problems)} training problems are left ({len(problems)} after removing the held-out "
+          f"prompts, {len(enc.skipped)} of them longer than data.max_prompt_tokens={self.c.data.max_prompt_tokens}), "
+          f"fewer than prompts_per_step={self.c.prompts_per_step}; use more data, a larger max_prompt_tokens or a "
+          "smaller prompts_per_step")
     return enc.problems, {p.id: ids for p, ids in zip(enc.problems, enc.token_ids)}
+
+  def _fit_eval_sets(self, eval_sets):
+    """Held-out sets without the prompts longer than data.max_prompt_tokens (the sampler cannot take them)."""
+    out = {}
+    for name, problems in eval_sets.items():
+      enc = encode_prompts(problems, self.tokenizer, max_prompt_tokens=self.c.data.max_prompt_tokens,
+                           template=self.c.data.template)
+      if enc.skipped:
+        logger.warning("held-out set %s: skipped %d of %d problems longer than data.max_prompt_tokens=%d", name,
+                       len(enc.skipped), len(problems), self.c.data.max_prompt_tokens)
+      if not enc.problems:
+        raise build.ConfigError(f"config.data.max_prompt_tokens: no prompt of held-out set {name!r} fits in "
+                                f"{self.c.data.max_prompt_tokens} tokens; raise it")
+      out[name] = list(enc.problems)
+    return out
 
   def _step_seed(self, step: int, salt: int) -> int:
     return int(np.random.SeedSequence([self.c.seed, step, salt]).generate_state(1)[0])

@@ -161,3 +161,31 @@ def test_a_data_file_without_eval_path_splits_off_a_seeded_heldout_set(tmp_path,
   one.write_text(json.dumps(rows[0]))
   with pytest.raises(ConfigError, match=r"config\.data: 1 distinct problem\(s\), too few .* eval\.path"):
     train_and_eval_problems(make_config({**cfg, "data.path": str(one)}))
+
+
+def test_heldout_prompts_longer_than_max_prompt_tokens_are_skipped_not_fed_to_the_sampler(ok):
+  import types
+
+  from minpro_jax.data.records import MathProblem
+  from minpro_jax.trainer import Trainer
+
+  class WordTokenizer:  # one token per word
+    def encode(self, text, add_bos=False):
+      return [0] * (len(text.split()) + add_bos)
+
+  c = make_config({**ok, "data.template": "plain", "data.max_prompt_tokens": 12})
+  fake = types.SimpleNamespace(c=c, tokenizer=WordTokenizer())
+  short = MathProblem(id="s", prompt="What is 1 + 1?", answer="2", source="t")
+  long = MathProblem(id="l", prompt="What is " + " + ".join(["1"] * 20) + "?", answer="20", source="t")
+  assert Trainer._fit_eval_sets(fake, {"a": [short, long], "b": [short]}) == {"a": [short], "b": [short]}
+  with pytest.raises(ConfigError, match=r"config\.data\.max_prompt_tokens: no prompt of held-out set 'c' fits"):
+    Trainer._fit_eval_sets(fake, {"a": [short], "c": [long]})
+
+
+def test_the_eval_fields_that_choose_the_heldout_prompts_are_part_of_the_resume_check(ok):
+  from minpro_jax.build import check_resume, resume_fingerprint
+  stored = resume_fingerprint(make_config(ok))
+  for field, value in (("eval.seed", 1), ("eval.num_problems", 3), ("eval.path", "x=auto:/y.jsonl")):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+      check_resume(make_config({**ok, field: value}), stored, "runs/x")
+    check_resume(make_config(ok), {k: v for k, v in stored.items() if k != field}, "runs/x")  # older checkpoints

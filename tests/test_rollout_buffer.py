@@ -188,7 +188,8 @@ def test_restore_latest_falls_back_past_a_damaged_checkpoint_and_sets_it_aside(t
   # when nothing reads back: an error naming the newest, and nothing moved
   for s in (1, 2, 3):
     os.remove(tmp_path / "checkpoints" / str(s) / "meta" / "metadata")
-  with pytest.raises(RuntimeError, match=r"config\.workdir: no run checkpoint .* \[3, 2, 1\].* newest, 3"):
+  with pytest.raises(RuntimeError, match=r"config\.workdir: no run checkpoint .* \[3, 2, 1\].* newest, 3.*original "
+                     r"config .* repair or delete"):
     ckpt.restore_latest(template)
   assert on_disk() == [1, 2, 3]
   ckpt.close()
