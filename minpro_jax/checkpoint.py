@@ -99,11 +99,16 @@ class RunCheckpointer:
 
   def restore(self, step: int, state_template: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """Restores (state, buffer_state, meta) of `step`; `state_template` gives the structure and shardings."""
-    meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    meta = self._restore_meta(step)
+    return (*self._restore_arrays(step, state_template), meta)
+
+  def _restore_meta(self, step: int) -> dict[str, Any]:
+    return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def _restore_arrays(self, step: int, state_template: Any) -> tuple[Any, dict[str, Any]]:
     restored = self._mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(_abstract(state_template)), buffer=ocp.args.StandardRestore()))
-    buffer_state = jax.tree.map(np.asarray, restored["buffer"])
-    return restored["state"], buffer_state, meta
+    return restored["state"], jax.tree.map(np.asarray, restored["buffer"])
 
   def restore_latest(self, state_template: Any, check_meta: Callable[[dict[str, Any]], None] | None = None
                      ) -> tuple[int, Any, dict[str, Any], dict[str, Any]] | None:
@@ -131,21 +136,20 @@ class RunCheckpointer:
     errors: list[tuple[int, Exception]] = []
     for step in steps:
       try:
-        meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        meta = self._restore_meta(step)
       except Exception as e:  # noqa: BLE001 - any read failure means this step is unusable
         errors.append((step, e))
         continue
       if check_meta is not None:
         check_meta(meta)
       try:
-        restored = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(state_template)), buffer=ocp.args.StandardRestore()))
+        state, buffer_state = self._restore_arrays(step, state_template)
       except Exception as e:  # noqa: BLE001
         errors.append((step, e))
         continue
       if errors:
         self._set_aside(errors, fallback=step)
-      return step, restored["state"], jax.tree.map(np.asarray, restored["buffer"]), meta
+      return step, state, buffer_state, meta
     if errors:
       newest, err = errors[0]
       raise RuntimeError(f"config.workdir: no run checkpoint under {self.workdir}/checkpoints reads back (steps "

@@ -103,12 +103,17 @@ class Trainer:
   def _mesh(self):
     return use_mesh(self.mesh)
 
-  def _encode(self, problems):
+  def _encode_fitting(self, problems, what: str):
+    """`encode_prompts` at data.max_prompt_tokens; a warning counts the prompts skipped as too long."""
     enc = encode_prompts(problems, self.tokenizer, max_prompt_tokens=self.c.data.max_prompt_tokens,
                          template=self.c.data.template)
     if enc.skipped:
-      logger.warning("skipped %d of %d training problems longer than data.max_prompt_tokens=%d", len(enc.skipped),
+      logger.warning("%s: skipped %d of %d problems longer than data.max_prompt_tokens=%d", what, len(enc.skipped),
                      len(problems), self.c.data.max_prompt_tokens)
+    return enc
+
+  def _encode(self, problems):
+    enc = self._encode_fitting(problems, "training set")
     if len(enc.problems) < self.c.prompts_per_step:
       raise build.ConfigError(
           f"config.data: {len(enc.problems)} training problems are left ({len(problems)} after removing the held-out "
@@ -121,11 +126,7 @@ class Trainer:
     """Held-out sets without the prompts longer than data.max_prompt_tokens (the sampler cannot take them)."""
     out = {}
     for name, problems in eval_sets.items():
-      enc = encode_prompts(problems, self.tokenizer, max_prompt_tokens=self.c.data.max_prompt_tokens,
-                           template=self.c.data.template)
-      if enc.skipped:
-        logger.warning("held-out set %s: skipped %d of %d problems longer than data.max_prompt_tokens=%d", name,
-                       len(enc.skipped), len(problems), self.c.data.max_prompt_tokens)
+      enc = self._encode_fitting(problems, f"held-out set {name}")
       if not enc.problems:
         raise build.ConfigError(f"config.data.max_prompt_tokens: no prompt of held-out set {name!r} fits in "
                                 f"{self.c.data.max_prompt_tokens} tokens; raise it")

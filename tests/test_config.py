@@ -175,6 +175,7 @@ def test_heldout_prompts_longer_than_max_prompt_tokens_are_skipped_not_fed_to_th
 
   c = make_config({**ok, "data.template": "plain", "data.max_prompt_tokens": 12})
   fake = types.SimpleNamespace(c=c, tokenizer=WordTokenizer())
+  fake._encode_fitting = lambda problems, what: Trainer._encode_fitting(fake, problems, what)
   short = MathProblem(id="s", prompt="What is 1 + 1?", answer="2", source="t")
   long = MathProblem(id="l", prompt="What is " + " + ".join(["1"] * 20) + "?", answer="20", source="t")
   assert Trainer._fit_eval_sets(fake, {"a": [short, long], "b": [short]}) == {"a": [short], "b": [short]}
