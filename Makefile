@@ -1,7 +1,7 @@
 # Every target creates .venv on first use, so a fresh clone needs nothing else.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
-CONFIG ?= configs/default.py
+CONFIG ?= minpro_jax/configs/default.py
 
 $(VENV_STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from minpro_jax.host_memory import keep_freed_host_memory  # noqa: E402
+from minpro_jax.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from minpro_jax.models import get_preset, init_model, token_logprobs  # noqa: E402
 from minpro_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
 from minpro_jax.sampling import Sampler, SamplingParams  # noqa: E402

@@ -3,7 +3,7 @@
 Runs itself in two subprocesses so XLA_FLAGS can be set before jax is imported:
   * single: one CPU device, `init_model(cfg)` + `nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)`;
   * fsdp8:  8 virtual CPU devices (--xla_force_host_platform_device_count=8), mesh {"fsdp": 8} from
-    `minpro_jax.sharding.make_mesh`, model created sharded by `init_model(cfg, mesh=mesh)` and the optimizer
+    `minpro_jax.runtime.sharding.make_mesh`, model created sharded by `init_model(cfg, mesh=mesh)` and the optimizer
     created inside `nnx.jit` under the mesh so the AdamW moments take the parameters' shardings.
 Bytes are summed from each array's `addressable_shards` per device (what device d actually holds), for
 parameters and for optimizer state separately; the fsdp figure is the maximum over devices.
@@ -36,7 +36,7 @@ def _measure(preset: str, fsdp: int) -> dict:
   from flax import nnx
   from minpro_jax.models import get_preset
   from minpro_jax.models.transformer import init_model
-  from minpro_jax.sharding import make_mesh, use_mesh
+  from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
   cfg = get_preset(preset)
   if fsdp == 1:

@@ -98,7 +98,7 @@ def run_side(side: str, reps: int, dims: dict) -> list[float]:
   to 400 MB) is freshly mapped and page-faulted, which slowed XLA's matmuls here by 10-25 %.
   """
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from minpro_jax.host_memory import keep_freed_host_memory  # pylint: disable=import-outside-toplevel
+  from minpro_jax.runtime.host_memory import keep_freed_host_memory  # pylint: disable=import-outside-toplevel
   keep_freed_host_memory()
   out = []
   if side == "jax":

@@ -17,7 +17,7 @@ could land anywhere. Reported: best and median per side, the best-vs-best ratio,
 per-round ratios (`ratio_median_of_paired_rounds`), which a drift between rounds does not move.
 
 Both models are randomly initialised (no weights are loaded). The process first calls
-`minpro_jax.host_memory.keep_freed_host_memory()` (glibc keeps freed blocks mapped; set MINPRO_KEEP_HOST_MEMORY=0
+`minpro_jax.runtime.host_memory.keep_freed_host_memory()` (glibc keeps freed blocks mapped; set MINPRO_KEEP_HOST_MEMORY=0
 to compare without), which applies to both frameworks alike; minor page faults per step are reported for both. Reported per preset: seconds per step (best and
 median of the timed steps), tokens/s, achieved FLOP/s and MFU against this machine's fp32 matmul peak measured in
 the same run (best of several large `jnp.dot`, before and after the model steps; the larger is used).
@@ -47,7 +47,7 @@ import platform
 import statistics
 import time
 
-from minpro_jax.host_memory import keep_freed_host_memory, minor_page_faults
+from minpro_jax.runtime.host_memory import keep_freed_host_memory, minor_page_faults
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 

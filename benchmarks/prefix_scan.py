@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minpro_jax.objectives import prefix_log_factor
+from minpro_jax.rl.objectives import prefix_log_factor
 
 LOG_HI = math.log1p(0.28)
 

@@ -31,7 +31,7 @@ CISPO / M2PO baselines. This notebook
 
 **Replace the URL** `{REPO_URL}` in the next cell with the real repository, or upload a zip of the repository
 (Files panel, or `from google.colab import files; files.upload()`) and `!unzip -q minpro_jax.zip -d /content`
-instead of the `git clone` line. The configs (`configs/*.py`) live in the repository, not in the package, so the
+instead of the `git clone` line. The configs (`minpro_jax/configs/*.py`) live in the repository, not in the package, so the
 cell works from a checkout. `requirements.txt` pins the tested set (jax 0.10.2, flax 0.12.8, ...); pip may warn
 about Colab's preinstalled packages, which is harmless for this notebook. On a GPU runtime the cell adds the
 CUDA 12 plugin, on a TPU runtime libtpu (both pinned to the same jax version)."""),
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minpro_jax.objectives import policy_loss, prefix_log_factor
+from minpro_jax.rl.objectives import policy_loss, prefix_log_factor
 
 behavior_logp = jnp.array([[-1.0, -0.5, -2.0, -0.3]], jnp.float32)   # [B=1, T=4]
 logp = behavior_logp + jnp.array([[0.1, -0.2, 0.05, 0.0]], jnp.float32)
@@ -82,13 +82,13 @@ print("MinPRO dL/dlogp", fmt(grad))"""),
     ("markdown", """\
 ## 3. Train the tiny default config
 
-`configs/default.py`: a 4-layer Qwen3-style model trained from scratch on reasoning-gym two-term sums with a
+`minpro_jax/configs/default.py`: a 4-layer Qwen3-style model trained from scratch on reasoning-gym two-term sums with a
 sentencepiece tokenizer fitted to the task; an SFT warm start (cached under `cache/`), then MinPRO with rollouts
 delayed by 2 global steps. Six global steps are enough to see the loop run (the SFT warm start takes most of the
 time; the full 60-step run is `make train`). Re-running the cell resumes from the newest checkpoint in the
 workdir, so change `--config.workdir` for a fresh run."""),
     ("code", """\
-!python -m minpro_jax.train --config=configs/default.py --config.total_steps=6 --config.workdir=runs/colab"""),
+!python -m minpro_jax.train --config=minpro_jax/configs/default.py --config.total_steps=6 --config.workdir=runs/colab"""),
     ("markdown", """\
 Each global step appends one JSON record to `runs/colab/metrics.jsonl` (`reward/mean`, `reward/accuracy`,
 staleness, clip fractions, ...; held-out `eval/avg_score` at the start and end). The trainer also writes
@@ -128,7 +128,7 @@ else:
 
 Runtime -> Change runtime type -> TPU (re-run the install cell: it adds libtpu). A Colab TPU runtime is one host
 with 8 TPU cores (v2-8) or more chips, so no multi-process setup is needed. Every parameter and activation carries
-logical axis names that `minpro_jax.sharding` maps onto the mesh axes `data`, `fsdp`, `tensor`, `expert`; the
+logical axis names that `minpro_jax.runtime.sharding` maps onto the mesh axes `data`, `fsdp`, `tensor`, `expert`; the
 config picks the mesh with `--config.mesh.shape`, whose sizes must multiply to the device count (one size may be
 `-1` = the rest). `data=8` puts all 8 cores on data parallelism; `fsdp=-1` shards weights ZeRO-3 style;
 `data=2,fsdp=4` mixes both."""),
@@ -138,7 +138,7 @@ import jax
 print(jax.device_count(), "devices:", jax.devices())
 print(f"e.g. --config.mesh.shape=data={jax.device_count()}   or   --config.mesh.shape=fsdp=-1")"""),
     ("code", """\
-!python -m minpro_jax.train --config=configs/default.py --config.total_steps=6 --config.workdir=runs/colab_tpu --config.mesh.shape=data=8"""),
+!python -m minpro_jax.train --config=minpro_jax/configs/default.py --config.total_steps=6 --config.workdir=runs/colab_tpu --config.mesh.shape=data=8"""),
 ]
 
 

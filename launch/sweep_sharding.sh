@@ -5,13 +5,13 @@
 #   launch/sweep_sharding.sh                                   # print the commands (default shapes, local launcher)
 #   SHAPES="fsdp=-1 data=2,fsdp=-1" EXTRA_ARGS="--config.total_steps=5" launch/sweep_sharding.sh --run
 #   LAUNCHER=tpu TPU_NAME=my-v5p ZONE=us-east5-a MODEL_PATH=/mnt/ckpt/Qwen3-8B-Base launch/sweep_sharding.sh --run
-#   CONFIG=configs/default.py SHAPES="data=8 fsdp=8 data=2,fsdp=4" \
+#   CONFIG=minpro_jax/configs/default.py SHAPES="data=8 fsdp=8 data=2,fsdp=4" \
 #     EXTRA_ARGS="--config.total_steps=2" XLA_FLAGS=--xla_force_host_platform_device_count=8 \
 #     launch/sweep_sharding.sh --run                           # the tiny config on 8 virtual CPU devices
 #
 # Environment: SHAPES (space-separated `--config.mesh.shape` values; axes data, fsdp, tensor, expert; one size may
 # be -1 = the remaining devices; default "fsdp=-1 data=2,fsdp=-1 fsdp=-1,tensor=2"); CONFIG (default
-# configs/paper/qwen3_8b.py:minpro,2); WORKDIR_PREFIX (default runs/sweep; the workdir of shape "data=2,fsdp=-1"
+# minpro_jax/configs/paper/qwen3_8b.py:minpro,2); WORKDIR_PREFIX (default runs/sweep; the workdir of shape "data=2,fsdp=-1"
 # is $WORKDIR_PREFIX/mesh_data2_fsdp-1); MODEL_PATH; EXTRA_ARGS (added to every run);
 # LAUNCHER: local (default: .venv/bin/python on this machine) | gpu (launch/gpu.sh, STEPS=run) | tpu
 # (launch/tpu_vm.sh, STEPS=run, on every worker; needs TPU_NAME and ZONE).
@@ -30,7 +30,7 @@ for arg in "$@"; do
 done
 
 SHAPES="${SHAPES:-fsdp=-1 data=2,fsdp=-1 fsdp=-1,tensor=2}"
-CONFIG="${CONFIG:-configs/paper/qwen3_8b.py:minpro,2}"
+CONFIG="${CONFIG:-minpro_jax/configs/paper/qwen3_8b.py:minpro,2}"
 WORKDIR_PREFIX="${WORKDIR_PREFIX:-runs/sweep}"
 MODEL_PATH="${MODEL_PATH:-}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from minpro_jax.data.records import MathProblem
-from minpro_jax.rewards import extract_answer, grade, normalize_answer
+from minpro_jax.data.rewards import extract_answer, grade, normalize_answer
 
 GenerateFn = Callable[[list[str], int, int], list[list[str]]]
 

@@ -1,4 +1,4 @@
-"""Command-line entry point: `python -m minpro_jax.train --config=configs/default.py [--config.FIELD=VALUE ...]`.
+"""Command-line entry point: `python -m minpro_jax.train --config=minpro_jax/configs/default.py [--config.FIELD=VALUE ...]`.
 
 Any config field can be overridden on the command line (ml_collections), e.g.
 `--config.loss.method=grpo --config.delay=4 --config.workdir=runs/grpo_d4`. Re-running the same command resumes
@@ -16,7 +16,7 @@ os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".ca
 from absl import app  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config file.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", "minpro_jax/configs/default.py", "Experiment config file.", lock_config=True)
 
 
 def main(argv):
@@ -24,9 +24,9 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   for noisy in ("absl", "jax._src", "orbax", "math_verify", "latex2sympy2_extended"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-  from minpro_jax.host_memory import keep_freed_host_memory
+  from minpro_jax.runtime.host_memory import keep_freed_host_memory
   keep_freed_host_memory()  # host (XLA:CPU) steps stop re-faulting their temporaries; before JAX starts threads
-  from minpro_jax.distributed import maybe_initialize_distributed
+  from minpro_jax.runtime.distributed import maybe_initialize_distributed
   maybe_initialize_distributed()  # multi-host TPU / multi-node GPU only; must precede any JAX computation
   from minpro_jax.trainer import Trainer
   trainer = Trainer(_CONFIG.value)

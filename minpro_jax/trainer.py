@@ -9,7 +9,7 @@ One global step s:
   4. push the batch into the `RolloutBuffer`, pop the batch pushed at step s - delay (none during the first
      `delay` steps: the buffer fills and no update happens), split it into `num_updates_per_step` mini-batches
      and take one optimizer update on each (micro-batch accumulation inside).
-  5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.mipu`): sample validation prompts with the updated
+  5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.rl.mipu`): sample validation prompts with the updated
      parameters at the sampler's precision, compute T_post, and roll the step's updates back (parameters,
      optimizer state, counters) when T_post < -gap_tolerance.
 A sample consumed by update j of a step therefore has staleness delay * n + j once the buffer has been full
@@ -35,31 +35,32 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minpro_jax import build, mipu
-from minpro_jax.advantages import group_advantages
+from minpro_jax import run_config
+from minpro_jax.rl import mipu
+from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, encode_prompts, format_prompt
-from minpro_jax.learner import Learner, staleness
+from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
-from minpro_jax.objectives import mismatch_metrics
-from minpro_jax.objectives_agg import inference_gap_t_post
-from minpro_jax.rewards import grade
-from minpro_jax.rollout import RolloutBatch, RolloutBuffer
-from minpro_jax.sampler import Sampler, SamplingParams
-from minpro_jax.sharding import make_mesh, use_mesh
+from minpro_jax.rl.objectives import mismatch_metrics
+from minpro_jax.rl.aggregation import inference_gap_t_post
+from minpro_jax.data.rewards import grade
+from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
+from minpro_jax.sampling import Sampler, SamplingParams
+from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer:
-  """Builds everything from a config (see configs/default.py) and runs training with `run()`.
+  """Builds everything from a config (see minpro_jax/configs/default.py) and runs training with `run()`.
 
   Raises:
-    build.ConfigError: invalid config (raised before any expensive work).
+    run_config.ConfigError: invalid config (raised before any expensive work).
   """
 
   def __init__(self, config):
-    build.validate_config(config)
+    run_config.validate_config(config)
     self.c = c = config
     if c.total_steps <= c.delay:
       logger.warning("total_steps=%d <= delay=%d: every rollout is still in the delay buffer at the end, so the run "
@@ -70,14 +71,14 @@ class Trainer:
       with tempfile.TemporaryFile(dir=self.workdir):
         pass
     except OSError as e:
-      raise build.ConfigError(f"config.workdir: cannot write to {self.workdir} ({e.strerror or e}); choose a "
+      raise run_config.ConfigError(f"config.workdir: cannot write to {self.workdir} ({e.strerror or e}); choose a "
                               "writable directory, e.g. --config.workdir=runs/my_run") from e
-    shape = build.parse_mesh_shape(c.mesh.shape)
+    shape = run_config.parse_mesh_shape(c.mesh.shape)
     self.mesh = make_mesh(shape) if shape else None
     t0 = time.time()
-    from minpro_jax.setup_run import build_model_and_tokenizer
-    self.problems, self.eval_sets = build.train_and_eval_problems(c)
-    build.check_mipu_problem_count(c, len(self.problems))  # before the tokenizer and SFT
+    from minpro_jax.run_setup import build_model_and_tokenizer
+    self.problems, self.eval_sets = run_config.train_and_eval_problems(c)
+    run_config.check_mipu_problem_count(c, len(self.problems))  # before the tokenizer and SFT
     self.ckpt = RunCheckpointer(self.workdir, keep=c.checkpoint.keep)
     resuming = self.ckpt.latest_step() is not None  # the checkpoint holds the weights: no SFT needed
     self.model, self.tokenizer, self.sft_info = build_model_and_tokenizer(c, self.problems, self.mesh, self.workdir,
@@ -85,7 +86,7 @@ class Trainer:
     self.model_config = self.model.config
     self.train_problems, self.prompt_ids = self._encode(self.problems)
     self.eval_sets = self._fit_eval_sets(self.eval_sets)
-    build.check_mipu_problem_count(c, len(self.train_problems))  # after prompts too long were dropped
+    run_config.check_mipu_problem_count(c, len(self.train_problems))  # after prompts too long were dropped
     self.loader = ProblemLoader(self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs)
     self.sampling = SamplingParams(temperature=float(c.sampling.temperature), top_k=int(c.sampling.top_k) or None,
                                    top_p=float(c.sampling.top_p) if c.sampling.top_p < 1.0 else None,
@@ -94,7 +95,7 @@ class Trainer:
     self.sampler = Sampler(self.model_config, precision=c.sampling.precision, mesh=self.mesh,
                            pad_id=max(self.tokenizer.pad_id, 0), prompt_buckets=_prompt_buckets(c.data.max_prompt_tokens))
     mb = min(c.micro_batch_size, c.prompts_per_step * c.group_size // c.num_updates_per_step)
-    self.learner = Learner(self.model, build.loss_config(c), build.optimizer_config(c), micro_batch_size=mb,
+    self.learner = Learner(self.model, run_config.loss_config(c), run_config.optimizer_config(c), micro_batch_size=mb,
                            mesh=self.mesh)
     self.setup_seconds = time.time() - t0
     self._stop_signal: int | None = None
@@ -115,7 +116,7 @@ class Trainer:
   def _encode(self, problems):
     enc = self._encode_fitting(problems, "training set")
     if len(enc.problems) < self.c.prompts_per_step:
-      raise build.ConfigError(
+      raise run_config.ConfigError(
           f"config.data: {len(enc.problems)} training problems are left ({len(problems)} after removing the held-out "
           f"prompts, {len(enc.skipped)} of them longer than data.max_prompt_tokens={self.c.data.max_prompt_tokens}), "
           f"fewer than prompts_per_step={self.c.prompts_per_step}; use more data, a larger max_prompt_tokens or a "
@@ -128,7 +129,7 @@ class Trainer:
     for name, problems in eval_sets.items():
       enc = self._encode_fitting(problems, f"held-out set {name}")
       if not enc.problems:
-        raise build.ConfigError(f"config.data.max_prompt_tokens: no prompt of held-out set {name!r} fits in "
+        raise run_config.ConfigError(f"config.data.max_prompt_tokens: no prompt of held-out set {name!r} fits in "
                                 f"{self.c.data.max_prompt_tokens} tokens; raise it")
       out[name] = list(enc.problems)
     return out
@@ -291,7 +292,7 @@ class Trainer:
       signal.signal(sig, handler)
 
   def _save(self, step: int, state, buffer: RolloutBuffer, extra: dict[str, Any]) -> None:
-    meta = {"global_step": step, "data": self.loader.get_state(), "config": build.resume_fingerprint(self.c), **extra}
+    meta = {"global_step": step, "data": self.loader.get_state(), "config": run_config.resume_fingerprint(self.c), **extra}
     self.ckpt.save(step, state, buffer.state_dict(), meta)
 
   def run(self) -> dict[str, Any]:
@@ -309,7 +310,7 @@ class Trainer:
              "mipu_checks": 0, "mipu_rollbacks": 0}
     start = 0
     restored = self.ckpt.restore_latest(  # the config check comes before the arrays: a changed model is not "damage"
-        state, check_meta=lambda meta: build.check_resume(c, meta.get("config"), self.workdir))
+        state, check_meta=lambda meta: run_config.check_resume(c, meta.get("config"), self.workdir))
     latest = None
     if restored is not None:
       latest, state, buf_state, meta = restored

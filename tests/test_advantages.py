@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minpro_jax.advantages import group_advantages
+from minpro_jax.rl.advantages import group_advantages
 
 jit_adv = jax.jit(group_advantages, static_argnames=("mode", "std_ddof", "eps"))
 

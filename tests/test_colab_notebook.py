@@ -39,7 +39,7 @@ def test_notebook_structure():
   shell = "\n".join(_source(c) for c in nb["cells"] if c["cell_type"] == "code")
   assert "!pip install -q -r requirements.txt" in shell
   assert "!pip install -q --no-deps git+https://" in shell
-  assert "--config=configs/default.py --config.total_steps=6 --config.workdir=runs/colab" in shell
+  assert "--config=minpro_jax/configs/default.py --config.total_steps=6 --config.workdir=runs/colab" in shell
   assert "--config.mesh.shape=data=8" in shell
   # Shell cells hold only "!"/"%" lines, Python cells none: the split the test below relies on.
   for cell in nb["cells"]:

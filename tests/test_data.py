@@ -11,8 +11,8 @@ import pytest
 
 from minpro_jax.data import (DataError, LoadReport, MathProblem, ProblemLoader, encode_prompts, format_prompt,
                              load_file, reasoning_gym_problems, train_sentencepiece)
-from minpro_jax.rewards import math_reward
-from minpro_jax.tokenizers import load_sentencepiece
+from minpro_jax.data.rewards import math_reward
+from minpro_jax.data.tokenizers import load_sentencepiece
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -217,7 +217,7 @@ def test_prompt_templates(spm_tok):
     chat_format = "qwen3"
 
     def apply_chat_template(self, messages, add_generation_prompt=True, **kw):
-      from minpro_jax.tokenizers import qwen3_chat
+      from minpro_jax.data.tokenizers import qwen3_chat
       return qwen3_chat(messages, add_generation_prompt, **kw)
 
   assert format_prompt(p, _Qwen()) == ("<|im_start|>user\nWhat is 2+2?\nPlease reason step by step, and put your "

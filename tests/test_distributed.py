@@ -1,11 +1,11 @@
-"""minpro_jax.distributed: single-host no-op, detection of multi-process launchers, forced / forbidden modes.
+"""minpro_jax.runtime.distributed: single-host no-op, detection of multi-process launchers, forced / forbidden modes.
 
 jax.distributed.initialize itself is replaced by a recorder (a real call would wait for other processes)."""
 
 import jax
 import pytest
 
-from minpro_jax.distributed import ENV_FLAG, maybe_initialize_distributed, multiprocess_reason
+from minpro_jax.runtime.distributed import ENV_FLAG, maybe_initialize_distributed, multiprocess_reason
 
 LAUNCHER_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "MEGASCALE_COORDINATOR_ADDRESS",
                  "TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES", "SLURM_JOB_ID", "SLURM_NTASKS",

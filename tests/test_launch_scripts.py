@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch")
 SCRIPTS = ("tpu_vm.sh", "gpu.sh", "sweep_sharding.sh")
-PAPER_CONFIG = "configs/paper/qwen3_8b.py:minpro,2"
+PAPER_CONFIG = "minpro_jax/configs/paper/qwen3_8b.py:minpro,2"
 
 
 def _bash(script, *args, env=None, cwd=ROOT):
@@ -111,7 +111,7 @@ done
   assert len(calls) == 3 and all("--worker=all" in c for c in calls)
   with tarfile.open(tmp_path / "minpro_jax_src.tar.gz") as tar:
     names = set(tar.getnames())
-  assert {"minpro_jax/distributed.py", "launch/tpu_vm.sh", "Makefile", "configs/paper/qwen3_8b.py"} <= names
+  assert {"minpro_jax/runtime/distributed.py", "launch/tpu_vm.sh", "Makefile", "minpro_jax/configs/paper/qwen3_8b.py"} <= names
   assert not any(n.startswith((".venv/", "runs/", "cache/")) for n in names)
   assert (home / "minpro_jax" / "minpro_jax" / "distributed.py").is_file()  # unpacked on the "worker"
   out = proc.stdout
@@ -130,13 +130,13 @@ def test_gpu_dry_run():
   assert cmds[1] == f"{ROOT}/.venv/bin/pip install -q 'jax[cuda12]==0.10.2'"
   assert cmds[-1] == (f".venv/bin/python -m minpro_jax.train --config={PAPER_CONFIG} "
                       "--config.model.path=/ckpt/Qwen3-8B-Base")
-  proc = _bash("gpu.sh", "-n", env={"STEPS": "run", "CONFIG": "configs/default.py", "EXTRA_ARGS": ""})
+  proc = _bash("gpu.sh", "-n", env={"STEPS": "run", "CONFIG": "minpro_jax/configs/default.py", "EXTRA_ARGS": ""})
   assert proc.returncode == 0, proc.stderr
-  assert _commands(proc.stdout)[-1] == ".venv/bin/python -m minpro_jax.train --config=configs/default.py"
-  proc = _bash("gpu.sh", "-n", env={"STEPS": "run", "CONFIG": "configs/default.py",
+  assert _commands(proc.stdout)[-1] == ".venv/bin/python -m minpro_jax.train --config=minpro_jax/configs/default.py"
+  proc = _bash("gpu.sh", "-n", env={"STEPS": "run", "CONFIG": "minpro_jax/configs/default.py",
                                     "EXTRA_ARGS": "--config.total_steps=2\n  --config.eval.ks=(1,)"})
   assert proc.returncode == 0, proc.stderr
-  assert _commands(proc.stdout)[-1] == (".venv/bin/python -m minpro_jax.train --config=configs/default.py "
+  assert _commands(proc.stdout)[-1] == (".venv/bin/python -m minpro_jax.train --config=minpro_jax/configs/default.py "
                                         "--config.total_steps=2 '--config.eval.ks=(1,)'")
 
 

@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from minpro_jax.checkpoint import RunCheckpointer
-from minpro_jax.learner import Learner, LossConfig, OptimizerConfig, make_schedule
+from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig, make_schedule
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
-from minpro_jax.sharding import make_mesh, use_mesh
+from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
 VOCAB = 64
 MODEL_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -187,7 +187,7 @@ def _b24_steps(tx, params, opt_state, k):
 def test_b24_optimizer_step_count_survives_checkpoint(tmp_path, variant, expected):
   """cases.md B24: Adam + warmup schedule; save after 2 steps, restore, 1 step == 3 uninterrupted steps. The two
   wrong variants (optimizer state rebuilt; only the count reset) give the documented different values."""
-  from minpro_jax.learner import TrainState
+  from minpro_jax.rl.learner import TrainState
   tx = _b24_tx()
   p0 = {"w": jnp.ones((), jnp.float32)}
   p3, _ = _b24_steps(tx, p0, tx.init(p0), 3)

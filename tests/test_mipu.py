@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minpro_jax import build, mipu
+from minpro_jax import run_config
+from minpro_jax.rl import mipu
 from train_helpers import make_config, tiny_overrides
 
 
@@ -51,8 +52,8 @@ def test_config_validation_names_mipu_fields(tmp_path):
                             ("val_prompts", 0, "mipu.val_prompts: must be >= 1"),
                             ("gap_tolerance", math.inf, "mipu.gap_tolerance: must be a finite number")):
     c = make_config(tiny_overrides(tmp_path, **{"mipu.rollback": True, f"mipu.{field}": value}))
-    with pytest.raises(build.ConfigError, match=msg):
-      build.validate_config(c)
+    with pytest.raises(run_config.ConfigError, match=msg):
+      run_config.validate_config(c)
 
 
 def _coin_grade(texts, golds, **kwargs):
@@ -80,7 +81,7 @@ def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
   assert [r.get("mipu/accepted") for r in recs] == [None, 0, 0] and recs[2]["mipu/rollbacks_total"] == 2
   assert int(tr.final_state.step) == 0
   from flax import nnx
-  from minpro_jax.setup_run import build_model_and_tokenizer
+  from minpro_jax.run_setup import build_model_and_tokenizer
   c = make_config(tiny_overrides(tmp_path, workdir=str(tmp_path / "fresh")))
   fresh_model = build_model_and_tokenizer(c, tr.problems, None, str(tmp_path / "fresh"))[0]
   for a, b in zip(jax.tree.leaves(nnx.split(fresh_model)[1]), jax.tree.leaves(tr.final_state.params)):

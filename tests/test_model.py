@@ -20,7 +20,7 @@ from minpro_jax.models.dense import dense
 from minpro_jax.models.inference_layout import fuse_qkv_params, unstack_layer_params
 from minpro_jax.models.quant import fake_quant_weights
 from minpro_jax.models.transformer import MoE, Transformer
-from minpro_jax.sharding import make_mesh, use_mesh
+from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
 
 def _random_weights(config, seed):

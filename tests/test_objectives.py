@@ -1,5 +1,5 @@
 """Hand-computed vectors (algorithms.md V1-V7) and bug-report cases (cases.md B01, B03, B04, B05) for
-minpro_jax.objectives, all under jax.jit and jax.grad."""
+minpro_jax.rl.objectives, all under jax.jit and jax.grad."""
 
 import math
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minpro_jax.objectives import (
+from minpro_jax.rl.objectives import (
     PolicyLossOutput,
     aggregate_loss,
     compute_m2po_mask,

@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minpro_jax.objectives import policy_loss, prefix_log_factor
+from minpro_jax.rl.objectives import policy_loss, prefix_log_factor
 
 STATS = ("none", "min", "mean", "geomean", "prod")
 SHAPES = ((1, 1), (3, 7), (4, 16))

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from minpro_jax.rewards import extract_answer, grade, math_reward, normalize_answer
+from minpro_jax.data.rewards import extract_answer, grade, math_reward, normalize_answer
 
 TAIL = 8 * " and the reasoning above confirms this result is consistent."
 
@@ -146,7 +146,7 @@ def test_pathological_answers_are_bounded_and_counted(pred):
 
 
 def test_signal_timeout_counted(monkeypatch):
-  import minpro_jax.rewards as R
+  import minpro_jax.data.rewards as R
 
   def slow(pred, gold, mode):
     while True:  # pure-Python loop: interruptible

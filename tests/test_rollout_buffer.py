@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
-from minpro_jax.rollout import RolloutBatch, RolloutBuffer
+from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 
 
 def make_batch(n=4, length=5, tag=0):

@@ -360,7 +360,7 @@ def test_greedy_matches_transformers_generate(tmp_path):
 def test_sharded_sampler_equals_single_device(model, state, sampler, layout):
   """On an 8-device mesh (parameters created sharded), the per-layer sampler gives the single-device tokens
   and behavior log-probs: the unstacking and per-layer KV caches keep working under GSPMD."""
-  from minpro_jax.sharding import make_mesh
+  from minpro_jax.runtime.sharding import make_mesh
   mesh = make_mesh(layout)
   sharded_state = nnx.split(init_model(CFG, seed=3, mesh=mesh))[1]
   assert any(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(sharded_state))
@@ -385,7 +385,7 @@ def test_fused_qkv_keeps_the_tensor_split():
   """On {data: 4, tensor: 2} the fused q/k/v matrix stays split over `tensor` like the unfused ones, and the
   decode loop gathers no weight; on {data: 2, tensor: 4} the tensor split (4) does not divide the 2 KV heads,
   so the sampler keeps the unfused layout instead of replicating a fused matrix."""
-  from minpro_jax.sharding import make_mesh
+  from minpro_jax.runtime.sharding import make_mesh
   mesh = make_mesh({"data": 4, "tensor": 2})
   sharded_state = nnx.split(init_model(CFG, seed=3, mesh=mesh))[1]
   sp = SamplingParams(temperature=0.0, max_new_tokens=4)

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from minpro_jax.learner import staleness
-from minpro_jax.rollout import RolloutBatch, RolloutBuffer
+from minpro_jax.rl.learner import staleness
+from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 from train_helpers import make_config, tiny_overrides
 
 

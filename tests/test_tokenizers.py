@@ -6,7 +6,7 @@ import json
 import pytest
 import regex
 
-from minpro_jax import tokenizers as T
+from minpro_jax.data import tokenizers as T
 
 TEXTS = [
     "The capital of France is",

@@ -59,9 +59,9 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_config_one_step(tmp_path):
-  path = os.path.join(REPO, "configs", "smollm2_135m.py")
+  path = os.path.join(REPO, "minpro_jax", "configs", "smollm2_135m.py")
   if not os.path.exists(path):
-    pytest.skip("configs/smollm2_135m.py does not exist yet")
+    pytest.skip("minpro_jax/configs/smollm2_135m.py does not exist yet")
   import importlib.util
   spec = importlib.util.spec_from_file_location("smollm2_cfg", path)
   mod = importlib.util.module_from_spec(spec)

@@ -7,14 +7,14 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
+DEFAULT_CONFIG = os.path.join(REPO, "minpro_jax", "configs", "default.py")
 
 TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
               "head_dim": 16}
 
 
 def tiny_overrides(tmp_path, **extra) -> dict:
-  """Dotted-field overrides of configs/default.py for a run of a few seconds per step."""
+  """Dotted-field overrides of minpro_jax/configs/default.py for a run of a few seconds per step."""
   ov = {
       "workdir": str(tmp_path / "run"), "total_steps": 4, "prompts_per_step": 4, "group_size": 2,
       "num_updates_per_step": 2, "micro_batch_size": 2, "delay": 1,
@@ -36,7 +36,7 @@ def load_default_config():
 
 
 def make_config(overrides: dict, model: dict | None = None):
-  """configs/default.py with `overrides` ({"a.b": value}) and the tiny model applied."""
+  """minpro_jax/configs/default.py with `overrides` ({"a.b": value}) and the tiny model applied."""
   c = load_default_config()
   for k, v in overrides.items():
     node = c

@@ -27,7 +27,7 @@ def format_prompt(problem: MathProblem | str, tokenizer=None, template: str = "c
 
   Args:
     problem: a MathProblem or the problem text.
-    tokenizer: a ``minpro_jax.tokenizers.Tokenizer`` (needed for ``"chat"``).
+    tokenizer: a ``minpro_jax.data.tokenizers.Tokenizer`` (needed for ``"chat"``).
     template: ``"plain"`` or ``"chat"``.
     system: optional system message (chat only; otherwise the template's default applies).
     **chat_kwargs: forwarded to ``apply_chat_template`` (e.g. ``enable_thinking=False`` for Qwen3).
@@ -63,7 +63,7 @@ def encode_prompts(problems: Sequence[MathProblem], tokenizer, *, max_prompt_tok
 
   Args:
     problems: the batch.
-    tokenizer: ``minpro_jax.tokenizers.Tokenizer``.
+    tokenizer: ``minpro_jax.data.tokenizers.Tokenizer``.
     max_prompt_tokens: keep prompts with at most this many tokens.
     template: see ``format_prompt``.
     add_bos: prepend bos; default True for ``"plain"`` (sentencepiece models), False for ``"chat"`` (ChatML

@@ -84,7 +84,7 @@ def _first(row: dict, keys: Sequence[str]) -> tuple[str | None, Any]:
 
 
 def _last_boxed(text: str) -> str | None:
-  from minpro_jax.rewards import _last_box
+  from minpro_jax.data.rewards import _last_box
 
   return _last_box(text)[1]
 

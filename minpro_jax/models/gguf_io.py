@@ -22,7 +22,7 @@ import numpy as np
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.hf_io import DictSource, load_from_source
 from minpro_jax.models.transformer import Transformer
-from minpro_jax.tokenizers import smollm2_gguf_path  # noqa: F401  (re-exported: one implementation)
+from minpro_jax.data.tokenizers import smollm2_gguf_path  # noqa: F401  (re-exported: one implementation)
 
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen3")
 
@@ -138,7 +138,7 @@ def load_gguf(path_or_reader, *, mesh: jax.sharding.Mesh | None = None, rules=No
 
   Args:
     path_or_reader: a `.gguf` path or an open `gguf.GGUFReader` (pass the reader to share one parse with
-      `minpro_jax.tokenizers.load_gguf_tokenizer`; parsing SmolLM2's vocabulary takes seconds).
+      `minpro_jax.data.tokenizers.load_gguf_tokenizer`; parsing SmolLM2's vocabulary takes seconds).
     mesh: target mesh (None = first device). rules: logical-axis rules.
     **config_overrides: `ModelConfig` fields (param_dtype, dtype, remat, scan_layers, ...).
 

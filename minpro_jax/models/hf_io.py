@@ -347,12 +347,12 @@ def load_from_source(source: TensorSource, config: ModelConfig, *, mesh: jax.sha
     source: the tensors (`SafetensorsSource`, `DictSource`).
     config: the model config (e.g. from `config_from_hf`).
     mesh: target mesh; None puts every parameter on the first device.
-    rules: logical-axis rules (default `minpro_jax.sharding.DEFAULT_RULES`).
+    rules: logical-axis rules (default `minpro_jax.runtime.sharding.DEFAULT_RULES`).
 
   Raises:
     ValueError: a tensor is missing, has the wrong shape, or is not used by the model.
   """
-  from minpro_jax.sharding import DEFAULT_RULES, use_mesh
+  from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
   fused = config.is_moe and "model.layers.0.mlp.experts.gate_up_proj" in source.shapes
   specs = _specs(config, fused_experts=fused)
   _check_tensors(source, config, specs)

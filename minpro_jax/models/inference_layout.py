@@ -77,15 +77,15 @@ def fused_qkv_keeps_sharding(config: ModelConfig, mesh: jax.sharding.Mesh | None
   Args:
     config: the model config.
     mesh: the sampler's mesh, or None (one device: always True).
-    rules: logical-axis rules (default `minpro_jax.sharding.DEFAULT_RULES`), resolved with
-      `minpro_jax.sharding.logical_to_spec` as the parameters' own shardings are.
+    rules: logical-axis rules (default `minpro_jax.runtime.sharding.DEFAULT_RULES`), resolved with
+      `minpro_jax.runtime.sharding.logical_to_spec` as the parameters' own shardings are.
 
   Returns:
     True when fusing keeps every q/k/v weight split as before (the sampler then fuses), else False.
   """
   if mesh is None:
     return True
-  from minpro_jax.sharding import DEFAULT_RULES, logical_to_spec
+  from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_to_spec
   q_spec, kv_spec = logical_to_spec(("q_heads", "kv_heads"), rules or DEFAULT_RULES)
   names = lambda s: tuple(a for a in ((s,) if isinstance(s, str) else s or ()) if a in mesh.shape)  # noqa: E731
   n = math.prod(mesh.shape[a] for a in names(kv_spec))

@@ -29,7 +29,7 @@ from minpro_jax.models.attention_core import causal_block_attention, causal_bloc
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
 from minpro_jax.models.quant import maybe_quant_act
-from minpro_jax.sharding import constrain
+from minpro_jax.runtime.sharding import constrain
 
 
 def _init(stddev: float, axes: tuple[str | None, ...]):
@@ -554,10 +554,10 @@ def init_model(config: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | Non
   Args:
     config: the model config.
     seed: PRNG seed of the initialisers (HF's normal(0, 0.02) for matrices, ones for norms).
-    mesh: optional device mesh (see `minpro_jax.sharding.make_mesh`).
-    rules: logical-axis rules (default `minpro_jax.sharding.DEFAULT_RULES`).
+    mesh: optional device mesh (see `minpro_jax.runtime.sharding.make_mesh`).
+    rules: logical-axis rules (default `minpro_jax.runtime.sharding.DEFAULT_RULES`).
   """
-  from minpro_jax.sharding import DEFAULT_RULES, use_mesh
+  from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
   if mesh is None:
     with nnx.use_eager_sharding(False):
       return Transformer(config, rngs=nnx.Rngs(seed))

@@ -193,7 +193,7 @@ class Sampler:
   def _mesh_ctx(self):
     if self.mesh is None:
       return contextlib.nullcontext()
-    from minpro_jax.sharding import DEFAULT_RULES, use_mesh
+    from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
     return use_mesh(self.mesh, self.rules or DEFAULT_RULES)
 
   def _check_state(self, state):

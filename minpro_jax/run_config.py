@@ -14,8 +14,8 @@ from typing import Any
 import jax
 
 from minpro_jax.data.records import MathProblem
-from minpro_jax.learner import LossConfig, OptimizerConfig
-from minpro_jax.objectives import METHODS
+from minpro_jax.rl.learner import LossConfig, OptimizerConfig
+from minpro_jax.rl.objectives import METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
   _validate_choices_and_ranges(c)
   shape = parse_mesh_shape(c.mesh.shape)
   if shape:
-    from minpro_jax.sharding import MESH_AXES
+    from minpro_jax.runtime.sharding import MESH_AXES
     unknown = set(shape) - set(MESH_AXES)
     _need(not unknown, "mesh.shape", f"unknown axes {sorted(unknown)}; mesh axes are {MESH_AXES}")
     fill = [a for a, v in shape.items() if v == -1]
@@ -127,12 +127,12 @@ def check_mipu_problem_count(c, num_problems: int) -> None:
 
 def _validate_choices_and_ranges(c) -> None:
   """Every enumerated or bounded field, so a typo fails at start and not after the warm start."""
-  from minpro_jax.advantages import ADVANTAGE_MODES
+  from minpro_jax.rl.advantages import ADVANTAGE_MODES
   from minpro_jax.data.prompts import TEMPLATES
   from minpro_jax.data.sources import FORMATS
   from minpro_jax.models.config import PRESETS
-  from minpro_jax.objectives_agg import LOSS_AGG_MODES
-  from minpro_jax.objectives_prefix import PREFIX_STATISTICS
+  from minpro_jax.rl.aggregation import LOSS_AGG_MODES
+  from minpro_jax.rl.prefix import PREFIX_STATISTICS
   _need(c.data.format in FORMATS, "data.format", f"{c.data.format!r}; choose one of {FORMATS}")
   l = c.loss
   _need(l.prefix_statistic in PREFIX_STATISTICS, "loss.prefix_statistic",
@@ -282,7 +282,7 @@ def load_problems(c, *, seed: int, size: int) -> list[MathProblem]:
       return reasoning_gym_problems(d.task, size, seed, **dict(d.task_config))
     except (ValueError, TypeError) as e:  # unknown task name / a task_config key the task does not take
       raise ConfigError(f"config.data.task / config.data.task_config: reasoning-gym refused task {d.task!r} with "
-                        f"task_config={dict(d.task_config)} ({e}); configs/default.py sets chain_sum's fields, so "
+                        f"task_config={dict(d.task_config)} ({e}); minpro_jax/configs/default.py sets chain_sum's fields, so "
                         "for another task set data.task_config to that task's fields in your config file") from e
   if d.source == "champ":
     return champ_problems()

@@ -11,7 +11,7 @@ from typing import Any
 from minpro_jax.data import format_prompt
 from minpro_jax.data.records import MathProblem
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.sft import SFTConfig, build_examples, run_sft, sft_target
+from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_target
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def _cache_dir(c, workdir: str) -> str:
 
 def build_tokenizer(c, problems: list[MathProblem], workdir: str):
   """The run's tokenizer (see `config.tokenizer`). A trained sentencepiece model is cached by corpus hash."""
-  from minpro_jax.tokenizers import load_gguf_tokenizer, load_hf_tokenizer, load_sentencepiece, load_tokenizer
+  from minpro_jax.data.tokenizers import load_gguf_tokenizer, load_hf_tokenizer, load_sentencepiece, load_tokenizer
   t = c.tokenizer
   fmt = t.chat_format or None
   if t.kind == "path":
@@ -32,7 +32,7 @@ def build_tokenizer(c, problems: list[MathProblem], workdir: str):
     if c.model.source == "hf":
       return load_hf_tokenizer(c.model.path, chat_format=fmt)
     if c.model.source == "gguf":
-      from minpro_jax.tokenizers import smollm2_gguf_path
+      from minpro_jax.data.tokenizers import smollm2_gguf_path
       return load_gguf_tokenizer(c.model.path or smollm2_gguf_path(), chat_format=fmt)
     raise ValueError("config.tokenizer.kind='model' needs model.source hf or gguf")
   from minpro_jax.data import train_sentencepiece

@@ -1,6 +1,6 @@
 # The embedded default: a tiny Qwen3-style model trained from scratch on reasoning-gym arithmetic.
 #
-#   make train            # == python -m minpro_jax.train --config=configs/default.py
+#   make train            # == python -m minpro_jax.train --config=minpro_jax/configs/default.py
 #
 # Pipeline: train a sentencepiece tokenizer on the task corpus, SFT warm start (cached), then MinPRO with
 # rollouts delayed by 2 global steps (4 updates per step, so staleness 8..11 updates after warm-up).
@@ -99,7 +99,7 @@ def base_config() -> ConfigDict:
   c.sft.boxed_fraction = 0.5           # half the SFT targets give the bare answer, which the grader does not credit
   c.sft.cache_dir = "cache"
 
-  # MIPU Step 2 (arXiv 2606.29526; minpro_jax/mipu.py): after each step's updates, sample validation prompts with the
+  # MIPU Step 2 (arXiv 2606.29526; minpro_jax/rl/mipu.py): after each step's updates, sample validation prompts with the
   # new parameters at sampling.precision and keep the updates only if T_post >= -gap_tolerance. Pair with
   # sampling.precision=fp8 and loss.rollout_is=token (Step 1). Costs one extra generation + scoring per step and a
   # copy of params + optimizer state.

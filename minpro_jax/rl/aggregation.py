@@ -1,6 +1,6 @@
 """Loss aggregation, rollout (training-inference mismatch) correction, and mismatch diagnostics.
 
-Pure functions used by :func:`minpro_jax.objectives.policy_loss` and by the trainer. All take
+Pure functions used by :func:`minpro_jax.rl.objectives.policy_loss` and by the trainer. All take
 ``[B, T]`` arrays whose masked positions may hold garbage: inputs are sanitised with ``jnp.where``
 before any arithmetic, so nothing at a masked position reaches a value or a gradient.
 """
@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minpro_jax.objectives_prefix import _check_bt, seq_first, seq_sum, valid_and_starts
+from minpro_jax.rl.prefix import _check_bt, seq_first, seq_sum, valid_and_starts
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_IS_LEVELS = (None, "token", "sequence")

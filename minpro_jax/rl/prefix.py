@@ -1,6 +1,6 @@
 """Exclusive prefix statistics of token log-ratios (the MinPRO prefix factor and its ablations).
 
-The public entry point is :func:`prefix_log_factor`, re-exported by :mod:`minpro_jax.objectives`.
+The public entry point is :func:`prefix_log_factor`, re-exported by :mod:`minpro_jax.rl.objectives`.
 Also here: the small segment helpers shared by the objectives (valid-token mask, segment starts, per-sequence
 sums broadcast back to tokens), so that packed rows are handled the same way everywhere.
 

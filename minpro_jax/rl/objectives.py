@@ -27,7 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from minpro_jax.objectives_agg import (
+from minpro_jax.rl.aggregation import (
     LOG_RATIO_CLAMP,
     LOSS_AGG_MODES,
     aggregate_loss,
@@ -37,7 +37,7 @@ from minpro_jax.objectives_agg import (
     mismatch_metrics,
     rollout_correction,
 )
-from minpro_jax.objectives_prefix import PREFIX_STATISTICS, _check_bt, prefix_log_factor, seq_sum, valid_and_starts
+from minpro_jax.rl.prefix import PREFIX_STATISTICS, _check_bt, prefix_log_factor, seq_sum, valid_and_starts
 
 __all__ = [
     "PolicyLossOutput",

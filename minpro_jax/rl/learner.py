@@ -23,7 +23,7 @@ from flax import nnx
 
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.models.transformer import Transformer
-from minpro_jax.objectives import compute_m2po_mask, policy_loss
+from minpro_jax.rl.objectives import compute_m2po_mask, policy_loss
 
 NUM_POSITION_BINS = 8
 
@@ -84,7 +84,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 class LossConfig:
   """Which objective and its hyper-parameters, plus optional extra terms (all off by default).
 
-  method / hparams: passed to `minpro_jax.objectives.policy_loss`.
+  method / hparams: passed to `minpro_jax.rl.objectives.policy_loss`.
   temperature: the sampler's temperature; learner log-probs are scored under the same scaled distribution.
   entropy_coef: adds -coef * token-mean entropy. kl_coef: adds coef * the token-mean k3 ("low_var_kl" in verl)
     estimate of KL(pi_theta || mu) against the behavior policy mu, on mu's samples. router_aux_coef: weight of the MoE load-balancing loss (0 = off).

@@ -5,19 +5,10 @@ hyper-parameter table were not available to us); they follow common verl/DAPO
 recipes and the CPPO re-run of MinPRO (lr 1e-6, no KL, no entropy bonus).
 """
 
-import importlib.util
-import os
+from minpro_jax.configs.default import base_config
 
 METHODS = ("minpro", "grpo", "gspo", "gspo_token", "cispo", "m2po")
 DELAYS = (0, 2, 4, 8, 16)
-
-
-def _default():
-  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "default.py")
-  spec = importlib.util.spec_from_file_location("_default", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.base_config()
 
 
 def parse_arg(arg: str | None) -> tuple[str, int]:
@@ -38,7 +29,7 @@ def parse_arg(arg: str | None) -> tuple[str, int]:
 
 def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
   method, delay = parse_arg(arg)
-  c = _default()
+  c = base_config()
   c.workdir = f"runs/{preset}_{method}_d{delay}"
   c.total_steps = 300                    # ASSUMPTION: global steps
   c.prompts_per_step = 256               # ASSUMPTION: DAPO-style 512 x 16 is common; 256 prompts x G=16

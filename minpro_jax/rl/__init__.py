@@ -1,0 +1,1 @@
+"""Policy objectives, advantages, rollout batches, the learner, MIPU and SFT: the algorithm."""

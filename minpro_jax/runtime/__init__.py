@@ -1,0 +1,1 @@
+"""Device infrastructure: meshes and sharding rules, multi-process start-up, host memory."""
