@@ -12,7 +12,7 @@ $(VENV_STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(VENV_STAMP)
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train test test-fast lint format bench clean
 setup: $(VENV_STAMP)
 
 ## Main job: the embedded default config end to end (SFT warm start, then MinPRO with delay 2).
@@ -26,6 +26,17 @@ test: $(VENV_STAMP)
 ## Inner-loop subset: everything not marked slow.
 test-fast: $(VENV_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+
+## One formatter (pyink: 2-space, 120 columns) and one linter (ruff: unused names and imports, import order).
+LINT_PATHS := minpro_jax tests benchmarks colab
+lint: $(VENV_STAMP)
+	.venv/bin/pyink --check --quiet $(LINT_PATHS)
+	.venv/bin/ruff check --quiet $(LINT_PATHS)
+
+## Rewrite the sources in the house style (what `make lint` checks).
+format: $(VENV_STAMP)
+	.venv/bin/ruff check --quiet --fix --select I,F401 $(LINT_PATHS)
+	.venv/bin/pyink --quiet $(LINT_PATHS)
 
 bench: $(VENV_STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

@@ -43,9 +43,9 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from minpro_jax.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from minpro_jax.models import get_preset, init_model, token_logprobs  # noqa: E402
 from minpro_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
+from minpro_jax.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from minpro_jax.sampling import Sampler, SamplingParams  # noqa: E402
 
 
@@ -82,7 +82,7 @@ def matmul_floor_tok_s(cfg, batch: int, reps: int = 3) -> float:
   def chain(x, layers, head):
     for p in layers:
       qkv = x @ p["qkv"]
-      q, k, v = qkv[:, :qd], qkv[:, qd:qd + kvd], qkv[:, qd + kvd:]
+      q, k, v = qkv[:, :qd], qkv[:, qd : qd + kvd], qkv[:, qd + kvd :]
       x = x + (q + jnp.tile(k + v, qd // kvd)) @ p["o"]
       x = x + (jax.nn.silu(x @ p["g"]) * (x @ p["u"])) @ p["dn"]
     return jnp.einsum("bd,vd->bv", x, head)
@@ -118,6 +118,7 @@ def _interleaved(fns: dict, reps: int) -> dict:
 def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, reps: int = 3):
   import torch
   import transformers
+
   cfg = get_preset(preset)
   model = init_model(cfg, seed=0)
   state = nnx.split(model)[1]
@@ -146,26 +147,47 @@ def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, rep
 
       def hf_gen():
         with torch.no_grad():
-          return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=mode == "sample", temperature=1.0, top_k=0,
-                             top_p=1.0, use_cache=True, eos_token_id=None, pad_token_id=0)
+          return hf.generate(
+              ids,
+              attention_mask=torch.ones_like(ids),
+              max_new_tokens=new_tokens,
+              min_new_tokens=new_tokens,
+              do_sample=mode == "sample",
+              temperature=1.0,
+              top_k=0,
+              top_p=1.0,
+              use_cache=True,
+              eos_token_id=None,
+              pad_token_id=0,
+          )
+
       fns = {"ours": ours, "hf": hf_gen}
       if mode == "greedy":
         fns["unfused"] = lambda: unfused.generate(prepared_unfused, prompts, sp).response_tokens
       t = _interleaved(fns, reps)
       (t_ours, t_ours_med), (t_hf, t_hf_med) = t["ours"], t["hf"]
-      out = dict(batch=b, mode=mode, new_tokens=new_tokens, ours_tok_s=b * new_tokens / t_ours,
-                 hf_generate_tok_s=b * new_tokens / t_hf, speedup=t_hf / t_ours, speedup_median=t_hf_med / t_ours_med,
-                 prepare_params_s=t_prepare, speedup_incl_prepare=t_hf / (t_ours + t_prepare),
-                 xla_matmul_floor_tok_s=floor, ours_over_floor=b * new_tokens / t_ours / floor)
+      out = dict(
+          batch=b,
+          mode=mode,
+          new_tokens=new_tokens,
+          ours_tok_s=b * new_tokens / t_ours,
+          hf_generate_tok_s=b * new_tokens / t_hf,
+          speedup=t_hf / t_ours,
+          speedup_median=t_hf_med / t_ours_med,
+          prepare_params_s=t_prepare,
+          speedup_incl_prepare=t_hf / (t_ours + t_prepare),
+          xla_matmul_floor_tok_s=floor,
+          ours_over_floor=b * new_tokens / t_ours / floor,
+      )
       if mode == "greedy":
         out["ours_unfused_tok_s"] = b * new_tokens / t["unfused"][0]
         out["fused_over_unfused"] = t["unfused"][0] / t_ours
         out["greedy_token_agreement"] = float(np.mean(ours() == hf_gen()[:, prompt_len:].numpy()))
       print(json.dumps({preset: out}), flush=True)
       rows.append(out)
-  return dict(preset=preset, weights="random init_model (same weights in both)", param_bytes=int(param_bytes),
-              runs=rows)
+  return dict(
+      preset=preset, weights="random init_model (same weights in both)", param_bytes=int(param_bytes), runs=rows
+  )
 
 
 def mismatch_tiny():
@@ -176,14 +198,20 @@ def mismatch_tiny():
   res = {}
   for precision in ("bf16", "fp8"):
     b = Sampler(cfg, precision=precision, prompt_buckets=(16,)).generate(
-        state, prompts, SamplingParams(temperature=1.0, max_new_tokens=32), seed=0, group_size=2)
+        state, prompts, SamplingParams(temperature=1.0, max_new_tokens=32), seed=0, group_size=2
+    )
     la = b.to_learner_arrays()
-    lp = np.asarray(token_logprobs(model, jnp.asarray(la.tokens), jnp.asarray(la.segment_ids),
-                                   jnp.asarray(la.positions)).logp)
+    lp = np.asarray(
+        token_logprobs(model, jnp.asarray(la.tokens), jnp.asarray(la.segment_ids), jnp.asarray(la.positions)).logp
+    )
     m = la.response_mask
     delta = lp[m] - la.behavior_logp[m]
-    res[precision] = dict(tokens=int(m.sum()), mean_abs_dlogp=float(np.mean(np.abs(delta))),
-                          k3=float(np.mean(np.exp(delta) - 1 - delta)), max_abs_dlogp=float(np.max(np.abs(delta))))
+    res[precision] = dict(
+        tokens=int(m.sum()),
+        mean_abs_dlogp=float(np.mean(np.abs(delta))),
+        k3=float(np.mean(np.exp(delta) - 1 - delta)),
+        max_abs_dlogp=float(np.max(np.abs(delta))),
+    )
   return res
 
 
@@ -193,11 +221,18 @@ def main():
   args = ap.parse_args()
   keep_freed = keep_freed_host_memory()  # as the train entry point does; applies to both frameworks
   import torch
+
   torch.set_num_threads(os.cpu_count() or 1)
   batches = (1, 16) if args.quick else (1, 16, 64)
   bw_start = read_bandwidth_gbs(reps=10)
-  result = dict(device=str(jax.devices()[0]), cpu_count=os.cpu_count(), copy_bandwidth_gb_s=copy_bandwidth_gbs(),
-                load_average=os.getloadavg(), host_memory_keep_freed=keep_freed, models=[])
+  result = dict(
+      device=str(jax.devices()[0]),
+      cpu_count=os.cpu_count(),
+      copy_bandwidth_gb_s=copy_bandwidth_gbs(),
+      load_average=os.getloadavg(),
+      host_memory_keep_freed=keep_freed,
+      models=[],
+  )
   for preset, new in (("tiny", 64), ("smollm2-135m", 16 if args.quick else 32)):
     result["models"].append(bench_model(preset, batches, new))
   result["precision_mismatch_tiny"] = mismatch_tiny()

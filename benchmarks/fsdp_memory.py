@@ -34,6 +34,7 @@ def _measure(preset: str, fsdp: int) -> dict:
   import jax
   import optax
   from flax import nnx
+
   from minpro_jax.models import get_preset
   from minpro_jax.models.transformer import init_model
   from minpro_jax.runtime.sharding import make_mesh, use_mesh
@@ -60,12 +61,20 @@ def _measure(preset: str, fsdp: int) -> dict:
   opt_state = per_device(nnx.state(opt.opt_state))
   devices = sorted(set(params) | set(opt_state))
   total = {d: params[d] + opt_state[d] for d in devices}
-  replicated = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
-                if isinstance(v, jax.Array) and v.sharding.is_fully_replicated]
-  return {"devices": len(jax.devices()), "param_bytes_per_device": dict(params),
-          "opt_state_bytes_per_device": dict(opt_state), "total_bytes_per_device": total,
-          "max_total_bytes_per_device": max(total.values()), "replicated_params": replicated,
-          "num_params": cfg.num_params()}
+  replicated = [
+      jax.tree_util.keystr(k)
+      for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+      if isinstance(v, jax.Array) and v.sharding.is_fully_replicated
+  ]
+  return {
+      "devices": len(jax.devices()),
+      "param_bytes_per_device": dict(params),
+      "opt_state_bytes_per_device": dict(opt_state),
+      "total_bytes_per_device": total,
+      "max_total_bytes_per_device": max(total.values()),
+      "replicated_params": replicated,
+      "num_params": cfg.num_params(),
+  }
 
 
 def main(argv=None) -> dict:
@@ -85,17 +94,30 @@ def main(argv=None) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--child", str(n)], env=env,
-                         capture_output=True, text=True, check=True).stdout
-    runs[n] = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    out = subprocess.run(
+        [sys.executable, __file__, "--preset", args.preset, "--child", str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    runs[n] = json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][len("RESULT ") :])
   single = runs[1]["max_total_bytes_per_device"]
   sharded = runs[args.fsdp]["max_total_bytes_per_device"]
-  res = {"benchmark": "fsdp_memory", "baseline": "same model + AdamW state on one device",
-         "machine": machine_info(), "preset": args.preset, "fsdp": args.fsdp,
-         "single_device": runs[1], "fsdp_mesh": runs[args.fsdp],
-         "single_total_bytes": single, "fsdp_max_per_device_bytes": sharded,
-         "per_device_over_single": sharded / single, "ideal": 1 / args.fsdp,
-         "per_device_over_ideal": sharded / (single / args.fsdp)}
+  res = {
+      "benchmark": "fsdp_memory",
+      "baseline": "same model + AdamW state on one device",
+      "machine": machine_info(),
+      "preset": args.preset,
+      "fsdp": args.fsdp,
+      "single_device": runs[1],
+      "fsdp_mesh": runs[args.fsdp],
+      "single_total_bytes": single,
+      "fsdp_max_per_device_bytes": sharded,
+      "per_device_over_single": sharded / single,
+      "ideal": 1 / args.fsdp,
+      "per_device_over_ideal": sharded / (single / args.fsdp),
+  }
   res["targets"] = {"per_device_le_1.1_over_n": sharded <= 1.1 * single / args.fsdp}
   write_result("fsdp_memory", res)
   return res

@@ -44,9 +44,17 @@ def step_dims(preset: str = "smollm2-135m") -> dict:
   to the sides as JSON)."""
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from minpro_jax.models import get_preset  # pylint: disable=import-outside-toplevel
+
   c = get_preset(preset)
-  return {"D": c.hidden_size, "F": c.intermediate_size, "HD": c.head_dim, "H": c.num_heads, "KV": c.num_kv_heads,
-          "V": c.vocab_size, "L": c.num_layers}
+  return {
+      "D": c.hidden_size,
+      "F": c.intermediate_size,
+      "HD": c.head_dim,
+      "H": c.num_heads,
+      "KV": c.num_kv_heads,
+      "V": c.vocab_size,
+      "L": c.num_layers,
+  }
 
 
 def gemms(dims: dict) -> list[dict]:
@@ -56,14 +64,23 @@ def gemms(dims: dict) -> list[dict]:
   """
   D, F, HD, H, KV, V, L = (dims[k] for k in ("D", "F", "HD", "H", "KV", "V", "L"))
   N = B * T
-  weights = {"q": (D, H * HD, 1), "k": (D, KV * HD, 1), "v": (D, KV * HD, 1), "o": (H * HD, D, 1),
-             "gate": (D, F, 1), "up": (D, F, 1), "down": (F, D, 1)}  # (K, M, count per layer)
+  weights = {
+      "q": (D, H * HD, 1),
+      "k": (D, KV * HD, 1),
+      "v": (D, KV * HD, 1),
+      "o": (H * HD, D, 1),
+      "gate": (D, F, 1),
+      "up": (D, F, 1),
+      "down": (F, D, 1),
+  }  # (K, M, count per layer)
   out = []
   seen = {}
   for name, (k, m, count) in weights.items():
-    for kind, mkn, a, b in (("nn", (N, k, m), (N, k), (k, m)),     # y = x @ W
-                            ("nt", (N, m, k), (N, m), (k, m)),     # dx = dy @ Wᵀ (W stored [K, M])
-                            ("tn", (k, N, m), (N, k), (N, m))):    # dW = xᵀ @ dy
+    for kind, mkn, a, b in (
+        ("nn", (N, k, m), (N, k), (k, m)),  # y = x @ W
+        ("nt", (N, m, k), (N, m), (k, m)),  # dx = dy @ Wᵀ (W stored [K, M])
+        ("tn", (k, N, m), (N, k), (N, m)),
+    ):  # dW = xᵀ @ dy
       key = (kind, a, b)
       if key in seen:
         seen[key]["count"] += count * L
@@ -72,9 +89,11 @@ def gemms(dims: dict) -> list[dict]:
       seen[key] = {"name": name, "kind": kind, "mkn": mkn, "a": a, "b": b, "count": count * L}
       out.append(seen[key])
   n_head = N - B  # one position per row has no next token
-  out += [{"name": "head", "kind": "nt", "mkn": (n_head, D, V), "a": (n_head, D), "b": (V, D), "count": 1},
-          {"name": "head", "kind": "nn", "mkn": (n_head, V, D), "a": (n_head, V), "b": (V, D), "count": 1},
-          {"name": "head", "kind": "tn", "mkn": (V, n_head, D), "a": (n_head, V), "b": (n_head, D), "count": 1}]
+  out += [
+      {"name": "head", "kind": "nt", "mkn": (n_head, D, V), "a": (n_head, D), "b": (V, D), "count": 1},
+      {"name": "head", "kind": "nn", "mkn": (n_head, V, D), "a": (n_head, V), "b": (V, D), "count": 1},
+      {"name": "head", "kind": "tn", "mkn": (V, n_head, D), "a": (n_head, V), "b": (n_head, D), "count": 1},
+  ]
   return out
 
 
@@ -99,11 +118,13 @@ def run_side(side: str, reps: int, dims: dict) -> list[float]:
   """
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from minpro_jax.runtime.host_memory import keep_freed_host_memory  # pylint: disable=import-outside-toplevel
+
   keep_freed_host_memory()
   out = []
   if side == "jax":
     import jax
     import jax.numpy as jnp
+
     contract = {"nn": ((1,), (0,)), "nt": ((1,), (1,)), "tn": ((0,), (0,))}
     for g in gemms(dims):
       a = jax.random.normal(jax.random.key(0), g["a"], jnp.float32)
@@ -112,6 +133,7 @@ def run_side(side: str, reps: int, dims: dict) -> list[float]:
       out.append(_time(lambda: f(a, b).block_until_ready(), reps if g["name"] != "head" else 3))
   else:
     import torch
+
     torch.set_num_threads(os.cpu_count())
     for g in gemms(dims):
       a, b = torch.randn(g["a"]), torch.randn(g["b"])
@@ -138,12 +160,18 @@ def main(argv=None) -> dict:
   p.add_argument("--reps", type=int, default=20, help="timed calls per matmul per run (3 for the LM head)")
   p.add_argument("--side", choices=("jax", "torch"), help=argparse.SUPPRESS)  # worker mode
   p.add_argument("--dims", help=argparse.SUPPRESS)  # worker mode: step_dims() as JSON
-  p.add_argument("--xla-flags", action="append", default=None, metavar="FLAGS",
-                 help="run the JAX side once per value with XLA_FLAGS=FLAGS (repeatable, written --xla-flags=VALUE; "
-                      "'' for the defaults) to "
-                      "compare XLA:CPU dot backends in the same rounds; default: one JAX side, XLA_FLAGS as inherited")
-  p.add_argument("--name", default="gemm",
-                 help="results file name, or a path (absolute, or relative to benchmarks/results/)")
+  p.add_argument(
+      "--xla-flags",
+      action="append",
+      default=None,
+      metavar="FLAGS",
+      help="run the JAX side once per value with XLA_FLAGS=FLAGS (repeatable, written --xla-flags=VALUE; "
+      "'' for the defaults) to "
+      "compare XLA:CPU dot backends in the same rounds; default: one JAX side, XLA_FLAGS as inherited",
+  )
+  p.add_argument(
+      "--name", default="gemm", help="results file name, or a path (absolute, or relative to benchmarks/results/)"
+  )
   args = p.parse_args(argv)
   if args.rounds < 1 or args.reps < 1:
     p.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
@@ -167,8 +195,16 @@ def main(argv=None) -> dict:
       env = dict(os.environ)
       if sides[side] is not None:
         env["XLA_FLAGS"] = sides[side]
-      cmd = [sys.executable, os.path.abspath(__file__), "--side", side.split("[")[0], "--reps", str(args.reps),
-             "--dims", json.dumps(dims)]
+      cmd = [
+          sys.executable,
+          os.path.abspath(__file__),
+          "--side",
+          side.split("[")[0],
+          "--reps",
+          str(args.reps),
+          "--dims",
+          json.dumps(dims),
+      ]
       try:
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
       except subprocess.TimeoutExpired as e:
@@ -189,14 +225,25 @@ def main(argv=None) -> dict:
         row[f"{side}_over_torch_time"] = t[side] / t["torch"]
     rows.append(row)
   import torch  # pylint: disable=import-outside-toplevel  # only for its version
+
   machine["loadavg_end"] = list(os.getloadavg())
-  result = {"benchmark": "gemm", "baseline": "torch CPU (MKL) matmuls of the same products as nn.Linear's "
-                                             "autograd issues them, separate process",
-            "machine": machine, "torch": torch.__version__, "host_memory_keep_freed": True,
-            "shapes": "smollm2-135m, B=8, T=256, fp32", "rounds": args.rounds, "reps": args.reps,
-            "seconds_per_round": runs, "gemms": rows,
-            "step_s": {**step, **{f"{side}_over_torch_time": step[side] / step["torch"] for side in sides
-                                  if side != "torch"}}}
+  result = {
+      "benchmark": "gemm",
+      "baseline": "torch CPU (MKL) matmuls of the same products as nn.Linear's "
+      "autograd issues them, separate process",
+      "machine": machine,
+      "torch": torch.__version__,
+      "host_memory_keep_freed": True,
+      "shapes": "smollm2-135m, B=8, T=256, fp32",
+      "rounds": args.rounds,
+      "reps": args.reps,
+      "seconds_per_round": runs,
+      "gemms": rows,
+      "step_s": {
+          **step,
+          **{f"{side}_over_torch_time": step[side] / step["torch"] for side in sides if side != "torch"},
+      },
+  }
   write_result(args.name, result)
   return result
 

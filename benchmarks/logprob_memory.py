@@ -34,11 +34,17 @@ from model_step import machine_info, write_result  # noqa: E402
 
 def _analyse(fn, *specs) -> dict:
   import jax
+
   compiled = jax.jit(fn).lower(*specs).compile()
   m = compiled.memory_analysis()
   temp, arg, out = int(m.temp_size_in_bytes), int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
-  return {"temp_bytes": temp, "argument_bytes": arg, "output_bytes": out, "alias_bytes": int(m.alias_size_in_bytes),
-          "peak_bytes": temp + arg + out}
+  return {
+      "temp_bytes": temp,
+      "argument_bytes": arg,
+      "output_bytes": out,
+      "alias_bytes": int(m.alias_size_in_bytes),
+      "peak_bytes": temp + arg + out,
+  }
 
 
 def main(argv=None) -> dict:
@@ -52,11 +58,15 @@ def main(argv=None) -> dict:
 
   import jax
   import jax.numpy as jnp
+
   from minpro_jax.models import logprobs_from_hidden
 
   b, t, d, v = args.batch, args.seq, args.hidden, args.vocab
-  specs = (jax.ShapeDtypeStruct((b, t, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32),
-           jax.ShapeDtypeStruct((b, t), jnp.int32))
+  specs = (
+      jax.ShapeDtypeStruct((b, t, d), jnp.float32),
+      jax.ShapeDtypeStruct((d, v), jnp.float32),
+      jax.ShapeDtypeStruct((b, t), jnp.int32),
+  )
 
   def chunked(h, w, y):
     return logprobs_from_hidden(h, w, y, chunk_size=args.chunk_size)[0]
@@ -69,20 +79,30 @@ def main(argv=None) -> dict:
     return lambda h, w, y: jax.value_and_grad(lambda h, w: jnp.sum(f(h, w, y)), argnums=(0, 1))(h, w)
 
   logits_bytes = b * t * v * 4
-  res = {"benchmark": "logprob_memory", "baseline": "dense log_softmax of full fp32 logits (same jit, same shapes)",
-         "machine": machine_info(), "shape": {"batch": b, "seq": t, "hidden": d, "vocab": v},
-         "chunk_size": args.chunk_size, "full_fp32_logits_bytes": logits_bytes,
-         "method": "jax.jit(f).lower(ShapeDtypeStructs).compile().memory_analysis() on CPU; nothing allocated"}
+  res = {
+      "benchmark": "logprob_memory",
+      "baseline": "dense log_softmax of full fp32 logits (same jit, same shapes)",
+      "machine": machine_info(),
+      "shape": {"batch": b, "seq": t, "hidden": d, "vocab": v},
+      "chunk_size": args.chunk_size,
+      "full_fp32_logits_bytes": logits_bytes,
+      "method": "jax.jit(f).lower(ShapeDtypeStructs).compile().memory_analysis() on CPU; nothing allocated",
+  }
   for mode, wrap in (("forward", lambda f: f), ("forward_backward", with_grad)):
     ours = _analyse(wrap(chunked), *specs)
     base = _analyse(wrap(dense), *specs)
-    res[mode] = {"ours_chunked": ours, "dense_log_softmax": base,
-                 "ours_temp_over_logits": ours["temp_bytes"] / logits_bytes,
-                 "ours_peak_over_logits": ours["peak_bytes"] / logits_bytes,
-                 "dense_temp_over_logits": base["temp_bytes"] / logits_bytes,
-                 "ours_temp_over_dense_temp": ours["temp_bytes"] / max(base["temp_bytes"], 1)}
-  res["targets"] = {"temp_le_0.10_logits_forward": res["forward"]["ours_temp_over_logits"] <= 0.10,
-                    "temp_le_0.10_logits_forward_backward": res["forward_backward"]["ours_temp_over_logits"] <= 0.10}
+    res[mode] = {
+        "ours_chunked": ours,
+        "dense_log_softmax": base,
+        "ours_temp_over_logits": ours["temp_bytes"] / logits_bytes,
+        "ours_peak_over_logits": ours["peak_bytes"] / logits_bytes,
+        "dense_temp_over_logits": base["temp_bytes"] / logits_bytes,
+        "ours_temp_over_dense_temp": ours["temp_bytes"] / max(base["temp_bytes"], 1),
+    }
+  res["targets"] = {
+      "temp_le_0.10_logits_forward": res["forward"]["ours_temp_over_logits"] <= 0.10,
+      "temp_le_0.10_logits_forward_backward": res["forward_backward"]["ours_temp_over_logits"] <= 0.10,
+  }
   write_result("logprob_memory", res)
   return res
 

@@ -63,10 +63,17 @@ def machine_info() -> dict:
   except OSError:
     pass
   import jax
-  info = {"nproc": os.cpu_count(), "cpu_model": cpu, "platform": platform.platform(),
-          "loadavg_1m_5m_15m": list(os.getloadavg()), "jax": jax.__version__,
-          "jax_backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+  info = {
+      "nproc": os.cpu_count(),
+      "cpu_model": cpu,
+      "platform": platform.platform(),
+      "loadavg_1m_5m_15m": list(os.getloadavg()),
+      "jax": jax.__version__,
+      "jax_backend": jax.default_backend(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
   return info
 
 
@@ -88,6 +95,7 @@ def matmul_peak(sizes=(2048, 4096), repeats: int = 5) -> dict:
   """Best fp32 FLOP/s of a square `jnp.dot` per size (default matmul precision)."""
   import jax
   import jax.numpy as jnp
+
   out = {}
   for n in sizes:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
@@ -99,7 +107,7 @@ def matmul_peak(sizes=(2048, 4096), repeats: int = 5) -> dict:
       t0 = time.perf_counter()
       f(a, b).block_until_ready()
       best = min(best, time.perf_counter() - t0)
-    out[str(n)] = 2 * n ** 3 / best
+    out[str(n)] = 2 * n**3 / best
   return out
 
 
@@ -110,10 +118,14 @@ def analytic_flops(cfg, batch: int, seq: int) -> dict:
   n_matmul = cfg.num_layers * n_layer + d * cfg.vocab_size
   tokens = batch * seq
   attn = 12 * cfg.num_layers * h * hd * seq
-  return {"n_matmul_params": n_matmul, "n_params": cfg.num_params(), "tokens": tokens,
-          "flops_per_token": 6 * n_matmul + attn, "flops": tokens * (6 * n_matmul + attn),
-          "formula": "tokens * (6 * N_matmul + 12 * L * H * head_dim * T); "
-                     "N_matmul = L * (D*hd*(2H+2K) + 3*D*F) + D*V"}
+  return {
+      "n_matmul_params": n_matmul,
+      "n_params": cfg.num_params(),
+      "tokens": tokens,
+      "flops_per_token": 6 * n_matmul + attn,
+      "flops": tokens * (6 * n_matmul + attn),
+      "formula": "tokens * (6 * N_matmul + 12 * L * H * head_dim * T); " "N_matmul = L * (D*hd*(2H+2K) + 3*D*F) + D*V",
+  }
 
 
 def ours_stepper(cfg, batch: int, seq: int, chunk_size: int):
@@ -133,6 +145,7 @@ def ours_stepper(cfg, batch: int, seq: int, chunk_size: int):
   import jax.numpy as jnp
   import optax
   from flax import nnx
+
   from minpro_jax.models import token_logprobs
   from minpro_jax.models.transformer import init_model
 
@@ -192,11 +205,20 @@ def hf_model(cfg):
   import transformers
 
   torch.manual_seed(0)
-  common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
-                rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-                max_position_embeddings=cfg.max_position_embeddings, attention_bias=False)
+  common = dict(
+      vocab_size=cfg.vocab_size,
+      hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size,
+      num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads,
+      num_key_value_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
+      rope_theta=cfg.rope_theta,
+      rms_norm_eps=cfg.rms_norm_eps,
+      tie_word_embeddings=cfg.tie_embeddings,
+      max_position_embeddings=cfg.max_position_embeddings,
+      attention_bias=False,
+  )
   if cfg.architecture == "llama":
     hf_cfg, cls = transformers.LlamaConfig(**common, mlp_bias=False), transformers.LlamaForCausalLM
   elif cfg.architecture == "qwen3":
@@ -238,8 +260,12 @@ def transformers_stepper(cfg, batch: int, seq: int, threads: int):
     opt.zero_grad(set_to_none=True)
     return time.perf_counter() - t0, minor_page_faults() - f0, float(loss.detach())
 
-  return run_step, {"torch": torch.__version__, "transformers": transformers.__version__,
-                    "torch_threads": torch.get_num_threads(), "attn_implementation": "sdpa"}
+  return run_step, {
+      "torch": torch.__version__,
+      "transformers": transformers.__version__,
+      "torch_threads": torch.get_num_threads(),
+      "attn_implementation": "sdpa",
+  }
 
 
 def bench_transformers(cfg, batch: int, seq: int, steps: int, threads: int) -> dict:
@@ -333,8 +359,13 @@ def bench_paired(cfg, batch: int, seq: int, steps: int, chunk_size: int, threads
 def summarize(times, flops, tokens, peak) -> dict:
   """Best and median seconds of `times`, and tokens/s, FLOP/s and MFU (against `peak` FLOP/s) at the best."""
   best = min(times)
-  return {"step_s_best": best, "step_s_median": statistics.median(times), "tokens_per_s": tokens / best,
-          "achieved_flops_per_s": flops / best, "mfu": flops / best / peak}
+  return {
+      "step_s_best": best,
+      "step_s_median": statistics.median(times),
+      "tokens_per_s": tokens / best,
+      "achieved_flops_per_s": flops / best,
+      "mfu": flops / best / peak,
+  }
 
 
 def main(argv=None) -> dict:
@@ -347,21 +378,31 @@ def main(argv=None) -> dict:
   p.add_argument("--layers", type=int, default=None, help="override num_layers (quick looks only)")
   p.add_argument("--chunk-size", type=int, default=256, help="token_logprobs chunk_size")
   p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-  p.add_argument("--name", default="model_step",
-                 help="results file name, or a path (absolute, or relative to benchmarks/results/)")
+  p.add_argument(
+      "--name", default="model_step", help="results file name, or a path (absolute, or relative to benchmarks/results/)"
+  )
   args = p.parse_args(argv)
   if args.steps < 1:
     p.error(f"--steps must be >= 1 (timed rounds after the warm-up), got {args.steps}")
   keep_freed = keep_freed_host_memory()  # before JAX starts its threads; applies to both frameworks
 
   import jax
+
   from minpro_jax.models import get_preset
 
   threads = os.cpu_count()
-  result = {"benchmark": "model_step", "baseline": "transformers (torch CPU eager, fp32, SDPA) fwd+bwd+AdamW",
-            "machine": machine_info(), "batch": args.batch, "seq": args.seq, "dtype": "float32",
-            "matmul_precision": str(jax.config.jax_default_matmul_precision), "xla_cpu_threads": threads,
-            "host_memory_keep_freed": keep_freed, "presets": {}}
+  result = {
+      "benchmark": "model_step",
+      "baseline": "transformers (torch CPU eager, fp32, SDPA) fwd+bwd+AdamW",
+      "machine": machine_info(),
+      "batch": args.batch,
+      "seq": args.seq,
+      "dtype": "float32",
+      "matmul_precision": str(jax.config.jax_default_matmul_precision),
+      "xla_cpu_threads": threads,
+      "host_memory_keep_freed": keep_freed,
+      "presets": {},
+  }
   peak_before = matmul_peak()
   for name in args.presets.split(","):
     cfg = get_preset(name) if args.layers is None else get_preset(name, num_layers=args.layers)
@@ -373,8 +414,12 @@ def main(argv=None) -> dict:
     result["presets"][name] = {"num_layers": cfg.num_layers, "flops": fl, "ours": ours, "transformers": base}
   peak_after = matmul_peak()
   peak = max(list(peak_before.values()) + list(peak_after.values()))
-  result["matmul_peak"] = {"before": peak_before, "after": peak_after, "peak_flops_per_s": peak,
-                           "method": "best of 5 jnp.dot fp32 NxN, N in (2048, 4096), before and after"}
+  result["matmul_peak"] = {
+      "before": peak_before,
+      "after": peak_after,
+      "peak_flops_per_s": peak,
+      "method": "best of 5 jnp.dot fp32 NxN, N in (2048, 4096), before and after",
+  }
   for name, r in result["presets"].items():
     fl, tok = r["flops"]["flops"], r["flops"]["tokens"]
     r["ours"].update(summarize(r["ours"]["step_s"], fl, tok, peak))
@@ -387,7 +432,8 @@ def main(argv=None) -> dict:
     r = result["presets"]["smollm2-135m"]
     result["targets"] = {
         "smollm2_ours_ge_transformers": (r.get("ratio_ours_over_transformers_tokens_per_s") or 0) >= 1.0,
-        "smollm2_mfu_ge_0.70": r["ours"]["mfu"] >= 0.70}
+        "smollm2_mfu_ge_0.70": r["ours"]["mfu"] >= 0.70,
+    }
   write_result(args.name, result)
   return result
 

@@ -42,8 +42,9 @@ def matmul_floor_fns(cfg, batch: int, seq: int):
   q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   shapes = dict(q=(d, q_dim), k=(d, kv_dim), v=(d, kv_dim), o=(q_dim, d), gate=(d, f), up=(d, f), down=(f, d))
   rng = np.random.default_rng(0)
-  layers = [{k: (0.02 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
-            for _ in range(cfg.num_layers)]
+  layers = [
+      {k: (0.02 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()} for _ in range(cfg.num_layers)
+  ]
   head = (0.02 * rng.standard_normal((v, d))).astype(np.float32)
   x0 = rng.standard_normal((n, d)).astype(np.float32)
   rep = q_dim // kv_dim if q_dim % kv_dim == 0 else None
@@ -81,8 +82,9 @@ def attention_block_fns(cfg, batch: int, seq: int) -> dict:
   import numpy as np
   import torch
   from flax import nnx
-  from minpro_jax.models.transformer import Attention, rope_tables
   from model_step import hf_model  # pylint: disable=import-outside-toplevel
+
+  from minpro_jax.models.transformer import Attention, rope_tables
 
   x0 = np.random.default_rng(0).standard_normal((batch, seq, cfg.hidden_size)).astype(np.float32)
   positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -98,7 +100,9 @@ def attention_block_fns(cfg, batch: int, seq: int) -> dict:
       def loss(attn, x):
         y, _ = attn(x, rope_tables(positions, cfg), segments, segments, None, jnp.int32(0))
         return jnp.sum(y * y)
+
       return nnx.grad(loss, argnums=(0, 1))(attn, x)
+
     return lambda: jax.block_until_ready(step(attn, x_j))
 
   hf = hf_model(cfg.replace(num_layers=1))
@@ -119,6 +123,7 @@ def _interleave(fns: dict, rounds: int, repeats: int) -> dict:
   """Best time of each callable per round, round-robin, seconds: {name}_s per round, {name}_s_best, and
   jax_over_torch_time (of the bests) and its per-round median."""
   from decode import timed  # pylint: disable=import-outside-toplevel  (best of reps after a warm-up call)
+
   out = {f"{name}_s": [] for name in fns}
   for _ in range(rounds):
     for name, fn in fns.items():
@@ -147,6 +152,7 @@ def measure(cfg, batch: int, seq: int, rounds: int = 3, threads: int | None = No
     ValueError: for a MoE config (the floor covers dense projections only).
   """
   import torch
+
   if cfg.num_experts:
     raise ValueError(f"step_floor covers dense presets; this config has num_experts={cfg.num_experts}")
   torch.set_num_threads(threads or os.cpu_count())
@@ -169,15 +175,24 @@ def main(argv=None) -> dict:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--steps", type=int, default=2, help="timed full steps per side (after one warm-up)")
   p.add_argument("--no-step", action="store_true", help="skip the full train steps")
-  p.add_argument("--name", default="step_floor",
-                 help="results file name, or a path (absolute, or relative to benchmarks/results/)")
+  p.add_argument(
+      "--name", default="step_floor", help="results file name, or a path (absolute, or relative to benchmarks/results/)"
+  )
   args = p.parse_args(argv)
   import model_step  # pylint: disable=import-outside-toplevel
+
   model_step.keep_freed_host_memory()
   from minpro_jax.models import get_preset
-  result = {"benchmark": "step_floor", "baseline": "torch CPU eager (autograd; transformers SDPA attention)",
-            "machine": model_step.machine_info(), "batch": args.batch, "seq": args.seq, "dtype": "float32",
-            "presets": {}}
+
+  result = {
+      "benchmark": "step_floor",
+      "baseline": "torch CPU eager (autograd; transformers SDPA attention)",
+      "machine": model_step.machine_info(),
+      "batch": args.batch,
+      "seq": args.seq,
+      "dtype": "float32",
+      "presets": {},
+  }
   for name in args.presets.split(","):
     cfg = get_preset(name)
     r = {}
@@ -189,8 +204,10 @@ def main(argv=None) -> dict:
     r.update(measure(cfg, args.batch, args.seq, args.rounds))
     if not args.no_step:
       floor = r["matmul_floor"]
-      r["step_minus_floor_s"] = {"ours": r["step_s_best"]["ours"] - floor["jax_s_best"],
-                                 "transformers": r["step_s_best"]["transformers"] - floor["torch_s_best"]}
+      r["step_minus_floor_s"] = {
+          "ours": r["step_s_best"]["ours"] - floor["jax_s_best"],
+          "transformers": r["step_s_best"]["transformers"] - floor["torch_s_best"],
+      }
     result["presets"][name] = r
   result["machine"]["loadavg_end"] = list(os.getloadavg())
   model_step.write_result(args.name, result)

@@ -29,7 +29,9 @@ from minpro_jax.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 
 
 def _config(name: str):
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(REPO, "minpro_jax", "configs", f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(
+      f"cfg_{name}", os.path.join(REPO, "minpro_jax", "configs", f"{name}.py")
+  )
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod.get_config()
@@ -38,6 +40,7 @@ def _config(name: str):
 def bench(name: str, steps: int) -> dict:
   from minpro_jax.metrics_log import read_metrics
   from minpro_jax.trainer import Trainer
+
   c = _config(name)
   work = tempfile.mkdtemp(prefix=f"bench_{name}_")
   c.workdir = os.path.join(work, "run")
@@ -61,11 +64,17 @@ def bench(name: str, steps: int) -> dict:
   warm = recs[1:] or recs
   med = lambda k: statistics.median(r[k] for r in warm if r.get(k) is not None)  # noqa: E731
   out = {
-      "config": name, "global_steps_timed": len(warm), "setup_s": setup,
-      "samples_per_step": c.prompts_per_step * c.group_size, "updates_per_step": c.num_updates_per_step,
+      "config": name,
+      "global_steps_timed": len(warm),
+      "setup_s": setup,
+      "samples_per_step": c.prompts_per_step * c.group_size,
+      "updates_per_step": c.num_updates_per_step,
       "first_step_s (compile)": recs[0]["time/step"],
-      "step_s": med("time/step"), "sample_s": med("time/sample"), "grade_s": med("time/grade"),
-      "score_s": med("time/score"), "learn_s": med("time/learn"),
+      "step_s": med("time/step"),
+      "sample_s": med("time/sample"),
+      "grade_s": med("time/grade"),
+      "score_s": med("time/score"),
+      "learn_s": med("time/learn"),
       "sample_tokens_per_s": med("throughput/sample_tokens_per_s"),
       "learn_tokens_per_s": med("throughput/learn_tokens_per_s"),
   }
@@ -79,10 +88,18 @@ def main() -> int:
   ap.add_argument("--steps", type=int, default=4)
   args = ap.parse_args()
   keep_freed = keep_freed_host_memory()  # as the train entry point does
-  results = {"benchmark": "train_step", "baseline": "the sampling phase of the same run (learn_over_sample)",
-             "machine": {"nproc": os.cpu_count(), "platform": platform.platform(),
-                         "loadavg": os.getloadavg(), "host_memory_keep_freed": keep_freed, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-             "runs": [bench(name, args.steps) for name in args.configs]}
+  results = {
+      "benchmark": "train_step",
+      "baseline": "the sampling phase of the same run (learn_over_sample)",
+      "machine": {
+          "nproc": os.cpu_count(),
+          "platform": platform.platform(),
+          "loadavg": os.getloadavg(),
+          "host_memory_keep_freed": keep_freed,
+          "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      },
+      "runs": [bench(name, args.steps) for name in args.configs],
+  }
   text = json.dumps(results, indent=2)
   print(text)
   os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)

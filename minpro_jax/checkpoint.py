@@ -49,8 +49,9 @@ class RunCheckpointer:
     self._keep = keep
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
     self._mngr = ocp.CheckpointManager(os.path.join(self.workdir, "checkpoints"), options=opts)
-    self._best = ocp.CheckpointManager(os.path.join(self.workdir, "best"),
-                                       options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+    self._best = ocp.CheckpointManager(
+        os.path.join(self.workdir, "best"), options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True)
+    )
 
   def check_disk_space(self, state: Any, params: Any) -> None:
     """Fails fast when the workdir's disk cannot hold the checkpoints the run will still write.
@@ -74,10 +75,12 @@ class RunCheckpointer:
     need = n_state * _tree_bytes(state) + n_params * _tree_bytes(params)
     free = shutil.disk_usage(self.workdir).free
     if free < need:
-      raise OSError(f"config.workdir: {self.workdir} has {free / 1e9:.2f} GB free, but the {n_state} run "
-                    f"checkpoint(s) and {n_params} best-parameter checkpoint(s) this run will still write need about "
-                    f"{need / 1e9:.2f} GB. Free disk space there, set workdir to a disk with room (e.g. "
-                    f"`--config.workdir=/mnt/disk/run`), or lower `--config.checkpoint.keep`.")
+      raise OSError(
+          f"config.workdir: {self.workdir} has {free / 1e9:.2f} GB free, but the {n_state} run "
+          f"checkpoint(s) and {n_params} best-parameter checkpoint(s) this run will still write need about "
+          f"{need / 1e9:.2f} GB. Free disk space there, set workdir to a disk with room (e.g. "
+          f"`--config.workdir=/mnt/disk/run`), or lower `--config.checkpoint.keep`."
+      )
 
   def latest_step(self) -> int | None:
     """Global step of the newest complete run checkpoint, or None."""
@@ -92,9 +95,11 @@ class RunCheckpointer:
     """
     if step in self._mngr.all_steps():
       return
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              buffer=ocp.args.StandardSave(_numpy_tree(buffer_state)),
-                              meta=ocp.args.JsonSave(meta))
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        buffer=ocp.args.StandardSave(_numpy_tree(buffer_state)),
+        meta=ocp.args.JsonSave(meta),
+    )
     self._write(self._mngr, step, args, "run checkpoint")
 
   def restore(self, step: int, state_template: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
@@ -106,12 +111,17 @@ class RunCheckpointer:
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def _restore_arrays(self, step: int, state_template: Any) -> tuple[Any, dict[str, Any]]:
-    restored = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_abstract(state_template)), buffer=ocp.args.StandardRestore()))
+    restored = self._mngr.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(state_template)), buffer=ocp.args.StandardRestore()
+        ),
+    )
     return restored["state"], jax.tree.map(np.asarray, restored["buffer"])
 
-  def restore_latest(self, state_template: Any, check_meta: Callable[[dict[str, Any]], None] | None = None
-                     ) -> tuple[int, Any, dict[str, Any], dict[str, Any]] | None:
+  def restore_latest(
+      self, state_template: Any, check_meta: Callable[[dict[str, Any]], None] | None = None
+  ) -> tuple[int, Any, dict[str, Any], dict[str, Any]] | None:
     """Restores the newest run checkpoint that reads back, falling back to older ones.
 
     Orbax only lists checkpoints whose write finished, so a preempted save is never seen; this handles one that
@@ -152,11 +162,13 @@ class RunCheckpointer:
       return step, state, buffer_state, meta
     if errors:
       newest, err = errors[0]
-      raise RuntimeError(f"config.workdir: no run checkpoint under {self.workdir}/checkpoints reads back (steps "
-                         f"{[s for s, _ in errors]}); the newest, {newest}, fails with {type(err).__name__}: "
-                         f"{str(err).rstrip('.')}. If the config changed the parameter or optimizer-state structure "
-                         "(e.g. model or optimizer settings), resume with the original config or use a new "
-                         "--config.workdir; if the files are damaged, repair or delete those step folders") from err
+      raise RuntimeError(
+          f"config.workdir: no run checkpoint under {self.workdir}/checkpoints reads back (steps "
+          f"{[s for s, _ in errors]}); the newest, {newest}, fails with {type(err).__name__}: "
+          f"{str(err).rstrip('.')}. If the config changed the parameter or optimizer-state structure "
+          "(e.g. model or optimizer settings), resume with the original config or use a new "
+          "--config.workdir; if the files are damaged, repair or delete those step folders"
+      ) from err
     return None
 
   def _set_aside(self, errors: list[tuple[int, Exception]], fallback: int) -> None:
@@ -166,8 +178,14 @@ class RunCheckpointer:
       src = os.path.join(self.workdir, "checkpoints", str(step))
       dst = os.path.join(aside, f"{step}_{int(time.time())}")
       shutil.move(src, dst)
-      logger.warning("run checkpoint %d does not read back (%s: %s); moved it to %s and resumed from step %d",
-                     step, type(reason).__name__, str(reason)[:300], dst, fallback)
+      logger.warning(
+          "run checkpoint %d does not read back (%s: %s); moved it to %s and resumed from step %d",
+          step,
+          type(reason).__name__,
+          str(reason)[:300],
+          dst,
+          fallback,
+      )
     self._mngr.reload()
 
   def save_best(self, step: int, params: Any, meta: dict[str, Any]) -> None:
@@ -191,10 +209,13 @@ class RunCheckpointer:
         raise
       for tmp in glob.glob(os.path.join(str(mngr.directory), f"{step}.orbax-checkpoint-tmp*")):
         shutil.rmtree(tmp, ignore_errors=True)  # the partial write; the complete checkpoints stay
-      raise OSError(errno.ENOSPC, f"config.workdir: the disk under {self.workdir} filled up while writing the "
-                    f"{what} of step {step} (the partial write was removed; the run checkpoints on disk, newest "
-                    f"{self._mngr.latest_step()}, are intact). Free space there, or lower "
-                    "--config.checkpoint.keep, and re-run the same command to resume.") from e
+      raise OSError(
+          errno.ENOSPC,
+          f"config.workdir: the disk under {self.workdir} filled up while writing the "
+          f"{what} of step {step} (the partial write was removed; the run checkpoints on disk, newest "
+          f"{self._mngr.latest_step()}, are intact). Free space there, or lower "
+          "--config.checkpoint.keep, and re-run the same command to resume.",
+      ) from e
 
   def best_step(self) -> int | None:
     return self._best.latest_step()
@@ -204,8 +225,12 @@ class RunCheckpointer:
     step = self._best.latest_step()
     if step is None:
       raise FileNotFoundError(f"no best checkpoint under {self.workdir}/best")
-    out = self._best.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(_abstract(params_template)),
-                                                           meta=ocp.args.JsonRestore()))
+    out = self._best.restore(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(params_template)), meta=ocp.args.JsonRestore()
+        ),
+    )
     return out["params"], out["meta"]
 
   def close(self) -> None:
@@ -216,8 +241,11 @@ class RunCheckpointer:
 def _disk_full(e: BaseException) -> bool:
   """Whether `e` (or an exception it was raised from) is a "no space left on device" error."""
   while e is not None:
-    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e) \
-        or "os_error_code='28'" in str(e):
+    if (
+        (isinstance(e, OSError) and e.errno == errno.ENOSPC)
+        or "No space left on device" in str(e)
+        or "os_error_code='28'" in str(e)
+    ):
       return True
     e = e.__cause__ or e.__context__
   return False
@@ -233,7 +261,9 @@ def _numpy_tree(tree):
   steps = np.asarray(tree.get("steps", np.zeros((0,), np.int64)), np.int64).reshape(-1)
   out = {"count": np.asarray(steps.size, np.int64), "steps": np.concatenate([steps, np.full(1, -1, np.int64)])}
   batches = tree.get("batches", {})
-  out["batches"] = {k: {f: np.asarray(v) for f, v in b.items()} for k, b in batches.items()} if batches else {"_": np.zeros(())}
+  out["batches"] = (
+      {k: {f: np.asarray(v) for f, v in b.items()} for k, b in batches.items()} if batches else {"_": np.zeros(())}
+  )
   return out
 
 

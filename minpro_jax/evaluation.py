@@ -88,8 +88,9 @@ def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool | float], k: 
   return float(bool(correct[first[best]]))
 
 
-def score_samples(correct: Sequence[Sequence[bool | float]], answers: Sequence[Sequence[str | None]] | None,
-                  ks: Sequence[int]) -> dict[str, Any]:
+def score_samples(
+    correct: Sequence[Sequence[bool | float]], answers: Sequence[Sequence[str | None]] | None, ks: Sequence[int]
+) -> dict[str, Any]:
   """Aggregate per-problem sample correctness into ``{"avg@n", "pass@k": {k: v}, "maj@k": {k: v}}``.
 
   ``correct`` is [P][n] (every problem has the same n). k > n is omitted (reported under ``"omitted_k"``).
@@ -102,7 +103,8 @@ def score_samples(correct: Sequence[Sequence[bool | float]], answers: Sequence[S
   cs = [int(sum(bool(x) for x in row)) for row in correct]
   valid = [k for k in ks if k <= n]
   out: dict[str, Any] = {
-      "num_problems": len(correct), "n": n,
+      "num_problems": len(correct),
+      "n": n,
       f"avg@{n}": float(np.mean([c / n for c in cs])),
       "pass@k": {str(k): float(np.mean([pass_at_k(n, c, k) for c in cs])) for k in valid},
   }
@@ -113,10 +115,20 @@ def score_samples(correct: Sequence[Sequence[bool | float]], answers: Sequence[S
   return out
 
 
-def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Sequence[MathProblem]], n: int,
-             ks: Sequence[int] = (1,), *, prompt_fn: Callable[[MathProblem], str] | None = None, seed: int = 0,
-             batch_size: int = 64, modes: Mapping[str, str] | str = "math", out_dir: str | None = None,
-             name: str = "eval", **grade_kwargs: Any) -> dict[str, Any]:
+def evaluate(
+    generate_fn: GenerateFn,
+    benchmarks: Mapping[str, Sequence[MathProblem]],
+    n: int,
+    ks: Sequence[int] = (1,),
+    *,
+    prompt_fn: Callable[[MathProblem], str] | None = None,
+    seed: int = 0,
+    batch_size: int = 64,
+    modes: Mapping[str, str] | str = "math",
+    out_dir: str | None = None,
+    name: str = "eval",
+    **grade_kwargs: Any,
+) -> dict[str, Any]:
   """Sample ``n`` responses per problem, grade them, and build per-benchmark + macro-average tables.
 
   Args:
@@ -142,16 +154,21 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Sequence[MathProb
     raise ValueError(f"n={n} must be >= 1")
   if prompt_fn is None:
     from minpro_jax.data.prompts import format_prompt
+
     prompt_fn = lambda p: format_prompt(p, template="plain")  # noqa: E731
-  results: dict[str, Any] = {"benchmarks": {}, "macro": {}, "samples": {}, "config": {"n": n, "ks": list(ks),
-                                                                                     "seed": seed}}
+  results: dict[str, Any] = {
+      "benchmarks": {},
+      "macro": {},
+      "samples": {},
+      "config": {"n": n, "ks": list(ks), "seed": seed},
+  }
   for j, (bench, problems) in enumerate(benchmarks.items()):
     if not problems:
       raise ValueError(f"benchmark {bench!r} has no problems")
     mode = modes if isinstance(modes, str) else modes.get(bench, "math")
     responses: list[list[str]] = []
     for b, start in enumerate(range(0, len(problems), batch_size)):
-      chunk = problems[start:start + batch_size]
+      chunk = problems[start : start + batch_size]
       out = generate_fn([prompt_fn(p) for p in chunk], n, seed + 1000003 * j + b)
       if len(out) != len(chunk) or any(len(r) != n for r in out):
         raise ValueError(f"generate_fn returned {[len(r) for r in out]} responses for {len(chunk)} prompts x n={n}")
@@ -164,8 +181,9 @@ def evaluate(generate_fn: GenerateFn, benchmarks: Mapping[str, Sequence[MathProb
     scores = score_samples(correct, answers, ks)
     scores["grading"] = stats
     results["benchmarks"][bench] = scores
-    results["samples"][bench] = [{"id": p.id, "answer": p.answer, "extracted": a, "correct": c}
-                                 for p, a, c in zip(problems, answers, correct)]
+    results["samples"][bench] = [
+        {"id": p.id, "answer": p.answer, "extracted": a, "correct": c} for p, a, c in zip(problems, answers, correct)
+    ]
   results["macro"] = _macro(results["benchmarks"])
   if out_dir is not None:
     write_report(results, out_dir, name)

@@ -59,6 +59,7 @@ class MetricsWriter:
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter
+
         self._tb = SummaryWriter(os.path.join(workdir, "tb"))
       except ImportError:
         self._tb = None
@@ -92,6 +93,7 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
 def plot_run(workdir: str) -> list[str]:
   """Writes PNG plots (reward/accuracy, staleness, weight by position, eval) from metrics.jsonl; returns paths."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -105,8 +107,11 @@ def plot_run(workdir: str) -> list[str]:
     return ([p[0] for p in pts], [p[1] for p in pts]) if pts else None
 
   fig, ax = plt.subplots(figsize=(6, 4))
-  for key, label in (("reward/mean", "train reward"), ("reward/accuracy", "train accuracy"),
-                     ("eval/avg_score", "held-out pass@1")):
+  for key, label in (
+      ("reward/mean", "train reward"),
+      ("reward/accuracy", "train accuracy"),
+      ("eval/avg_score", "held-out pass@1"),
+  ):
     s = series(key)
     if s:
       ax.plot(*s, label=label, marker="." if key.startswith("eval") else None)
@@ -145,6 +150,7 @@ def plot_run(workdir: str) -> list[str]:
 def _save(fig, workdir: str, name: str) -> str:
   """Writes `fig` to `workdir/name` as PNG, closes it, and returns the path."""
   import matplotlib.pyplot as plt
+
   path = os.path.join(workdir, name)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

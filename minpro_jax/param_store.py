@@ -55,8 +55,10 @@ class ParamStore:
     try:
       return self._versions[version]
     except KeyError:
-      raise KeyError(f"policy_version {version} is not held by the ParamStore (held versions: "
-                     f"{self.versions}; keep_last={self.keep_last}); it was evicted or never stored") from None
+      raise KeyError(
+          f"policy_version {version} is not held by the ParamStore (held versions: "
+          f"{self.versions}; keep_last={self.keep_last}); it was evicted or never stored"
+      ) from None
 
   @property
   def latest_version(self) -> int:

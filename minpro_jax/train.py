@@ -16,7 +16,9 @@ os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".ca
 from absl import app  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "minpro_jax/configs/default.py", "Experiment config file.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "minpro_jax/configs/default.py", "Experiment config file.", lock_config=True
+)
 
 
 def main(argv):
@@ -25,10 +27,13 @@ def main(argv):
   for noisy in ("absl", "jax._src", "orbax", "math_verify", "latex2sympy2_extended"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
   from minpro_jax.runtime.host_memory import keep_freed_host_memory
+
   keep_freed_host_memory()  # host (XLA:CPU) steps stop re-faulting their temporaries; before JAX starts threads
   from minpro_jax.runtime.distributed import maybe_initialize_distributed
+
   maybe_initialize_distributed()  # multi-host TPU / multi-node GPU only; must precede any JAX computation
   from minpro_jax.trainer import Trainer
+
   trainer = Trainer(_CONFIG.value)
   summary = trainer.run()
   keys = ("eval_after_sft", "eval_final", "best", "policy_version", "skipped_updates")

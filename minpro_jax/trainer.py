@@ -36,18 +36,18 @@ import numpy as np
 from flax import nnx
 
 from minpro_jax import run_config
-from minpro_jax.rl import mipu
-from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, encode_prompts, format_prompt
-from minpro_jax.rl.learner import Learner, staleness
-from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
-from minpro_jax.rl.objectives import mismatch_metrics
-from minpro_jax.rl.aggregation import inference_gap_t_post
 from minpro_jax.data.rewards import grade
+from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
+from minpro_jax.rl import mipu
+from minpro_jax.rl.advantages import group_advantages
+from minpro_jax.rl.aggregation import inference_gap_t_post
+from minpro_jax.rl.learner import Learner, staleness
+from minpro_jax.rl.objectives import mismatch_metrics
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
-from minpro_jax.sampling import Sampler, SamplingParams
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
+from minpro_jax.sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,40 +63,57 @@ class Trainer:
     run_config.validate_config(config)
     self.c = c = config
     if c.total_steps <= c.delay:
-      logger.warning("total_steps=%d <= delay=%d: every rollout is still in the delay buffer at the end, so the run "
-                     "makes no update", c.total_steps, c.delay)
+      logger.warning(
+          "total_steps=%d <= delay=%d: every rollout is still in the delay buffer at the end, so the run "
+          "makes no update",
+          c.total_steps,
+          c.delay,
+      )
     self.workdir = os.path.abspath(c.workdir)
     try:
       os.makedirs(self.workdir, exist_ok=True)
       with tempfile.TemporaryFile(dir=self.workdir):
         pass
     except OSError as e:
-      raise run_config.ConfigError(f"config.workdir: cannot write to {self.workdir} ({e.strerror or e}); choose a "
-                              "writable directory, e.g. --config.workdir=runs/my_run") from e
+      raise run_config.ConfigError(
+          f"config.workdir: cannot write to {self.workdir} ({e.strerror or e}); choose a "
+          "writable directory, e.g. --config.workdir=runs/my_run"
+      ) from e
     shape = run_config.parse_mesh_shape(c.mesh.shape)
     self.mesh = make_mesh(shape) if shape else None
     t0 = time.time()
     from minpro_jax.run_setup import build_model_and_tokenizer
+
     self.problems, self.eval_sets = run_config.train_and_eval_problems(c)
     run_config.check_mipu_problem_count(c, len(self.problems))  # before the tokenizer and SFT
     self.ckpt = RunCheckpointer(self.workdir, keep=c.checkpoint.keep)
     resuming = self.ckpt.latest_step() is not None  # the checkpoint holds the weights: no SFT needed
-    self.model, self.tokenizer, self.sft_info = build_model_and_tokenizer(c, self.problems, self.mesh, self.workdir,
-                                                                          skip_sft=resuming)
+    self.model, self.tokenizer, self.sft_info = build_model_and_tokenizer(
+        c, self.problems, self.mesh, self.workdir, skip_sft=resuming
+    )
     self.model_config = self.model.config
     self.train_problems, self.prompt_ids = self._encode(self.problems)
     self.eval_sets = self._fit_eval_sets(self.eval_sets)
     run_config.check_mipu_problem_count(c, len(self.train_problems))  # after prompts too long were dropped
     self.loader = ProblemLoader(self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs)
-    self.sampling = SamplingParams(temperature=float(c.sampling.temperature), top_k=int(c.sampling.top_k) or None,
-                                   top_p=float(c.sampling.top_p) if c.sampling.top_p < 1.0 else None,
-                                   max_new_tokens=int(c.sampling.max_new_tokens),
-                                   stop_token_ids=tuple(int(i) for i in self.tokenizer.stop_ids))
-    self.sampler = Sampler(self.model_config, precision=c.sampling.precision, mesh=self.mesh,
-                           pad_id=max(self.tokenizer.pad_id, 0), prompt_buckets=_prompt_buckets(c.data.max_prompt_tokens))
+    self.sampling = SamplingParams(
+        temperature=float(c.sampling.temperature),
+        top_k=int(c.sampling.top_k) or None,
+        top_p=float(c.sampling.top_p) if c.sampling.top_p < 1.0 else None,
+        max_new_tokens=int(c.sampling.max_new_tokens),
+        stop_token_ids=tuple(int(i) for i in self.tokenizer.stop_ids),
+    )
+    self.sampler = Sampler(
+        self.model_config,
+        precision=c.sampling.precision,
+        mesh=self.mesh,
+        pad_id=max(self.tokenizer.pad_id, 0),
+        prompt_buckets=_prompt_buckets(c.data.max_prompt_tokens),
+    )
     mb = min(c.micro_batch_size, c.prompts_per_step * c.group_size // c.num_updates_per_step)
-    self.learner = Learner(self.model, run_config.loss_config(c), run_config.optimizer_config(c), micro_batch_size=mb,
-                           mesh=self.mesh)
+    self.learner = Learner(
+        self.model, run_config.loss_config(c), run_config.optimizer_config(c), micro_batch_size=mb, mesh=self.mesh
+    )
     self.setup_seconds = time.time() - t0
     self._stop_signal: int | None = None
 
@@ -106,11 +123,17 @@ class Trainer:
 
   def _encode_fitting(self, problems, what: str):
     """`encode_prompts` at data.max_prompt_tokens; a warning counts the prompts skipped as too long."""
-    enc = encode_prompts(problems, self.tokenizer, max_prompt_tokens=self.c.data.max_prompt_tokens,
-                         template=self.c.data.template)
+    enc = encode_prompts(
+        problems, self.tokenizer, max_prompt_tokens=self.c.data.max_prompt_tokens, template=self.c.data.template
+    )
     if enc.skipped:
-      logger.warning("%s: skipped %d of %d problems longer than data.max_prompt_tokens=%d", what, len(enc.skipped),
-                     len(problems), self.c.data.max_prompt_tokens)
+      logger.warning(
+          "%s: skipped %d of %d problems longer than data.max_prompt_tokens=%d",
+          what,
+          len(enc.skipped),
+          len(problems),
+          self.c.data.max_prompt_tokens,
+      )
     return enc
 
   def _encode(self, problems):
@@ -120,7 +143,8 @@ class Trainer:
           f"config.data: {len(enc.problems)} training problems are left ({len(problems)} after removing the held-out "
           f"prompts, {len(enc.skipped)} of them longer than data.max_prompt_tokens={self.c.data.max_prompt_tokens}), "
           f"fewer than prompts_per_step={self.c.prompts_per_step}; use more data, a larger max_prompt_tokens or a "
-          "smaller prompts_per_step")
+          "smaller prompts_per_step"
+      )
     return enc.problems, {p.id: ids for p, ids in zip(enc.problems, enc.token_ids)}
 
   def _fit_eval_sets(self, eval_sets):
@@ -129,8 +153,10 @@ class Trainer:
     for name, problems in eval_sets.items():
       enc = self._encode_fitting(problems, f"held-out set {name}")
       if not enc.problems:
-        raise run_config.ConfigError(f"config.data.max_prompt_tokens: no prompt of held-out set {name!r} fits in "
-                                f"{self.c.data.max_prompt_tokens} tokens; raise it")
+        raise run_config.ConfigError(
+            f"config.data.max_prompt_tokens: no prompt of held-out set {name!r} fits in "
+            f"{self.c.data.max_prompt_tokens} tokens; raise it"
+        )
       out[name] = list(enc.problems)
     return out
 
@@ -144,20 +170,25 @@ class Trainer:
     """`evaluation.evaluate`'s generate_fn: n decoded responses per prompt text."""
     add_bos = self.c.data.template == "plain"
     ids = [self.tokenizer.encode(p, add_bos=add_bos) for p in prompts]
-    sp = SamplingParams(temperature=temperature, top_p=top_p if top_p < 1.0 else None,
-                        max_new_tokens=self.sampling.max_new_tokens, stop_token_ids=self.sampling.stop_token_ids)
+    sp = SamplingParams(
+        temperature=temperature,
+        top_p=top_p if top_p < 1.0 else None,
+        max_new_tokens=self.sampling.max_new_tokens,
+        stop_token_ids=self.sampling.stop_token_ids,
+    )
     with self._mesh():
       gen = self.sampler.generate(params, ids, sp, seed, group_size=n)
     texts = self._decode(gen)
-    return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+    return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
   def _grade(self, gen, problems, group_size: int):
     """Texts, float32 rewards, grading stats and group advantages of a generated batch (prompt-major rows)."""
     c = self.c
     texts = self._decode(gen)
     golds = [p.answer for p in problems for _ in range(group_size)]
-    rewards, gstats = grade(texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward,
-                            truncated=list(gen.truncated))
+    rewards, gstats = grade(
+        texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)
+    )
     rewards = np.asarray(rewards, np.float32)
     adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=c.advantage_mode))
     return texts, rewards, gstats, adv
@@ -167,14 +198,25 @@ class Trainer:
 
   def evaluate(self, params, step: int, name: str) -> dict[str, Any]:
     from minpro_jax.evaluation import evaluate
+
     e = self.c.eval
     with self._mesh():
       params = self.sampler.prepare_params(params)  # converted once for all of the evaluation's batches
-    fn = lambda prompts, n, seed: self.generate_texts(params, prompts, n, seed, temperature=e.temperature,  # noqa: E731
-                                                      top_p=e.top_p)
-    res = evaluate(fn, self.eval_sets, n=e.n, ks=tuple(e.ks), prompt_fn=self._prompt_text, seed=e.seed + step,
-                   batch_size=max(1, 256 // e.n), modes=e.reward_mode or self.c.reward.mode, out_dir=os.path.join(self.workdir, "eval"),
-                   name=name)
+    fn = lambda prompts, n, seed: self.generate_texts(
+        params, prompts, n, seed, temperature=e.temperature, top_p=e.top_p  # noqa: E731
+    )
+    res = evaluate(
+        fn,
+        self.eval_sets,
+        n=e.n,
+        ks=tuple(e.ks),
+        prompt_fn=self._prompt_text,
+        seed=e.seed + step,
+        batch_size=max(1, 256 // e.n),
+        modes=e.reward_mode or self.c.reward.mode,
+        out_dir=os.path.join(self.workdir, "eval"),
+        name=name,
+    )
     return res
 
   # ------------------------------------------------------------------ one global step
@@ -186,34 +228,57 @@ class Trainer:
     version = int(state.step)
     group_ids = step * c.prompts_per_step + np.arange(len(problems))
     with self._mesh():
-      gen = self.sampler.generate(state.params, [self.prompt_ids[p.id] for p in problems], self.sampling,
-                                  self._step_seed(step, 1), group_size=c.group_size, group_ids=group_ids,
-                                  policy_version=version)
+      gen = self.sampler.generate(
+          state.params,
+          [self.prompt_ids[p.id] for p in problems],
+          self.sampling,
+          self._step_seed(step, 1),
+          group_size=c.group_size,
+          group_ids=group_ids,
+          policy_version=version,
+      )
     arrays = gen.to_learner_arrays()
     t1 = time.time()
     texts, rewards, gstats, adv = self._grade(gen, problems, c.group_size)
     t2 = time.time()
     with self._mesh():
       learner_logp = self.learner.score(state.params, arrays._asdict())
-    mm = jax.device_get(mismatch_metrics(jnp.asarray(learner_logp), jnp.asarray(arrays.behavior_logp),
-                                         jnp.asarray(arrays.response_mask)))
-    batch = RolloutBatch(tokens=arrays.tokens, segment_ids=arrays.segment_ids, positions=arrays.positions,
-                         response_mask=arrays.response_mask, behavior_logp=arrays.behavior_logp,
-                         learner_logp=np.where(arrays.response_mask, learner_logp, 0.0).astype(np.float32),
-                         advantages=adv.astype(np.float32), rewards=rewards, group_ids=gen.group_ids.astype(np.int64),
-                         policy_version=np.full(len(gen), version, np.int64), response_lengths=gen.lengths,
-                         truncated=gen.truncated)
+    mm = jax.device_get(
+        mismatch_metrics(
+            jnp.asarray(learner_logp), jnp.asarray(arrays.behavior_logp), jnp.asarray(arrays.response_mask)
+        )
+    )
+    batch = RolloutBatch(
+        tokens=arrays.tokens,
+        segment_ids=arrays.segment_ids,
+        positions=arrays.positions,
+        response_mask=arrays.response_mask,
+        behavior_logp=arrays.behavior_logp,
+        learner_logp=np.where(arrays.response_mask, learner_logp, 0.0).astype(np.float32),
+        advantages=adv.astype(np.float32),
+        rewards=rewards,
+        group_ids=gen.group_ids.astype(np.int64),
+        policy_version=np.full(len(gen), version, np.int64),
+        response_lengths=gen.lengths,
+        truncated=gen.truncated,
+    )
     t3 = time.time()
     ent = gen.entropy
     n_tok = max(int(gen.response_mask.sum()), 1)
     metrics = {
-        "reward/mean": float(rewards.mean()), "reward/accuracy": float((rewards >= 1.0).mean()),
-        "reward/no_answer_frac": gstats["no_answer"] / len(texts), "reward/timeouts": gstats["timeout"],
-        "response/length_mean": float(gen.lengths.mean()), "response/length_max": int(gen.lengths.max()),
+        "reward/mean": float(rewards.mean()),
+        "reward/accuracy": float((rewards >= 1.0).mean()),
+        "reward/no_answer_frac": gstats["no_answer"] / len(texts),
+        "reward/timeouts": gstats["timeout"],
+        "response/length_mean": float(gen.lengths.mean()),
+        "response/length_max": int(gen.lengths.max()),
         "response/truncated_frac": float(gen.truncated.mean()),
         "response/entropy": float((ent * gen.response_mask).sum() / n_tok) if ent is not None else None,
-        "advantage/zero_frac": float((adv == 0).mean()), "sample/policy_version": version,
-        "time/sample": t1 - t0, "time/grade": t2 - t1, "time/score": t3 - t2,
+        "advantage/zero_frac": float((adv == 0).mean()),
+        "sample/policy_version": version,
+        "time/sample": t1 - t0,
+        "time/grade": t2 - t1,
+        "time/score": t3 - t2,
         "throughput/sample_tokens_per_s": n_tok / max(t1 - t0, 1e-9),
     }
     metrics.update({f"sampler_learner/{k}": float(v) for k, v in mm.items()})
@@ -237,17 +302,32 @@ class Trainer:
     idx = mipu.validation_indices(len(self.train_problems), m.val_prompts, self._step_seed(step, 3))
     problems = [self.train_problems[i] for i in idx]
     with self._mesh():
-      gen = self.sampler.generate(state.params, [self.prompt_ids[p.id] for p in problems], self.sampling,
-                                  self._step_seed(step, 4), group_size=m.val_group_size,
-                                  policy_version=int(state.step))
+      gen = self.sampler.generate(
+          state.params,
+          [self.prompt_ids[p.id] for p in problems],
+          self.sampling,
+          self._step_seed(step, 4),
+          group_size=m.val_group_size,
+          policy_version=int(state.step),
+      )
     arrays = gen.to_learner_arrays()
     _, rewards, _, adv = self._grade(gen, problems, m.val_group_size)
     with self._mesh():
       learner_logp = self.learner.score(state.params, arrays._asdict())
-    t_post = float(inference_gap_t_post(jnp.asarray(learner_logp), jnp.asarray(arrays.behavior_logp),
-                                        jnp.asarray(adv), jnp.asarray(arrays.response_mask)))
-    return mipu.GapCheck(t_post=t_post, accepted=mipu.accept_update(t_post, float(m.gap_tolerance)),
-                         reward_mean=float(rewards.mean()), num_samples=len(rewards))
+    t_post = float(
+        inference_gap_t_post(
+            jnp.asarray(learner_logp),
+            jnp.asarray(arrays.behavior_logp),
+            jnp.asarray(adv),
+            jnp.asarray(arrays.response_mask),
+        )
+    )
+    return mipu.GapCheck(
+        t_post=t_post,
+        accepted=mipu.accept_update(t_post, float(m.gap_tolerance)),
+        reward_mean=float(rewards.mean()),
+        num_samples=len(rewards),
+    )
 
   def learn_step(self, state, batch: RolloutBatch) -> tuple[Any, dict[str, Any]]:
     """Step 4: one optimizer update per mini-batch of a released batch."""
@@ -260,16 +340,21 @@ class Trainer:
       ups.append(m)
     stale = np.concatenate(stale)
     dt = time.time() - t0
-    metrics: dict[str, Any] = {"staleness/min": int(stale.min()), "staleness/mean": float(stale.mean()),
-                               "staleness/max": int(stale.max()), "time/learn": dt,
-                               "throughput/learn_tokens_per_s": float(batch.segment_ids.sum()) / max(dt, 1e-9)}
+    metrics: dict[str, Any] = {
+        "staleness/min": int(stale.min()),
+        "staleness/mean": float(stale.mean()),
+        "staleness/max": int(stale.max()),
+        "time/learn": dt,
+        "throughput/learn_tokens_per_s": float(batch.segment_ids.sum()) / max(dt, 1e-9),
+    }
     for k in ups[0]:
       vals = np.asarray([u[k] for u in ups], np.float64)
       if k == "weight_by_position_bin":
         cnt = np.asarray([u["tokens_by_position_bin"] for u in ups], np.float64)
         tot = cnt.sum(0)
-        metrics["learn/weight_by_position_bin"] = [float(x) if t > 0 else None
-                                                   for x, t in zip((vals * cnt).sum(0) / np.maximum(tot, 1), tot)]
+        metrics["learn/weight_by_position_bin"] = [
+            float(x) if t > 0 else None for x, t in zip((vals * cnt).sum(0) / np.maximum(tot, 1), tot)
+        ]
       elif k == "tokens_by_position_bin":
         continue
       elif k.endswith("_max"):
@@ -288,11 +373,17 @@ class Trainer:
       del frame
       logger.warning("received signal %d: checkpointing after this step, then exiting", signum)
       self._stop_signal = signum
+
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, handler)
 
   def _save(self, step: int, state, buffer: RolloutBuffer, extra: dict[str, Any]) -> None:
-    meta = {"global_step": step, "data": self.loader.get_state(), "config": run_config.resume_fingerprint(self.c), **extra}
+    meta = {
+        "global_step": step,
+        "data": self.loader.get_state(),
+        "config": run_config.resume_fingerprint(self.c),
+        **extra,
+    }
     self.ckpt.save(step, state, buffer.state_dict(), meta)
 
   def run(self) -> dict[str, Any]:
@@ -306,11 +397,18 @@ class Trainer:
     state = self.learner.init_state(params)
     self.ckpt.check_disk_space(state, state.params)  # before any work a full disk would lose
     buffer = RolloutBuffer(c.delay)
-    extra = {"best_score": None, "best_step": None, "sft_eval": None, "sft_info": self.sft_info,
-             "mipu_checks": 0, "mipu_rollbacks": 0}
+    extra = {
+        "best_score": None,
+        "best_step": None,
+        "sft_eval": None,
+        "sft_info": self.sft_info,
+        "mipu_checks": 0,
+        "mipu_rollbacks": 0,
+    }
     start = 0
     restored = self.ckpt.restore_latest(  # the config check comes before the arrays: a changed model is not "damage"
-        state, check_meta=lambda meta: run_config.check_resume(c, meta.get("config"), self.workdir))
+        state, check_meta=lambda meta: run_config.check_resume(c, meta.get("config"), self.workdir)
+    )
     latest = None
     if restored is not None:
       latest, state, buf_state, meta = restored
@@ -319,8 +417,9 @@ class Trainer:
       extra = {k: meta.get(k, extra[k]) for k in extra}
       start = int(meta["global_step"]) + 1
       logger.info("resumed from global step %d (policy_version %d)", latest, int(state.step))
-    writer = MetricsWriter(self.workdir, resume_step=start - 1 if latest is not None else None,
-                           tensorboard=c.log.tensorboard)
+    writer = MetricsWriter(
+        self.workdir, resume_step=start - 1 if latest is not None else None, tensorboard=c.log.tensorboard
+    )
     self._install_signal_handlers()
 
     if extra["sft_eval"] is None:
@@ -329,11 +428,14 @@ class Trainer:
       # the starting policy is a candidate for "best" too: a run whose updates only hurt keeps the initial weights
       extra["best_score"], extra["best_step"] = res["macro"].get("pass@1"), 0
       self.ckpt.save_best(0, state.params, {"score": extra["best_score"], "step": 0})
-      writer.write(-1, {f"eval/{k}": v for k, v in res["macro"].items()} | {"eval/avg_score": res["macro"].get("pass@1")})
+      writer.write(
+          -1, {f"eval/{k}": v for k, v in res["macro"].items()} | {"eval/avg_score": res["macro"].get("pass@1")}
+      )
 
     bar = None
     if c.log.progress:
       from tqdm import tqdm
+
       bar = tqdm(total=c.total_steps, initial=start, desc="RL", dynamic_ncols=True)
     for step in range(start, c.total_steps):
       t0 = time.time()
@@ -351,9 +453,15 @@ class Trainer:
             state = before  # roll back parameters, optimizer state and counters; the batch is dropped
           extra["mipu_checks"] += 1
           extra["mipu_rollbacks"] += int(not check.accepted)
-          metrics.update({"mipu/t_post": check.t_post, "mipu/accepted": int(check.accepted),
-                          "mipu/val_reward": check.reward_mean, "mipu/rollbacks_total": extra["mipu_rollbacks"],
-                          "time/mipu": time.time() - tm})
+          metrics.update(
+              {
+                  "mipu/t_post": check.t_post,
+                  "mipu/accepted": int(check.accepted),
+                  "mipu/val_reward": check.reward_mean,
+                  "mipu/rollbacks_total": extra["mipu_rollbacks"],
+                  "time/mipu": time.time() - tm,
+              }
+          )
       metrics["policy_version"] = int(state.step)
       metrics["skipped_updates_total"] = int(state.skipped)
       metrics["buffer/waiting"] = len(buffer)
@@ -372,13 +480,19 @@ class Trainer:
       writer.write(step, metrics)
       if bar is not None:
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics['reward/accuracy']:.3f}",
-                        sec=f"{metrics['time/step']:.1f}", v=metrics["policy_version"])
+        bar.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}",
+            acc=f"{metrics['reward/accuracy']:.3f}",
+            sec=f"{metrics['time/step']:.1f}",
+            v=metrics["policy_version"],
+        )
       if self._stop_signal is not None or (c.checkpoint.every and (step + 1) % c.checkpoint.every == 0):
         self._save(step, state, buffer, extra)
       if self._stop_signal is not None:
         writer.close()
-        logger.warning("stopped by signal %d at global step %d; re-run the same command to resume", self._stop_signal, step)
+        logger.warning(
+            "stopped by signal %d at global step %d; re-run the same command to resume", self._stop_signal, step
+        )
         raise SystemExit(128 + self._stop_signal)
     if bar is not None:
       bar.close()
@@ -392,13 +506,20 @@ class Trainer:
     if self.ckpt.latest_step() != c.total_steps - 1:
       self._save(c.total_steps - 1, state, buffer, extra)
     writer.close()
-    summary = {"config": c.to_dict(), "sft": extra["sft_info"], "eval_after_sft": extra["sft_eval"],
-               "eval_final": final["macro"], "eval_final_per_benchmark": final["benchmarks"],
-               "best": {"score": extra["best_score"], "step": extra["best_step"]},
-               "policy_version": int(state.step), "skipped_updates": int(state.skipped),
-               "mipu": {"checks": extra["mipu_checks"], "rollbacks": extra["mipu_rollbacks"]},
-               "eval_problems": {k: len(v) for k, v in self.eval_sets.items()}, "eval_samples_per_problem": c.eval.n,
-               "setup_seconds": self.setup_seconds}
+    summary = {
+        "config": c.to_dict(),
+        "sft": extra["sft_info"],
+        "eval_after_sft": extra["sft_eval"],
+        "eval_final": final["macro"],
+        "eval_final_per_benchmark": final["benchmarks"],
+        "best": {"score": extra["best_score"], "step": extra["best_step"]},
+        "policy_version": int(state.step),
+        "skipped_updates": int(state.skipped),
+        "mipu": {"checks": extra["mipu_checks"], "rollbacks": extra["mipu_rollbacks"]},
+        "eval_problems": {k: len(v) for k, v in self.eval_sets.items()},
+        "eval_samples_per_problem": c.eval.n,
+        "setup_seconds": self.setup_seconds,
+    }
     write_summary(self.workdir, summary)
     if c.log.plots:
       plot_run(self.workdir)
@@ -410,4 +531,3 @@ class Trainer:
 def _prompt_buckets(max_prompt_tokens: int) -> tuple[int, ...]:
   buckets = [b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if b < max_prompt_tokens]
   return tuple(buckets) + (max_prompt_tokens,)
-

@@ -22,8 +22,9 @@ def _source(cell):
 
 
 def _python_cells(nb):
-  return [_source(c) for c in nb["cells"]
-          if c["cell_type"] == "code" and not _source(c).lstrip().startswith(("!", "%"))]
+  return [
+      _source(c) for c in nb["cells"] if c["cell_type"] == "code" and not _source(c).lstrip().startswith(("!", "%"))
+  ]
 
 
 def test_notebook_structure():
@@ -68,24 +69,32 @@ def test_python_cells_run_and_print_v1(tmp_path):
   assert len(cells) == 3 and "policy_loss" in cells[0]
   workdir = tmp_path / "runs" / "colab"
   workdir.mkdir(parents=True)
-  records = [{"step": -1, "eval/avg_score": 0.1}, {"step": 0, "reward/mean": 0.25, "reward/accuracy": 0.25},
-             {"step": 1, "reward/mean": 0.5, "reward/accuracy": 0.375, "eval/avg_score": 0.3}]
+  records = [
+      {"step": -1, "eval/avg_score": 0.1},
+      {"step": 0, "reward/mean": 0.25, "reward/accuracy": 0.25},
+      {"step": 1, "reward/mean": 0.5, "reward/accuracy": 0.375, "eval/avg_score": 0.3},
+  ]
   (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
   script = tmp_path / "cells.py"
   script.write_text("\n\n".join(cells))
   env = {**os.environ, "PYTHONPATH": ROOT, "MPLBACKEND": "Agg", "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                        timeout=120)
+  proc = subprocess.run(
+      [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
   assert "MinPRO weights [1.105171, 0.904837, 0.860708, 0.818731]" in out
   assert "MinPRO loss 0.888010" in out
   assert "MinPRO dL/dlogp [-0.276293, -0.226209, -0.215177, -0.204683]" in out
   # The ablation rows of V1 (algorithms note table): statistic -> (prefix factor, weights, loss).
-  assert "none     prefix factor [1.000000, 1.000000, 1.000000, 1.000000]  " \
-         "weights [1.105171, 0.818731, 1.051271, 1.000000]  loss 0.979436" in out
-  assert "prod     prefix factor [1.000000, 1.105171, 0.904837, 0.951229]  " \
-         "weights [1.105171, 0.904837, 0.951229, 0.951229]  loss 0.942077" in out
+  assert (
+      "none     prefix factor [1.000000, 1.000000, 1.000000, 1.000000]  "
+      "weights [1.105171, 0.818731, 1.051271, 1.000000]  loss 0.979436" in out
+  )
+  assert (
+      "prod     prefix factor [1.000000, 1.105171, 0.904837, 0.951229]  "
+      "weights [1.105171, 0.904837, 0.951229, 0.951229]  loss 0.942077" in out
+  )
   assert "3 steps; last step 1: reward 0.5, accuracy 0.375" in out
   assert (workdir / "colab_reward.png").stat().st_size > 1000
   assert "devices:" in out
@@ -95,7 +104,8 @@ def test_plot_cell_without_metrics(tmp_path):
   plot = [c for c in _python_cells(_load()) if "metrics.jsonl" in c]
   assert len(plot) == 1
   env = {**os.environ, "MPLBACKEND": "Agg"}
-  proc = subprocess.run([sys.executable, "-c", plot[0]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                        timeout=60)
+  proc = subprocess.run(
+      [sys.executable, "-c", plot[0]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "no records in runs/colab/metrics.jsonl yet" in proc.stdout

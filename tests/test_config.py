@@ -4,9 +4,9 @@ import json
 import subprocess
 
 import pytest
+from train_helpers import cli_args, cli_env, make_config, tiny_overrides
 
 from minpro_jax.run_config import ConfigError, validate_config
-from train_helpers import cli_args, cli_env, make_config, tiny_overrides
 
 
 @pytest.fixture
@@ -17,6 +17,7 @@ def ok(tmp_path):
 def test_tiny_and_default_configs_are_valid(ok):
   validate_config(make_config(ok), num_devices=1)
   from train_helpers import load_default_config
+
   validate_config(load_default_config(), num_devices=1)
 
 
@@ -90,6 +91,7 @@ def test_cli_unknown_field_fails(tmp_path, ok):
 
 def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
   from minpro_jax.run_config import check_resume, resume_fingerprint
+
   stored = resume_fingerprint(make_config(ok))
   check_resume(make_config(ok), stored, "runs/x")  # same config: fine
   with pytest.raises(ConfigError) as e:
@@ -111,6 +113,7 @@ def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
 
 def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(tmp_path, ok):
   from minpro_jax.trainer import Trainer
+
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
   with pytest.raises(ConfigError, match=r"config\.workdir: cannot write to .*a_file/run"):
@@ -128,6 +131,7 @@ def test_mipu_validation_batch_must_split_into_scoring_micro_batches(ok):
   with pytest.raises(ConfigError, match=r"mipu.val_prompts: .* 9 validation samples .* micro-batch"):
     validate_config(c)
   from minpro_jax.run_config import check_mipu_problem_count
+
   c = make_config({**ok, "mipu.rollback": True, "mipu.val_prompts": 8})
   check_mipu_problem_count(c, 8)
   with pytest.raises(ConfigError, match="mipu.val_prompts: 8 validation prompts .* only 7 are available"):
@@ -136,6 +140,7 @@ def test_mipu_validation_batch_must_split_into_scoring_micro_batches(ok):
 
 def test_a_data_file_without_eval_path_splits_off_a_seeded_heldout_set(tmp_path, ok):
   from minpro_jax.run_config import train_and_eval_problems
+
   path = tmp_path / "mine.jsonl"
   rows = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(30)]
   rows.append(dict(rows[3]))  # a duplicated prompt goes to one side only
@@ -170,6 +175,7 @@ def test_heldout_prompts_longer_than_max_prompt_tokens_are_skipped_not_fed_to_th
   from minpro_jax.trainer import Trainer
 
   class WordTokenizer:  # one token per word
+
     def encode(self, text, add_bos=False):
       return [0] * (len(text.split()) + add_bos)
 
@@ -185,6 +191,7 @@ def test_heldout_prompts_longer_than_max_prompt_tokens_are_skipped_not_fed_to_th
 
 def test_the_eval_fields_that_choose_the_heldout_prompts_are_part_of_the_resume_check(ok):
   from minpro_jax.run_config import check_resume, resume_fingerprint
+
   stored = resume_fingerprint(make_config(ok))
   for field, value in (("eval.seed", 1), ("eval.num_problems", 3), ("eval.path", "x=auto:/y.jsonl")):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

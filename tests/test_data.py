@@ -9,8 +9,17 @@ import os
 
 import pytest
 
-from minpro_jax.data import (DataError, LoadReport, MathProblem, ProblemLoader, encode_prompts, format_prompt,
-                             load_file, reasoning_gym_problems, train_sentencepiece)
+from minpro_jax.data import (
+    DataError,
+    LoadReport,
+    MathProblem,
+    ProblemLoader,
+    encode_prompts,
+    format_prompt,
+    load_file,
+    reasoning_gym_problems,
+    train_sentencepiece,
+)
 from minpro_jax.data.rewards import math_reward
 from minpro_jax.data.tokenizers import load_sentencepiece
 
@@ -22,27 +31,64 @@ def fx(name):
 
 
 # ------------------------------------------------------------------------------------------- file formats
-@pytest.mark.parametrize("name,fmt,expected", [
-    ("dapo_math_17k.jsonl", "dapo", [("a1f3-0001", "Find the remainder when $7^{100}$ is divided by $5$.", "1"),
-                                     ("a1f3-0002", "How many positive divisors does $360$ have?", "24"),
-                                     ("a1f3-0003", "If $x+y=10$ and $xy=21$, what is $x^2+y^2$?", "58")]),
-    ("math500.jsonl", "math500", [("test/prealgebra/1.json", "Simplify $\\frac{6}{8}$.", "\\frac{3}{4}"),
-                                  ("test/algebra/2.json", "What is $\\sqrt{50}$ in simplest radical form?",
-                                   "5\\sqrt{2}"),
-                                  ("test/algebra/3.json", "Solve $2x-3=7$.", "5")]),
-    ("aime.jsonl", "aime", [("60", "Find the number of ordered pairs $(a,b)$ of positive integers with $a+b=20$.",
-                             "19"), ("61", "Find the last three digits of $2^{10}\\cdot 3$.", "072")]),
-    ("aime_2024.jsonl", "aime", [("2024-I-1", "What is $12\\cdot 13$?", "156")]),
-    ("amc.jsonl", "amc", [("0", "What is $1+2+\\cdots+10$?", "55"), ("1", "What is half of $3$?", "1.5")]),
-    ("minerva.jsonl", "minerva", [("0", "A car travels $120$ km in $2$ h. What is its mean speed in km/h?", "60"),
-                                  ("1", "Compute the wavelength in nm of a photon with energy equal to that of $500$ "
-                                   "nm light.", "500")]),
-    ("olympiadbench.jsonl", "olympiadbench", [("2001", "Find all real $x$ with $x^2=4$.", "-2, 2"),
-                                              ("2002", "Compute $\\binom{6}{2}$.", "15")]),
-    ("gsm8k.jsonl", "gsm8k", [("gsm8k:1", "Tom has 3 boxes with 4 apples each. He eats 2 apples. How many apples "
-                               "are left?", "10"),
-                              ("gsm8k:2", "A shop sells 1,250 pens a day. How many pens in 8 days?", "10000")]),
-])
+@pytest.mark.parametrize(
+    "name,fmt,expected",
+    [
+        (
+            "dapo_math_17k.jsonl",
+            "dapo",
+            [
+                ("a1f3-0001", "Find the remainder when $7^{100}$ is divided by $5$.", "1"),
+                ("a1f3-0002", "How many positive divisors does $360$ have?", "24"),
+                ("a1f3-0003", "If $x+y=10$ and $xy=21$, what is $x^2+y^2$?", "58"),
+            ],
+        ),
+        (
+            "math500.jsonl",
+            "math500",
+            [
+                ("test/prealgebra/1.json", "Simplify $\\frac{6}{8}$.", "\\frac{3}{4}"),
+                ("test/algebra/2.json", "What is $\\sqrt{50}$ in simplest radical form?", "5\\sqrt{2}"),
+                ("test/algebra/3.json", "Solve $2x-3=7$.", "5"),
+            ],
+        ),
+        (
+            "aime.jsonl",
+            "aime",
+            [
+                ("60", "Find the number of ordered pairs $(a,b)$ of positive integers with $a+b=20$.", "19"),
+                ("61", "Find the last three digits of $2^{10}\\cdot 3$.", "072"),
+            ],
+        ),
+        ("aime_2024.jsonl", "aime", [("2024-I-1", "What is $12\\cdot 13$?", "156")]),
+        ("amc.jsonl", "amc", [("0", "What is $1+2+\\cdots+10$?", "55"), ("1", "What is half of $3$?", "1.5")]),
+        (
+            "minerva.jsonl",
+            "minerva",
+            [
+                ("0", "A car travels $120$ km in $2$ h. What is its mean speed in km/h?", "60"),
+                (
+                    "1",
+                    "Compute the wavelength in nm of a photon with energy equal to that of $500$ " "nm light.",
+                    "500",
+                ),
+            ],
+        ),
+        (
+            "olympiadbench.jsonl",
+            "olympiadbench",
+            [("2001", "Find all real $x$ with $x^2=4$.", "-2, 2"), ("2002", "Compute $\\binom{6}{2}$.", "15")],
+        ),
+        (
+            "gsm8k.jsonl",
+            "gsm8k",
+            [
+                ("gsm8k:1", "Tom has 3 boxes with 4 apples each. He eats 2 apples. How many apples " "are left?", "10"),
+                ("gsm8k:2", "A shop sells 1,250 pens a day. How many pens in 8 days?", "10000"),
+            ],
+        ),
+    ],
+)
 @pytest.mark.parametrize("explicit", [True, False])
 def test_fixture_formats(name, fmt, expected, explicit):
   rep = LoadReport()
@@ -112,6 +158,7 @@ def test_parquet_without_pyarrow_says_so(tmp_path):
 def test_parquet_dapo(tmp_path):
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   rows = [json.loads(line) for line in open(fx("dapo_math_17k.jsonl"))]
   pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
   assert [p.answer for p in load_file(str(tmp_path / "d.parquet"), "dapo")] == ["1", "24", "58"]
@@ -121,6 +168,7 @@ def test_parquet_dapo(tmp_path):
 @pytest.mark.parametrize("task", ["basic_arithmetic", "chain_sum", "simple_equations", "gsm_symbolic"])
 def test_reasoning_gym_deterministic_and_verifiers_agree(task):
   import reasoning_gym
+
   a = reasoning_gym_problems(task, size=12, seed=7)
   b = reasoning_gym_problems(task, size=12, seed=7)
   c = reasoning_gym_problems(task, size=12, seed=8)
@@ -147,6 +195,7 @@ def test_reasoning_gym_difficulty_config():
 def test_champ():
   pytest.importorskip("champ_dataset")
   from minpro_jax.data import champ_problems
+
   probs = champ_problems()
   assert len(probs) == 270 and len({p.id for p in probs}) == 270
   assert probs == sorted(probs, key=lambda p: p.id) and all(p.answer for p in probs)
@@ -185,8 +234,10 @@ def test_loader_determinism_sharding_and_state_checks():
   a = [_ids(b) for b in ProblemLoader(probs, 2, seed=1, num_epochs=1, shard_index=0, shard_count=1)]
   b = [_ids(b) for b in ProblemLoader(probs, 2, seed=1, num_epochs=1, shard_index=0, shard_count=1)]
   assert a == b and len(a) == 5  # 11 // 2, remainder dropped
-  shards = [[i for bt in ProblemLoader(probs, 1, seed=1, num_epochs=1, shard_index=s, shard_count=3) for i in _ids(bt)]
-            for s in range(3)]
+  shards = [
+      [i for bt in ProblemLoader(probs, 1, seed=1, num_epochs=1, shard_index=s, shard_count=3) for i in _ids(bt)]
+      for s in range(3)
+  ]
   assert [len(s) for s in shards] == [3, 3, 3]
   flat = [i for s in shards for i in s]
   assert len(set(flat)) == 9  # disjoint
@@ -218,10 +269,13 @@ def test_prompt_templates(spm_tok):
 
     def apply_chat_template(self, messages, add_generation_prompt=True, **kw):
       from minpro_jax.data.tokenizers import qwen3_chat
+
       return qwen3_chat(messages, add_generation_prompt, **kw)
 
-  assert format_prompt(p, _Qwen()) == ("<|im_start|>user\nWhat is 2+2?\nPlease reason step by step, and put your "
-                                       "final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+  assert format_prompt(p, _Qwen()) == (
+      "<|im_start|>user\nWhat is 2+2?\nPlease reason step by step, and put your "
+      "final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n"
+  )
   with pytest.raises(ValueError, match="tokenizer"):
     format_prompt(p, None, "chat")
   with pytest.raises(ValueError, match="template"):
@@ -229,8 +283,10 @@ def test_prompt_templates(spm_tok):
 
 
 def test_long_prompts_skipped_and_counted(spm_tok, caplog):
-  probs = [MathProblem(id="short", prompt="1+1?", answer="2", source="t"),
-           MathProblem(id="long", prompt="1+1? " * 200, answer="2", source="t")]
+  probs = [
+      MathProblem(id="short", prompt="1+1?", answer="2", source="t"),
+      MathProblem(id="long", prompt="1+1? " * 200, answer="2", source="t"),
+  ]
   with caplog.at_level(logging.WARNING):
     enc = encode_prompts(probs, spm_tok, max_prompt_tokens=64, template="plain")
   assert [p.id for p in enc.problems] == ["short"] and enc.skipped == ["long"]
@@ -260,6 +316,7 @@ def test_sentencepiece_is_reproducible(tmp_path):
 
 def test_train_spm_script_reproducible(tmp_path, capsys):
   from minpro_jax.data.train_spm import main
+
   args = ["--vocab_size", "400", "--jsonl", fx("gsm8k.jsonl"), "--jsonl", fx("math500.jsonl")]
   main(["--out", str(tmp_path / "a.model")] + args)
   main(["--out", str(tmp_path / "b.model")] + args)

@@ -7,12 +7,22 @@ import pytest
 
 from minpro_jax.runtime.distributed import ENV_FLAG, maybe_initialize_distributed, multiprocess_reason
 
-LAUNCHER_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "MEGASCALE_COORDINATOR_ADDRESS",
-                 "TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES", "SLURM_JOB_ID", "SLURM_NTASKS",
-                 "OMPI_COMM_WORLD_SIZE", ENV_FLAG)
+LAUNCHER_VARS = (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "TPU_PROCESS_ADDRESSES",
+    "TPU_WORKER_HOSTNAMES",
+    "SLURM_JOB_ID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    ENV_FLAG,
+)
 
 
 class Recorder:
+
   def __init__(self):
     self.calls = []
 
@@ -43,13 +53,16 @@ def test_noop_with_real_initialize_on_single_host(clean_env):
   assert jax.process_count() == 1
 
 
-@pytest.mark.parametrize("env, reason", [
-    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "JAX_COORDINATOR_ADDRESS=10.0.0.1:1234"),
-    ({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2"}, "MEGASCALE_COORDINATOR_ADDRESS=10.0.0.2"),
-    ({"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, "TPU_WORKER_HOSTNAMES lists 4 hosts"),
-    ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4"}, "SLURM_NTASKS=4"),
-    ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2"),
-])
+@pytest.mark.parametrize(
+    "env, reason",
+    [
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "JAX_COORDINATOR_ADDRESS=10.0.0.1:1234"),
+        ({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2"}, "MEGASCALE_COORDINATOR_ADDRESS=10.0.0.2"),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, "TPU_WORKER_HOSTNAMES lists 4 hosts"),
+        ({"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4"}, "SLURM_NTASKS=4"),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE=2"),
+    ],
+)
 def test_detects_multiprocess_launchers(env, reason):
   assert multiprocess_reason(env) == reason
   rec = Recorder()
@@ -57,12 +70,15 @@ def test_detects_multiprocess_launchers(env, reason):
   assert rec.calls == [{}]  # JAX auto-detects the rest
 
 
-@pytest.mark.parametrize("env", [
-    {"TPU_WORKER_HOSTNAMES": "localhost"},            # single-host TPU VM
-    {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"},      # one SLURM task
-    {"OMPI_COMM_WORLD_SIZE": "1"},
-    {"JAX_COORDINATOR_ADDRESS": "  "},
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"TPU_WORKER_HOSTNAMES": "localhost"},  # single-host TPU VM
+        {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1"},  # one SLURM task
+        {"OMPI_COMM_WORLD_SIZE": "1"},
+        {"JAX_COORDINATOR_ADDRESS": "  "},
+    ],
+)
 def test_single_process_launchers_are_noop(env):
   rec = Recorder()
   assert multiprocess_reason(env) is None
@@ -82,8 +98,10 @@ def test_flag_forces_and_forbids():
   assert maybe_initialize_distributed(env={ENV_FLAG: "1"}, initialize_fn=rec) is True  # TPU pod: metadata server
   assert rec.calls == [{}]
   rec = Recorder()
-  assert maybe_initialize_distributed(env={ENV_FLAG: "0", "SLURM_JOB_ID": "1", "SLURM_NTASKS": "4"},
-                                      initialize_fn=rec) is False
+  assert (
+      maybe_initialize_distributed(env={ENV_FLAG: "0", "SLURM_JOB_ID": "1", "SLURM_NTASKS": "4"}, initialize_fn=rec)
+      is False
+  )
   assert rec.calls == []
   rec = Recorder()
   assert maybe_initialize_distributed(False, env={"JAX_COORDINATOR_ADDRESS": "h:1"}, initialize_fn=rec) is False
@@ -91,11 +109,14 @@ def test_flag_forces_and_forbids():
   assert rec.calls == [{}]
 
 
-@pytest.mark.parametrize("env, name", [
-    ({ENV_FLAG: "maybe"}, ENV_FLAG),
-    ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "four"}, "SLURM_NTASKS"),
-    ({ENV_FLAG: "1", "JAX_NUM_PROCESSES": "x"}, "JAX_NUM_PROCESSES"),
-])
+@pytest.mark.parametrize(
+    "env, name",
+    [
+        ({ENV_FLAG: "maybe"}, ENV_FLAG),
+        ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "four"}, "SLURM_NTASKS"),
+        ({ENV_FLAG: "1", "JAX_NUM_PROCESSES": "x"}, "JAX_NUM_PROCESSES"),
+    ],
+)
 def test_bad_values_name_the_variable(env, name):
   with pytest.raises(ValueError, match=name):
     maybe_initialize_distributed(env=env, initialize_fn=Recorder())

@@ -4,15 +4,25 @@ import json
 from math import comb
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minpro_jax.data import MathProblem
 from minpro_jax.evaluation import avg_at_n, evaluate, maj_at_k, pass_at_k, score_samples, to_markdown
 
 
-@pytest.mark.parametrize("n,c,k,expected", [(5, 2, 2, 0.7), (4, 1, 4, 1.0), (10, 3, 1, 0.3),
-                                            (10, 3, 5, 0.916667), (4, 1, 1, 0.25), (10, 0, 3, 0.0),
-                                            (10, 10, 3, 1.0)])
+@pytest.mark.parametrize(
+    "n,c,k,expected",
+    [
+        (5, 2, 2, 0.7),
+        (4, 1, 4, 1.0),
+        (10, 3, 1, 0.3),
+        (10, 3, 5, 0.916667),
+        (4, 1, 1, 0.25),
+        (10, 0, 3, 0.0),
+        (10, 10, 3, 1.0),
+    ],
+)
 def test_b22_pass_at_k_values(n, c, k, expected):
   assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-6)
 
@@ -70,8 +80,9 @@ def test_evaluate_end_to_end(tmp_path):
         out.append([f"\\boxed{{{2 * i}}}" if s < i else "\\boxed{-1}" for s in range(n)])
     return out
 
-  res = evaluate(generate_fn, {"arith": a, "half": b}, n=4, ks=(1, 2, 8), batch_size=2, seed=5,
-                 out_dir=str(tmp_path), name="t")
+  res = evaluate(
+      generate_fn, {"arith": a, "half": b}, n=4, ks=(1, 2, 8), batch_size=2, seed=5, out_dir=str(tmp_path), name="t"
+  )
   assert [c[2] for c in calls] == [5, 6, 5 + 1000003]  # arith in 2 batches, then half
   assert calls[0][0][0] == "Question: What is 0+0?\nAnswer:"
   ar, hf = res["benchmarks"]["arith"], res["benchmarks"]["half"]

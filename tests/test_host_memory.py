@@ -30,8 +30,13 @@ print(json.dumps({"applied": applied, "faults": faults}))
 
 
 def _run(mode, env=None):
-  out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, check=True,
-                       env={**os.environ, **(env or {})})
+  out = subprocess.run(
+      [sys.executable, "-c", _CHILD, mode],
+      capture_output=True,
+      text=True,
+      check=True,
+      env={**os.environ, **(env or {})},
+  )
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -9,14 +9,15 @@ import pytest
 from flax import nnx
 
 from minpro_jax.checkpoint import RunCheckpointer
-from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig, make_schedule
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
+from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig, make_schedule
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
 VOCAB = 64
-MODEL_KW = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                head_dim=16)
+MODEL_KW = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16
+)
 
 
 def _model(mesh=None):
@@ -38,14 +39,21 @@ def _batch(model, n=8, length=12, seed=0):
     end = pad + prompt + resp
     seg[i, pad:end] = 1
     pos[i, pad:end] = np.arange(end - pad)
-    mask[i, pad + prompt:end] = True
+    mask[i, pad + prompt : end] = True
     tokens[i, :pad] = 0
     tokens[i, end:] = 0
   logp = np.asarray(token_logprobs(model, jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(pos)).logp)
   behavior = np.where(mask, logp + rng.normal(0, 0.3, logp.shape), 0.0).astype(np.float32)
   adv = rng.normal(size=n).astype(np.float32)
-  return {"tokens": tokens, "segment_ids": seg, "positions": pos, "response_mask": mask, "behavior_logp": behavior,
-          "learner_logp": np.where(mask, logp, 0.0).astype(np.float32), "advantages": adv}
+  return {
+      "tokens": tokens,
+      "segment_ids": seg,
+      "positions": pos,
+      "response_mask": mask,
+      "behavior_logp": behavior,
+      "learner_logp": np.where(mask, logp, 0.0).astype(np.float32),
+      "advantages": adv,
+  }
 
 
 def _sgd_delta(model, loss_cfg, batch, mb, mesh=None):
@@ -68,11 +76,20 @@ def _max_abs(a):
   return max(float(np.max(np.abs(x))) for x in jax.tree.leaves(a))
 
 
-CASES = [("minpro", ()), ("grpo", ()), ("gspo", ()), ("cispo", ()), ("m2po", ()),
-         ("grpo", (("loss_agg_mode", "seq-mean-token-sum"),))]
-SLOW_CASES = [("minpro", (("prefix_statistic", "mean"),)), ("gspo_token", ()),
-              ("grpo", (("loss_agg_mode", "seq-mean-token-mean"),)),
-              ("minpro", (("loss_agg_mode", "seq-mean-token-sum-norm"), ("max_response_length", 12)))]
+CASES = [
+    ("minpro", ()),
+    ("grpo", ()),
+    ("gspo", ()),
+    ("cispo", ()),
+    ("m2po", ()),
+    ("grpo", (("loss_agg_mode", "seq-mean-token-sum"),)),
+]
+SLOW_CASES = [
+    ("minpro", (("prefix_statistic", "mean"),)),
+    ("gspo_token", ()),
+    ("grpo", (("loss_agg_mode", "seq-mean-token-mean"),)),
+    ("minpro", (("loss_agg_mode", "seq-mean-token-sum-norm"), ("max_response_length", 12))),
+]
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +126,7 @@ def test_accumulation_check_detects_per_micro_batch_means(model_and_batch):
   model, batch = model_and_batch
   cfg = LossConfig(method="minpro")
   full, _, _ = _sgd_delta(model, cfg, batch, mb=8)
-  halves = [_sgd_delta(model, cfg, {k: v[s] for k, v in batch.items()}, mb=4)[0]
-            for s in (slice(0, 4), slice(4, 8))]
+  halves = [_sgd_delta(model, cfg, {k: v[s] for k, v in batch.items()}, mb=4)[0] for s in (slice(0, 4), slice(4, 8))]
   wrong = jax.tree.map(lambda a, b: (a + b) / 2, *halves)
   assert _max_abs_diff(wrong, full) > 1e-4
 
@@ -127,8 +143,13 @@ def test_sharded_update_equals_single_device():
   model8 = _model(mesh)
   _, p8 = nnx.split(model8)
   leaves8, treedef8 = jax.tree.flatten(p8)
-  p8 = jax.tree.unflatten(treedef8, [jax.device_put(np.asarray(a), b.sharding)  # same values, sharded
-                                     for a, b in zip(jax.tree.leaves(nnx.split(model1)[1]), leaves8)])
+  p8 = jax.tree.unflatten(
+      treedef8,
+      [
+          jax.device_put(np.asarray(a), b.sharding)  # same values, sharded
+          for a, b in zip(jax.tree.leaves(nnx.split(model1)[1]), leaves8)
+      ],
+  )
   l8 = Learner(model8, cfg, opt, micro_batch_size=4, mesh=mesh)
   s8 = l8.init_state(p8)
   assert _max_abs_diff(jax.tree.map(np.asarray, s1.params), jax.tree.map(np.asarray, s8.params)) == 0.0
@@ -183,11 +204,14 @@ def _b24_steps(tx, params, opt_state, k):
   return params, opt_state
 
 
-@pytest.mark.parametrize("variant,expected", [("restore", 0.850279), ("full_reset", 0.900037), ("count_reset", 0.886028)])
+@pytest.mark.parametrize(
+    "variant,expected", [("restore", 0.850279), ("full_reset", 0.900037), ("count_reset", 0.886028)]
+)
 def test_b24_optimizer_step_count_survives_checkpoint(tmp_path, variant, expected):
   """cases.md B24: Adam + warmup schedule; save after 2 steps, restore, 1 step == 3 uninterrupted steps. The two
   wrong variants (optimizer state rebuilt; only the count reset) give the documented different values."""
   from minpro_jax.rl.learner import TrainState
+
   tx = _b24_tx()
   p0 = {"w": jnp.ones((), jnp.float32)}
   p3, _ = _b24_steps(tx, p0, tx.init(p0), 3)
@@ -196,7 +220,9 @@ def test_b24_optimizer_step_count_survives_checkpoint(tmp_path, variant, expecte
   ckpt = RunCheckpointer(str(tmp_path), keep=2)
   state = TrainState(params=p2, opt_state=o2, step=jnp.asarray(2, jnp.int32), skipped=jnp.asarray(0, jnp.int32))
   ckpt.save(2, state, {"steps": np.zeros((0,), np.int64), "batches": {}}, {"global_step": 2})
-  template = TrainState(params=p0, opt_state=tx.init(p0), step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+  template = TrainState(
+      params=p0, opt_state=tx.init(p0), step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32)
+  )
   restored, _, meta = RunCheckpointer(str(tmp_path), keep=2).restore(ckpt.latest_step(), template)
   ckpt.close()
   assert meta["global_step"] == 2 and int(restored.step) == 2
@@ -214,8 +240,9 @@ def test_b24_optimizer_step_count_survives_checkpoint(tmp_path, variant, expecte
 
 # ----------------------------------------------------------------------------------------- schedule
 def test_lr_schedule_warmup_then_cosine():
-  s = make_schedule(OptimizerConfig(learning_rate=1e-3, warmup_steps=4, schedule="cosine", decay_steps=10,
-                                    final_lr_ratio=0.1))
+  s = make_schedule(
+      OptimizerConfig(learning_rate=1e-3, warmup_steps=4, schedule="cosine", decay_steps=10, final_lr_ratio=0.1)
+  )
   got = [float(s(t)) for t in range(16)]
   want = [1e-3 * t / 4 for t in range(4)]
   want += [1e-3 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * min(t, 10) / 10))) for t in range(0, 12)]
@@ -223,8 +250,9 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_lr_schedule_linear_constant_and_unknown():
-  s = make_schedule(OptimizerConfig(learning_rate=2e-3, warmup_steps=2, schedule="linear", decay_steps=4,
-                                    final_lr_ratio=0.0))
+  s = make_schedule(
+      OptimizerConfig(learning_rate=2e-3, warmup_steps=2, schedule="linear", decay_steps=4, final_lr_ratio=0.0)
+  )
   np.testing.assert_allclose([float(s(t)) for t in range(8)], [0, 1e-3, 2e-3, 1.5e-3, 1e-3, 5e-4, 0, 0], atol=1e-9)
   c = make_schedule(OptimizerConfig(learning_rate=3e-4))
   assert float(c(0)) == pytest.approx(3e-4) and float(c(1000)) == pytest.approx(3e-4)

@@ -9,15 +9,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_helpers import make_config, tiny_overrides
 
 from minpro_jax import run_config
 from minpro_jax.rl import mipu
-from train_helpers import make_config, tiny_overrides
 
 
-@pytest.mark.parametrize("t_post,tol,want", [
-    (0.0, 1e-4, True), (-1e-4, 1e-4, True), (-2e-4, 1e-4, False), (5e-5, -1e-4, False), (2e-4, -1e-4, True),
-    (0.0, 0.0, True), (-1e-12, 0.0, False), (math.nan, 1.0, False), (-math.inf, 1.0, False), (math.inf, 1.0, False)])
+@pytest.mark.parametrize(
+    "t_post,tol,want",
+    [
+        (0.0, 1e-4, True),
+        (-1e-4, 1e-4, True),
+        (-2e-4, 1e-4, False),
+        (5e-5, -1e-4, False),
+        (2e-4, -1e-4, True),
+        (0.0, 0.0, True),
+        (-1e-12, 0.0, False),
+        (math.nan, 1.0, False),
+        (-math.inf, 1.0, False),
+        (math.inf, 1.0, False),
+    ],
+)
 def test_accept_update_rule(t_post, tol, want):
   assert mipu.accept_update(t_post, tol) is want
 
@@ -48,9 +60,11 @@ def test_snapshot_survives_donation():
 
 
 def test_config_validation_names_mipu_fields(tmp_path):
-  for field, value, msg in (("val_group_size", 1, "mipu.val_group_size: must be >= 2"),
-                            ("val_prompts", 0, "mipu.val_prompts: must be >= 1"),
-                            ("gap_tolerance", math.inf, "mipu.gap_tolerance: must be a finite number")):
+  for field, value, msg in (
+      ("val_group_size", 1, "mipu.val_group_size: must be >= 2"),
+      ("val_prompts", 0, "mipu.val_prompts: must be >= 1"),
+      ("gap_tolerance", math.inf, "mipu.gap_tolerance: must be a finite number"),
+  ):
     c = make_config(tiny_overrides(tmp_path, **{"mipu.rollback": True, f"mipu.{field}": value}))
     with pytest.raises(run_config.ConfigError, match=msg):
       run_config.validate_config(c)
@@ -65,6 +79,7 @@ def _coin_grade(texts, golds, **kwargs):
 
 def _run(tmp_path, name, **extra):
   from minpro_jax.trainer import Trainer
+
   ov = tiny_overrides(tmp_path, workdir=str(tmp_path / name), total_steps=3, delay=1, **extra)
   tr = Trainer(make_config(ov))
   summary = tr.run()
@@ -81,7 +96,9 @@ def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
   assert [r.get("mipu/accepted") for r in recs] == [None, 0, 0] and recs[2]["mipu/rollbacks_total"] == 2
   assert int(tr.final_state.step) == 0
   from flax import nnx
+
   from minpro_jax.run_setup import build_model_and_tokenizer
+
   c = make_config(tiny_overrides(tmp_path, workdir=str(tmp_path / "fresh")))
   fresh_model = build_model_and_tokenizer(c, tr.problems, None, str(tmp_path / "fresh"))[0]
   for a, b in zip(jax.tree.leaves(nnx.split(fresh_model)[1]), jax.tree.leaves(tr.final_state.params)):
@@ -106,8 +123,11 @@ def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
 def test_trainer_t_post_nonzero_with_fp8_sampler(tmp_path, monkeypatch):
   # fp8 sampler vs fp32 learner: rho != 1, so T_post is a small non-zero number, and the verdict follows it
   monkeypatch.setattr("minpro_jax.trainer.grade", _coin_grade)
-  _, summary, recs = _run(tmp_path, "fp8", **{"mipu.rollback": True, "mipu.gap_tolerance": 0.0,
-                                              "sampling.precision": "fp8", "loss.rollout_is": "token"})
+  _, summary, recs = _run(
+      tmp_path,
+      "fp8",
+      **{"mipu.rollback": True, "mipu.gap_tolerance": 0.0, "sampling.precision": "fp8", "loss.rollout_is": "token"},
+  )
   t_post = [r["mipu/t_post"] for r in recs[1:]]
   assert all(1e-7 < abs(t) < 0.5 for t in t_post), t_post
   assert [r["mipu/accepted"] for r in recs[1:]] == [int(t >= 0) for t in t_post]

@@ -14,9 +14,14 @@ from flax import nnx
 
 from minpro_jax.models import KVCache, ModelConfig, get_preset, segment_positions, token_logprobs
 from minpro_jax.models.attention_core import causal_block_attention, masked_attention
-from minpro_jax.models.hf_io import (DictSource, hf_tensor_shapes, load_from_source, load_hf_checkpoint,
-                                     save_hf_checkpoint)
 from minpro_jax.models.dense import dense
+from minpro_jax.models.hf_io import (
+    DictSource,
+    hf_tensor_shapes,
+    load_from_source,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from minpro_jax.models.inference_layout import fuse_qkv_params, unstack_layer_params
 from minpro_jax.models.quant import fake_quant_weights
 from minpro_jax.models.transformer import MoE, Transformer
@@ -66,8 +71,9 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name,layout", LAYOUTS, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in l.items())}"
-                                                      for n, l in LAYOUTS])
+@pytest.mark.parametrize(
+    "name,layout", LAYOUTS, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in l.items())}" for n, l in LAYOUTS]
+)
 def test_sharded_logits_equal_single_device(name, layout):
   tokens, seg = _tokens(), _left_pad_segments()
   ref = np.asarray(nnx.jit(lambda m, x, s: m(x, segment_ids_bt=s).out)(_model(name), tokens, seg))
@@ -108,6 +114,7 @@ def test_sharded_load_streams_onto_mesh(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ log-probs
 
+
 def test_chunked_logprobs_equal_dense_and_log_softmax():
   model = _model("tiny")
   tokens, seg = _tokens(t=13), _left_pad_segments(t=13)
@@ -133,6 +140,7 @@ def test_chunked_logprobs_equal_dense_and_log_softmax():
 
 # ------------------------------------------------------------------------------------------------ cache / scan / remat
 
+
 @pytest.mark.parametrize("name,scan", [("tiny", False), ("tiny-moe", True)])
 def test_cache_decode_equals_full_forward(name, scan):
   model = _model(name, scan_layers=scan)
@@ -145,7 +153,7 @@ def test_cache_decode_equals_full_forward(name, scan):
   steps = [np.asarray(out.out)]
   cache = out.cache
   for i in range(5, 9):
-    out = step(model, tokens[:, i:i + 1], pos[:, i:i + 1], seg[:, i:i + 1], cache, jnp.int32(i))
+    out = step(model, tokens[:, i : i + 1], pos[:, i : i + 1], seg[:, i : i + 1], cache, jnp.int32(i))
     cache = out.cache
     steps.append(np.asarray(out.out))
   got = np.concatenate(steps, axis=1)
@@ -175,7 +183,12 @@ def test_unstacked_layers_equal_stacked_with_and_without_cache(name):
     out = step(m, tokens[:, :8], pos[:, :8], seg[:, :8], cache, jnp.int32(0))
     out = step(m, tokens[:, 8:], pos[:, 8:], seg[:, 8:], out.cache, jnp.int32(8))
     outs[m.config.stack_layers] = out
-  assert isinstance(outs[False].cache.k, tuple) and outs[False].cache.k[0].shape == (4, 2, 16, 12)  # fp32: [B, K, hd, S]
+  assert isinstance(outs[False].cache.k, tuple) and outs[False].cache.k[0].shape == (
+      4,
+      2,
+      16,
+      12,
+  )  # fp32: [B, K, hd, S]
   np.testing.assert_allclose(np.asarray(outs[False].out), np.asarray(outs[True].out), atol=1e-6)
   for i in range(model.config.num_layers):
     np.testing.assert_allclose(np.asarray(outs[False].cache.k[i]), np.asarray(outs[True].cache.k[i]), atol=1e-6)
@@ -188,7 +201,6 @@ def test_unstacked_layers_equal_stacked_with_and_without_cache(name):
     unstack_layer_params(state, flat_config)
   with pytest.raises(ValueError, match="scan_layers=True needs stack_layers=True"):
     model.config.replace(stack_layers=False, scan_layers=True)
-
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "tiny-llama"])
@@ -204,8 +216,9 @@ def test_fused_qkv_holds_the_same_weights_and_gives_the_same_outputs(name):
   graphdefs = {}
   for fuse in (False, True):
     with nnx.use_eager_sharding(False):
-      graphdefs[fuse] = nnx.split(nnx.eval_shape(
-          lambda fuse=fuse: Transformer(flat_config.replace(fuse_qkv=fuse), rngs=nnx.Rngs(0))))[0]
+      graphdefs[fuse] = nnx.split(
+          nnx.eval_shape(lambda fuse=fuse: Transformer(flat_config.replace(fuse_qkv=fuse), rngs=nnx.Rngs(0)))
+      )[0]
   flat, fused = nnx.merge(graphdefs[False], flat_state), nnx.merge(graphdefs[True], fused_state)
   g = c.num_heads // c.num_kv_heads
   for i in range(c.num_layers):
@@ -242,14 +255,16 @@ def test_fused_qkv_bad_input():
   with pytest.raises(ValueError, match=r"has keys .*expected the per-layer indices 0..1; a stacked State"):
     fuse_qkv_params(nnx.split(model)[1], flat_config)
   flat = unstack_layer_params(nnx.split(model)[1], model.config)
-  with pytest.raises(ValueError, match=r"layers\[0\]\.attn\.q_proj has shape \(64, 4, 16\), the config gives "
-                                       r"\(64, 8, 8\)"):
+  with pytest.raises(
+      ValueError, match=r"layers\[0\]\.attn\.q_proj has shape \(64, 4, 16\), the config gives " r"\(64, 8, 8\)"
+  ):
     fuse_qkv_params(flat, flat_config.replace(num_heads=8, head_dim=8))
   fused = fuse_qkv_params(flat, flat_config)
   with pytest.raises(ValueError, match=r"layers\[0\]\.attn has no q_proj .*already fused"):
     fuse_qkv_params(fused, flat_config)
   with pytest.raises(ValueError, match=r"fused projection \(.*qkv_proj.*\); quantize the unfused State"):
     fake_quant_weights(fused, num_stacked_axes=0)
+
 
 def _loss(model, tokens, seg):
   return -jnp.sum(token_logprobs(model, tokens, seg, chunk_size=4).logp * seg)
@@ -294,6 +309,7 @@ def test_bf16_compute_close_to_fp32(name):
 
 
 # ------------------------------------------------------------------------------------------------ MoE
+
 
 def test_ragged_moe_equals_dense_moe():
   tokens, seg = _tokens(), _left_pad_segments()
@@ -345,6 +361,7 @@ def test_moe_block_and_aux_loss_match_numpy(norm_topk):
 
 # ------------------------------------------------------------------------------------------------ masking
 
+
 def test_dense_equals_einsum_values_and_gradients():
   """The flattened 2-D projection gives the einsum's values and gradients for every form the model uses."""
   rng = np.random.RandomState(0)
@@ -369,10 +386,9 @@ def test_dense_equals_einsum_values_and_gradients():
 
 
 def test_segment_positions_left_right_packed():
-  seg = jnp.asarray([[0, 0, 1, 1, 1],    # left padding
-                     [1, 1, 1, 0, 0],    # right padding
-                     [1, 1, 2, 2, 2],    # packed
-                     [0, 3, 3, 5, 0]])   # padding + packed
+  seg = jnp.asarray(
+      [[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 2, 2, 2], [0, 3, 3, 5, 0]]  # left padding  # right padding  # packed
+  )  # padding + packed
   want = [[0, 0, 0, 1, 2], [0, 1, 2, 0, 0], [0, 1, 0, 1, 2], [0, 0, 1, 0, 0]]
   np.testing.assert_array_equal(np.asarray(segment_positions(seg)), want)
 
@@ -393,11 +409,12 @@ def test_packed_and_padded_rows_equal_separate_sequences():
 
 # ------------------------------------------------------------------------------------------------ causal blocks
 
+
 def _padded_packed_segments(t):
   """Left padding, packing and right padding in one [4, t] batch (t >= 130)."""
   seg = np.asarray(_left_pad_segments(b=4, t=t)).copy()
-  seg[2, 70:] = 2          # two packed sequences, the second starting inside the second query block
-  seg[3, 5:120] = 3        # a second segment, then right padding
+  seg[2, 70:] = 2  # two packed sequences, the second starting inside the second query block
+  seg[3, 5:120] = 3  # a second segment, then right padding
   seg[3, 120:] = 0
   return jnp.asarray(seg)
 
@@ -408,8 +425,15 @@ def _dot_count(model, tokens, seg):
   return str(jax.make_jaxpr(fwd)(state, tokens)).count("dot_general")
 
 
-@pytest.mark.parametrize("name,overrides", [("tiny", {}), ("tiny-llama", {}), ("tiny-moe", {}),
-                                            ("tiny-moe", dict(scan_layers=True, remat="block", moe_impl="ragged"))])
+@pytest.mark.parametrize(
+    "name,overrides",
+    [
+        ("tiny", {}),
+        ("tiny-llama", {}),
+        ("tiny-moe", {}),
+        ("tiny-moe", dict(scan_layers=True, remat="block", moe_impl="ragged")),
+    ],
+)
 def test_causal_blocks_give_the_full_score_matrix_results(name, overrides):
   """attn_causal_blocks=3 at T=200 (query blocks [0, 67), [67, 133), [133, 200), keys after each skipped)
   gives the logits and the parameter gradients of the full score matrix (attn_causal_blocks=1) on every
@@ -426,15 +450,17 @@ def test_causal_blocks_give_the_full_score_matrix_results(name, overrides):
   bodies = 1 if full.config.scan_layers else full.config.num_layers  # layer bodies in the jaxpr
   assert _dot_count(blocked, tokens, seg) == _dot_count(full, tokens, seg) + 2 * 2 * bodies  # 3 blocks ran
   assert _dot_count(blocked, tokens[:, :127], seg[:, :127]) == _dot_count(full, tokens[:, :127], seg[:, :127])
-  np.testing.assert_allclose(np.asarray(_fwd(blocked, tokens, seg))[real], np.asarray(_fwd(full, tokens, seg))[real],
-                             atol=1e-5, rtol=0)
+  np.testing.assert_allclose(
+      np.asarray(_fwd(blocked, tokens, seg))[real], np.asarray(_fwd(full, tokens, seg))[real], atol=1e-5, rtol=0
+  )
   grads = [jax.tree.leaves(nnx.state(nnx.grad(loss)(m), nnx.Param)) for m in (blocked, full)]
   for got, want in zip(*grads, strict=True):  # fp32 rounding of sums over 800 tokens, relative to the leaf's scale
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-6 * float(np.abs(want).max()), rtol=0)
 
 
-@pytest.mark.parametrize("name,layout", [("tiny", {"tensor": 2, "fsdp": 2, "data": 2}),
-                                         ("tiny-moe", {"expert": 2, "fsdp": 2, "tensor": 2})])
+@pytest.mark.parametrize(
+    "name,layout", [("tiny", {"tensor": 2, "fsdp": 2, "data": 2}), ("tiny-moe", {"expert": 2, "fsdp": 2, "tensor": 2})]
+)
 def test_causal_blocks_on_a_mesh_equal_single_device_full_scores(name, layout):
   """The blocked attention (T=160: 2 blocks) under a sharded mesh gives the single-device full-matrix logits."""
   tokens, seg = _tokens(b=8, t=160), _left_pad_segments(b=8, t=160)
@@ -457,8 +483,12 @@ def test_causal_block_attention_matches_masked_attention_and_checks_shapes():
   for n in (1, 2, 5, 11):
     got = causal_block_attention(qg, keys, values, mask, n, dtype=jnp.float32)
     rows = np.asarray(mask.any(-1))  # [B, T]
-    np.testing.assert_allclose(np.asarray(got)[rows[:, None, None].repeat(k, 1).repeat(g, 2)],
-                               np.asarray(want)[rows[:, None, None].repeat(k, 1).repeat(g, 2)], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(got)[rows[:, None, None].repeat(k, 1).repeat(g, 2)],
+        np.asarray(want)[rows[:, None, None].repeat(k, 1).repeat(g, 2)],
+        atol=1e-6,
+        rtol=0,
+    )
   with pytest.raises(ValueError, match="use masked_attention for a KV cache"):
     causal_block_attention(qg, jnp.concatenate([keys, keys], 2), values, mask, 2, dtype=jnp.float32)
   with pytest.raises(ValueError, match=r"mask_btt must be \[B, T, T\]"):
@@ -471,6 +501,7 @@ def test_causal_block_attention_matches_masked_attention_and_checks_shapes():
 
 
 # ------------------------------------------------------------------------------------------------ bad input
+
 
 def test_config_validation_errors():
   base = get_preset("tiny")
@@ -485,8 +516,7 @@ def test_config_validation_errors():
   with pytest.raises(ValueError, match="rope_scaling"):
     base.replace(rope_scaling={"rope_type": "yarn", "factor": 4.0})
   with pytest.raises(ValueError, match="hidden_size"):
-    ModelConfig(vocab_size=8, hidden_size=0, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                head_dim=4)
+    ModelConfig(vocab_size=8, hidden_size=0, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4)
   with pytest.raises(ValueError, match="unknown model preset 'qwen9'"):
     get_preset("qwen9")
 
@@ -511,6 +541,7 @@ def checkpoint(tmp_path):
 
 def _edit_tensors(path, fn):
   from safetensors.numpy import load_file, save_file
+
   tensors = load_file(str(path / "model.safetensors"))
   fn(tensors)
   save_file(tensors, str(path / "model.safetensors"))
@@ -525,15 +556,18 @@ def test_checkpoint_missing_tensor_named(checkpoint):
 def test_checkpoint_wrong_shape_named(checkpoint):
   def f(t):
     t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+
   _edit_tensors(checkpoint, f)
-  with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(16, 64\), "
-                                       r"expected \(32, 64\)"):
+  with pytest.raises(
+      ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(16, 64\), " r"expected \(32, 64\)"
+  ):
     load_hf_checkpoint(str(checkpoint))
 
 
 def test_checkpoint_unused_tensor_named(checkpoint):
   def f(t):
     t["model.layers.0.self_attn.q_proj.bias"] = np.zeros((64,), np.float32)
+
   _edit_tensors(checkpoint, f)
   with pytest.raises(ValueError, match=r"does not use.*model\.layers\.0\.self_attn\.q_proj\.bias"):
     load_hf_checkpoint(str(checkpoint))
@@ -553,5 +587,6 @@ def test_checkpoint_round_trip_bf16_params(checkpoint):
   model, config = load_hf_checkpoint(str(checkpoint), param_dtype="bfloat16")
   assert config.param_dtype == "bfloat16" and model.embed[...].dtype == jnp.bfloat16
   ref, _ = load_hf_checkpoint(str(checkpoint))
-  np.testing.assert_array_equal(np.asarray(model.layers.attn.o_proj[...]),
-                                np.asarray(ref.layers.attn.o_proj[...].astype(jnp.bfloat16)))
+  np.testing.assert_array_equal(
+      np.asarray(model.layers.attn.o_proj[...]), np.asarray(ref.layers.attn.o_proj[...].astype(jnp.bfloat16))
+  )

@@ -21,22 +21,55 @@ from minpro_jax.models.hf_io import config_from_hf, load_hf_checkpoint, save_hf_
 
 V = 97
 # head_dim 16 != hidden 48 / heads 4; GQA; non-default rope_theta.
-_COMMON = dict(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6,
-               max_position_embeddings=256)
-_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 16}
+_COMMON = dict(
+    vocab_size=V,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=5000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+)
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 CASES = {
     "qwen3-untied": ("Qwen3", dict(_COMMON, tie_word_embeddings=False)),
     "qwen3-tied-mqa": ("Qwen3", dict(_COMMON, num_key_value_heads=1, tie_word_embeddings=True, rope_theta=1e6)),
-    "qwen3moe-norm": ("Qwen3Moe", dict(_COMMON, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
-                                       norm_topk_prob=True, tie_word_embeddings=False)),
-    "qwen3moe-nonorm-tied": ("Qwen3Moe", dict(_COMMON, moe_intermediate_size=24, num_experts=5,
-                                              num_experts_per_tok=3, norm_topk_prob=False,
-                                              tie_word_embeddings=True)),
-    "llama-tied-rope3": ("Llama", dict(_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                                       rope_scaling=dict(_LLAMA3))),
+    "qwen3moe-norm": (
+        "Qwen3Moe",
+        dict(
+            _COMMON,
+            moe_intermediate_size=24,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3moe-nonorm-tied": (
+        "Qwen3Moe",
+        dict(
+            _COMMON,
+            moe_intermediate_size=24,
+            num_experts=5,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-tied-rope3": (
+        "Llama",
+        dict(_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_scaling=dict(_LLAMA3)),
+    ),
     "llama-untied": ("Llama", dict(_COMMON, num_key_value_heads=4, tie_word_embeddings=False)),
 }
 
@@ -72,8 +105,11 @@ def _batch():
 def _hf_logits(model, tokens, seg):
   pos = np.maximum(np.cumsum(seg, axis=1) - 1, 0)
   with torch.no_grad():
-    out = model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(seg),
-                position_ids=torch.tensor(pos, dtype=torch.long))
+    out = model(
+        input_ids=torch.tensor(tokens, dtype=torch.long),
+        attention_mask=torch.tensor(seg),
+        position_ids=torch.tensor(pos, dtype=torch.long),
+    )
   return out.logits.float().numpy()
 
 
@@ -109,7 +145,10 @@ def test_config_read_from_folder(loaded):
   assert config.architecture == hc.model_type
   if config.is_moe:
     assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (
-        hc.num_experts, hc.num_experts_per_tok, hc.norm_topk_prob)
+        hc.num_experts,
+        hc.num_experts_per_tok,
+        hc.norm_topk_prob,
+    )
   if case == "llama-tied-rope3":
     assert config.rope_scaling["rope_type"] == "llama3" and config.rope_scaling["factor"] == 8.0
 
@@ -161,6 +200,7 @@ def test_sharded_index_checkpoint(case, tmp_path):
 def test_fused_expert_layout_loads(tmp_path):
   """transformers v5 in-memory layout (experts.gate_up_proj [E, 2F, D], experts.down_proj [E, D, F])."""
   from safetensors.numpy import save_file
+
   hf = _hf_model("qwen3moe-norm")
   sd = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
   assert any(k.endswith("mlp.experts.gate_up_proj") for k in sd)  # what the module holds in 5.x
@@ -203,9 +243,12 @@ def test_moe_aux_loss_matches_transformers_one_layer(norm_topk, tmp_path):
   model, _ = load_hf_checkpoint(str(tmp_path))
   tokens, seg = _batch()
   with torch.no_grad():
-    out = hf(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(seg),
-             position_ids=torch.tensor(np.maximum(np.cumsum(seg, 1) - 1, 0), dtype=torch.long),
-             output_router_logits=True)
+    out = hf(
+        input_ids=torch.tensor(tokens, dtype=torch.long),
+        attention_mask=torch.tensor(seg),
+        position_ids=torch.tensor(np.maximum(np.cumsum(seg, 1) - 1, 0), dtype=torch.long),
+        output_router_logits=True,
+    )
   ours = float(model(jnp.asarray(tokens), segment_ids_bt=jnp.asarray(seg)).router_aux_loss)
   assert abs(ours - float(out.aux_loss)) <= 1e-5 * float(out.aux_loss)
   assert ours > cfg.num_experts_per_tok  # not the balanced minimum k: the comparison is informative

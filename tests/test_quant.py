@@ -7,8 +7,13 @@ import pytest
 from flax import nnx
 
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.models.quant import (fake_quant_e4m3, fake_quant_weights, maybe_quant_act, precision_config,
-                                     prepare_inference_params)
+from minpro_jax.models.quant import (
+    fake_quant_e4m3,
+    fake_quant_weights,
+    maybe_quant_act,
+    precision_config,
+    prepare_inference_params,
+)
 
 
 def test_fake_quant_values():
@@ -42,13 +47,23 @@ def test_weights_quantized_except_embedding_and_norms():
   state = nnx.split(init_model(get_preset("tiny"), 0))[1]
   q = fake_quant_weights(state)
   flat, qflat = dict(nnx.to_flat_state(state)), dict(nnx.to_flat_state(q))
-  changed = {"/".join(map(str, k)) for k in flat if not np.array_equal(np.asarray(flat[k][...]),
-                                                                         np.asarray(qflat[k][...]))}
-  assert {"layers/attn/q_proj", "layers/attn/k_proj", "layers/attn/v_proj", "layers/attn/o_proj",
-          "layers/mlp/gate_proj", "layers/mlp/up_proj", "layers/mlp/down_proj"} == changed
+  changed = {
+      "/".join(map(str, k)) for k in flat if not np.array_equal(np.asarray(flat[k][...]), np.asarray(qflat[k][...]))
+  }
+  assert {
+      "layers/attn/q_proj",
+      "layers/attn/k_proj",
+      "layers/attn/v_proj",
+      "layers/attn/o_proj",
+      "layers/mlp/gate_proj",
+      "layers/mlp/up_proj",
+      "layers/mlp/down_proj",
+  } == changed
   # one scale per layer: layer 1 quantized alone equals its slice of the stacked result
   w = flat[("layers", "attn", "q_proj")][...]
-  np.testing.assert_array_equal(np.asarray(fake_quant_e4m3(w[1])), np.asarray(qflat[("layers", "attn", "q_proj")][...][1]))
+  np.testing.assert_array_equal(
+      np.asarray(fake_quant_e4m3(w[1])), np.asarray(qflat[("layers", "attn", "q_proj")][...][1])
+  )
 
 
 def test_precision_config_and_cast():
@@ -66,9 +81,12 @@ def test_fp8_scales_are_per_layer_in_both_layouts():
   """fp8 of the stacked State then unstacking == unstacking then fp8 of the per-layer State (one scale per
   layer and tensor either way), and layers with different ranges get different scales."""
   from minpro_jax.models.inference_layout import unstack_layer_params
+
   cfg = get_preset("tiny")
   state = nnx.split(init_model(cfg, seed=1))[1]
-  state["layers"]["mlp"]["up_proj"].value = state["layers"]["mlp"]["up_proj"][...] * jnp.array([1.0, 7.0])[:, None, None]
+  state["layers"]["mlp"]["up_proj"].value = (
+      state["layers"]["mlp"]["up_proj"][...] * jnp.array([1.0, 7.0])[:, None, None]
+  )
   flat_cfg = cfg.replace(stack_layers=False)
   a = unstack_layer_params(prepare_inference_params(state, "fp8", cfg), cfg)
   b = prepare_inference_params(unstack_layer_params(state, cfg), "fp8", flat_cfg)

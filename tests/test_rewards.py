@@ -30,14 +30,17 @@ def test_b16_nested_braces():
 
 
 # ---------------------------------------------------------------- B17 commas
-@pytest.mark.parametrize("gold,pred,ok", [
-    ("8000", "\\boxed{8,000}", True),
-    ("9500", "\\boxed{9{,}500}", True),
-    ("10000", "\\boxed{10,000}", True),
-    ("1234", "\\boxed{12,34}", False),
-    ("357", "\\boxed{3,5,7}", False),
-    ("1", "\\boxed{0,1}", False),
-])
+@pytest.mark.parametrize(
+    "gold,pred,ok",
+    [
+        ("8000", "\\boxed{8,000}", True),
+        ("9500", "\\boxed{9{,}500}", True),
+        ("10000", "\\boxed{10,000}", True),
+        ("1234", "\\boxed{12,34}", False),
+        ("357", "\\boxed{3,5,7}", False),
+        ("1", "\\boxed{0,1}", False),
+    ],
+)
 def test_b17_commas(gold, pred, ok):
   assert r(pred, gold) == float(ok)
   assert r(pred, gold, mode="integer") == float(ok)
@@ -91,19 +94,22 @@ def test_b20_multiple_boxes():
 
 
 # ---------------------------------------------------------------- B21 fractions / tolerance
-@pytest.mark.parametrize("pred,gold,ok", [
-    ("2/3", "\\frac{2}{3}", True),
-    ("0.5", "\\frac{1}{2}", True),
-    ("\\frac12", "\\frac{1}{2}", True),
-    ("\\frac{1}{2^{99}}", "\\frac{1}{2^{98}}", False),
-    ("2021", "\\pm 2021", False),
-    # documented implementation-defined case: decimals are equal to a rational iff they agree to 6 decimals
-    ("1/12", "0.0833", False),
-    ("0.083333", "\\frac{1}{12}", True),
-    ("\\dfrac{3}{4}", "0.75", True),
-    ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True),
-    ("x^2+2x+1", "(x+1)^2", True),
-])
+@pytest.mark.parametrize(
+    "pred,gold,ok",
+    [
+        ("2/3", "\\frac{2}{3}", True),
+        ("0.5", "\\frac{1}{2}", True),
+        ("\\frac12", "\\frac{1}{2}", True),
+        ("\\frac{1}{2^{99}}", "\\frac{1}{2^{98}}", False),
+        ("2021", "\\pm 2021", False),
+        # documented implementation-defined case: decimals are equal to a rational iff they agree to 6 decimals
+        ("1/12", "0.0833", False),
+        ("0.083333", "\\frac{1}{12}", True),
+        ("\\dfrac{3}{4}", "0.75", True),
+        ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True),
+        ("x^2+2x+1", "(x+1)^2", True),
+    ],
+)
 def test_b21_fractions_decimals(pred, gold, ok):
   assert r(f"\\boxed{{{pred}}}", gold) == float(ok)
 
@@ -135,8 +141,7 @@ def test_integer_mode():
 
 
 # ---------------------------------------------------------------- bounded time
-@pytest.mark.parametrize("pred", ["10^{10^{10}}", "9^{9^{9^{9}}}", "(x+1)^{100000}", "2^{2^{40}}",
-                                  "100000000!"])
+@pytest.mark.parametrize("pred", ["10^{10^{10}}", "9^{9^{9^{9}}}", "(x+1)^{100000}", "2^{2^{40}}", "100000000!"])
 def test_pathological_answers_are_bounded_and_counted(pred):
   st = collections.Counter()
   t0 = time.perf_counter()

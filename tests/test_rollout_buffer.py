@@ -14,13 +14,20 @@ def make_batch(n=4, length=5, tag=0):
   tokens = (tag * 100 + rows[:, None] * 10 + np.arange(length)[None]).astype(np.int32)
   mask = np.zeros((n, length), bool)
   mask[:, 2:] = True
-  return RolloutBatch(tokens=tokens, segment_ids=np.ones((n, length), np.int32),
-                      positions=np.tile(np.arange(length, dtype=np.int32), (n, 1)), response_mask=mask,
-                      behavior_logp=np.where(mask, -0.5 - tag - rows[:, None] * 0.01, 0).astype(np.float32),
-                      learner_logp=np.where(mask, -0.6 - tag, 0).astype(np.float32),
-                      advantages=(rows - 1.5).astype(np.float32), rewards=(rows % 2).astype(np.float32),
-                      group_ids=(tag * n + rows // 2).astype(np.int64), policy_version=np.full(n, tag, np.int64),
-                      response_lengths=np.full(n, length - 2, np.int32), truncated=rows == 0)
+  return RolloutBatch(
+      tokens=tokens,
+      segment_ids=np.ones((n, length), np.int32),
+      positions=np.tile(np.arange(length, dtype=np.int32), (n, 1)),
+      response_mask=mask,
+      behavior_logp=np.where(mask, -0.5 - tag - rows[:, None] * 0.01, 0).astype(np.float32),
+      learner_logp=np.where(mask, -0.6 - tag, 0).astype(np.float32),
+      advantages=(rows - 1.5).astype(np.float32),
+      rewards=(rows % 2).astype(np.float32),
+      group_ids=(tag * n + rows // 2).astype(np.int64),
+      policy_version=np.full(n, tag, np.int64),
+      response_lengths=np.full(n, length - 2, np.int32),
+      truncated=rows == 0,
+  )
 
 
 def assert_batches_equal(a: RolloutBatch, b: RolloutBatch):
@@ -73,6 +80,7 @@ def test_state_dict_round_trip_in_memory_and_through_orbax(tmp_path):
   fresh.load_state_dict(snapshot)
   ckpt = RunCheckpointer(str(tmp_path), keep=1)
   import jax.numpy as jnp
+
   ckpt.save(2, {"x": jnp.zeros(())}, snapshot, {"global_step": 2})
   _, restored, _ = ckpt.restore(2, {"x": jnp.zeros(())})
   disk = RolloutBuffer(2)
@@ -99,6 +107,7 @@ def test_state_dict_round_trip_in_memory_and_through_orbax(tmp_path):
 def test_disk_space_check_counts_the_checkpoints_still_to_write(tmp_path, monkeypatch):
   import collections
   import shutil
+
   ckpt = RunCheckpointer(str(tmp_path), keep=1)
   state = {"x": np.zeros((1000,), np.float32), "n": np.zeros((), np.int64)}  # 4008 bytes
   params = {"y": np.zeros((250,), np.float32)}  # 1000 bytes
@@ -135,8 +144,15 @@ def test_split_and_select():
   for bad in (3, 0, -2):
     with pytest.raises(ValueError, match="mini-batches"):
       b.split(bad)
-  assert set(b.learner_arrays()) == {"tokens", "segment_ids", "positions", "response_mask", "behavior_logp",
-                                     "learner_logp", "advantages"}
+  assert set(b.learner_arrays()) == {
+      "tokens",
+      "segment_ids",
+      "positions",
+      "response_mask",
+      "behavior_logp",
+      "learner_logp",
+      "advantages",
+  }
 
 
 def test_shape_validation_names_the_field():
@@ -155,6 +171,7 @@ def test_shape_validation_names_the_field():
 def test_restore_latest_falls_back_past_a_damaged_checkpoint_and_sets_it_aside(tmp_path):
   import glob
   import os
+
   ckpt = RunCheckpointer(str(tmp_path), keep=3)
   template = {"x": np.zeros((64,), np.float32)}
   assert ckpt.restore_latest(template) is None
@@ -168,8 +185,11 @@ def test_restore_latest_falls_back_past_a_damaged_checkpoint_and_sets_it_aside(t
   step, state, _, meta = ckpt.restore_latest(template, check_meta=lambda m: seen.append(m["global_step"]))
   assert (step, meta["global_step"], float(state["x"][0]), seen) == (3, 3, 3.0, [3])
   # damage step 3's arrays: truncate every data file of its state item
-  files = [f for f in glob.glob(str(tmp_path / "checkpoints" / "3" / "state" / "**"), recursive=True)
-           if os.path.isfile(f) and "d/" in f.replace(os.sep, "/")]
+  files = [
+      f
+      for f in glob.glob(str(tmp_path / "checkpoints" / "3" / "state" / "**"), recursive=True)
+      if os.path.isfile(f) and "d/" in f.replace(os.sep, "/")
+  ]
   assert files
   for f in files:
     open(f, "wb").close()
@@ -188,8 +208,10 @@ def test_restore_latest_falls_back_past_a_damaged_checkpoint_and_sets_it_aside(t
   # when nothing reads back: an error naming the newest, and nothing moved
   for s in (1, 2, 3):
     os.remove(tmp_path / "checkpoints" / str(s) / "meta" / "metadata")
-  with pytest.raises(RuntimeError, match=r"config\.workdir: no run checkpoint .* \[3, 2, 1\].* newest, 3.*original "
-                     r"config .* repair or delete"):
+  with pytest.raises(
+      RuntimeError,
+      match=r"config\.workdir: no run checkpoint .* \[3, 2, 1\].* newest, 3.*original " r"config .* repair or delete",
+  ):
     ckpt.restore_latest(template)
   assert on_disk() == [1, 2, 3]
   ckpt.close()
@@ -198,6 +220,7 @@ def test_restore_latest_falls_back_past_a_damaged_checkpoint_and_sets_it_aside(t
 def test_a_full_disk_while_saving_names_the_workdir_and_removes_the_partial_write(tmp_path, monkeypatch):
   import errno
   import os
+
   ckpt = RunCheckpointer(str(tmp_path), keep=2)
   state = {"x": np.ones((8,), np.float32)}
   ckpt.save(0, state, RolloutBuffer(0).state_dict(), {"global_step": 0})
@@ -207,8 +230,11 @@ def test_a_full_disk_while_saving_names_the_workdir_and_removes_the_partial_writ
     raise ValueError("RESOURCE_EXHAUSTED: Failed to write 4 bytes: No space left on device [os_error_code='28']")
 
   monkeypatch.setattr(ckpt._mngr, "save", full)
-  with pytest.raises(OSError, match=r"config\.workdir: the disk under .* filled up while writing the run checkpoint "
-                     r"of step 1 .* newest 0, are intact\)\..* re-run the same command to resume") as e:
+  with pytest.raises(
+      OSError,
+      match=r"config\.workdir: the disk under .* filled up while writing the run checkpoint "
+      r"of step 1 .* newest 0, are intact\)\..* re-run the same command to resume",
+  ) as e:
     ckpt.save(1, state, RolloutBuffer(0).state_dict(), {"global_step": 1})
   assert e.value.errno == errno.ENOSPC and os.listdir(tmp_path / "checkpoints") == ["0"]
   monkeypatch.setattr(ckpt._mngr, "save", lambda step, args, force: (_ for _ in ()).throw(ValueError("other")))

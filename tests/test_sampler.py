@@ -37,8 +37,14 @@ def sampler():
 
 def _learner_logp(model, batch):
   la = batch.to_learner_arrays()
-  lp = token_logprobs(model, jnp.asarray(la.tokens), jnp.asarray(la.segment_ids), jnp.asarray(la.positions),
-                      temperature=batch.temperature, return_entropy=True)
+  lp = token_logprobs(
+      model,
+      jnp.asarray(la.tokens),
+      jnp.asarray(la.segment_ids),
+      jnp.asarray(la.positions),
+      temperature=batch.temperature,
+      return_entropy=True,
+  )
   return la, np.asarray(lp.logp), np.asarray(lp.entropy)
 
 
@@ -97,11 +103,12 @@ def test_stop_and_finish_reason_in_sampler(model, state, sampler):
   """Rows that emit a stop id report "stop", pad after it, and are masked; others report "length"."""
   greedy = sampler.generate(state, PROMPTS, GREEDY, group_size=2)
   stop = int(greedy.response_tokens[0, 2])  # row 0 emits this at index 2 (maybe earlier)
-  b = sampler.generate(state, PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=9, stop_token_ids=(stop,)),
-                       group_size=2)
+  b = sampler.generate(
+      state, PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=9, stop_token_ids=(stop,)), group_size=2
+  )
   first = int(np.argmax(greedy.response_tokens[0] == stop))
   assert b.finish_reason[0] == "stop" and b.lengths[0] == first + 1
-  assert np.all(b.response_tokens[0, first + 1:] == 0) and not b.response_mask[0, first + 1:].any()
+  assert np.all(b.response_tokens[0, first + 1 :] == 0) and not b.response_mask[0, first + 1 :].any()
   for r in range(6):
     if stop not in greedy.response_tokens[r]:
       assert b.finish_reason[r] == "length" and b.lengths[r] == 9
@@ -138,7 +145,7 @@ def test_b11_top_p_keeps_crossing_token():
 def _nucleus_by_sorting(logits, top_k, top_p):
   """Reference candidate set in float64: a stable sort by (-logit, id), top-k, then top-p on the renormalised
   top-k. Also returns the tokens whose mass-before lies within 1e-5 of top_p (fp32 rounding may go either way)."""
-  order = np.lexsort((np.arange(len(logits)), -logits))[:top_k or len(logits)]
+  order = np.lexsort((np.arange(len(logits)), -logits))[: top_k or len(logits)]
   p = np.exp(logits[order].astype(np.float64) - logits[order].max())
   p /= p.sum()
   mass_before = np.cumsum(p) - p
@@ -170,8 +177,15 @@ def test_signed_zero_logits_are_one_tie():
   assert np.all(toks == 0)
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
-                                SamplingParams(temperature=1.0, top_p=0.8)], ids=["full", "t0.7-topk5", "topp0.8"])
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.8),
+    ],
+    ids=["full", "t0.7-topk5", "topp0.8"],
+)
 def test_sampled_frequencies_match_the_distribution(sp):
   # 600 tokens = 3 blocks of the two-level draw (the last one padded); token probabilities span 1e-4..0.2
   logits = np.full(600, -40.0, np.float32)  # ~e-40: never drawn
@@ -180,8 +194,10 @@ def test_sampled_frequencies_match_the_distribution(sp):
   logits[100:110] = -5.0
   n = 40_000
   toks = np.asarray(_draw(logits, sp, n=n, seed=3).tokens)
-  ref = np.asarray(jax.nn.softmax(truncation_logits(jnp.asarray(logits)[None] / sp.logprob_temperature,
-                                                    sp.top_k, sp.top_p))[0], np.float64)
+  ref = np.asarray(
+      jax.nn.softmax(truncation_logits(jnp.asarray(logits)[None] / sp.logprob_temperature, sp.top_k, sp.top_p))[0],
+      np.float64,
+  )
   counts = np.bincount(toks, minlength=600)
   assert counts[ref == 0].sum() == 0  # nothing outside the candidate set
   expected = n * ref
@@ -197,7 +213,7 @@ def test_rows_draw_independently_of_batch_composition():
   keys = jax.random.split(jax.random.key(9), 5)
   sp = SamplingParams(temperature=1.0)
   together = np.asarray(get_next_tokens(logits, keys, sp).tokens)
-  alone = [int(get_next_tokens(logits[i:i + 1], keys[i:i + 1], sp).tokens[0]) for i in range(5)]
+  alone = [int(get_next_tokens(logits[i : i + 1], keys[i : i + 1], sp).tokens[0]) for i in range(5)]
   np.testing.assert_array_equal(together, alone)
 
 
@@ -261,8 +277,11 @@ def test_bad_input(state, sampler):
     sampler.generate(state, [[1], [2]], sp, group_ids=[3])
   with pytest.raises(ValueError, match="precision"):
     Sampler(CFG, precision="int4")
-  with pytest.raises(ValueError, match=r"params do not match model_config: parameter \['embed'\] has shape "
-                     r"\(512, 64\), the config's model expects \(512, 32\)"):
+  with pytest.raises(
+      ValueError,
+      match=r"params do not match model_config: parameter \['embed'\] has shape "
+      r"\(512, 64\), the config's model expects \(512, 32\)",
+  ):
     Sampler(get_preset("tiny", hidden_size=32), prompt_buckets=(8,)).generate(state, [[1]], sp)
   with pytest.raises(ValueError, match="13 parameter arrays, the config's model has 14"):
     Sampler(get_preset("tiny", tie_embeddings=False), prompt_buckets=(8,)).generate(state, [[1]], sp)
@@ -272,8 +291,7 @@ def test_new_param_values_do_not_recompile(state, sampler):
   a = sampler.generate(state, PROMPTS, TOPK, seed=0, group_size=2)
   traces, cache_size = sampler.trace_count, sampler._decode._cache_size()
   new_state = jax.tree.map(lambda x: x * 1.5, state)
-  b = sampler.generate(new_state, [[3, 2], list(range(1, 13)), [7, 7, 7]], TOPK, seed=0, group_size=2,
-                       policy_version=7)
+  b = sampler.generate(new_state, [[3, 2], list(range(1, 13)), [7, 7, 7]], TOPK, seed=0, group_size=2, policy_version=7)
   assert sampler.trace_count == traces and sampler._decode._cache_size() == cache_size
   assert b.policy_version == 7 and not np.array_equal(a.behavior_logp, b.behavior_logp)
 
@@ -299,8 +317,12 @@ def test_fused_qkv_samples_what_unfused_samples(state, precision):
   """The default fused q/k/v layout draws the same tokens with the same behavior log-probs as the learner's
   separate projections; under fp8 q, k and v keep their own scales (quantized, then fused), so the two stay
   equal there too."""
-  got = {fuse: Sampler(CFG, precision=precision, prompt_buckets=(16,), fuse_qkv=fuse).generate(
-      state, PROMPTS, TOPK, seed=4, group_size=2) for fuse in (False, True)}
+  got = {
+      fuse: Sampler(CFG, precision=precision, prompt_buckets=(16,), fuse_qkv=fuse).generate(
+          state, PROMPTS, TOPK, seed=4, group_size=2
+      )
+      for fuse in (False, True)
+  }
   np.testing.assert_array_equal(got[True].response_tokens, got[False].response_tokens)
   np.testing.assert_allclose(got[True].behavior_logp, got[False].behavior_logp, atol=1e-5, rtol=0)
 
@@ -310,7 +332,7 @@ def test_group_ids_travel_and_rows_are_batch_independent(state, sampler):
   b = sampler.generate(state, PROMPTS[:2], sp, seed=5, group_size=3, group_ids=[7, 42])
   np.testing.assert_array_equal(b.group_ids, [7, 7, 7, 42, 42, 42])
   np.testing.assert_array_equal(b.sample_index, [0, 1, 2, 0, 1, 2])
-  np.testing.assert_array_equal(b.prompt_tokens[3, -len(PROMPTS[1]):], PROMPTS[1])
+  np.testing.assert_array_equal(b.prompt_tokens[3, -len(PROMPTS[1]) :], PROMPTS[1])
   alone = sampler.generate(state, PROMPTS[1:2], sp, seed=5, group_size=2, group_ids=[42])
   np.testing.assert_array_equal(alone.response_tokens, b.response_tokens[3:5])
 
@@ -334,26 +356,48 @@ def test_greedy_matches_transformers_generate(tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   from minpro_jax.models.hf_io import load_hf_checkpoint
-  cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0,
-                                 rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True)
+
+  cfg = transformers.Qwen3Config(
+      vocab_size=97,
+      hidden_size=48,
+      intermediate_size=80,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=16,
+      rope_theta=5000.0,
+      rms_norm_eps=1e-6,
+      max_position_embeddings=256,
+      tie_word_embeddings=True,
+  )
   torch.manual_seed(0)
   hf = transformers.Qwen3ForCausalLM(cfg).eval()
   with torch.no_grad():
     for name, p in hf.named_parameters():
-      p.copy_(1.0 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
-              else torch.randn_like(p) / np.sqrt(p.shape[-1]))
+      p.copy_(
+          1.0 + 0.2 * torch.randn_like(p)
+          if name.endswith("norm.weight")
+          else torch.randn_like(p) / np.sqrt(p.shape[-1])
+      )
   hf.save_pretrained(str(tmp_path))
   model, config = load_hf_checkpoint(str(tmp_path))
   prompts = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38, 32]]
   new = 12
-  ours = Sampler(config, prompt_buckets=(8,)).generate(model, prompts, SamplingParams(temperature=0.0,
-                                                                                       max_new_tokens=new))
+  ours = Sampler(config, prompt_buckets=(8,)).generate(
+      model, prompts, SamplingParams(temperature=0.0, max_new_tokens=new)
+  )
   for i, p in enumerate(prompts):  # one row at a time: HF generate without padding
     with torch.no_grad():
-      out = hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                        use_cache=True, eos_token_id=None, pad_token_id=0)
-    np.testing.assert_array_equal(ours.response_tokens[i], out[0, len(p):].numpy())
+      out = hf.generate(
+          torch.tensor([p]),
+          max_new_tokens=new,
+          min_new_tokens=new,
+          do_sample=False,
+          use_cache=True,
+          eos_token_id=None,
+          pad_token_id=0,
+      )
+    np.testing.assert_array_equal(ours.response_tokens[i], out[0, len(p) :].numpy())
 
 
 @pytest.mark.parametrize("layout", [{"data": 2, "tensor": 4}, {"fsdp": 8}], ids=["data2-tensor4", "fsdp8"])
@@ -361,6 +405,7 @@ def test_sharded_sampler_equals_single_device(model, state, sampler, layout):
   """On an 8-device mesh (parameters created sharded), the per-layer sampler gives the single-device tokens
   and behavior log-probs: the unstacking and per-layer KV caches keep working under GSPMD."""
   from minpro_jax.runtime.sharding import make_mesh
+
   mesh = make_mesh(layout)
   sharded_state = nnx.split(init_model(CFG, seed=3, mesh=mesh))[1]
   assert any(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(sharded_state))
@@ -374,8 +419,12 @@ def _decode_hlo(sampler, state, sp):
   """Optimized HLO text of the sampler's decode loop for PROMPTS (bucket 16)."""
   prepared = sampler.prepare_params(state).state
   b = 4
-  args = (np.ones((b, 16), np.int32), np.ones((b, 16), np.int32), jax.random.split(jax.random.key(0), b),
-          np.ones(b, bool))
+  args = (
+      np.ones((b, 16), np.int32),
+      np.ones((b, 16), np.int32),
+      jax.random.split(jax.random.key(0), b),
+      np.ones(b, bool),
+  )
   with sampler._mesh_ctx():
     st = sampler._prefill(prepared, *args, sampling=sp)
     return prepared, sampler._decode.lower(prepared, st, sampling=sp, cache_offset=16).compile().as_text()
@@ -386,6 +435,7 @@ def test_fused_qkv_keeps_the_tensor_split():
   decode loop gathers no weight; on {data: 2, tensor: 4} the tensor split (4) does not divide the 2 KV heads,
   so the sampler keeps the unfused layout instead of replicating a fused matrix."""
   from minpro_jax.runtime.sharding import make_mesh
+
   mesh = make_mesh({"data": 4, "tensor": 2})
   sharded_state = nnx.split(init_model(CFG, seed=3, mesh=mesh))[1]
   sp = SamplingParams(temperature=0.0, max_new_tokens=4)

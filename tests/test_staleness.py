@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import pytest
+from train_helpers import make_config, tiny_overrides
 
 from minpro_jax.rl.learner import staleness
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
-from train_helpers import make_config, tiny_overrides
 
 
 def simulate(delay: int, n: int, steps: int):
@@ -20,11 +20,23 @@ def simulate(delay: int, n: int, steps: int):
   for s in range(steps):
     pv = np.full(n, version, np.int64)  # n samples, one per update, all sampled by the newest parameters
     z = np.zeros((n, 1))
-    buf.push(s, RolloutBatch(tokens=z.astype(np.int32), segment_ids=z.astype(np.int32), positions=z.astype(np.int32),
-                             response_mask=z.astype(bool), behavior_logp=z.astype(np.float32),
-                             learner_logp=z.astype(np.float32), advantages=np.zeros(n, np.float32),
-                             rewards=np.zeros(n, np.float32), group_ids=np.arange(n), policy_version=pv,
-                             response_lengths=np.zeros(n, np.int32), truncated=np.zeros(n, bool)))
+    buf.push(
+        s,
+        RolloutBatch(
+            tokens=z.astype(np.int32),
+            segment_ids=z.astype(np.int32),
+            positions=z.astype(np.int32),
+            response_mask=z.astype(bool),
+            behavior_logp=z.astype(np.float32),
+            learner_logp=z.astype(np.float32),
+            advantages=np.zeros(n, np.float32),
+            rewards=np.zeros(n, np.float32),
+            group_ids=np.arange(n),
+            policy_version=pv,
+            response_lengths=np.zeros(n, np.int32),
+            truncated=np.zeros(n, bool),
+        ),
+    )
     rel = buf.pop(s)
     if rel is None:
       continue
@@ -64,10 +76,20 @@ def paper_run(tmp_path_factory):
   """The real Trainer, d=2 and n=16 updates per step (16 prompts x 2 samples, 2 samples per update), 6 steps;
   sample_step / learn_step are wrapped to record what the sampler produced and what the learner consumed."""
   from minpro_jax.trainer import Trainer
+
   tmp = tmp_path_factory.mktemp("stale")
-  c = make_config(tiny_overrides(tmp, total_steps=6, prompts_per_step=16, group_size=2, num_updates_per_step=16,
-                                 micro_batch_size=2, delay=2, **{"loss.entropy_coef": 0.05,
-                                                                  "optimizer.learning_rate": 1e-2}))
+  c = make_config(
+      tiny_overrides(
+          tmp,
+          total_steps=6,
+          prompts_per_step=16,
+          group_size=2,
+          num_updates_per_step=16,
+          micro_batch_size=2,
+          delay=2,
+          **{"loss.entropy_coef": 0.05, "optimizer.learning_rate": 1e-2},
+      )
+  )
   tr = Trainer(c)
   sampled, consumed = [], []
   orig_sample, orig_learn = tr.sample_step, tr.learn_step

@@ -21,6 +21,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def gguf_reader():
   from gguf import GGUFReader
+
   try:
     return GGUFReader(T.smollm2_gguf_path())
   except FileNotFoundError as e:  # the wheel is installed by `make setup`
@@ -59,7 +60,7 @@ def _naive_encode(text, vocab, ranks):
         r, i = min(pairs)
         if r == 1 << 30:
           break
-        parts = parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]
+        parts = parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2 :]
       ids.extend(vocab[p] for p in parts)
   return ids
 
@@ -76,6 +77,7 @@ def test_gguf_bpe_matches_naive_reference(gguf_reader, smol):
 def test_gguf_bpe_matches_transformers_slow_gpt2(gguf_reader, smol, tmp_path):
   """transformers' pure-Python GPT2Tokenizer on the same vocab/merges; digit-free text (GPT-2 keeps digit runs)."""
   from transformers import GPT2Tokenizer
+
   tokens = gguf_reader.fields["tokenizer.ggml.tokens"].contents()
   merges = gguf_reader.fields["tokenizer.ggml.merges"].contents()
   (tmp_path / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
@@ -112,13 +114,18 @@ def test_chat_templates_match_stored_jinja(gguf_reader, smol):
   tpl = jinja2.Environment().from_string(stored)
   convs = [
       [{"role": "user", "content": "What is 2+2?"}],
-      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-       {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "1+1?"}],
+      [
+          {"role": "system", "content": "Be brief."},
+          {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": "Hello."},
+          {"role": "user", "content": "1+1?"},
+      ],
   ]
   for msgs in convs:
     for gen in (True, False):
-      assert smol.apply_chat_template(msgs, add_generation_prompt=gen) == tpl.render(messages=msgs,
-                                                                                     add_generation_prompt=gen)
+      assert smol.apply_chat_template(msgs, add_generation_prompt=gen) == tpl.render(
+          messages=msgs, add_generation_prompt=gen
+      )
 
 
 def test_qwen3_template_literal():
@@ -138,14 +145,19 @@ def test_tokenizer_json_round_trip(smol, tmp_path):
     assert again.encode(text) == smol.encode(text)
   # transformers reads the same tokenizer.json with identical ids
   from transformers import PreTrainedTokenizerFast
+
   hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
   assert hf.encode(TEXTS[3], add_special_tokens=False) == smol.encode(TEXTS[3])
 
 
 def test_hf_config_special_token_dict_and_missing(tmp_path, smol):
   smol.tok.save(str(tmp_path / "tokenizer.json"))
-  cfg = {"bos_token": None, "eos_token": {"content": "<|im_end|>"}, "pad_token": "<|endoftext|>",
-         "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}<think>{% endfor %}"}
+  cfg = {
+      "bos_token": None,
+      "eos_token": {"content": "<|im_end|>"},
+      "pad_token": "<|endoftext|>",
+      "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}<think>{% endfor %}",
+  }
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
   tok = T.load_hf_tokenizer(str(tmp_path))
   assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.chat_format) == (-1, 2, 0, "qwen3")
@@ -159,6 +171,7 @@ def test_hf_config_special_token_dict_and_missing(tmp_path, smol):
 
 def test_sentencepiece_loader(tmp_path):
   from minpro_jax.data.spm import train_sentencepiece
+
   texts = [f"Question: what is {i} + {i * 3}? Answer: \\boxed{{{4 * i}}}" for i in range(300)]
   path = train_sentencepiece(texts, vocab_size=320, out_path=str(tmp_path / "t.model"), seed=0)
   tok = T.load_tokenizer(path)

@@ -4,14 +4,19 @@ import json
 import os
 
 import pytest
-
 from train_helpers import REPO, make_config, tiny_overrides
 
 
 def test_default_config_end_to_end(tmp_path, monkeypatch):
   from minpro_jax.trainer import Trainer
-  ov = tiny_overrides(tmp_path, total_steps=4, delay=1, num_updates_per_step=2, **{
-      "eval.every": 2, "checkpoint.every": 2, "log.plots": True, "log.tensorboard": True})
+
+  ov = tiny_overrides(
+      tmp_path,
+      total_steps=4,
+      delay=1,
+      num_updates_per_step=2,
+      **{"eval.every": 2, "checkpoint.every": 2, "log.plots": True, "log.tensorboard": True},
+  )
   tr = Trainer(make_config(ov))
   assert tr.sft_info["enabled"] and tr.sft_info["cached"] is False
   summary = tr.run()
@@ -51,6 +56,7 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   # a disk without room for the checkpoints fails before any evaluation or step, not at the first save
   import collections
   import shutil
+
   monkeypatch.setattr(shutil, "disk_usage", lambda path: collections.namedtuple("u", "total used free")(1, 1, 0))
   with pytest.raises(OSError, match=r"config\.workdir: .*run2 has 0\.00 GB free"):
     tr2.run()
@@ -63,6 +69,7 @@ def test_smollm2_config_one_step(tmp_path):
   if not os.path.exists(path):
     pytest.skip("minpro_jax/configs/smollm2_135m.py does not exist yet")
   import importlib.util
+
   spec = importlib.util.spec_from_file_location("smollm2_cfg", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
@@ -82,5 +89,6 @@ def test_smollm2_config_one_step(tmp_path):
   if "sft" in c:
     c.sft.enabled = False
   from minpro_jax.trainer import Trainer
+
   summary = Trainer(c).run()
   assert summary["policy_version"] == c.num_updates_per_step

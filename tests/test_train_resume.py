@@ -9,7 +9,6 @@ import subprocess
 import time
 
 import pytest
-
 from train_helpers import cli_args, cli_env, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -19,15 +18,18 @@ IGNORED_PREFIXES = ("time/", "throughput/")
 
 
 def _overrides(tmp_path, name):
-  return tiny_overrides(tmp_path, workdir=str(tmp_path / name), total_steps=STEPS, delay=2,
-                        **{"checkpoint.every": 1, "checkpoint.keep": 2, "loss.entropy_coef": 0.05,
-                           "optimizer.learning_rate": 1e-2})
+  return tiny_overrides(
+      tmp_path,
+      workdir=str(tmp_path / name),
+      total_steps=STEPS,
+      delay=2,
+      **{"checkpoint.every": 1, "checkpoint.keep": 2, "loss.entropy_coef": 0.05, "optimizer.learning_rate": 1e-2},
+  )
 
 
 def _records(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(IGNORED_PREFIXES)}
-            for r in map(json.loads, f)}
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(IGNORED_PREFIXES)} for r in map(json.loads, f)}
 
 
 def _ckpt_steps(workdir):

@@ -9,20 +9,42 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "minpro_jax", "configs", "default.py")
 
-TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-              "head_dim": 16}
+TINY_MODEL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+}
 
 
 def tiny_overrides(tmp_path, **extra) -> dict:
   """Dotted-field overrides of minpro_jax/configs/default.py for a run of a few seconds per step."""
   ov = {
-      "workdir": str(tmp_path / "run"), "total_steps": 4, "prompts_per_step": 4, "group_size": 2,
-      "num_updates_per_step": 2, "micro_batch_size": 2, "delay": 1,
-      "tokenizer.vocab_size": 384, "data.size": 400, "data.max_prompt_tokens": 32,
+      "workdir": str(tmp_path / "run"),
+      "total_steps": 4,
+      "prompts_per_step": 4,
+      "group_size": 2,
+      "num_updates_per_step": 2,
+      "micro_batch_size": 2,
+      "delay": 1,
+      "tokenizer.vocab_size": 384,
+      "data.size": 400,
+      "data.max_prompt_tokens": 32,
       "sampling.max_new_tokens": 6,
-      "sft.steps": 5, "sft.batch_size": 16, "sft.num_examples": 64, "sft.cache_dir": str(tmp_path / "cache"),
-      "eval.every": 0, "eval.num_problems": 8, "eval.n": 2, "eval.ks": (1, 2),
-      "checkpoint.every": 0, "log.tensorboard": False, "log.plots": False, "log.progress": False,
+      "sft.steps": 5,
+      "sft.batch_size": 16,
+      "sft.num_examples": 64,
+      "sft.cache_dir": str(tmp_path / "cache"),
+      "eval.every": 0,
+      "eval.num_problems": 8,
+      "eval.n": 2,
+      "eval.ks": (1, 2),
+      "checkpoint.every": 0,
+      "log.tensorboard": False,
+      "log.plots": False,
+      "log.progress": False,
   }
   ov.update(extra)
   return ov

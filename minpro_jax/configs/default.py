@@ -17,38 +17,39 @@ def base_config() -> ConfigDict:
   c = ConfigDict()
   c.workdir = "runs/default"
   c.seed = 0
-  c.total_steps = 40                   # global steps (sample -> grade -> buffer -> updates)
-  c.prompts_per_step = 64              # B: prompts sampled per global step
-  c.group_size = 8                     # G: responses per prompt
-  c.num_updates_per_step = 4           # n: optimizer updates (mini-batches) per global step
-  c.micro_batch_size = 128             # samples per micro-batch of gradient accumulation
-  c.delay = 2                          # d: global steps between sampling a batch and learning from it
+  c.total_steps = 40  # global steps (sample -> grade -> buffer -> updates)
+  c.prompts_per_step = 64  # B: prompts sampled per global step
+  c.group_size = 8  # G: responses per prompt
+  c.num_updates_per_step = 4  # n: optimizer updates (mini-batches) per global step
+  c.micro_batch_size = 128  # samples per micro-batch of gradient accumulation
+  c.delay = 2  # d: global steps between sampling a batch and learning from it
 
   c.model = ConfigDict()
-  c.model.source = "scratch"           # scratch | hf | gguf
-  c.model.path = ""                    # HF folder (hf) or .gguf file (gguf; empty = bundled SmolLM2)
+  c.model.source = "scratch"  # scratch | hf | gguf
+  c.model.path = ""  # HF folder (hf) or .gguf file (gguf; empty = bundled SmolLM2)
   c.model.preset = "tiny"
-  c.model.overrides = ConfigDict({"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "num_heads": 4,
-                                  "num_kv_heads": 2, "head_dim": 32})
+  c.model.overrides = ConfigDict(
+      {"hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+  )
   c.model.param_dtype = "float32"
   c.model.dtype = "float32"
   c.model.remat = "none"
   c.model.scan_layers = False
 
   c.tokenizer = ConfigDict()
-  c.tokenizer.kind = "train_spm"       # train_spm | path (HF folder / tokenizer.json / .model / .gguf) | model
+  c.tokenizer.kind = "train_spm"  # train_spm | path (HF folder / tokenizer.json / .model / .gguf) | model
   c.tokenizer.path = ""
   c.tokenizer.vocab_size = 384
-  c.tokenizer.chat_format = ""         # "" = the tokenizer's own (qwen3 / smollm2 / plain)
+  c.tokenizer.chat_format = ""  # "" = the tokenizer's own (qwen3 / smollm2 / plain)
 
   c.data = ConfigDict()
-  c.data.source = "reasoning_gym"      # reasoning_gym | file | champ
+  c.data.source = "reasoning_gym"  # reasoning_gym | file | champ
   c.data.task = "chain_sum"
   c.data.task_config = ConfigDict({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
   c.data.size = 20000
-  c.data.path = ""                     # for source=file: JSONL/JSON/parquet in a published schema
+  c.data.path = ""  # for source=file: JSONL/JSON/parquet in a published schema
   c.data.format = "auto"
-  c.data.template = "plain"            # plain | chat
+  c.data.template = "plain"  # plain | chat
   c.data.max_prompt_tokens = 64
   c.data.num_epochs = 100
 
@@ -57,23 +58,23 @@ def base_config() -> ConfigDict:
   c.sampling.top_p = 1.0
   c.sampling.top_k = 0
   c.sampling.max_new_tokens = 16
-  c.sampling.precision = "fp32"        # fp32 | bf16 | fp8 (simulated; MIPU's inference mismatch)
+  c.sampling.precision = "fp32"  # fp32 | bf16 | fp8 (simulated; MIPU's inference mismatch)
 
   c.reward = ConfigDict()
-  c.reward.mode = "integer"            # integer | math
+  c.reward.mode = "integer"  # integer | math
   c.reward.format_reward = 0.0
-  c.advantage_mode = "grpo"            # grpo | drgrpo | rloo
+  c.advantage_mode = "grpo"  # grpo | drgrpo | rloo
 
   c.loss = ConfigDict()
-  c.loss.method = "minpro"             # minpro | grpo | gspo | gspo_token | cispo | m2po
-  c.loss.prefix_statistic = "min"      # min | mean | geomean | prod | none (minpro only)
-  c.loss.eps_low = -1.0                # < 0 means "method default" (minpro/cispo: no lower bound; grpo 0.2)
-  c.loss.eps_high = -1.0               # < 0 means "method default" (0.28; gspo 4e-4)
-  c.loss.loss_agg_mode = ""            # "" = method default (token-mean; gspo seq-mean-token-mean)
-  c.loss.dual_clip_c = 0.0             # 0 = off (grpo only)
-  c.loss.rollout_is = ""               # "" | token | sequence: TIS against the sampler (MIPU step 1: token, cap 2)
+  c.loss.method = "minpro"  # minpro | grpo | gspo | gspo_token | cispo | m2po
+  c.loss.prefix_statistic = "min"  # min | mean | geomean | prod | none (minpro only)
+  c.loss.eps_low = -1.0  # < 0 means "method default" (minpro/cispo: no lower bound; grpo 0.2)
+  c.loss.eps_high = -1.0  # < 0 means "method default" (0.28; gspo 4e-4)
+  c.loss.loss_agg_mode = ""  # "" = method default (token-mean; gspo seq-mean-token-mean)
+  c.loss.dual_clip_c = 0.0  # 0 = off (grpo only)
+  c.loss.rollout_is = ""  # "" | token | sequence: TIS against the sampler (MIPU step 1: token, cap 2)
   c.loss.tis_cap = 2.0
-  c.loss.rollout_mis = ""              # "" | token | sequence | geometric
+  c.loss.rollout_mis = ""  # "" | token | sequence | geometric
   c.loss.entropy_coef = 0.0
   c.loss.kl_coef = 0.0
   c.loss.router_aux_coef = 0.0
@@ -96,7 +97,7 @@ def base_config() -> ConfigDict:
   c.sft.learning_rate = 2e-3
   c.sft.num_examples = 8000
   c.sft.max_len = 48
-  c.sft.boxed_fraction = 0.5           # half the SFT targets give the bare answer, which the grader does not credit
+  c.sft.boxed_fraction = 0.5  # half the SFT targets give the bare answer, which the grader does not credit
   c.sft.cache_dir = "cache"
 
   # MIPU Step 2 (arXiv 2606.29526; minpro_jax/rl/mipu.py): after each step's updates, sample validation prompts with the
@@ -105,28 +106,28 @@ def base_config() -> ConfigDict:
   # copy of params + optimizer state.
   c.mipu = ConfigDict()
   c.mipu.rollback = False
-  c.mipu.gap_tolerance = 1e-4          # c in "accept iff T_post >= -c" (the paper sweeps 0, +1e-4, -1e-4)
-  c.mipu.val_prompts = 8               # fresh training prompts per check (a pure function of seed and step)
-  c.mipu.val_group_size = 4            # samples per validation prompt (group-normalised advantages need >= 2)
+  c.mipu.gap_tolerance = 1e-4  # c in "accept iff T_post >= -c" (the paper sweeps 0, +1e-4, -1e-4)
+  c.mipu.val_prompts = 8  # fresh training prompts per check (a pure function of seed and step)
+  c.mipu.val_group_size = 4  # samples per validation prompt (group-normalised advantages need >= 2)
 
   c.eval = ConfigDict()
-  c.eval.every = 10                    # global steps; 0 = only at start and end
+  c.eval.every = 10  # global steps; 0 = only at start and end
   c.eval.num_problems = 200
-  c.eval.n = 4                         # samples per problem (pass@1 = avg@n)
+  c.eval.n = 4  # samples per problem (pass@1 = avg@n)
   c.eval.ks = (1, 4)
   c.eval.temperature = 1.0
   c.eval.top_p = 1.0
-  c.eval.seed = 12345                  # held-out problems come from a different generator seed
-  c.eval.path = ""                     # benchmark files "name=fmt:path,name2=fmt:path2"; for data.source file/champ,
-                                       # empty = hold out min(num_problems, 20%) of the training problems
-  c.eval.reward_mode = ""              # "" = reward.mode; "math" for MATH-500 / OlympiadBench-style answers
+  c.eval.seed = 12345  # held-out problems come from a different generator seed
+  c.eval.path = ""  # benchmark files "name=fmt:path,name2=fmt:path2"; for data.source file/champ,
+  # empty = hold out min(num_problems, 20%) of the training problems
+  c.eval.reward_mode = ""  # "" = reward.mode; "math" for MATH-500 / OlympiadBench-style answers
 
   c.checkpoint = ConfigDict()
-  c.checkpoint.every = 10              # global steps; also on SIGTERM / SIGINT
+  c.checkpoint.every = 10  # global steps; also on SIGTERM / SIGINT
   c.checkpoint.keep = 2
 
   c.mesh = ConfigDict()
-  c.mesh.shape = ""                    # "" = one device; e.g. "data=2,fsdp=4" (must multiply to the device count)
+  c.mesh.shape = ""  # "" = one device; e.g. "data=2,fsdp=4" (must multiply to the device count)
 
   c.log = ConfigDict()
   c.log.tensorboard = True

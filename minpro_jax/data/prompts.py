@@ -21,8 +21,9 @@ BOXED_INSTRUCTION = "Please reason step by step, and put your final answer withi
 TEMPLATES = ("plain", "chat")
 
 
-def format_prompt(problem: MathProblem | str, tokenizer=None, template: str = "chat", *,
-                  system: str | None = None, **chat_kwargs) -> str:
+def format_prompt(
+    problem: MathProblem | str, tokenizer=None, template: str = "chat", *, system: str | None = None, **chat_kwargs
+) -> str:
   """Render one problem as prompt text.
 
   Args:
@@ -42,7 +43,7 @@ def format_prompt(problem: MathProblem | str, tokenizer=None, template: str = "c
     raise ValueError(f"template={template!r}; expected one of {TEMPLATES}")
   if tokenizer is None:
     raise ValueError("template='chat' needs a tokenizer (its chat template renders the turn)")
-  messages = ([{"role": "system", "content": system}] if system is not None else [])
+  messages = [{"role": "system", "content": system}] if system is not None else []
   messages.append({"role": "user", "content": f"{text}\n{BOXED_INSTRUCTION}"})
   return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **chat_kwargs)
 
@@ -57,8 +58,15 @@ class EncodedPrompts:
   skipped: list[str]
 
 
-def encode_prompts(problems: Sequence[MathProblem], tokenizer, *, max_prompt_tokens: int, template: str = "chat",
-                   add_bos: bool | None = None, **format_kwargs) -> EncodedPrompts:
+def encode_prompts(
+    problems: Sequence[MathProblem],
+    tokenizer,
+    *,
+    max_prompt_tokens: int,
+    template: str = "chat",
+    add_bos: bool | None = None,
+    **format_kwargs,
+) -> EncodedPrompts:
   """Format and tokenize problems; prompts longer than ``max_prompt_tokens`` are skipped (counted + logged).
 
   Args:

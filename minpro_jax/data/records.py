@@ -42,8 +42,9 @@ class MathProblem:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "MathProblem":
-    return cls(id=d["id"], prompt=d["prompt"], answer=d["answer"], source=d["source"],
-               metadata=dict(d.get("metadata") or {}))
+    return cls(
+        id=d["id"], prompt=d["prompt"], answer=d["answer"], source=d["source"], metadata=dict(d.get("metadata") or {})
+    )
 
 
 class DataError(ValueError):

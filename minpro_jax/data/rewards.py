@@ -44,8 +44,7 @@ logger = logging.getLogger(__name__)
 STATS: collections.Counter = collections.Counter()
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_PHRASE_RE = re.compile(
-    r"(?:final\s+answer|the\s+answer|answer)\s*(?:is\s*[:=]?|[:=])\s*", re.IGNORECASE)
+_PHRASE_RE = re.compile(r"(?:final\s+answer|the\s+answer|answer)\s*(?:is\s*[:=]?|[:=])\s*", re.IGNORECASE)
 _NUM_RE = re.compile(r"(?<![\w)\]}.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d])")
 _THOUSANDS_RE = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _INT_RE = re.compile(r"^[+-]?\d+$")
@@ -103,12 +102,12 @@ def _clip_value(s: str) -> str | None:
   for open_, close in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
     if s.startswith(open_):
       end = s.find(close, len(open_))
-      return s[len(open_):end].strip() if end > 0 else None
+      return s[len(open_) : end].strip() if end > 0 else None
   m = _LEAD_NUM_RE.match(s)
   if m:
     return m.group(0)
   m = re.search(r"\n|[.,;!?](?:\s|$)", s)
-  val = (s[:m.start()] if m else s).strip().rstrip(".")
+  val = (s[: m.start()] if m else s).strip().rstrip(".")
   return val or None
 
 
@@ -136,10 +135,10 @@ def extract_answer(text: str, *, last_number: bool = False) -> str | None:
     return box or None
   k = text.rfind("####")
   if k >= 0:
-    return _clip_value(text[k + 4:])
+    return _clip_value(text[k + 4 :])
   phrases = list(_PHRASE_RE.finditer(text))
   if phrases:
-    val = _clip_value(text[phrases[-1].end():])
+    val = _clip_value(text[phrases[-1].end() :])
     if val:
       return val
   if last_number:
@@ -185,13 +184,13 @@ def _log2_size(e) -> float:
     if x > 40:
       return math.inf
     try:
-      xv = abs(float(e.exp.evalf(20))) if e.exp.is_number else 2.0 ** x
+      xv = abs(float(e.exp.evalf(20))) if e.exp.is_number else 2.0**x
     except Exception:  # noqa: BLE001
-      xv = 2.0 ** x
+      xv = 2.0**x
     return b * max(xv, 1.0)
   if isinstance(e, sympy.factorial):
     n = _log2_size(e.args[0])
-    return math.inf if n > 30 else (2.0 ** n) * n
+    return math.inf if n > 30 else (2.0**n) * n
   if not e.args:
     return 64.0
   return sum(_log2_size(a) for a in e.args) + len(e.args)
@@ -234,8 +233,12 @@ def _time_limit(seconds: float | None):
 def _mv_parse(s: str) -> list:
   from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-  return parse(f"${s}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-               parsing_timeout=None, raise_on_error=True)
+  return parse(
+      f"${s}$",
+      extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+      parsing_timeout=None,
+      raise_on_error=True,
+  )
 
 
 def _exact_rational(x) -> Fraction | None:
@@ -287,9 +290,18 @@ class _Refused(Exception):
   pass
 
 
-def math_reward(response: str, ground_truth: str | int | float, *, mode: str = "math", format_reward: float = 0.0,
-                last_number: bool = False, truncated: bool = False, timeout_s: float | None = 5.0,
-                max_answer_chars: int = 512, stats: collections.Counter | None = None) -> float:
+def math_reward(
+    response: str,
+    ground_truth: str | int | float,
+    *,
+    mode: str = "math",
+    format_reward: float = 0.0,
+    last_number: bool = False,
+    truncated: bool = False,
+    timeout_s: float | None = 5.0,
+    max_answer_chars: int = 512,
+    stats: collections.Counter | None = None,
+) -> float:
   """Verifiable reward: 1.0 if the response's final answer equals ``ground_truth``, else ``format_reward`` if an
   answer was extracted but is wrong, else 0.0.
 
@@ -370,8 +382,9 @@ def grade(responses: Sequence[str], ground_truths: Sequence[Any], **kwargs: Any)
   if len(truncated) != len(responses):
     raise ValueError(f"len(truncated)={len(truncated)} != len(responses)={len(responses)}")
   st: collections.Counter = collections.Counter()
-  rewards = [math_reward(r, g, truncated=bool(t), stats=st, **kwargs)
-             for r, g, t in zip(responses, ground_truths, truncated)]
+  rewards = [
+      math_reward(r, g, truncated=bool(t), stats=st, **kwargs) for r, g, t in zip(responses, ground_truths, truncated)
+  ]
   STATS.update(st)
   out = {k: int(st.get(k, 0)) for k in ("graded", "correct", "no_answer", "timeout", "refused", "error")}
   return rewards, out

@@ -95,8 +95,15 @@ def row_to_problem(row: Any, fmt: str, *, default_id: str, source: str) -> MathP
     raise _RowError(f"row is {type(row).__name__}, expected a JSON object")
   meta: dict[str, Any] = {}
   if fmt == "auto":
-    fmt = ("dapo" if "reward_model" in row else "olympiadbench" if "final_answer" in row
-           else "gsm8k" if isinstance(row.get("answer"), str) and "####" in row["answer"] else "generic")
+    fmt = (
+        "dapo"
+        if "reward_model" in row
+        else "olympiadbench"
+        if "final_answer" in row
+        else "gsm8k"
+        if isinstance(row.get("answer"), str) and "####" in row["answer"]
+        else "generic"
+    )
   if fmt == "dapo":
     rm = row.get("reward_model")
     if not isinstance(rm, dict) or "ground_truth" not in rm:
@@ -154,8 +161,10 @@ def _iter_rows(path: str) -> Iterator[tuple[int, Any, str | None]]:
     try:
       import pyarrow.parquet as pq
     except ImportError as e:
-      raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert the file to "
-                        "JSONL first (e.g. pandas.read_parquet(p).to_json(out, orient='records', lines=True))") from e
+      raise ImportError(
+          f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert the file to "
+          "JSONL first (e.g. pandas.read_parquet(p).to_json(out, orient='records', lines=True))"
+      ) from e
     for i, row in enumerate(pq.read_table(path).to_pylist()):
       yield i + 1, row, None
     return
@@ -185,8 +194,15 @@ def _iter_rows(path: str) -> Iterator[tuple[int, Any, str | None]]:
         yield i, None, f"invalid JSON ({e.msg})"
 
 
-def load_file(path: str, fmt: str = "auto", *, source: str | None = None, strict: bool = False,
-              report: LoadReport | None = None, limit: int | None = None) -> list[MathProblem]:
+def load_file(
+    path: str,
+    fmt: str = "auto",
+    *,
+    source: str | None = None,
+    strict: bool = False,
+    report: LoadReport | None = None,
+    limit: int | None = None,
+) -> list[MathProblem]:
   """Load problems from a local ``.jsonl`` / ``.json`` / ``.parquet`` file.
 
   Args:
@@ -255,8 +271,15 @@ def reasoning_gym_problems(task: str, size: int, seed: int, **config: Any) -> li
     for k, v in (e.get("metadata") or {}).items():
       if isinstance(v, (str, int, float, bool)) or v is None:
         meta[k] = v
-    out.append(MathProblem(id=f"{task}/{seed}/{i}", prompt=e["question"], answer=str(e["answer"]),
-                           source=f"reasoning_gym/{task}", metadata=meta))
+    out.append(
+        MathProblem(
+            id=f"{task}/{seed}/{i}",
+            prompt=e["question"],
+            answer=str(e["answer"]),
+            source=f"reasoning_gym/{task}",
+            metadata=meta,
+        )
+    )
   return out
 
 
@@ -265,5 +288,9 @@ def champ_problems(version: str = "v0") -> list[MathProblem]:
   import champ_dataset
 
   probs = champ_dataset.load(version).problems
-  return [MathProblem(id=k, prompt=p.text, answer=str(p.answer), source="champ",
-                      metadata={"category": getattr(p, "category", None)}) for k, p in sorted(probs.items())]
+  return [
+      MathProblem(
+          id=k, prompt=p.text, answer=str(p.answer), source="champ", metadata={"category": getattr(p, "category", None)}
+      )
+      for k, p in sorted(probs.items())
+  ]

@@ -15,9 +15,15 @@ from collections.abc import Iterable, Sequence
 DEFAULT_USER_SYMBOLS = ("\\boxed", "\\frac", "\\sqrt", "\\cdot", "\\times", "####", "<think>", "</think>")
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_path: str | None = None, seed: int = 0, *,
-                        model_type: str = "bpe",
-                        user_defined_symbols: Sequence[str] = DEFAULT_USER_SYMBOLS) -> str | bytes:
+def train_sentencepiece(
+    texts: Iterable[str],
+    vocab_size: int,
+    out_path: str | None = None,
+    seed: int = 0,
+    *,
+    model_type: str = "bpe",
+    user_defined_symbols: Sequence[str] = DEFAULT_USER_SYMBOLS,
+) -> str | bytes:
   """Train a sentencepiece model on ``texts``.
 
   Args:
@@ -51,8 +57,10 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_path: str | N
     _train(spm, texts, buf, vocab_size, model_type, user_defined_symbols)
   except RuntimeError as e:
     if "Vocabulary size" in str(e):
-      raise ValueError(f"vocab_size={vocab_size} does not fit this corpus ({e}); lower vocab_size or add more "
-                       "varied text (e.g. gsm_symbolic problems)") from e
+      raise ValueError(
+          f"vocab_size={vocab_size} does not fit this corpus ({e}); lower vocab_size or add more "
+          "varied text (e.g. gsm_symbolic problems)"
+      ) from e
     raise
   model = buf.getvalue()
   if out_path is None:
@@ -65,9 +73,24 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_path: str | N
 
 def _train(spm, texts, buf, vocab_size, model_type, user_defined_symbols):
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size, model_type=model_type,
-      byte_fallback=True, split_digits=True, pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-      user_defined_symbols=list(user_defined_symbols), num_threads=1, input_sentence_size=0,
-      shuffle_input_sentence=False, normalization_rule_name="identity", add_dummy_prefix=False,
-      remove_extra_whitespaces=False, hard_vocab_limit=(model_type == "bpe"), max_sentence_length=1 << 16,
-      minloglevel=2)
+      sentence_iterator=iter(texts),
+      model_writer=buf,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      byte_fallback=True,
+      split_digits=True,
+      pad_id=0,
+      unk_id=1,
+      bos_id=2,
+      eos_id=3,
+      user_defined_symbols=list(user_defined_symbols),
+      num_threads=1,
+      input_sentence_size=0,
+      shuffle_input_sentence=False,
+      normalization_rule_name="identity",
+      add_dummy_prefix=False,
+      remove_extra_whitespaces=False,
+      hard_vocab_limit=(model_type == "bpe"),
+      max_sentence_length=1 << 16,
+      minloglevel=2,
+  )

@@ -130,8 +130,10 @@ class Tokenizer(abc.ABC):
     return CHAT_TEMPLATES[self.chat_format](messages, add_generation_prompt, **kwargs)
 
   def __repr__(self) -> str:
-    return (f"{type(self).__name__}(vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id}, "
-            f"pad={self.pad_id}, stop={self.stop_ids}, chat_format={self.chat_format!r})")
+    return (
+        f"{type(self).__name__}(vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id}, "
+        f"pad={self.pad_id}, stop={self.stop_ids}, chat_format={self.chat_format!r})"
+    )
 
 
 class HFTokenizer(Tokenizer):
@@ -147,8 +149,16 @@ class HFTokenizer(Tokenizer):
     ValueError: a named special token is not in the vocabulary.
   """
 
-  def __init__(self, tok, *, bos_token: str | None, eos_token: str | None, pad_token: str | None,
-               extra_stop_tokens: Sequence[str] = ("<|im_end|>", "<|endoftext|>"), chat_format: str = "plain"):
+  def __init__(
+      self,
+      tok,
+      *,
+      bos_token: str | None,
+      eos_token: str | None,
+      pad_token: str | None,
+      extra_stop_tokens: Sequence[str] = ("<|im_end|>", "<|endoftext|>"),
+      chat_format: str = "plain",
+  ):
     self.tok = tok
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
@@ -187,10 +197,12 @@ class HFTokenizer(Tokenizer):
     os.makedirs(folder, exist_ok=True)
     self.tok.save(os.path.join(folder, "tokenizer.json"))
     tid = self.tok.id_to_token
-    cfg = {"bos_token": tid(self.bos_id) if self.bos_id >= 0 else None,
-           "eos_token": tid(self.eos_id) if self.eos_id >= 0 else None,
-           "pad_token": tid(self.pad_id) if self.pad_id >= 0 else None,
-           "minpro_chat_format": self.chat_format}
+    cfg = {
+        "bos_token": tid(self.bos_id) if self.bos_id >= 0 else None,
+        "eos_token": tid(self.eos_id) if self.eos_id >= 0 else None,
+        "pad_token": tid(self.pad_id) if self.pad_id >= 0 else None,
+        "minpro_chat_format": self.chat_format,
+    }
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
       json.dump(cfg, f, indent=1)
 
@@ -245,8 +257,13 @@ def load_hf_tokenizer(path: str, chat_format: str | None = None) -> HFTokenizer:
 
   if chat_format is None:
     chat_format = cfg.get("minpro_chat_format") or detect_chat_format(cfg.get("chat_template"))
-  return HFTokenizer(tok, bos_token=_s(cfg.get("bos_token")), eos_token=_s(cfg.get("eos_token")),
-                     pad_token=_s(cfg.get("pad_token")), chat_format=chat_format)
+  return HFTokenizer(
+      tok,
+      bos_token=_s(cfg.get("bos_token")),
+      eos_token=_s(cfg.get("eos_token")),
+      pad_token=_s(cfg.get("pad_token")),
+      chat_format=chat_format,
+  )
 
 
 def smollm2_gguf_path() -> str:
@@ -274,6 +291,7 @@ def gguf_chat_template(path_or_reader) -> str | None:
 def _reader(path_or_reader):
   if isinstance(path_or_reader, (str, os.PathLike)):
     from gguf import GGUFReader
+
     return GGUFReader(os.fspath(path_or_reader))
   return path_or_reader
 
@@ -289,7 +307,8 @@ def load_gguf_tokenizer(path_or_reader, chat_format: str | None = None) -> HFTok
   Raises:
     ValueError: the GGUF has a tokenizer model other than ``gpt2`` (e.g. sentencepiece-style ``llama``).
   """
-  from tokenizers import AddedToken, Tokenizer as _Tok, decoders, models, pre_tokenizers
+  from tokenizers import AddedToken, decoders, models, pre_tokenizers
+  from tokenizers import Tokenizer as _Tok
 
   r = _reader(path_or_reader)
   get = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
@@ -302,14 +321,20 @@ def load_gguf_tokenizer(path_or_reader, chat_format: str | None = None) -> HFTok
   vocab = {t: i for i, t in enumerate(tokens)}
   tok = _Tok(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
   tok.pre_tokenizer = pre_tokenizers.Sequence(
-      [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+      [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+  )
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
   name = lambda k: tokens[get(k)] if get(k) is not None else None  # noqa: E731
   if chat_format is None:
     chat_format = detect_chat_format(get("tokenizer.chat_template"))
-  return HFTokenizer(tok, bos_token=name("tokenizer.ggml.bos_token_id"), eos_token=name("tokenizer.ggml.eos_token_id"),
-                     pad_token=name("tokenizer.ggml.padding_token_id"), chat_format=chat_format)
+  return HFTokenizer(
+      tok,
+      bos_token=name("tokenizer.ggml.bos_token_id"),
+      eos_token=name("tokenizer.ggml.eos_token_id"),
+      pad_token=name("tokenizer.ggml.padding_token_id"),
+      chat_format=chat_format,
+  )
 
 
 def load_sentencepiece(path: str, chat_format: str = "plain") -> SentencePieceTokenizer:

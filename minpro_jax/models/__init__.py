@@ -5,6 +5,19 @@ from minpro_jax.models.inference_layout import fuse_qkv_params, fused_qkv_keeps_
 from minpro_jax.models.logprobs import TokenLogprobs, logprobs_from_hidden, token_logprobs
 from minpro_jax.models.transformer import KVCache, ModelOutput, Transformer, init_model, segment_positions
 
-__all__ = ["PRESETS", "ModelConfig", "get_preset", "TokenLogprobs", "logprobs_from_hidden", "token_logprobs",
-           "KVCache", "ModelOutput", "Transformer", "init_model", "segment_positions",
-           "fuse_qkv_params", "fused_qkv_keeps_sharding", "unstack_layer_params"]
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "get_preset",
+    "TokenLogprobs",
+    "logprobs_from_hidden",
+    "token_logprobs",
+    "KVCache",
+    "ModelOutput",
+    "Transformer",
+    "init_model",
+    "segment_positions",
+    "fuse_qkv_params",
+    "fused_qkv_keeps_sharding",
+    "unstack_layer_params",
+]

@@ -33,8 +33,9 @@ def causal_block_count(seq_len: int, max_blocks: int) -> int:
   return max(1, min(max_blocks, seq_len // MIN_BLOCK_QUERIES))
 
 
-def masked_attention(qg_bkgth: jax.Array, k_all: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array, *,
-                     keys_hd_major: bool, dtype) -> jax.Array:
+def masked_attention(
+    qg_bkgth: jax.Array, k_all: jax.Array, v_bksh: jax.Array, mask_bts: jax.Array, *, keys_hd_major: bool, dtype
+) -> jax.Array:
   """Attention of T queries over S key slots with an explicit mask: scaled dot-product attention (Vaswani et
   al. 2017, eq. 1) with grouped-query heads, as HF's `eager_attention_forward` computes it.
 
@@ -50,16 +51,21 @@ def masked_attention(qg_bkgth: jax.Array, k_all: jax.Array, v_bksh: jax.Array, m
     [B, K, G, T, hd] in `dtype`.
   """
   hd = qg_bkgth.shape[-1]
-  scores = jnp.einsum("bkgth,bkhs->bkgts" if keys_hd_major else "bkgth,bksh->bkgts", qg_bkgth,
-                      k_all.astype(dtype), preferred_element_type=jnp.float32)
+  scores = jnp.einsum(
+      "bkgth,bkhs->bkgts" if keys_hd_major else "bkgth,bksh->bkgts",
+      qg_bkgth,
+      k_all.astype(dtype),
+      preferred_element_type=jnp.float32,
+  )
   scores = jnp.where(mask_bts[:, None, None], scores * (1.0 / math.sqrt(hd)), NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
   out = jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh.astype(dtype), preferred_element_type=jnp.float32)
   return out.astype(dtype)
 
 
-def causal_block_attention(qg_bkgth: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_btt: jax.Array,
-                           num_blocks: int, *, dtype) -> jax.Array:
+def causal_block_attention(
+    qg_bkgth: jax.Array, k_bksh: jax.Array, v_bksh: jax.Array, mask_btt: jax.Array, num_blocks: int, *, dtype
+) -> jax.Array:
   """`masked_attention` for queries in slots 0..T-1 of their own T keys, skipping the keys after each block.
 
   Query block i covers rows [eᵢ, eᵢ₊₁) with eᵢ = round(i * T / n) and is scored against keys [0, eᵢ₊₁),
@@ -87,9 +93,11 @@ def causal_block_attention(qg_bkgth: jax.Array, k_bksh: jax.Array, v_bksh: jax.A
   if mask_btt.ndim != 3:
     raise ValueError(f"causal_block_attention: mask_btt must be [B, T, T] bool, got shape {mask_btt.shape}")
   if k_bksh.shape[2] != t or v_bksh.shape[2] != t or mask_btt.shape[1:] != (t, t):
-    raise ValueError(f"causal_block_attention needs the T={t} queries' own keys: got keys "
-                     f"{k_bksh.shape}, values {v_bksh.shape}, mask {mask_btt.shape}; use masked_attention "
-                     "for a KV cache")
+    raise ValueError(
+        f"causal_block_attention needs the T={t} queries' own keys: got keys "
+        f"{k_bksh.shape}, values {v_bksh.shape}, mask {mask_btt.shape}; use masked_attention "
+        "for a KV cache"
+    )
   if num_blocks < 1:
     raise ValueError(f"causal_block_attention: num_blocks={num_blocks} must be >= 1")
   n = min(num_blocks, t)
@@ -98,8 +106,7 @@ def causal_block_attention(qg_bkgth: jax.Array, k_bksh: jax.Array, v_bksh: jax.A
   k, v = k_bksh.astype(dtype), v_bksh.astype(dtype)
   outs = []
   for lo, hi in zip(edges[:-1], edges[1:]):
-    scores = jnp.einsum("bkgth,bksh->bkgts", qg_bkgth[:, :, :, lo:hi], k[:, :, :hi],
-                        preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkgth,bksh->bkgts", qg_bkgth[:, :, :, lo:hi], k[:, :, :hi], preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(hd)) + bias[..., lo:hi, :hi]
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v[:, :, :hi], preferred_element_type=jnp.float32))

@@ -102,15 +102,15 @@ class ModelConfig:
       if int(getattr(self, name)) <= 0:
         raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+      raise ValueError(f"ModelConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
     if self.num_experts == 0 and self.intermediate_size <= 0:
       raise ValueError("ModelConfig.intermediate_size must be > 0 for a dense model")
     if self.num_experts:
       if not 0 < self.num_experts_per_tok <= self.num_experts:
         raise ValueError(
             f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must lie in [1, num_experts="
-            f"{self.num_experts}]")
+            f"{self.num_experts}]"
+        )
       if self.moe_intermediate_size <= 0:
         raise ValueError("ModelConfig.moe_intermediate_size must be > 0 when num_experts > 0")
     for name in ("param_dtype", "dtype"):
@@ -121,11 +121,14 @@ class ModelConfig:
     if self.scan_layers and not self.stack_layers:
       raise ValueError("ModelConfig.scan_layers=True needs stack_layers=True (nnx.scan runs stacked layers)")
     if self.fuse_qkv and self.stack_layers:
-      raise ValueError("ModelConfig.fuse_qkv=True is the sampler's per-layer inference layout; it needs "
-                       "stack_layers=False")
+      raise ValueError(
+          "ModelConfig.fuse_qkv=True is the sampler's per-layer inference layout; it needs " "stack_layers=False"
+      )
     if not isinstance(self.attn_causal_blocks, int) or self.attn_causal_blocks < 1:
-      raise ValueError(f"ModelConfig.attn_causal_blocks={self.attn_causal_blocks} must be an int >= 1 "
-                       "(1 = one full T x T score matrix)")
+      raise ValueError(
+          f"ModelConfig.attn_causal_blocks={self.attn_causal_blocks} must be an int >= 1 "
+          "(1 = one full T x T score matrix)"
+      )
     if self.act_quant not in _ACT_QUANT:
       raise ValueError(f"ModelConfig.act_quant={self.act_quant!r}; choose one of {_ACT_QUANT}")
     if self.moe_impl not in _MOE_IMPLS:
@@ -166,35 +169,129 @@ class ModelConfig:
 
 # Published configs (HF config.json). Qwen3 dense: no attention bias, qk-norm, rope 1e6, eps 1e-6.
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_embeddings=True,
-                        max_position_embeddings=2048),
-    "tiny-moe": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                            num_kv_heads=2, head_dim=16, rope_theta=10_000.0, num_experts=8,
-                            num_experts_per_tok=2, moe_intermediate_size=32, architecture="qwen3_moe",
-                            max_position_embeddings=2048),
-    "tiny-llama": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=16, rope_theta=10_000.0, rms_norm_eps=1e-5,
-                              qk_norm=False, tie_embeddings=True, architecture="llama",
-                              max_position_embeddings=2048),
-    "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
-                              num_heads=16, num_kv_heads=8, head_dim=128, tie_embeddings=True),
-    "qwen3-1.7b": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
-                              num_heads=16, num_kv_heads=8, head_dim=128, tie_embeddings=True),
-    "qwen3-4b": ModelConfig(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
-                            num_heads=32, num_kv_heads=8, head_dim=128, tie_embeddings=True),
-    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                            num_heads=32, num_kv_heads=8, head_dim=128, tie_embeddings=False),
-    "qwen3-14b": ModelConfig(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_layers=40,
-                             num_heads=40, num_kv_heads=8, head_dim=128, tie_embeddings=False),
-    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
-                                 num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128,
-                                 num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                                 tie_embeddings=False, architecture="qwen3_moe", moe_impl="ragged"),
-    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100_000.0,
-                                rms_norm_eps=1e-5, qk_norm=False, tie_embeddings=True, architecture="llama",
-                                max_position_embeddings=8192),
+    "tiny": ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10_000.0,
+        tie_embeddings=True,
+        max_position_embeddings=2048,
+    ),
+    "tiny-moe": ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10_000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        architecture="qwen3_moe",
+        max_position_embeddings=2048,
+    ),
+    "tiny-llama": ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-5,
+        qk_norm=False,
+        tie_embeddings=True,
+        architecture="llama",
+        max_position_embeddings=2048,
+    ),
+    "qwen3-0.6b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_embeddings=True,
+    ),
+    "qwen3-1.7b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_embeddings=True,
+    ),
+    "qwen3-4b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_embeddings=True,
+    ),
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_embeddings=False,
+    ),
+    "qwen3-14b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_embeddings=False,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        tie_embeddings=False,
+        architecture="qwen3_moe",
+        moe_impl="ragged",
+    ),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100_000.0,
+        rms_norm_eps=1e-5,
+        qk_norm=False,
+        tie_embeddings=True,
+        architecture="llama",
+        max_position_embeddings=8192,
+    ),
 }
 
 

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 
-def dense(x: jax.Array, w: jax.Array, *, n_in: int = 1, w_transposed: bool = False,
-          preferred_element_type=None) -> jax.Array:
+def dense(
+    x: jax.Array, w: jax.Array, *, n_in: int = 1, w_transposed: bool = False, preferred_element_type=None
+) -> jax.Array:
   """Contract the last `n_in` axes of `x` with `w` as one [N, K] x [K, M] matmul.
 
   Args:
@@ -35,17 +36,19 @@ def dense(x: jax.Array, w: jax.Array, *, n_in: int = 1, w_transposed: bool = Fal
   Raises:
     ValueError: the contracted axes of `x` and `w` differ in size.
   """
-  in_shape = w.shape[w.ndim - n_in:] if w_transposed else w.shape[:n_in]
-  out_shape = w.shape[:w.ndim - n_in] if w_transposed else w.shape[n_in:]
-  if tuple(x.shape[x.ndim - n_in:]) != tuple(in_shape):
-    raise ValueError(f"dense: contracted axes of x {x.shape} and w {w.shape} (n_in={n_in}, "
-                     f"w_transposed={w_transposed}) differ")
+  in_shape = w.shape[w.ndim - n_in :] if w_transposed else w.shape[:n_in]
+  out_shape = w.shape[: w.ndim - n_in] if w_transposed else w.shape[n_in:]
+  if tuple(x.shape[x.ndim - n_in :]) != tuple(in_shape):
+    raise ValueError(
+        f"dense: contracted axes of x {x.shape} and w {w.shape} (n_in={n_in}, " f"w_transposed={w_transposed}) differ"
+    )
   k, m = math.prod(in_shape), math.prod(out_shape)
-  lead = x.shape[:x.ndim - n_in]
+  lead = x.shape[: x.ndim - n_in]
   x_nk = x.reshape(-1, k)
   if w_transposed:
-    y = jax.lax.dot_general(x_nk, w.reshape(m, k), (((1,), (1,)), ((), ())),
-                            preferred_element_type=preferred_element_type)
+    y = jax.lax.dot_general(
+        x_nk, w.reshape(m, k), (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type
+    )
   else:
     y = jnp.dot(x_nk, w.reshape(k, m), preferred_element_type=preferred_element_type)
   return y.reshape(*lead, *out_shape)

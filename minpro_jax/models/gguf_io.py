@@ -19,10 +19,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from minpro_jax.data.tokenizers import smollm2_gguf_path  # noqa: F401  (re-exported: one implementation)
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.hf_io import DictSource, load_from_source
 from minpro_jax.models.transformer import Transformer
-from minpro_jax.data.tokenizers import smollm2_gguf_path  # noqa: F401  (re-exported: one implementation)
 
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen3")
 
@@ -39,8 +39,11 @@ _LAYER_NAMES = {  # GGUF blk.{l}.X -> HF model.layers.{l}.Y
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def unpermute_rope_rows(w_out_in: np.ndarray, n_heads: int) -> np.ndarray:
@@ -63,6 +66,7 @@ def permute_rope_rows(w_out_in: np.ndarray, n_heads: int) -> np.ndarray:
 def _reader(path_or_reader):
   if isinstance(path_or_reader, (str, os.PathLike)):
     from gguf import GGUFReader
+
     if not os.path.isfile(path_or_reader):
       raise FileNotFoundError(f"GGUF file not found: {path_or_reader}")
     return GGUFReader(os.fspath(path_or_reader))
@@ -75,6 +79,7 @@ def gguf_config(reader, **overrides) -> ModelConfig:
   Raises:
     ValueError: `general.architecture` is not llama/qwen3, a required key is missing, or RoPE scaling is set.
   """
+
   def get(key, default: Any = KeyError):
     f = reader.fields.get(key)
     if f is None:
@@ -97,12 +102,21 @@ def gguf_config(reader, **overrides) -> ModelConfig:
   vocab = get(f"{arch}.vocab_size", None)
   vocab = int(vocab) if vocab is not None else int(tensors["token_embd.weight"].data.shape[0])
   eps = float(f"{float(get(f'{arch}.attention.layer_norm_rms_epsilon')):.7g}")  # stored as f32: 1e-5 not 9.99e-6
-  kw = dict(vocab_size=vocab, hidden_size=d, intermediate_size=int(get(f"{arch}.feed_forward_length")),
-            num_layers=int(get(f"{arch}.block_count")), num_heads=heads,
-            num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)), head_dim=head_dim,
-            rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)), rms_norm_eps=eps,
-            qk_norm=arch == "qwen3", tie_embeddings="output.weight" not in tensors,
-            max_position_embeddings=int(get(f"{arch}.context_length", 2048)), architecture=arch)
+  kw = dict(
+      vocab_size=vocab,
+      hidden_size=d,
+      intermediate_size=int(get(f"{arch}.feed_forward_length")),
+      num_layers=int(get(f"{arch}.block_count")),
+      num_heads=heads,
+      num_kv_heads=int(get(f"{arch}.attention.head_count_kv", heads)),
+      head_dim=head_dim,
+      rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
+      rms_norm_eps=eps,
+      qk_norm=arch == "qwen3",
+      tie_embeddings="output.weight" not in tensors,
+      max_position_embeddings=int(get(f"{arch}.context_length", 2048)),
+      architecture=arch,
+  )
   kw.update(overrides)
   return ModelConfig(**kw)
 
@@ -114,6 +128,7 @@ def gguf_to_hf_tensors(reader, config: ModelConfig) -> dict[str, np.ndarray]:
     ValueError: a GGUF tensor has no HF counterpart (the message names it).
   """
   from gguf.quants import dequantize
+
   out = {}
   for t in reader.tensors:
     if t.name in _GLOBAL_NAMES:
@@ -132,8 +147,9 @@ def gguf_to_hf_tensors(reader, config: ModelConfig) -> dict[str, np.ndarray]:
   return out
 
 
-def load_gguf(path_or_reader, *, mesh: jax.sharding.Mesh | None = None, rules=None,
-              **config_overrides) -> tuple[Transformer, ModelConfig]:
+def load_gguf(
+    path_or_reader, *, mesh: jax.sharding.Mesh | None = None, rules=None, **config_overrides
+) -> tuple[Transformer, ModelConfig]:
   """Loads a llama- or qwen3-architecture GGUF into a `Transformer`.
 
   Args:

@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.transformer import Transformer
@@ -47,6 +48,7 @@ _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 
 # ----------------------------------------------------------------------------------------------------------
 # config.json <-> ModelConfig
+
 
 def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
   """(rope_theta, rope_scaling) from a legacy (`rope_theta` + `rope_scaling`) or v5 (`rope_parameters`) config."""
@@ -95,23 +97,35 @@ def config_from_hf(config_json: Mapping[str, Any], **overrides) -> ModelConfig:
   theta, scaling = _rope(c)
   dtype = c.get("torch_dtype") or c.get("dtype") or "float32"
   kw: dict[str, Any] = dict(
-      vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
-      intermediate_size=int(c.get("intermediate_size") or 0), num_layers=int(c["num_hidden_layers"]),
-      num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
-      head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads), rope_theta=theta, rope_scaling=scaling,
-      rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), qk_norm=mt != "llama",
+      vocab_size=int(c["vocab_size"]),
+      hidden_size=int(c["hidden_size"]),
+      intermediate_size=int(c.get("intermediate_size") or 0),
+      num_layers=int(c["num_hidden_layers"]),
+      num_heads=heads,
+      num_kv_heads=int(c.get("num_key_value_heads") or heads),
+      head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+      qk_norm=mt != "llama",
       tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-      max_position_embeddings=int(c.get("max_position_embeddings", 40960)), architecture=mt,
-      param_dtype=dtype if dtype in _SUPPORTED_DTYPES else "float32")
+      max_position_embeddings=int(c.get("max_position_embeddings", 40960)),
+      architecture=mt,
+      param_dtype=dtype if dtype in _SUPPORTED_DTYPES else "float32",
+  )
   if mt == "qwen3_moe":
     if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
-      raise ValueError("config.json fields `decoder_sparse_step`/`mlp_only_layers` make some layers dense; "
-                       "only all-MoE models (decoder_sparse_step=1, mlp_only_layers=[]) are supported")
-    kw.update(num_experts=int(c.get("num_experts") or c.get("num_local_experts") or 0),
-              num_experts_per_tok=int(c["num_experts_per_tok"]),
-              moe_intermediate_size=int(c["moe_intermediate_size"]),
-              norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-              router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)))
+      raise ValueError(
+          "config.json fields `decoder_sparse_step`/`mlp_only_layers` make some layers dense; "
+          "only all-MoE models (decoder_sparse_step=1, mlp_only_layers=[]) are supported"
+      )
+    kw.update(
+        num_experts=int(c.get("num_experts") or c.get("num_local_experts") or 0),
+        num_experts_per_tok=int(c["num_experts_per_tok"]),
+        moe_intermediate_size=int(c["moe_intermediate_size"]),
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
+    )
     if kw["num_experts"] <= 0:
       raise ValueError("config.json of a qwen3_moe model needs `num_experts` (or `num_local_experts`) > 0")
   kw.update(overrides)
@@ -123,29 +137,48 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   transformers 4.x and 5.x and serving stacks read)."""
   c = config
   out: dict[str, Any] = {
-      "architectures": [_ARCH_CLASS[c.architecture]], "model_type": c.architecture,
-      "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-      "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
-      "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-      "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
-      "rope_theta": c.rope_theta, "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
-      "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-      "initializer_range": 0.02, "use_cache": True, "torch_dtype": c.param_dtype,
+      "architectures": [_ARCH_CLASS[c.architecture]],
+      "model_type": c.architecture,
+      "vocab_size": c.vocab_size,
+      "hidden_size": c.hidden_size,
+      "intermediate_size": c.intermediate_size,
+      "num_hidden_layers": c.num_layers,
+      "num_attention_heads": c.num_heads,
+      "num_key_value_heads": c.num_kv_heads,
+      "head_dim": c.head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": c.max_position_embeddings,
+      "rms_norm_eps": c.rms_norm_eps,
+      "rope_theta": c.rope_theta,
+      "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
+      "tie_word_embeddings": c.tie_embeddings,
+      "attention_bias": False,
+      "attention_dropout": 0.0,
+      "initializer_range": 0.02,
+      "use_cache": True,
+      "torch_dtype": c.param_dtype,
   }
   if c.architecture == "llama":
     out.update(mlp_bias=False, pretraining_tp=1)
   else:
     out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
   if c.architecture == "qwen3_moe":
-    out.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-               moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
-               router_aux_loss_coef=c.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[],
-               output_router_logits=False)
+    out.update(
+        num_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        moe_intermediate_size=c.moe_intermediate_size,
+        norm_topk_prob=c.norm_topk_prob,
+        router_aux_loss_coef=c.router_aux_loss_coef,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,
+    )
   return out
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The name/layout map
+
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
@@ -156,6 +189,7 @@ class _Spec:
   are pinned to one index (the gate/up halves of a fused tensor); the remaining split axes, transposed by
   `perm` (ours axis i = split axis perm[i]), give our block.
   """
+
   path: tuple[str, ...]
   name: str
   loop: tuple[str, ...]
@@ -188,10 +222,13 @@ def _specs(config: ModelConfig, fused_experts: bool = False) -> list[_Spec]:
       _Spec(("layers", "attn", "o_proj"), lay + "self_attn.o_proj.weight", ("l",), ((d,), (h, hd)), (1, 2, 0)),
   ]
   if c.qk_norm:
-    specs += [_Spec(("layers", "attn", "q_norm", "scale"), lay + "self_attn.q_norm.weight", ("l",), ((hd,),), (0,)),
-              _Spec(("layers", "attn", "k_norm", "scale"), lay + "self_attn.k_norm.weight", ("l",), ((hd,),), (0,))]
-  specs.append(_Spec(("layers", "post_attn_norm", "scale"), lay + "post_attention_layernorm.weight", ("l",),
-                     ((d,),), (0,)))
+    specs += [
+        _Spec(("layers", "attn", "q_norm", "scale"), lay + "self_attn.q_norm.weight", ("l",), ((hd,),), (0,)),
+        _Spec(("layers", "attn", "k_norm", "scale"), lay + "self_attn.k_norm.weight", ("l",), ((hd,),), (0,)),
+    ]
+  specs.append(
+      _Spec(("layers", "post_attn_norm", "scale"), lay + "post_attention_layernorm.weight", ("l",), ((d,),), (0,))
+  )
   if c.is_moe:
     e, fm = c.num_experts, c.moe_intermediate_size
     specs.append(_Spec(("layers", "mlp", "router"), lay + "mlp.gate.weight", ("l",), ((e,), (d,)), t))
@@ -225,6 +262,7 @@ def _specs(config: ModelConfig, fused_experts: bool = False) -> list[_Spec]:
 # ----------------------------------------------------------------------------------------------------------
 # Tensor sources
 
+
 class TensorSource:
   """Read access to named tensors: `shapes` {name: shape} and `read(name, slices)` -> np.ndarray."""
 
@@ -250,6 +288,7 @@ class SafetensorsSource(TensorSource):
 
   def __init__(self, path: str, stack: contextlib.ExitStack):
     from safetensors import safe_open
+
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
@@ -265,8 +304,9 @@ class SafetensorsSource(TensorSource):
     for fn, h in self._handles.items():
       for key in h.keys():
         if weight_map is not None and weight_map.get(key) != fn:
-          raise ValueError(f"tensor {key!r} is in {fn} but model.safetensors.index.json maps it to "
-                           f"{weight_map.get(key)!r}")
+          raise ValueError(
+              f"tensor {key!r} is in {fn} but model.safetensors.index.json maps it to " f"{weight_map.get(key)!r}"
+          )
         self._file_of[key] = fn
     if weight_map is not None:
       missing = sorted(set(weight_map) - set(self._file_of))
@@ -280,6 +320,7 @@ class SafetensorsSource(TensorSource):
 
 # ----------------------------------------------------------------------------------------------------------
 # Loading
+
 
 def _norm(s: slice | None, n: int) -> tuple[int, int]:
   start, stop, step = (s or slice(None)).indices(n)
@@ -332,15 +373,21 @@ def _check_tensors(source: TensorSource, config: ModelConfig, specs: list[_Spec]
       if source.shapes[name] != spec.hf_shape:
         raise ValueError(f"tensor {name!r} has shape {source.shapes[name]}, expected {spec.hf_shape} from the config")
       used.add(name)
-  unused = sorted(n for n in set(source.shapes) - used if not n.endswith(_IGNORABLE_SUFFIXES)
-                  and not (config.tie_embeddings and n == "lm_head.weight"))
+  unused = sorted(
+      n
+      for n in set(source.shapes) - used
+      if not n.endswith(_IGNORABLE_SUFFIXES) and not (config.tie_embeddings and n == "lm_head.weight")
+  )
   if unused:
-    raise ValueError(f"checkpoint has {len(unused)} tensors the {config.architecture} model does not use, e.g. "
-                     f"{unused[:5]}; refusing a partial load (wrong model_type or config?)")
+    raise ValueError(
+        f"checkpoint has {len(unused)} tensors the {config.architecture} model does not use, e.g. "
+        f"{unused[:5]}; refusing a partial load (wrong model_type or config?)"
+    )
 
 
-def load_from_source(source: TensorSource, config: ModelConfig, *, mesh: jax.sharding.Mesh | None = None,
-                     rules=None) -> Transformer:
+def load_from_source(
+    source: TensorSource, config: ModelConfig, *, mesh: jax.sharding.Mesh | None = None, rules=None
+) -> Transformer:
   """Builds a `Transformer` from HF-named tensors, streaming each shard of each parameter to its device.
 
   Args:
@@ -353,6 +400,7 @@ def load_from_source(source: TensorSource, config: ModelConfig, *, mesh: jax.sha
     ValueError: a tensor is missing, has the wrong shape, or is not used by the model.
   """
   from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
+
   fused = config.is_moe and "model.layers.0.mlp.experts.gate_up_proj" in source.shapes
   specs = _specs(config, fused_experts=fused)
   _check_tensors(source, config, specs)
@@ -369,8 +417,11 @@ def load_from_source(source: TensorSource, config: ModelConfig, *, mesh: jax.sha
     if spec is None:
       raise ValueError(f"internal: no checkpoint mapping for parameter {'.'.join(map(str, path))}")
     sds = var.get_value()
-    var.set_value(jax.make_array_from_callback(sds.shape, _target_sharding(sds, mesh),
-                                               _make_callback(source, spec, config, sds.shape, sds.dtype)))
+    var.set_value(
+        jax.make_array_from_callback(
+            sds.shape, _target_sharding(sds, mesh), _make_callback(source, spec, config, sds.shape, sds.dtype)
+        )
+    )
   return nnx.merge(graphdef, state)
 
 
@@ -382,8 +433,9 @@ def _make_callback(source, spec: _Spec, config, shape, dtype) -> Callable[[tuple
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     loop_ranges = [range(*_norm(index[i], shape[i])) for i in range(nloop)]
     inner = index[nloop:]
-    out = np.empty([len(r) for r in loop_ranges] + [b - a for a, b in
-                   (_norm(s, n) for s, n in zip(inner, shape[nloop:]))], dtype)
+    out = np.empty(
+        [len(r) for r in loop_ranges] + [b - a for a, b in (_norm(s, n) for s, n in zip(inner, shape[nloop:]))], dtype
+    )
     for pos in itertools.product(*[range(len(r)) for r in loop_ranges]):
       idx = tuple(r[p] for r, p in zip(loop_ranges, pos))
       out[pos] = _read_block(source, spec, names[idx], inner)
@@ -392,8 +444,9 @@ def _make_callback(source, spec: _Spec, config, shape, dtype) -> Callable[[tuple
   return callback
 
 
-def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, rules=None,
-                       **config_overrides) -> tuple[Transformer, ModelConfig]:
+def load_hf_checkpoint(
+    path: str, *, mesh: jax.sharding.Mesh | None = None, rules=None, **config_overrides
+) -> tuple[Transformer, ModelConfig]:
   """Loads a local Hugging Face folder (config.json + model.safetensors, or sharded safetensors with
   model.safetensors.index.json) into a `Transformer`, streaming onto `mesh`.
 
@@ -426,6 +479,7 @@ def load_hf_checkpoint(path: str, *, mesh: jax.sharding.Mesh | None = None, rule
 # ----------------------------------------------------------------------------------------------------------
 # Export
 
+
 def _to_hf(block: np.ndarray, spec: _Spec) -> np.ndarray:
   """Inverse of `_read_block` on a full (unfused) tensor."""
   return np.transpose(block, np.argsort(spec.perm)).reshape(spec.hf_shape)
@@ -442,8 +496,9 @@ def hf_state_dict(model: Transformer) -> Iterable[tuple[str, np.ndarray]]:
       yield name, _to_hf(np.asarray(jax.device_get(arr[idx] if idx else arr)), spec)
 
 
-def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 5 * 2**30,
-                       extra_config: Mapping[str, Any] | None = None) -> list[str]:
+def save_hf_checkpoint(
+    model: Transformer, path: str, *, max_shard_bytes: int = 5 * 2**30, extra_config: Mapping[str, Any] | None = None
+) -> list[str]:
   """Writes `model` as a Hugging Face folder that `transformers` `from_pretrained` loads.
 
   Args:
@@ -458,6 +513,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
     The safetensors file names written.
   """
   from safetensors.numpy import save_file
+
   config = model.config
   os.makedirs(path, exist_ok=True)
   itemsize = np.dtype(config.jnp_param_dtype).itemsize

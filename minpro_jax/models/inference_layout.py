@@ -86,6 +86,7 @@ def fused_qkv_keeps_sharding(config: ModelConfig, mesh: jax.sharding.Mesh | None
   if mesh is None:
     return True
   from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_to_spec
+
   q_spec, kv_spec = logical_to_spec(("q_heads", "kv_heads"), rules or DEFAULT_RULES)
   names = lambda s: tuple(a for a in ((s,) if isinstance(s, str) else s or ()) if a in mesh.shape)  # noqa: E731
   n = math.prod(mesh.shape[a] for a in names(kv_spec))
@@ -115,14 +116,18 @@ def fuse_qkv_params(state: nnx.State, config: ModelConfig) -> nnx.State:
       layers, is already fused, or has a q/k/v projection of another shape than `config` gives (names it).
   """
   if config.stack_layers or config.fuse_qkv:
-    raise ValueError("fuse_qkv_params needs a per-layer, unfused config (stack_layers=False, fuse_qkv=False); "
-                     "convert a stacked State with unstack_layer_params first")
+    raise ValueError(
+        "fuse_qkv_params needs a per-layer, unfused config (stack_layers=False, fuse_qkv=False); "
+        "convert a stacked State with unstack_layer_params first"
+    )
   template = _template(config.replace(fuse_qkv=True))
   pure = nnx.to_pure_dict(state)
   layers = pure.get("layers", {})
   if set(layers) != set(range(config.num_layers)):
-    raise ValueError(f"state['layers'] has keys {sorted(layers, key=str)[:6]}..., expected the per-layer indices "
-                     f"0..{config.num_layers - 1}; a stacked State needs unstack_layer_params first")
+    raise ValueError(
+        f"state['layers'] has keys {sorted(layers, key=str)[:6]}..., expected the per-layer indices "
+        f"0..{config.num_layers - 1}; a stacked State needs unstack_layer_params first"
+    )
   d, k, g, hd = config.hidden_size, config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
   want = {"q_proj": (d, k * g, hd), "k_proj": (d, k, hd), "v_proj": (d, k, hd)}
   for i, layer in layers.items():
@@ -131,8 +136,9 @@ def fuse_qkv_params(state: nnx.State, config: ModelConfig) -> nnx.State:
       if name not in attn:
         raise ValueError(f"state layers[{i}].attn has no {name} (fields: {sorted(attn)}); is it already fused?")
       if tuple(attn[name].shape) != shape:
-        raise ValueError(f"state layers[{i}].attn.{name} has shape {tuple(attn[name].shape)}, the config gives "
-                         f"{shape}")
+        raise ValueError(
+            f"state layers[{i}].attn.{name} has shape {tuple(attn[name].shape)}, the config gives " f"{shape}"
+        )
     q = attn.pop("q_proj").reshape(d, k, g, hd)
     kv = [attn.pop(name)[:, :, None] for name in ("k_proj", "v_proj")]
     attn["qkv_proj"] = jnp.concatenate([q, *kv], axis=2)

@@ -29,10 +29,10 @@ class TokenLogprobs(NamedTuple):
   entropy: [B, T] float32 entropy of the distribution that predicted token t (column 0 is 0), or None.
   router_aux_loss: scalar float32 MoE load-balancing loss of the forward pass (0 for dense models).
   """
+
   logp: jax.Array
   entropy: jax.Array | None
   router_aux_loss: jax.Array
-
 
 
 def _chunk_forward(h_bcd, head_dv, y_bc, inv_t, return_entropy):
@@ -96,8 +96,12 @@ def _chunked_bwd(inv_t, return_entropy, n_vtiles, res, g):
       hit = (y_bc - start)[..., None] == jnp.arange(vt, dtype=y_bc.dtype)
       dz = (dz + jnp.where(hit, gl[..., None], 0.0)) * inv_t
       dh_bcd = dh_bcd + dense(dz.astype(w_dt.dtype), w_dt, w_transposed=True, preferred_element_type=jnp.float32)
-      dw_tile = jax.lax.dot_general(h_bcd.reshape(-1, h_bcd.shape[-1]), dz.astype(h_bcd.dtype).reshape(-1, vt),
-                                    (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      dw_tile = jax.lax.dot_general(
+          h_bcd.reshape(-1, h_bcd.shape[-1]),
+          dz.astype(h_bcd.dtype).reshape(-1, vt),
+          (((0,), (0,)), ((), ())),
+          preferred_element_type=jnp.float32,
+      )
       old = jax.lax.dynamic_slice_in_dim(dw_dv, start, vt, axis=1)
       dw_dv = jax.lax.dynamic_update_slice_in_dim(dw_dv, old + dw_tile.astype(dw_dv.dtype), start, axis=1)
       return (dh_bcd, dw_dv), None
@@ -106,17 +110,25 @@ def _chunked_bwd(inv_t, return_entropy, n_vtiles, res, g):
     (dh, dw_dv), _ = jax.lax.scan(tile, (dh0, dw_dv), jnp.arange(n_vtiles))
     return dw_dv, dh.astype(h_bcd.dtype)
 
-  dw, dh = jax.lax.scan(chunk_bwd, jnp.zeros(head_dv.shape, head_dv.dtype),
-                        (h_nbcd, y_nbc, lse_nbc, ent_nbc, g_logp, g_ent))
+  dw, dh = jax.lax.scan(
+      chunk_bwd, jnp.zeros(head_dv.shape, head_dv.dtype), (h_nbcd, y_nbc, lse_nbc, ent_nbc, g_logp, g_ent)
+  )
   return dh, dw, None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Array, *,
-                         temperature: float = 1.0, chunk_size: int = 256, return_entropy: bool = False,
-                         vocab_tile: int = 8192) -> tuple[jax.Array, jax.Array | None]:
+def logprobs_from_hidden(
+    hidden_btd: jax.Array,
+    head_dv: jax.Array,
+    targets_bt: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    return_entropy: bool = False,
+    vocab_tile: int = 8192,
+) -> tuple[jax.Array, jax.Array | None]:
   """log softmax(hidden @ head / temperature)[target] per position, chunked over the sequence.
 
   Args:
@@ -165,9 +177,16 @@ def logprobs_from_hidden(hidden_btd: jax.Array, head_dv: jax.Array, targets_bt: 
   return logp, ent
 
 
-def token_logprobs(model: Transformer, tokens_bt: jax.Array, segment_ids_bt: jax.Array | None = None,
-                   positions_bt: jax.Array | None = None, *, temperature: float = 1.0, chunk_size: int = 256,
-                   return_entropy: bool = False) -> TokenLogprobs:
+def token_logprobs(
+    model: Transformer,
+    tokens_bt: jax.Array,
+    segment_ids_bt: jax.Array | None = None,
+    positions_bt: jax.Array | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    return_entropy: bool = False,
+) -> TokenLogprobs:
   """Teacher-forced log-probs of every token of `tokens_bt` under `model`.
 
   Args:
@@ -185,8 +204,14 @@ def token_logprobs(model: Transformer, tokens_bt: jax.Array, segment_ids_bt: jax
     padding or across segment boundaries are meaningless and must be masked by the caller).
   """
   out = model(tokens_bt, positions_bt, segment_ids_bt, return_hidden=True)
-  logp, ent = logprobs_from_hidden(out.out[:, :-1], model.head_weight(), tokens_bt[:, 1:],
-                                   temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+  logp, ent = logprobs_from_hidden(
+      out.out[:, :-1],
+      model.head_weight(),
+      tokens_bt[:, 1:],
+      temperature=temperature,
+      chunk_size=chunk_size,
+      return_entropy=return_entropy,
+  )
   logp = jnp.pad(logp, ((0, 0), (1, 0)))
   if ent is not None:
     ent = jnp.pad(ent, ((0, 0), (1, 0)))

@@ -65,10 +65,13 @@ def fake_quant_weights(state, *, num_stacked_axes: int = 1):
     ValueError: the State has a fused `qkv_proj`: one scale over the fused matrix is not the per-tensor FP8
       of the model; quantize first, then fuse (as `Sampler.prepare_params` does).
   """
+
   def q(path, x):
     if _path_name(path) in FUSED_WEIGHT_NAMES:
-      raise ValueError(f"fake_quant_weights got a fused projection ({jax.tree_util.keystr(path)}); quantize the "
-                       "unfused State, then fuse it (minpro_jax.models.fuse_qkv_params)")
+      raise ValueError(
+          f"fake_quant_weights got a fused projection ({jax.tree_util.keystr(path)}); quantize the "
+          "unfused State, then fuse it (minpro_jax.models.fuse_qkv_params)"
+      )
     if _path_name(path) not in DENSE_WEIGHT_NAMES:
       return x
     axes = tuple(range(num_stacked_axes, x.ndim))
@@ -76,6 +79,7 @@ def fake_quant_weights(state, *, num_stacked_axes: int = 1):
     amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     return ((x32 / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale).astype(x.dtype)
+
   return jax.tree_util.tree_map_with_path(q, state)
 
 

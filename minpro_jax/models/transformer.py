@@ -53,6 +53,7 @@ class KVCache:
     v: values, [L, B, K, S, head_dim] or a tuple of L arrays [B, K, S, head_dim].
     segment_ids: [B, S] int32 segment id of each slot (0 = empty or padding; never attended to).
   """
+
   k: jax.Array | tuple[jax.Array, ...]
   v: jax.Array | tuple[jax.Array, ...]
   segment_ids: jax.Array
@@ -88,6 +89,7 @@ class ModelOutput(NamedTuple):
   cache: the updated `KVCache`, or None when none was given.
   router_aux_loss: scalar float32 load-balancing loss averaged over MoE layers (0 for dense models).
   """
+
   out: jax.Array
   cache: KVCache | None
   router_aux_loss: jax.Array
@@ -136,6 +138,7 @@ def rope_tables(positions_bt: jax.Array, config: ModelConfig) -> tuple[jax.Array
 
   The sampler passes tables gathered from one precomputed per `generate` instead.
   """
+
   def tables(positions_bt):
     angles = positions_bt.astype(jnp.float32)[..., None] * rope_inv_freq(config)
     return jnp.cos(angles), jnp.sin(angles)
@@ -169,17 +172,24 @@ class Attention(nnx.Module):
     std = 0.02
     self.config = c
     if c.fuse_qkv:  # the sampler's layout (`fuse_qkv_params`); split by KV head
-      self.qkv_proj = nnx.Param(_init(std, ("embed", "kv_heads", None, "head_dim"))(
-          rngs.params(), (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2, c.head_dim), pd))
+      self.qkv_proj = nnx.Param(
+          _init(std, ("embed", "kv_heads", None, "head_dim"))(
+              rngs.params(), (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2, c.head_dim), pd
+          )
+      )
     else:
-      self.q_proj = nnx.Param(_init(std, ("embed", "q_heads", "head_dim"))(
-          rngs.params(), (c.hidden_size, c.num_heads, c.head_dim), pd))
-      self.k_proj = nnx.Param(_init(std, ("embed", "kv_heads", "head_dim"))(
-          rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd))
-      self.v_proj = nnx.Param(_init(std, ("embed", "kv_heads", "head_dim"))(
-          rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd))
-    self.o_proj = nnx.Param(_init(std, ("q_heads", "head_dim", "embed"))(
-        rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), pd))
+      self.q_proj = nnx.Param(
+          _init(std, ("embed", "q_heads", "head_dim"))(rngs.params(), (c.hidden_size, c.num_heads, c.head_dim), pd)
+      )
+      self.k_proj = nnx.Param(
+          _init(std, ("embed", "kv_heads", "head_dim"))(rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd)
+      )
+      self.v_proj = nnx.Param(
+          _init(std, ("embed", "kv_heads", "head_dim"))(rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd)
+      )
+    self.o_proj = nnx.Param(
+        _init(std, ("q_heads", "head_dim", "embed"))(rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), pd)
+    )
     if c.qk_norm:
       self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
       self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
@@ -334,7 +344,9 @@ class MoE(nnx.Module):
     group_sizes = jnp.bincount(flat_e, length=c.num_experts).astype(jnp.int32)
     g = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), group_sizes)
     u = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), group_sizes)
-    ys = jax.lax.ragged_dot(maybe_quant_act(jax.nn.silu(g) * u, c.act_quant), self.down_proj[...].astype(dt), group_sizes)
+    ys = jax.lax.ragged_dot(
+        maybe_quant_act(jax.nn.silu(g) * u, c.act_quant), self.down_proj[...].astype(dt), group_sizes
+    )
     ys = ys * top_p.reshape(-1)[order][:, None]
     return jnp.zeros_like(x_nd).at[token_of].add(ys)
 
@@ -400,10 +412,12 @@ class Transformer(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
     self.config = c
-    self.embed = nnx.Param(_init(0.02, ("vocab", "embed"))(rngs.params(), (c.vocab_size, c.hidden_size),
-                                                           c.jnp_param_dtype))
+    self.embed = nnx.Param(
+        _init(0.02, ("vocab", "embed"))(rngs.params(), (c.vocab_size, c.hidden_size), c.jnp_param_dtype)
+    )
 
     if c.stack_layers:
+
       @nnx.split_rngs(splits=c.num_layers)
       @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
       def make_layers(rngs):
@@ -414,8 +428,9 @@ class Transformer(nnx.Module):
       self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
     self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.jnp_param_dtype, rngs=rngs)
     if not c.tie_embeddings:
-      self.lm_head = nnx.Param(_init(0.02, ("embed", "vocab"))(rngs.params(), (c.hidden_size, c.vocab_size),
-                                                               c.jnp_param_dtype))
+      self.lm_head = nnx.Param(
+          _init(0.02, ("embed", "vocab"))(rngs.params(), (c.hidden_size, c.vocab_size), c.jnp_param_dtype)
+      )
 
   def head_weight(self) -> jax.Array:
     """[D, V] output projection in the compute dtype (the transposed embedding when tied)."""
@@ -433,10 +448,17 @@ class Transformer(nnx.Module):
       return dense(hidden_btd, self.embed[...].astype(dt), w_transposed=True, preferred_element_type=jnp.float32)
     return dense(hidden_btd, self.lm_head[...].astype(dt), preferred_element_type=jnp.float32)
 
-  def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None,
-               segment_ids_bt: jax.Array | None = None, *, cache: KVCache | None = None,
-               cache_index: jax.Array | int = 0, return_hidden: bool = False,
-               rope: tuple[jax.Array, jax.Array] | None = None) -> ModelOutput:
+  def __call__(
+      self,
+      tokens_bt: jax.Array,
+      positions_bt: jax.Array | None = None,
+      segment_ids_bt: jax.Array | None = None,
+      *,
+      cache: KVCache | None = None,
+      cache_index: jax.Array | int = 0,
+      return_hidden: bool = False,
+      rope: tuple[jax.Array, jax.Array] | None = None,
+  ) -> ModelOutput:
     """Runs the decoder on T new tokens.
 
     Args:
@@ -476,8 +498,9 @@ class Transformer(nnx.Module):
       if cache.segment_ids.shape[0] != b or cache.segment_ids.shape[1] < t:
         raise ValueError(f"cache of {cache.segment_ids.shape} (rows, slots) does not fit tokens of shape {(b, t)}")
       if isinstance(cache.k, tuple) == c.stack_layers:
-        raise ValueError("cache layout does not match ModelConfig.stack_layers; build it with "
-                         "KVCache.zeros(model.config, ...)")
+        raise ValueError(
+            "cache layout does not match ModelConfig.stack_layers; build it with " "KVCache.zeros(model.config, ...)"
+        )
       kv_segment = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, cache_index))
     else:
       kv_segment = segment_ids_bt
@@ -499,18 +522,22 @@ class Transformer(nnx.Module):
 
     if c.scan_layers:
       if cache is None:
+
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
         def body(x, layer):
           x, _, aux = run_layer(layer, x, None)
           return x, aux
+
         x, aux = body(x, self.layers)
         new_k = new_v = None
       else:
+
         @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
         def body(carry, layer, idx):
           x, k, v = carry
           x, (k, v), aux = run_layer(layer, x, (k, v, idx))
           return (x, k, v), aux
+
         (x, new_k, new_v), aux = body((x, cache.k, cache.v), self.layers, jnp.arange(c.num_layers))
     elif c.stack_layers:
       graphdef, state = nnx.split(self.layers)
@@ -558,6 +585,7 @@ def init_model(config: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | Non
     rules: logical-axis rules (default `minpro_jax.runtime.sharding.DEFAULT_RULES`).
   """
   from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
+
   if mesh is None:
     with nnx.use_eager_sharding(False):
       return Transformer(config, rngs=nnx.Rngs(seed))

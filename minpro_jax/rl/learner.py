@@ -32,6 +32,7 @@ NUM_POSITION_BINS = 8
 class TrainState:
   """params: nnx.State of the model's parameters; opt_state: optax state; step: int32 number of optimizer
   updates applied (= the `policy_version` of `params`); skipped: int32 updates skipped by the non-finite guard."""
+
   params: Any
   opt_state: Any
   step: jax.Array
@@ -44,6 +45,7 @@ class OptimizerConfig:
 
   Units: learning rates per update; `warmup_steps` and `decay_steps` in optimizer updates.
   """
+
   learning_rate: float = 1e-6
   warmup_steps: int = 0
   schedule: str = "constant"  # constant | cosine | linear
@@ -59,7 +61,9 @@ class OptimizerConfig:
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   """Learning-rate schedule of `cfg`. Raises ValueError for an unknown schedule name."""
   lr = cfg.learning_rate
-  warm = optax.linear_schedule(0.0, lr, max(cfg.warmup_steps, 1)) if cfg.warmup_steps > 0 else optax.constant_schedule(lr)
+  warm = (
+      optax.linear_schedule(0.0, lr, max(cfg.warmup_steps, 1)) if cfg.warmup_steps > 0 else optax.constant_schedule(lr)
+  )
   if cfg.schedule == "constant":
     after = optax.constant_schedule(lr)
   elif cfg.schedule == "cosine":
@@ -89,6 +93,7 @@ class LossConfig:
   entropy_coef: adds -coef * token-mean entropy. kl_coef: adds coef * the token-mean k3 ("low_var_kl" in verl)
     estimate of KL(pi_theta || mu) against the behavior policy mu, on mu's samples. router_aux_coef: weight of the MoE load-balancing loss (0 = off).
   """
+
   method: str = "minpro"
   hparams: tuple[tuple[str, Any], ...] = ()
   temperature: float = 1.0
@@ -150,8 +155,9 @@ class Learner:
     ValueError: micro_batch_size <= 0.
   """
 
-  def __init__(self, model: Transformer, loss_cfg: LossConfig, opt_cfg: OptimizerConfig, *,
-               micro_batch_size: int, mesh=None):
+  def __init__(
+      self, model: Transformer, loss_cfg: LossConfig, opt_cfg: OptimizerConfig, *, micro_batch_size: int, mesh=None
+  ):
     if micro_batch_size <= 0:
       raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
     self.graphdef, _ = nnx.split(model)
@@ -167,16 +173,22 @@ class Learner:
   # ----- state -----
   def init_state(self, params) -> TrainState:
     """A fresh `TrainState` (optimizer moments zero, step 0) for parameter state `params`."""
-    state = TrainState(params=params, opt_state=self.optimizer.init(params), step=jnp.zeros((), jnp.int32),
-                       skipped=jnp.zeros((), jnp.int32))
+    state = TrainState(
+        params=params,
+        opt_state=self.optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+    )
     return jax.device_put(state, self._state_shardings(state)) if self.mesh is not None else state
 
   def _state_shardings(self, state: TrainState):
     """Each leaf's sharding; with a mesh, scalars and other single-device leaves are replicated on it."""
+
     def one(x):
       if self.mesh is not None and isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
       return x.sharding
+
     return jax.tree.map(one, state)
 
   def model(self, params) -> Transformer:
@@ -194,9 +206,17 @@ class Learner:
 
   def _score_impl(self, params, arrays, mb):
     model = self.model(params)
+
     def one(x):
-      return token_logprobs(model, x["tokens"], x["segment_ids"], x["positions"],
-                            temperature=self.loss_cfg.temperature, chunk_size=self.loss_cfg.logprob_chunk_size).logp
+      return token_logprobs(
+          model,
+          x["tokens"],
+          x["segment_ids"],
+          x["positions"],
+          temperature=self.loss_cfg.temperature,
+          chunk_size=self.loss_cfg.logprob_chunk_size,
+      ).logp
+
     split = jax.tree.map(lambda a: a.reshape(-1, mb, *a.shape[1:]), arrays)
     return jax.lax.map(one, split).reshape(arrays["tokens"].shape)
 
@@ -222,8 +242,9 @@ class Learner:
     arrays = {k: jnp.asarray(v) for k, v in batch.items()}
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
-      self._update = jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,),
-                             out_shardings=(shardings, None))
+      self._update = jax.jit(
+          self._update_impl, donate_argnums=(0,), static_argnums=(2,), out_shardings=(shardings, None)
+      )
     state, metrics = self._update(state, arrays, mb)
     return state, jax.device_get(metrics)
 
@@ -231,8 +252,15 @@ class Learner:
     lc = self.loss_cfg
     model = self.model(params)
     need_entropy = lc.entropy_coef != 0.0
-    lp = token_logprobs(model, micro["tokens"], micro["segment_ids"], micro["positions"], temperature=lc.temperature,
-                        chunk_size=lc.logprob_chunk_size, return_entropy=need_entropy)
+    lp = token_logprobs(
+        model,
+        micro["tokens"],
+        micro["segment_ids"],
+        micro["positions"],
+        temperature=lc.temperature,
+        chunk_size=lc.logprob_chunk_size,
+        return_entropy=need_entropy,
+    )
     out = _call_policy_loss(lc, lp.logp, micro, m2po_mask)
     mask = micro["response_mask"].astype(jnp.float32)
     total = out.loss_sum / denom
@@ -257,8 +285,12 @@ class Learner:
     m2po_mask = None
     if lc.method == "m2po":  # the mask is a function of the whole mini-batch's log-ratios
       logp_all = self._score_impl(state.params, {k: arrays[k] for k in ("tokens", "segment_ids", "positions")}, mb)
-      m2po_mask = compute_m2po_mask(jax.lax.stop_gradient(logp_all) - arrays["behavior_logp"], arrays["advantages"],
-                                    mask, lc.hparam_dict.get("m2_threshold", 0.04))
+      m2po_mask = compute_m2po_mask(
+          jax.lax.stop_gradient(logp_all) - arrays["behavior_logp"],
+          arrays["advantages"],
+          mask,
+          lc.hparam_dict.get("m2_threshold", 0.04),
+      )
 
     split = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), arrays)
     split_mask = None if m2po_mask is None else m2po_mask.reshape(m // mb, mb, -1)
@@ -281,11 +313,21 @@ class Learner:
 
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first = jax.tree.map(lambda a: a[0], split)
-    metric_shape = jax.eval_shape(lambda: _call_policy_loss(
-        lc, first["behavior_logp"], first, None if no_mask is None else first["response_mask"].astype(bool)).metrics)
-    zero_metrics = {k: jnp.full(s.shape, _METRIC_INIT.get(k.rsplit("_", 1)[-1], 0.0), jnp.float32)
-                    for k, s in metric_shape.items()}
-    init = (zero_grads, jnp.zeros((), jnp.float32), zero_metrics, jnp.zeros(NUM_POSITION_BINS), jnp.zeros(NUM_POSITION_BINS))
+    metric_shape = jax.eval_shape(
+        lambda: _call_policy_loss(
+            lc, first["behavior_logp"], first, None if no_mask is None else first["response_mask"].astype(bool)
+        ).metrics
+    )
+    zero_metrics = {
+        k: jnp.full(s.shape, _METRIC_INIT.get(k.rsplit("_", 1)[-1], 0.0), jnp.float32) for k, s in metric_shape.items()
+    }
+    init = (
+        zero_grads,
+        jnp.zeros((), jnp.float32),
+        zero_metrics,
+        jnp.zeros(NUM_POSITION_BINS),
+        jnp.zeros(NUM_POSITION_BINS),
+    )
     (grads, loss_sum, metrics, wsum, wcnt), logp = jax.lax.scan(body, init, (split, split_mask, split_bins))
     logp = logp.reshape(mask.shape)
     loss = loss_sum / denom
@@ -295,20 +337,29 @@ class Learner:
     updates, new_opt = self.optimizer.update(safe_grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    new_state = TrainState(params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
-                           step=state.step + finite.astype(jnp.int32), skipped=state.skipped + (~finite).astype(jnp.int32))
+    new_state = TrainState(
+        params=keep(new_params, state.params),
+        opt_state=keep(new_opt, state.opt_state),
+        step=state.step + finite.astype(jnp.int32),
+        skipped=state.skipped + (~finite).astype(jnp.int32),
+    )
     valid = mask.astype(bool)
     delta = jnp.where(valid, logp - arrays["behavior_logp"], 0.0)
     out_metrics = {f"policy/{k}": v for k, v in metrics.items()}
-    out_metrics.update({
-        "loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state.step), "update_skipped": ~finite,
-        "learner_behavior/abs_log_ratio_mean": jnp.sum(jnp.abs(delta)) / num_tokens,
-        "weight_by_position_bin": wsum / jnp.maximum(wcnt, 1.0), "tokens_by_position_bin": wcnt,
-    })
+    out_metrics.update(
+        {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": self.schedule(state.step),
+            "update_skipped": ~finite,
+            "learner_behavior/abs_log_ratio_mean": jnp.sum(jnp.abs(delta)) / num_tokens,
+            "weight_by_position_bin": wsum / jnp.maximum(wcnt, 1.0),
+            "tokens_by_position_bin": wcnt,
+        }
+    )
     return new_state, out_metrics
 
 
 def staleness(update_index: int, policy_version: np.ndarray) -> np.ndarray:
   """Updates applied between sampling and this update: `update_index - policy_version` per sample."""
   return update_index - np.asarray(policy_version, np.int64)
-

@@ -39,6 +39,7 @@ class GapCheck(NamedTuple):
   reward_mean: float, mean reward of the validation samples.
   num_samples: int, validation responses scored.
   """
+
   t_post: float
   accepted: bool
   reward_mean: float
@@ -67,8 +68,10 @@ def validation_indices(num_problems: int, num_prompts: int, seed: int) -> np.nda
     ValueError: `num_prompts` is not in [1, num_problems].
   """
   if not 1 <= num_prompts <= num_problems:
-    raise ValueError(f"config.mipu.val_prompts={num_prompts} must lie in [1, {num_problems}] (the training "
-                     "problems it draws from)")
+    raise ValueError(
+        f"config.mipu.val_prompts={num_prompts} must lie in [1, {num_problems}] (the training "
+        "problems it draws from)"
+    )
   return np.sort(np.random.default_rng(seed).choice(num_problems, size=num_prompts, replace=False))
 
 

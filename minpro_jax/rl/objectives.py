@@ -66,8 +66,13 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "rollout_mis_bounds": (0.5, 2.0),
 }
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "minpro": {"eps_low": None, "eps_high": 0.28, "prefix_statistic": "min", "prefix_cap_at_one": False,
-               "surrogate": "reinforce"},
+    "minpro": {
+        "eps_low": None,
+        "eps_high": 0.28,
+        "prefix_statistic": "min",
+        "prefix_cap_at_one": False,
+        "surrogate": "reinforce",
+    },
     "grpo": {"eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": None},
     "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},
     "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},
@@ -80,58 +85,58 @@ SURROGATES = ("reinforce", "ppo")
 
 @flax.struct.dataclass
 class PolicyLossOutput:
-    """Result of :func:`policy_loss` (a pytree: safe to return from ``jax.jit`` / ``jax.value_and_grad(has_aux)``).
+  """Result of :func:`policy_loss` (a pytree: safe to return from ``jax.jit`` / ``jax.value_and_grad(has_aux)``).
 
-    Attributes:
-      loss: scalar f32, ``loss_sum / max(denominator, 1)``.
-      loss_sum: scalar f32, un-normalised sum (accumulate over micro-batches).
-      denominator: scalar f32, tokens (token-mean), sequences (seq-mean-*), or sequences * max length
-        (seq-mean-token-sum-norm). Full-batch loss = sum(loss_sum) / sum(denominator).
-      metrics: dict of f32 scalars (see :func:`policy_loss`).
-      token_weights: [B, T] f32 detached per-token weight (0 at masked positions): minpro/cispo the
-        clipped weight w_t; grpo/m2po the ratio rho_t (m2po: times its keep-mask); gspo the sequence
-        ratio s_i. Rollout correction (TIS weight, MIS mask) is multiplied in.
-    """
+  Attributes:
+    loss: scalar f32, ``loss_sum / max(denominator, 1)``.
+    loss_sum: scalar f32, un-normalised sum (accumulate over micro-batches).
+    denominator: scalar f32, tokens (token-mean), sequences (seq-mean-*), or sequences * max length
+      (seq-mean-token-sum-norm). Full-batch loss = sum(loss_sum) / sum(denominator).
+    metrics: dict of f32 scalars (see :func:`policy_loss`).
+    token_weights: [B, T] f32 detached per-token weight (0 at masked positions): minpro/cispo the
+      clipped weight w_t; grpo/m2po the ratio rho_t (m2po: times its keep-mask); gspo the sequence
+      ratio s_i. Rollout correction (TIS weight, MIS mask) is multiplied in.
+  """
 
-    loss: jax.Array
-    loss_sum: jax.Array
-    denominator: jax.Array
-    metrics: dict[str, jax.Array]
-    token_weights: jax.Array
+  loss: jax.Array
+  loss_sum: jax.Array
+  denominator: jax.Array
+  metrics: dict[str, jax.Array]
+  token_weights: jax.Array
 
 
 def _bounds(eps_low, eps_high, name):
-    for key, eps in (("eps_low", eps_low), ("eps_high", eps_high)):
-        if eps is not None and not (isinstance(eps, (int, float)) and eps >= 0):
-            raise ValueError(f"{name}: {key} must be a non-negative float or None, got {eps!r}.")
-    if eps_low is not None and eps_low >= 1:
-        raise ValueError(f"{name}: eps_low must be < 1 (lower bound 1 - eps_low > 0) or None, got {eps_low!r}.")
-    log_lo = -math.inf if eps_low is None else math.log1p(-eps_low)
-    log_hi = LOG_RATIO_CLAMP if eps_high is None else math.log1p(eps_high)
-    return log_lo, log_hi
+  for key, eps in (("eps_low", eps_low), ("eps_high", eps_high)):
+    if eps is not None and not (isinstance(eps, (int, float)) and eps >= 0):
+      raise ValueError(f"{name}: {key} must be a non-negative float or None, got {eps!r}.")
+  if eps_low is not None and eps_low >= 1:
+    raise ValueError(f"{name}: eps_low must be < 1 (lower bound 1 - eps_low > 0) or None, got {eps_low!r}.")
+  log_lo = -math.inf if eps_low is None else math.log1p(-eps_low)
+  log_hi = LOG_RATIO_CLAMP if eps_high is None else math.log1p(eps_high)
+  return log_lo, log_hi
 
 
 def _clipped_ratio(log_ratio, log_lo, log_hi):
-    """exp of a log-ratio clipped in log space (no overflow for any finite input)."""
-    return jnp.exp(jnp.clip(log_ratio, log_lo, log_hi))
+  """exp of a log-ratio clipped in log space (no overflow for any finite input)."""
+  return jnp.exp(jnp.clip(log_ratio, log_lo, log_hi))
 
 
 def _ppo_token_loss(log_r, adv, log_lo, log_hi, dual_clip_c=None):
-    """Per-token -min(r A, clip(r) A) (optionally dual-clipped for A < 0) and its clip indicators."""
-    r = jnp.exp(log_r)
-    pg1 = -adv * r
-    pg2 = -adv * _clipped_ratio(log_r, log_lo, log_hi)
-    loss = jnp.maximum(pg1, pg2)
-    clip_high = (adv > 0) & (log_r > log_hi)
-    clip_low = (adv < 0) & (log_r < log_lo)
-    dual = jnp.zeros_like(clip_high)
-    if dual_clip_c is not None:
-        if not dual_clip_c > 1:
-            raise ValueError(f"dual_clip_c must be > 1 or None, got {dual_clip_c!r}.")
-        pg3 = -adv * dual_clip_c
-        dual = (adv < 0) & (loss > pg3)
-        loss = jnp.where(adv < 0, jnp.minimum(loss, pg3), loss)
-    return loss, clip_low, clip_high, dual
+  """Per-token -min(r A, clip(r) A) (optionally dual-clipped for A < 0) and its clip indicators."""
+  r = jnp.exp(log_r)
+  pg1 = -adv * r
+  pg2 = -adv * _clipped_ratio(log_r, log_lo, log_hi)
+  loss = jnp.maximum(pg1, pg2)
+  clip_high = (adv > 0) & (log_r > log_hi)
+  clip_low = (adv < 0) & (log_r < log_lo)
+  dual = jnp.zeros_like(clip_high)
+  if dual_clip_c is not None:
+    if not dual_clip_c > 1:
+      raise ValueError(f"dual_clip_c must be > 1 or None, got {dual_clip_c!r}.")
+    pg3 = -adv * dual_clip_c
+    dual = (adv < 0) & (loss > pg3)
+    loss = jnp.where(adv < 0, jnp.minimum(loss, pg3), loss)
+  return loss, clip_low, clip_high, dual
 
 
 def compute_m2po_mask(
@@ -140,143 +145,143 @@ def compute_m2po_mask(
     response_mask: jax.Array,
     m2_threshold: float = 0.04,
 ) -> jax.Array:
-    """M2PO keep-mask over the WHOLE batch passed in (pass the full global mini-batch).
+  """M2PO keep-mask over the WHOLE batch passed in (pass the full global mini-batch).
 
-    Variant implemented (``algorithms.md`` section 4, M2PO; Trinity-RFT-style, consistent with the authors'
-    "harmful tokens" rule): candidates are trust-region tokens (A > 0 and l > 0) or (A < 0 and l < 0);
-    sort their l^2 ascending and keep the longest sorted prefix whose running mean of l^2 stays
-    <= ``m2_threshold``; drop the other candidates. Non-candidate valid tokens are always kept.
-    (Not the authors' released variant that turns the budget into global PPO clip bounds.)
+  Variant implemented (``algorithms.md`` section 4, M2PO; Trinity-RFT-style, consistent with the authors'
+  "harmful tokens" rule): candidates are trust-region tokens (A > 0 and l > 0) or (A < 0 and l < 0);
+  sort their l^2 ascending and keep the longest sorted prefix whose running mean of l^2 stays
+  <= ``m2_threshold``; drop the other candidates. Non-candidate valid tokens are always kept.
+  (Not the authors' released variant that turns the budget into global PPO clip bounds.)
 
-    Args:
-      log_ratio: [B, T] f32 l = logp - behavior_logp (garbage allowed at masked positions).
-      advantages: [B, T] (or [B]) advantages.
-      response_mask: [B, T] bool/0-1.
-      m2_threshold: tau_M2 > 0.
+  Args:
+    log_ratio: [B, T] f32 l = logp - behavior_logp (garbage allowed at masked positions).
+    advantages: [B, T] (or [B]) advantages.
+    response_mask: [B, T] bool/0-1.
+    m2_threshold: tau_M2 > 0.
 
-    Returns: [B, T] bool, true at kept valid tokens. Raises ValueError on bad shapes or threshold.
-    """
-    _check_bt("log_ratio", log_ratio)
-    _check_bt("response_mask", response_mask, log_ratio.shape)
-    if not m2_threshold > 0:
-        raise ValueError(f"m2_threshold must be > 0, got {m2_threshold!r}.")
-    valid = response_mask.astype(bool)
-    lr = jnp.where(valid, log_ratio.astype(jnp.float32), 0.0)
-    adv = _token_advantages(advantages, valid)
-    cand = valid & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
-    sq = jnp.where(cand, lr * lr, jnp.inf).reshape(-1)
-    order = jnp.argsort(sq, stable=True)
-    sorted_sq = sq[order]
-    finite = jnp.isfinite(sorted_sq)
-    running = jnp.cumsum(jnp.where(finite, sorted_sq, 0.0)) / jnp.arange(1, sq.size + 1, dtype=jnp.float32)
-    num_keep = jnp.sum(finite & (running <= m2_threshold))
-    rank = jnp.zeros(sq.size, jnp.int32).at[order].set(jnp.arange(sq.size, dtype=jnp.int32))
-    keep_cand = cand & (rank.reshape(lr.shape) < num_keep)
-    return valid & (~cand | keep_cand)
+  Returns: [B, T] bool, true at kept valid tokens. Raises ValueError on bad shapes or threshold.
+  """
+  _check_bt("log_ratio", log_ratio)
+  _check_bt("response_mask", response_mask, log_ratio.shape)
+  if not m2_threshold > 0:
+    raise ValueError(f"m2_threshold must be > 0, got {m2_threshold!r}.")
+  valid = response_mask.astype(bool)
+  lr = jnp.where(valid, log_ratio.astype(jnp.float32), 0.0)
+  adv = _token_advantages(advantages, valid)
+  cand = valid & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
+  sq = jnp.where(cand, lr * lr, jnp.inf).reshape(-1)
+  order = jnp.argsort(sq, stable=True)
+  sorted_sq = sq[order]
+  finite = jnp.isfinite(sorted_sq)
+  running = jnp.cumsum(jnp.where(finite, sorted_sq, 0.0)) / jnp.arange(1, sq.size + 1, dtype=jnp.float32)
+  num_keep = jnp.sum(finite & (running <= m2_threshold))
+  rank = jnp.zeros(sq.size, jnp.int32).at[order].set(jnp.arange(sq.size, dtype=jnp.int32))
+  keep_cand = cand & (rank.reshape(lr.shape) < num_keep)
+  return valid & (~cand | keep_cand)
 
 
 def _token_advantages(advantages, valid):
-    if advantages.ndim == 1 and advantages.shape[0] == valid.shape[0]:
-        adv = advantages[:, None]
-    elif advantages.shape == valid.shape:
-        adv = advantages
-    else:
-        raise ValueError(
-            f"advantages must have shape [B]={(valid.shape[0],)} or [B, T]={tuple(valid.shape)}, "
-            f"got {tuple(advantages.shape)}."
-        )
-    return jnp.where(valid, adv.astype(jnp.float32), 0.0)
+  if advantages.ndim == 1 and advantages.shape[0] == valid.shape[0]:
+    adv = advantages[:, None]
+  elif advantages.shape == valid.shape:
+    adv = advantages
+  else:
+    raise ValueError(
+        f"advantages must have shape [B]={(valid.shape[0],)} or [B, T]={tuple(valid.shape)}, "
+        f"got {tuple(advantages.shape)}."
+    )
+  return jnp.where(valid, adv.astype(jnp.float32), 0.0)
 
 
 def _seq_mean(x, valid, starts):
-    count = seq_sum(valid.astype(jnp.float32), starts)
-    return seq_sum(jnp.where(valid, x, 0.0), starts) / jnp.maximum(count, 1.0)
+  count = seq_sum(valid.astype(jnp.float32), starts)
+  return seq_sum(jnp.where(valid, x, 0.0), starts) / jnp.maximum(count, 1.0)
 
 
 def _minpro(ctx, hp):
-    check_choice("prefix_statistic", hp["prefix_statistic"], PREFIX_STATISTICS)
-    check_choice("surrogate", hp["surrogate"], SURROGATES)
-    log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
-    lr, adv, valid = ctx["log_ratio"], ctx["adv"], ctx["valid"]
-    log_f = jax.lax.stop_gradient(prefix_log_factor(lr, valid, hp["prefix_statistic"], ctx["segment_ids"]))
-    if hp["prefix_cap_at_one"]:
-        log_f = jnp.minimum(log_f, 0.0)
-    metrics = {
-        "prefix_log_factor_mean": masked_mean(log_f, valid),
-        "prefix_factor_mean": masked_mean(jnp.exp(jnp.minimum(log_f, LOG_RATIO_CLAMP)), valid),
-    }
-    if hp["surrogate"] == "reinforce":
-        log_w = jax.lax.stop_gradient(log_f + lr)
-        w = _clipped_ratio(log_w, log_lo, log_hi)
-        loss = -w * adv * ctx["logp"]
-        metrics["clip_frac_low"] = masked_mean((log_w < log_lo).astype(jnp.float32), valid)
-        metrics["clip_frac_high"] = masked_mean((log_w > log_hi).astype(jnp.float32), valid)
-        return loss, w, metrics
-    # "ppo" ablation (algorithms.md A2): PPO clipped surrogate on r = sg(f_t) * rho_t.
-    log_r = jnp.clip(log_f + lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    lo = math.log1p(-hp["eps_low"]) if hp["eps_low"] is not None else -math.inf
-    loss, clip_low, clip_high, _ = _ppo_token_loss(log_r, adv, lo, log_hi)
-    metrics["clip_frac_low"] = masked_mean(clip_low.astype(jnp.float32), valid)
-    metrics["clip_frac_high"] = masked_mean(clip_high.astype(jnp.float32), valid)
-    return loss, jnp.exp(jax.lax.stop_gradient(log_r)), metrics
+  check_choice("prefix_statistic", hp["prefix_statistic"], PREFIX_STATISTICS)
+  check_choice("surrogate", hp["surrogate"], SURROGATES)
+  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
+  lr, adv, valid = ctx["log_ratio"], ctx["adv"], ctx["valid"]
+  log_f = jax.lax.stop_gradient(prefix_log_factor(lr, valid, hp["prefix_statistic"], ctx["segment_ids"]))
+  if hp["prefix_cap_at_one"]:
+    log_f = jnp.minimum(log_f, 0.0)
+  metrics = {
+      "prefix_log_factor_mean": masked_mean(log_f, valid),
+      "prefix_factor_mean": masked_mean(jnp.exp(jnp.minimum(log_f, LOG_RATIO_CLAMP)), valid),
+  }
+  if hp["surrogate"] == "reinforce":
+    log_w = jax.lax.stop_gradient(log_f + lr)
+    w = _clipped_ratio(log_w, log_lo, log_hi)
+    loss = -w * adv * ctx["logp"]
+    metrics["clip_frac_low"] = masked_mean((log_w < log_lo).astype(jnp.float32), valid)
+    metrics["clip_frac_high"] = masked_mean((log_w > log_hi).astype(jnp.float32), valid)
+    return loss, w, metrics
+  # "ppo" ablation (algorithms.md A2): PPO clipped surrogate on r = sg(f_t) * rho_t.
+  log_r = jnp.clip(log_f + lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  lo = math.log1p(-hp["eps_low"]) if hp["eps_low"] is not None else -math.inf
+  loss, clip_low, clip_high, _ = _ppo_token_loss(log_r, adv, lo, log_hi)
+  metrics["clip_frac_low"] = masked_mean(clip_low.astype(jnp.float32), valid)
+  metrics["clip_frac_high"] = masked_mean(clip_high.astype(jnp.float32), valid)
+  return loss, jnp.exp(jax.lax.stop_gradient(log_r)), metrics
 
 
 def _cispo(ctx, hp):
-    return _minpro(ctx, {**hp, "prefix_statistic": "none", "prefix_cap_at_one": False, "surrogate": "reinforce"})
+  return _minpro(ctx, {**hp, "prefix_statistic": "none", "prefix_cap_at_one": False, "surrogate": "reinforce"})
 
 
 def _grpo(ctx, hp):
-    log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
-    valid = ctx["valid"]
-    log_r = jnp.clip(ctx["log_ratio"], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    loss, clip_low, clip_high, dual = _ppo_token_loss(log_r, ctx["adv"], log_lo, log_hi, hp["dual_clip_c"])
-    metrics = {
-        "clip_frac_low": masked_mean(clip_low.astype(jnp.float32), valid),
-        "clip_frac_high": masked_mean(clip_high.astype(jnp.float32), valid),
-        "dual_clip_frac": masked_mean(dual.astype(jnp.float32), valid),
-    }
-    return loss, jnp.exp(jax.lax.stop_gradient(log_r)), metrics
+  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
+  valid = ctx["valid"]
+  log_r = jnp.clip(ctx["log_ratio"], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  loss, clip_low, clip_high, dual = _ppo_token_loss(log_r, ctx["adv"], log_lo, log_hi, hp["dual_clip_c"])
+  metrics = {
+      "clip_frac_low": masked_mean(clip_low.astype(jnp.float32), valid),
+      "clip_frac_high": masked_mean(clip_high.astype(jnp.float32), valid),
+      "dual_clip_frac": masked_mean(dual.astype(jnp.float32), valid),
+  }
+  return loss, jnp.exp(jax.lax.stop_gradient(log_r)), metrics
 
 
 def _gspo(ctx, hp):
-    """GSPO (arXiv 2507.18071): s_i = exp(mean_t l_{i,t}) per sequence (per segment for packed rows)."""
-    log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
-    valid, starts = ctx["valid"], ctx["starts"]
-    log_s = _seq_mean(ctx["log_ratio"], valid, starts)
-    if ctx["method"] == "gspo":
-        adv = _seq_mean(ctx["adv"], valid, starts)  # sequence-level advantage
-        log_s = jnp.broadcast_to(log_s, valid.shape)
-    else:  # gspo_token: s_{i,t} = sg(s_i) * pi(o_t) / sg(pi(o_t)); same value, per-token gradient.
-        adv = ctx["adv"]
-        logp = ctx["logp"]
-        log_s = jax.lax.stop_gradient(log_s) + logp - jax.lax.stop_gradient(logp)
-    log_s = jnp.where(valid, jnp.clip(log_s, -LOG_RATIO_CLAMP, GSPO_LOG_RATIO_MAX), 0.0)
-    loss, clip_low, clip_high, _ = _ppo_token_loss(log_s, adv, log_lo, log_hi)
-    metrics = {
-        "clip_frac_low": masked_mean(clip_low.astype(jnp.float32), valid),
-        "clip_frac_high": masked_mean(clip_high.astype(jnp.float32), valid),
-    }
-    return loss, jnp.exp(jax.lax.stop_gradient(log_s)), metrics
+  """GSPO (arXiv 2507.18071): s_i = exp(mean_t l_{i,t}) per sequence (per segment for packed rows)."""
+  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
+  valid, starts = ctx["valid"], ctx["starts"]
+  log_s = _seq_mean(ctx["log_ratio"], valid, starts)
+  if ctx["method"] == "gspo":
+    adv = _seq_mean(ctx["adv"], valid, starts)  # sequence-level advantage
+    log_s = jnp.broadcast_to(log_s, valid.shape)
+  else:  # gspo_token: s_{i,t} = sg(s_i) * pi(o_t) / sg(pi(o_t)); same value, per-token gradient.
+    adv = ctx["adv"]
+    logp = ctx["logp"]
+    log_s = jax.lax.stop_gradient(log_s) + logp - jax.lax.stop_gradient(logp)
+  log_s = jnp.where(valid, jnp.clip(log_s, -LOG_RATIO_CLAMP, GSPO_LOG_RATIO_MAX), 0.0)
+  loss, clip_low, clip_high, _ = _ppo_token_loss(log_s, adv, log_lo, log_hi)
+  metrics = {
+      "clip_frac_low": masked_mean(clip_low.astype(jnp.float32), valid),
+      "clip_frac_high": masked_mean(clip_high.astype(jnp.float32), valid),
+  }
+  return loss, jnp.exp(jax.lax.stop_gradient(log_s)), metrics
 
 
 def _m2po(ctx, hp):
-    """M2PO (arXiv 2510.01161): J = (1/N_valid) sum M rho A, no clip, gradient through rho."""
-    valid = ctx["valid"]
-    mask = hp["m2po_mask"]
-    if mask is None:
-        mask = compute_m2po_mask(ctx["log_ratio"], ctx["adv"], valid, hp["m2_threshold"])
-    else:
-        _check_bt("m2po_mask", mask, valid.shape)
-        mask = valid & mask.astype(bool)
-    mask = jax.lax.stop_gradient(mask)
-    rho = jnp.exp(jnp.clip(ctx["log_ratio"], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    loss = jnp.where(mask, -rho * ctx["adv"], 0.0)
-    lr = ctx["log_ratio"]
-    metrics = {
-        "m2po_kept_frac": masked_mean(mask.astype(jnp.float32), valid),
-        "m2po_second_moment": masked_mean(lr * lr, valid),
-    }
-    return loss, jnp.where(mask, jax.lax.stop_gradient(rho), 0.0), metrics
+  """M2PO (arXiv 2510.01161): J = (1/N_valid) sum M rho A, no clip, gradient through rho."""
+  valid = ctx["valid"]
+  mask = hp["m2po_mask"]
+  if mask is None:
+    mask = compute_m2po_mask(ctx["log_ratio"], ctx["adv"], valid, hp["m2_threshold"])
+  else:
+    _check_bt("m2po_mask", mask, valid.shape)
+    mask = valid & mask.astype(bool)
+  mask = jax.lax.stop_gradient(mask)
+  rho = jnp.exp(jnp.clip(ctx["log_ratio"], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  loss = jnp.where(mask, -rho * ctx["adv"], 0.0)
+  lr = ctx["log_ratio"]
+  metrics = {
+      "m2po_kept_frac": masked_mean(mask.astype(jnp.float32), valid),
+      "m2po_second_moment": masked_mean(lr * lr, valid),
+  }
+  return loss, jnp.where(mask, jax.lax.stop_gradient(rho), 0.0), metrics
 
 
 _IMPLS = {"minpro": _minpro, "grpo": _grpo, "gspo": _gspo, "gspo_token": _gspo, "cispo": _cispo, "m2po": _m2po}
@@ -292,89 +297,103 @@ def policy_loss(
     segment_ids: jax.Array | None = None,
     **hparams,
 ) -> PolicyLossOutput:
-    """Policy-gradient loss of one (micro-)batch for ``method`` in ``METHODS``.
+  """Policy-gradient loss of one (micro-)batch for ``method`` in ``METHODS``.
 
-    Per-token losses (l = logp - behavior_logp, A the token advantage, sg = stop_gradient):
-      * ``minpro`` (arXiv 2601.22718): -sg(clip(f_t rho_t)) A logp_t with log f_t = ``prefix_log_factor``
-        (``prefix_statistic`` min|mean|geomean|prod|none), clipped in log space to
-        [log(1-eps_low), log(1+eps_high)] (eps_low None = no lower bound). ``prefix_cap_at_one`` uses
-        min(f, 1). ``surrogate="ppo"``: -min(r A, clip(r) A) with r = sg(f_t) rho_t (ablation).
-      * ``grpo`` (DAPO clip-higher): -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); with ``dual_clip_c``
-        c, for A < 0 the loss is min(that, -c A) (verl dual clip; off by default).
-      * ``gspo``: PPO clip on the sequence ratio s = exp(mean_t l) with the sequence advantage (token mean of A);
-        ``gspo_token``: s_{i,t} = sg(s_i) rho_t / sg(rho_t) with token advantages. Default
-        ``loss_agg_mode="seq-mean-token-mean"`` (verl forces it). Packed rows: per segment.
-      * ``cispo`` (MiniMax-M1): -sg(clip(rho, 1-eps_low, 1+eps_high)) A logp.
-      * ``m2po``: -M rho A with the mask of :func:`compute_m2po_mask`, denominator = all valid tokens.
-        The mask needs the whole mini-batch: call with the full mini-batch, or compute ``m2po_mask`` once
-        on it and pass the slice to each micro-batch call.
-    Common hparams: ``loss_agg_mode`` (``LOSS_AGG_MODES``), ``max_response_length``; rollout correction
-    ``rollout_logp`` [B, T], ``rollout_is`` None|token|sequence, ``tis_cap`` (2.0), ``rollout_mis``
-    None|token|sequence|geometric, ``rollout_mis_bounds`` ((0.5, 2.0)); see ``objectives_agg.rollout_correction``
-    (MIS-rejected tokens still count in the denominator).
+  Per-token losses (l = logp - behavior_logp, A the token advantage, sg = stop_gradient):
+    * ``minpro`` (arXiv 2601.22718): -sg(clip(f_t rho_t)) A logp_t with log f_t = ``prefix_log_factor``
+      (``prefix_statistic`` min|mean|geomean|prod|none), clipped in log space to
+      [log(1-eps_low), log(1+eps_high)] (eps_low None = no lower bound). ``prefix_cap_at_one`` uses
+      min(f, 1). ``surrogate="ppo"``: -min(r A, clip(r) A) with r = sg(f_t) rho_t (ablation).
+    * ``grpo`` (DAPO clip-higher): -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); with ``dual_clip_c``
+      c, for A < 0 the loss is min(that, -c A) (verl dual clip; off by default).
+    * ``gspo``: PPO clip on the sequence ratio s = exp(mean_t l) with the sequence advantage (token mean of A);
+      ``gspo_token``: s_{i,t} = sg(s_i) rho_t / sg(rho_t) with token advantages. Default
+      ``loss_agg_mode="seq-mean-token-mean"`` (verl forces it). Packed rows: per segment.
+    * ``cispo`` (MiniMax-M1): -sg(clip(rho, 1-eps_low, 1+eps_high)) A logp.
+    * ``m2po``: -M rho A with the mask of :func:`compute_m2po_mask`, denominator = all valid tokens.
+      The mask needs the whole mini-batch: call with the full mini-batch, or compute ``m2po_mask`` once
+      on it and pass the slice to each micro-batch call.
+  Common hparams: ``loss_agg_mode`` (``LOSS_AGG_MODES``), ``max_response_length``; rollout correction
+  ``rollout_logp`` [B, T], ``rollout_is`` None|token|sequence, ``tis_cap`` (2.0), ``rollout_mis``
+  None|token|sequence|geometric, ``rollout_mis_bounds`` ((0.5, 2.0)); see ``objectives_agg.rollout_correction``
+  (MIS-rejected tokens still count in the denominator).
 
-    Args:
-      method: name in ``METHODS``.
-      logp, behavior_logp: [B, T] float log-probs (computed in fp32 here).
-      advantages: [B] or [B, T] float ([B, T] required with ``segment_ids``).
-      response_mask: [B, T] bool/0-1.
-      segment_ids: optional [B, T] int32 packed-row segment ids (0 = padding).
-      **hparams: method hparams (see ``METHOD_DEFAULTS``) and ``COMMON_DEFAULTS``.
+  Args:
+    method: name in ``METHODS``.
+    logp, behavior_logp: [B, T] float log-probs (computed in fp32 here).
+    advantages: [B] or [B, T] float ([B, T] required with ``segment_ids``).
+    response_mask: [B, T] bool/0-1.
+    segment_ids: optional [B, T] int32 packed-row segment ids (0 = padding).
+    **hparams: method hparams (see ``METHOD_DEFAULTS``) and ``COMMON_DEFAULTS``.
 
-    Returns:
-      PolicyLossOutput. Metrics (f32 scalars, over valid tokens): ``ratio_mean/min/max`` of rho,
-      ``log_ratio_mean``, ``weight_mean`` (mean of token_weights), ``num_tokens`` (valid tokens),
-      method-specific ``clip_frac_low/high``, ``dual_clip_frac``, ``prefix_factor_mean``,
-      ``prefix_log_factor_mean``, ``m2po_kept_frac``, ``m2po_second_moment``, ``tis_weight_mean``,
-      ``tis_clip_frac``, ``mis_kept_frac``.
+  Returns:
+    PolicyLossOutput. Metrics (f32 scalars, over valid tokens): ``ratio_mean/min/max`` of rho,
+    ``log_ratio_mean``, ``weight_mean`` (mean of token_weights), ``num_tokens`` (valid tokens),
+    method-specific ``clip_frac_low/high``, ``dual_clip_frac``, ``prefix_factor_mean``,
+    ``prefix_log_factor_mean``, ``m2po_kept_frac``, ``m2po_second_moment``, ``tis_weight_mean``,
+    ``tis_clip_frac``, ``mis_kept_frac``.
 
-    Raises:
-      ValueError: unknown method / hparam / statistic / agg mode (listing the valid choices), bad shapes
-        or dtypes, invalid hparam values.
-    """
-    check_choice("method", method, METHODS)
-    allowed = {**COMMON_DEFAULTS, **METHOD_DEFAULTS[method]}
-    unknown = sorted(set(hparams) - set(allowed))
-    if unknown:
-        raise ValueError(f"Unknown hparam(s) {unknown} for method {method!r}; valid: {', '.join(sorted(allowed))}.")
-    hp = {**allowed, **hparams}
-    check_choice("loss_agg_mode", hp["loss_agg_mode"], LOSS_AGG_MODES)
-    _check_bt("logp", logp)
-    _check_bt("behavior_logp", behavior_logp, logp.shape)
-    _check_bt("response_mask", response_mask, logp.shape)
-    if segment_ids is not None and advantages.ndim == 1:
-        raise ValueError("With segment_ids (packed rows) pass advantages as [B, T] (one value per token).")
-    valid, starts = valid_and_starts(response_mask, segment_ids)
-    # Sanitise before any arithmetic (where-NaN-gradient trap): masked positions become exact zeros.
-    logp_s = jnp.where(valid, logp, 0.0).astype(jnp.float32)
-    blogp_s = jax.lax.stop_gradient(jnp.where(valid, behavior_logp, 0.0).astype(jnp.float32))
-    log_ratio = jnp.where(valid, logp_s - blogp_s, 0.0)
-    adv = jax.lax.stop_gradient(_token_advantages(advantages, valid))
-    ctx = {"method": method, "logp": logp_s, "log_ratio": log_ratio, "adv": adv, "valid": valid,
-           "starts": starts, "segment_ids": segment_ids}
+  Raises:
+    ValueError: unknown method / hparam / statistic / agg mode (listing the valid choices), bad shapes
+      or dtypes, invalid hparam values.
+  """
+  check_choice("method", method, METHODS)
+  allowed = {**COMMON_DEFAULTS, **METHOD_DEFAULTS[method]}
+  unknown = sorted(set(hparams) - set(allowed))
+  if unknown:
+    raise ValueError(f"Unknown hparam(s) {unknown} for method {method!r}; valid: {', '.join(sorted(allowed))}.")
+  hp = {**allowed, **hparams}
+  check_choice("loss_agg_mode", hp["loss_agg_mode"], LOSS_AGG_MODES)
+  _check_bt("logp", logp)
+  _check_bt("behavior_logp", behavior_logp, logp.shape)
+  _check_bt("response_mask", response_mask, logp.shape)
+  if segment_ids is not None and advantages.ndim == 1:
+    raise ValueError("With segment_ids (packed rows) pass advantages as [B, T] (one value per token).")
+  valid, starts = valid_and_starts(response_mask, segment_ids)
+  # Sanitise before any arithmetic (where-NaN-gradient trap): masked positions become exact zeros.
+  logp_s = jnp.where(valid, logp, 0.0).astype(jnp.float32)
+  blogp_s = jax.lax.stop_gradient(jnp.where(valid, behavior_logp, 0.0).astype(jnp.float32))
+  log_ratio = jnp.where(valid, logp_s - blogp_s, 0.0)
+  adv = jax.lax.stop_gradient(_token_advantages(advantages, valid))
+  ctx = {
+      "method": method,
+      "logp": logp_s,
+      "log_ratio": log_ratio,
+      "adv": adv,
+      "valid": valid,
+      "starts": starts,
+      "segment_ids": segment_ids,
+  }
 
-    loss_bt, weights, metrics = _IMPLS[method](ctx, hp)
-    rc_weight, rc_keep, rc_metrics = rollout_correction(
-        blogp_s, hp["rollout_logp"], valid, starts, rollout_is=hp["rollout_is"], tis_cap=hp["tis_cap"],
-        rollout_mis=hp["rollout_mis"], rollout_mis_bounds=hp["rollout_mis_bounds"])
-    loss_bt = jnp.where(rc_keep, loss_bt * rc_weight, 0.0)
-    weights = jnp.where(rc_keep, jax.lax.stop_gradient(weights) * rc_weight, 0.0)
-    loss_sum, denominator = aggregate_loss(
-        loss_bt, valid, hp["loss_agg_mode"], segment_ids=segment_ids, max_response_length=hp["max_response_length"])
+  loss_bt, weights, metrics = _IMPLS[method](ctx, hp)
+  rc_weight, rc_keep, rc_metrics = rollout_correction(
+      blogp_s,
+      hp["rollout_logp"],
+      valid,
+      starts,
+      rollout_is=hp["rollout_is"],
+      tis_cap=hp["tis_cap"],
+      rollout_mis=hp["rollout_mis"],
+      rollout_mis_bounds=hp["rollout_mis_bounds"],
+  )
+  loss_bt = jnp.where(rc_keep, loss_bt * rc_weight, 0.0)
+  weights = jnp.where(rc_keep, jax.lax.stop_gradient(weights) * rc_weight, 0.0)
+  loss_sum, denominator = aggregate_loss(
+      loss_bt, valid, hp["loss_agg_mode"], segment_ids=segment_ids, max_response_length=hp["max_response_length"]
+  )
 
-    ratio = jax.lax.stop_gradient(jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)))
-    any_valid = jnp.any(valid)
-    metrics = {
-        **metrics,
-        **rc_metrics,
-        "ratio_mean": masked_mean(ratio, valid),
-        "ratio_min": jnp.where(any_valid, jnp.min(jnp.where(valid, ratio, jnp.inf)), 0.0),
-        "ratio_max": jnp.where(any_valid, jnp.max(jnp.where(valid, ratio, -jnp.inf)), 0.0),
-        "log_ratio_mean": jax.lax.stop_gradient(masked_mean(log_ratio, valid)),
-        "weight_mean": masked_mean(weights, valid),
-        "num_tokens": jnp.sum(valid).astype(jnp.float32),
-    }
-    metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
-    loss = loss_sum / jnp.maximum(denominator, 1.0)
-    return PolicyLossOutput(loss=loss, loss_sum=loss_sum, denominator=denominator, metrics=metrics,
-                            token_weights=weights)
+  ratio = jax.lax.stop_gradient(jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)))
+  any_valid = jnp.any(valid)
+  metrics = {
+      **metrics,
+      **rc_metrics,
+      "ratio_mean": masked_mean(ratio, valid),
+      "ratio_min": jnp.where(any_valid, jnp.min(jnp.where(valid, ratio, jnp.inf)), 0.0),
+      "ratio_max": jnp.where(any_valid, jnp.max(jnp.where(valid, ratio, -jnp.inf)), 0.0),
+      "log_ratio_mean": jax.lax.stop_gradient(masked_mean(log_ratio, valid)),
+      "weight_mean": masked_mean(weights, valid),
+      "num_tokens": jnp.sum(valid).astype(jnp.float32),
+  }
+  metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+  loss = loss_sum / jnp.maximum(denominator, 1.0)
+  return PolicyLossOutput(loss=loss, loss_sum=loss_sum, denominator=denominator, metrics=metrics, token_weights=weights)

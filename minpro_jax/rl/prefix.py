@@ -26,104 +26,102 @@ PREFIX_STATISTICS = ("min", "mean", "geomean", "prod", "none")
 
 
 def _check_bt(name: str, x: jax.Array, shape: tuple[int, ...] | None = None) -> None:
-    if x.ndim != 2:
-        raise ValueError(f"{name} must be a [B, T] array, got shape {tuple(x.shape)}.")
-    if shape is not None and tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(x.shape)} but must match log-probs shape {tuple(shape)}.")
+  if x.ndim != 2:
+    raise ValueError(f"{name} must be a [B, T] array, got shape {tuple(x.shape)}.")
+  if shape is not None and tuple(x.shape) != tuple(shape):
+    raise ValueError(f"{name} has shape {tuple(x.shape)} but must match log-probs shape {tuple(shape)}.")
 
 
-def valid_and_starts(
-    response_mask: jax.Array, segment_ids: jax.Array | None
-) -> tuple[jax.Array, jax.Array | None]:
-    """Valid-token mask and segment-start flags.
+def valid_and_starts(response_mask: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+  """Valid-token mask and segment-start flags.
 
-    Args:
-      response_mask: [B, T] bool or 0/1; true at response tokens that enter the loss.
-      segment_ids: [B, T] integer or None. A new segment starts wherever the id differs from the
-        previous position (position 0 always starts one). Id 0 marks padding (never valid).
+  Args:
+    response_mask: [B, T] bool or 0/1; true at response tokens that enter the loss.
+    segment_ids: [B, T] integer or None. A new segment starts wherever the id differs from the
+      previous position (position 0 always starts one). Id 0 marks padding (never valid).
 
-    Returns:
-      valid: [B, T] bool. starts: [B, T] bool, or None when ``segment_ids`` is None (one segment per row).
-    """
-    valid = response_mask.astype(bool)
-    if segment_ids is None:
-        return valid, None
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"segment_ids must be an integer array ([B, T] int32), got dtype {segment_ids.dtype}.")
-    _check_bt("segment_ids", segment_ids, response_mask.shape)
-    valid = valid & (segment_ids != 0)
-    prev = jnp.concatenate([jnp.full_like(segment_ids[:, :1], -1), segment_ids[:, :-1]], axis=1)
-    starts = (segment_ids != prev).at[:, 0].set(True)
-    return valid, starts
+  Returns:
+    valid: [B, T] bool. starts: [B, T] bool, or None when ``segment_ids`` is None (one segment per row).
+  """
+  valid = response_mask.astype(bool)
+  if segment_ids is None:
+    return valid, None
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise ValueError(f"segment_ids must be an integer array ([B, T] int32), got dtype {segment_ids.dtype}.")
+  _check_bt("segment_ids", segment_ids, response_mask.shape)
+  valid = valid & (segment_ids != 0)
+  prev = jnp.concatenate([jnp.full_like(segment_ids[:, :1], -1), segment_ids[:, :-1]], axis=1)
+  starts = (segment_ids != prev).at[:, 0].set(True)
+  return valid, starts
 
 
 def segment_keys(starts: jax.Array) -> tuple[jax.Array, int]:
-    """Flat per-(row, segment) ids ``b * (T + 1) + local`` and the static number of keys."""
-    b, t = starts.shape
-    local = jnp.cumsum(starts.astype(jnp.int32), axis=1)  # 1..T
-    return local + (t + 1) * jnp.arange(b, dtype=jnp.int32)[:, None], b * (t + 1)
+  """Flat per-(row, segment) ids ``b * (T + 1) + local`` and the static number of keys."""
+  b, t = starts.shape
+  local = jnp.cumsum(starts.astype(jnp.int32), axis=1)  # 1..T
+  return local + (t + 1) * jnp.arange(b, dtype=jnp.int32)[:, None], b * (t + 1)
 
 
 def seq_sum(x_bt: jax.Array, starts: jax.Array | None) -> jax.Array:
-    """Per-sequence sum of ``x_bt`` broadcast back to every position of the sequence ([B, T] or [B, 1]).
+  """Per-sequence sum of ``x_bt`` broadcast back to every position of the sequence ([B, T] or [B, 1]).
 
-    ``x_bt`` must already be 0 at masked positions. With ``starts=None`` a row is one sequence and the
-    result has shape [B, 1] (broadcastable); otherwise [B, T].
-    """
-    if starts is None:
-        return jnp.sum(x_bt, axis=1, keepdims=True)
-    keys, n = segment_keys(starts)
-    totals = jax.ops.segment_sum(x_bt.reshape(-1), keys.reshape(-1), num_segments=n)
-    return totals[keys]
+  ``x_bt`` must already be 0 at masked positions. With ``starts=None`` a row is one sequence and the
+  result has shape [B, 1] (broadcastable); otherwise [B, T].
+  """
+  if starts is None:
+    return jnp.sum(x_bt, axis=1, keepdims=True)
+  keys, n = segment_keys(starts)
+  totals = jax.ops.segment_sum(x_bt.reshape(-1), keys.reshape(-1), num_segments=n)
+  return totals[keys]
 
 
 def seq_first(starts: jax.Array | None, valid: jax.Array) -> jax.Array:
-    """[B, T] bool: true at the first valid token of each sequence (one representative per sequence)."""
-    v = valid.astype(jnp.int32)
-    if starts is None:
-        before = jnp.cumsum(v, axis=1) - v
-    else:
-        before = _segmented_inclusive(jnp.add, v, starts) - v
-    return valid & (before == 0)
+  """[B, T] bool: true at the first valid token of each sequence (one representative per sequence)."""
+  v = valid.astype(jnp.int32)
+  if starts is None:
+    before = jnp.cumsum(v, axis=1) - v
+  else:
+    before = _segmented_inclusive(jnp.add, v, starts) - v
+  return valid & (before == 0)
 
 
 def _shift_right(x: jax.Array, fill) -> jax.Array:
-    return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
+  return jnp.concatenate([jnp.full_like(x[:, :1], fill), x[:, :-1]], axis=1)
 
 
 def _segmented_inclusive(op: Callable, values: jax.Array, starts: jax.Array) -> jax.Array:
-    """Inclusive scan along axis 1 that restarts at every ``starts`` position.
+  """Inclusive scan along axis 1 that restarts at every ``starts`` position.
 
-    The operator on (reset flag, value) pairs, (f1, v1) . (f2, v2) = (f1 | f2, v2 if f2 else op(v1, v2)),
-    is associative whenever ``op`` is, so ``jax.lax.associative_scan`` applies (log-depth, no loop).
-    """
+  The operator on (reset flag, value) pairs, (f1, v1) . (f2, v2) = (f1 | f2, v2 if f2 else op(v1, v2)),
+  is associative whenever ``op`` is, so ``jax.lax.associative_scan`` applies (log-depth, no loop).
+  """
 
-    def combine(a, b):
-        fa, va = a
-        fb, vb = b
-        return fa | fb, jnp.where(fb, vb, op(va, vb))
+  def combine(a, b):
+    fa, va = a
+    fb, vb = b
+    return fa | fb, jnp.where(fb, vb, op(va, vb))
 
-    _, out = jax.lax.associative_scan(combine, (starts, values), axis=1)
-    return out
+  _, out = jax.lax.associative_scan(combine, (starts, values), axis=1)
+  return out
 
 
 def _exclusive(op: Callable, values: jax.Array, identity: float, starts: jax.Array | None, unsegmented: Callable):
-    if starts is None:
-        return _shift_right(unsegmented(values), identity)
-    inclusive = _segmented_inclusive(op, values, starts)
-    return jnp.where(starts, jnp.asarray(identity, values.dtype), _shift_right(inclusive, identity))
+  if starts is None:
+    return _shift_right(unsegmented(values), identity)
+  inclusive = _segmented_inclusive(op, values, starts)
+  return jnp.where(starts, jnp.asarray(identity, values.dtype), _shift_right(inclusive, identity))
 
 
 def _cummin(x: jax.Array) -> jax.Array:
-    return jax.lax.associative_scan(jnp.minimum, x, axis=1)
+  return jax.lax.associative_scan(jnp.minimum, x, axis=1)
 
 
 def _cumsum(x: jax.Array) -> jax.Array:
-    return jnp.cumsum(x, axis=1)
+  return jnp.cumsum(x, axis=1)
 
 
 def _cumlogsumexp(x: jax.Array) -> jax.Array:
-    return jax.lax.associative_scan(jnp.logaddexp, x, axis=1)
+  return jax.lax.associative_scan(jnp.logaddexp, x, axis=1)
 
 
 def prefix_log_factor(
@@ -132,52 +130,52 @@ def prefix_log_factor(
     statistic: str = "min",
     segment_ids: jax.Array | None = None,
 ) -> jax.Array:
-    """Log of the exclusive prefix statistic of token ratios over strictly preceding valid tokens.
+  """Log of the exclusive prefix statistic of token ratios over strictly preceding valid tokens.
 
-    For valid token t of a response, with l_j = log rho_j = logp_j - behavior_logp_j over the valid tokens
-    j < t of the *same* response (``algorithms.md`` section 2):
-      * ``"min"``: min_{j<t} l_j (MinPRO, arXiv 2601.22718), segmented ``jax.lax.associative_scan``;
-      * ``"mean"``: log((1/n) sum_{j<t} exp(l_j)) = exclusive logsumexp - log n (arithmetic mean of ratios);
-      * ``"geomean"``: (1/n) sum_{j<t} l_j;
-      * ``"prod"``: sum_{j<t} l_j (so factor * rho_t is the exact prefix ratio rho_{1:t});
-      * ``"none"``: 0.
-    The result is 0 at the first valid token of every response (empty prefix) and at masked positions.
+  For valid token t of a response, with l_j = log rho_j = logp_j - behavior_logp_j over the valid tokens
+  j < t of the *same* response (``algorithms.md`` section 2):
+    * ``"min"``: min_{j<t} l_j (MinPRO, arXiv 2601.22718), segmented ``jax.lax.associative_scan``;
+    * ``"mean"``: log((1/n) sum_{j<t} exp(l_j)) = exclusive logsumexp - log n (arithmetic mean of ratios);
+    * ``"geomean"``: (1/n) sum_{j<t} l_j;
+    * ``"prod"``: sum_{j<t} l_j (so factor * rho_t is the exact prefix ratio rho_{1:t});
+    * ``"none"``: 0.
+  The result is 0 at the first valid token of every response (empty prefix) and at masked positions.
 
-    Args:
-      log_ratio: [B, T] float; log-ratios at valid positions (finite). Values at masked positions are
-        ignored and may be NaN/inf: they are replaced before any arithmetic.
-      response_mask: [B, T] bool/0-1; valid response tokens.
-      statistic: one of ``PREFIX_STATISTICS``.
-      segment_ids: optional [B, T] int32 for packed rows; each maximal run of equal ids is one response,
-        id 0 is padding. None: each row is one response (left or right padding via the mask).
+  Args:
+    log_ratio: [B, T] float; log-ratios at valid positions (finite). Values at masked positions are
+      ignored and may be NaN/inf: they are replaced before any arithmetic.
+    response_mask: [B, T] bool/0-1; valid response tokens.
+    statistic: one of ``PREFIX_STATISTICS``.
+    segment_ids: optional [B, T] int32 for packed rows; each maximal run of equal ids is one response,
+      id 0 is padding. None: each row is one response (left or right padding via the mask).
 
-    Returns:
-      [B, T] float32. Not meant to be differentiated (the objectives wrap it in ``stop_gradient``).
+  Returns:
+    [B, T] float32. Not meant to be differentiated (the objectives wrap it in ``stop_gradient``).
 
-    Raises:
-      ValueError: unknown ``statistic``; arrays not [B, T] or of mismatched shapes; non-integer segment_ids.
-    """
-    if statistic not in PREFIX_STATISTICS:
-        raise ValueError(f"Unknown prefix statistic {statistic!r}; valid choices: {', '.join(PREFIX_STATISTICS)}.")
-    _check_bt("log_ratio", log_ratio)
-    _check_bt("response_mask", response_mask, log_ratio.shape)
-    valid, starts = valid_and_starts(response_mask, segment_ids)
-    lr = log_ratio.astype(jnp.float32)
-    zero = jnp.zeros_like(lr)
-    if statistic == "none":
-        return zero
+  Raises:
+    ValueError: unknown ``statistic``; arrays not [B, T] or of mismatched shapes; non-integer segment_ids.
+  """
+  if statistic not in PREFIX_STATISTICS:
+    raise ValueError(f"Unknown prefix statistic {statistic!r}; valid choices: {', '.join(PREFIX_STATISTICS)}.")
+  _check_bt("log_ratio", log_ratio)
+  _check_bt("response_mask", response_mask, log_ratio.shape)
+  valid, starts = valid_and_starts(response_mask, segment_ids)
+  lr = log_ratio.astype(jnp.float32)
+  zero = jnp.zeros_like(lr)
+  if statistic == "none":
+    return zero
 
-    if statistic == "min":
-        excl = _exclusive(jnp.minimum, jnp.where(valid, lr, jnp.inf), jnp.inf, starts, _cummin)
-        return jnp.where(valid & (excl < jnp.inf), excl, zero)
+  if statistic == "min":
+    excl = _exclusive(jnp.minimum, jnp.where(valid, lr, jnp.inf), jnp.inf, starts, _cummin)
+    return jnp.where(valid & (excl < jnp.inf), excl, zero)
 
-    count = _exclusive(jnp.add, valid.astype(jnp.float32), 0.0, starts, _cumsum)
-    has_prefix = valid & (count > 0)
-    safe_count = jnp.maximum(count, 1.0)
-    if statistic == "mean":
-        lse = _exclusive(jnp.logaddexp, jnp.where(valid, lr, -jnp.inf), -jnp.inf, starts, _cumlogsumexp)
-        return jnp.where(has_prefix, lse - jnp.log(safe_count), zero)
-    total = _exclusive(jnp.add, jnp.where(valid, lr, zero), 0.0, starts, _cumsum)
-    if statistic == "prod":
-        return jnp.where(valid, total, zero)
-    return jnp.where(has_prefix, total / safe_count, zero)  # geomean
+  count = _exclusive(jnp.add, valid.astype(jnp.float32), 0.0, starts, _cumsum)
+  has_prefix = valid & (count > 0)
+  safe_count = jnp.maximum(count, 1.0)
+  if statistic == "mean":
+    lse = _exclusive(jnp.logaddexp, jnp.where(valid, lr, -jnp.inf), -jnp.inf, starts, _cumlogsumexp)
+    return jnp.where(has_prefix, lse - jnp.log(safe_count), zero)
+  total = _exclusive(jnp.add, jnp.where(valid, lr, zero), 0.0, starts, _cumsum)
+  if statistic == "prod":
+    return jnp.where(valid, total, zero)
+  return jnp.where(has_prefix, total / safe_count, zero)  # geomean

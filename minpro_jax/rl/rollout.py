@@ -20,8 +20,20 @@ from typing import Any
 
 import numpy as np
 
-_FIELDS = ("tokens", "segment_ids", "positions", "response_mask", "behavior_logp", "learner_logp", "advantages",
-           "rewards", "group_ids", "policy_version", "response_lengths", "truncated")
+_FIELDS = (
+    "tokens",
+    "segment_ids",
+    "positions",
+    "response_mask",
+    "behavior_logp",
+    "learner_logp",
+    "advantages",
+    "rewards",
+    "group_ids",
+    "policy_version",
+    "response_lengths",
+    "truncated",
+)
 
 
 @dataclasses.dataclass
@@ -45,6 +57,7 @@ class RolloutBatch:
     response_lengths: [N] int32 response tokens including the stop token.
     truncated: [N] bool, True if generation hit max_new_tokens without a stop token.
   """
+
   tokens: np.ndarray
   segment_ids: np.ndarray
   positions: np.ndarray
@@ -88,9 +101,15 @@ class RolloutBatch:
 
   def learner_arrays(self) -> dict[str, np.ndarray]:
     """The [N, L] / [N] arrays the jitted learner step consumes."""
-    return {"tokens": self.tokens, "segment_ids": self.segment_ids, "positions": self.positions,
-            "response_mask": self.response_mask, "behavior_logp": self.behavior_logp,
-            "learner_logp": self.learner_logp, "advantages": self.advantages}
+    return {
+        "tokens": self.tokens,
+        "segment_ids": self.segment_ids,
+        "positions": self.positions,
+        "response_mask": self.response_mask,
+        "behavior_logp": self.behavior_logp,
+        "learner_logp": self.learner_logp,
+        "advantages": self.advantages,
+    }
 
   def to_dict(self) -> dict[str, np.ndarray]:
     return {f: getattr(self, f) for f in _FIELDS}
@@ -132,8 +151,10 @@ class RolloutBuffer:
 
   def state_dict(self) -> dict[str, Any]:
     """Checkpointable contents: the waiting batches and their steps (needed so a resumed run keeps its staleness)."""
-    return {"steps": np.asarray([s for s, _ in self._items], np.int64),
-            "batches": {str(i): b.to_dict() for i, (_, b) in enumerate(self._items)}}
+    return {
+        "steps": np.asarray([s for s, _ in self._items], np.int64),
+        "batches": {str(i): b.to_dict() for i, (_, b) in enumerate(self._items)},
+    }
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
     steps = [int(s) for s in np.asarray(state["steps"]).reshape(-1)]

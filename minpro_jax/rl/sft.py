@@ -32,6 +32,7 @@ class SFTConfig:
   """steps: optimizer updates; batch_size: examples per update; learning_rate: peak AdamW lr (cosine decay to
   10% after `warmup_steps`); seed: example order; max_len: tokens per row (longer examples are dropped);
   boxed_fraction: share of targets that box the answer (see `build_examples`)."""
+
   steps: int = 1000
   batch_size: int = 64
   learning_rate: float = 1e-3
@@ -48,8 +49,15 @@ def sft_target(answer: str, boxed: bool = True) -> str:
   return f" \\boxed{{{answer}}}" if boxed else f" {answer}"
 
 
-def build_examples(prompt_ids: Sequence[Sequence[int]], answers: Sequence[str], tokenizer, max_len: int, *,
-                   boxed_fraction: float = 1.0, seed: int = 0):
+def build_examples(
+    prompt_ids: Sequence[Sequence[int]],
+    answers: Sequence[str],
+    tokenizer,
+    max_len: int,
+    *,
+    boxed_fraction: float = 1.0,
+    seed: int = 0,
+):
   """Token rows for SFT: (tokens [N, max_len] int32, segment_ids [N, max_len], response_mask [N, max_len]).
 
   A fraction `boxed_fraction` of the targets (chosen with `seed`) box the answer; the rest give it bare, so the
@@ -87,8 +95,17 @@ def cache_key(parts: dict[str, Any]) -> str:
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_sft(model, tokens: np.ndarray, segment_ids: np.ndarray, response_mask: np.ndarray, cfg: SFTConfig, *,
-            cache_dir: str | None = None, key_parts: dict[str, Any] | None = None, log_every: int = 100):
+def run_sft(
+    model,
+    tokens: np.ndarray,
+    segment_ids: np.ndarray,
+    response_mask: np.ndarray,
+    cfg: SFTConfig,
+    *,
+    cache_dir: str | None = None,
+    key_parts: dict[str, Any] | None = None,
+    log_every: int = 100,
+):
   """Trains `model`'s parameters with next-token NLL on the response tokens; returns (params, info).
 
   Args:
@@ -105,8 +122,14 @@ def run_sft(model, tokens: np.ndarray, segment_ids: np.ndarray, response_mask: n
   graphdef, params = nnx.split(model)
   path = None
   if cache_dir is not None:
-    key = cache_key({"cfg": dataclasses.asdict(cfg), **(key_parts or {}), "n": int(tokens.shape[0]),
-                     "tokens_sha": hashlib.sha256(tokens.tobytes()).hexdigest()})
+    key = cache_key(
+        {
+            "cfg": dataclasses.asdict(cfg),
+            **(key_parts or {}),
+            "n": int(tokens.shape[0]),
+            "tokens_sha": hashlib.sha256(tokens.tobytes()).hexdigest(),
+        }
+    )
     path = os.path.join(os.path.abspath(cache_dir), f"sft-{key}")
     if os.path.exists(os.path.join(path, "done")):
       try:
@@ -120,8 +143,9 @@ def run_sft(model, tokens: np.ndarray, segment_ids: np.ndarray, response_mask: n
 
   # Short runs (tests, smoke configs) warm up for at most half of the steps; optax needs decay_steps > warmup.
   warmup = max(1, min(cfg.warmup_steps, cfg.steps // 2))
-  sched = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1),
-                                             end_value=cfg.learning_rate * 0.1)
+  sched = optax.warmup_cosine_decay_schedule(
+      0.0, cfg.learning_rate, warmup, max(cfg.steps, warmup + 1), end_value=cfg.learning_rate * 0.1
+  )
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=cfg.weight_decay))
   opt_state = tx.init(params)
 
@@ -131,6 +155,7 @@ def run_sft(model, tokens: np.ndarray, segment_ids: np.ndarray, response_mask: n
       lp = token_logprobs(nnx.merge(graphdef, p), tok, seg).logp
       m = mask.astype(jnp.float32)
       return -jnp.sum(lp * m) / jnp.maximum(jnp.sum(m), 1.0)
+
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -144,7 +169,7 @@ def run_sft(model, tokens: np.ndarray, segment_ids: np.ndarray, response_mask: n
   for i in range(cfg.steps):
     if pos + bs > n:
       order, pos = rng.permutation(n), 0
-    idx = order[pos:pos + bs]
+    idx = order[pos : pos + bs]
     pos += bs
     params, opt_state, loss = step(params, opt_state, tokens[idx], segment_ids[idx], response_mask[idx])
     if (i + 1) % log_every == 0 or i == cfg.steps - 1:

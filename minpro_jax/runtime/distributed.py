@@ -144,13 +144,22 @@ def maybe_initialize_distributed(
     kwargs["num_processes"] = _count(env, "JAX_NUM_PROCESSES")
   if env.get("JAX_PROCESS_ID", "").strip():
     kwargs["process_id"] = _count(env, "JAX_PROCESS_ID")
-  logger.info("multi-process run (%s): calling jax.distributed.initialize(%s)", reason,
-              ", ".join(f"{k}={v}" for k, v in kwargs.items()))
+  logger.info(
+      "multi-process run (%s): calling jax.distributed.initialize(%s)",
+      reason,
+      ", ".join(f"{k}={v}" for k, v in kwargs.items()),
+  )
   initialize_fn(**kwargs)
   _log("initialized")
   return True
 
 
 def _log(what: str) -> None:
-  logger.info("jax.distributed %s: process_index=%d process_count=%d local_devices=%d global_devices=%d",
-              what, jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+  logger.info(
+      "jax.distributed %s: process_index=%d process_count=%d local_devices=%d global_devices=%d",
+      what,
+      jax.process_index(),
+      jax.process_count(),
+      jax.local_device_count(),
+      jax.device_count(),
+  )

@@ -50,14 +50,16 @@ def keep_freed_host_memory() -> bool:
     return False
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
   # glibc stores the trim threshold as size_t, so -1 means "never trim"
-  return all(mallopt(param, value) == 1 for param, value in
-             ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+  return all(
+      mallopt(param, value) == 1 for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+  )
 
 
 def minor_page_faults() -> int:
   """Minor page faults of this process so far (`getrusage`); -1 where unavailable."""
   try:
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   except (ImportError, OSError):
     return -1

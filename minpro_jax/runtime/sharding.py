@@ -15,7 +15,8 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -41,9 +42,11 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def make_mesh(shape: Sequence[int] | dict[str, int] | None = None,
-              axis_names: Sequence[str] = MESH_AXES,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    shape: Sequence[int] | dict[str, int] | None = None,
+    axis_names: Sequence[str] = MESH_AXES,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
   """Builds a `jax.sharding.Mesh` with Auto axis types.
 
   Args:
@@ -79,7 +82,8 @@ def make_mesh(shape: Sequence[int] | dict[str, int] | None = None,
   if math.prod(sizes) != n or any(s <= 0 for s in sizes):
     raise ValueError(
         f"mesh shape {dict(zip(axis_names, sizes))} needs {math.prod(sizes)} devices but {n} are available; "
-        "make the product of the axis sizes equal the device count")
+        "make the product of the axis sizes equal the device count"
+    )
   return Mesh(np.asarray(devices).reshape(sizes), axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
 
 
@@ -104,6 +108,7 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules=None) -> P:
 
 def _active_rules():
   from flax.core import spmd as core_spmd
+
   return core_spmd.get_logical_axis_rules() or ()
 
 

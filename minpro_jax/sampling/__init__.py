@@ -4,5 +4,15 @@ from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatc
 from minpro_jax.sampling.methods import NextTokens, SamplingParams, get_next_tokens, truncation_logits
 from minpro_jax.sampling.sampler import PreparedParams, Sampler
 
-__all__ = ["FINISH_LENGTH", "FINISH_STOP", "GenerationBatch", "LearnerArrays", "NextTokens", "SamplingParams",
-           "get_next_tokens", "truncation_logits", "PreparedParams", "Sampler"]
+__all__ = [
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "GenerationBatch",
+    "LearnerArrays",
+    "NextTokens",
+    "SamplingParams",
+    "get_next_tokens",
+    "truncation_logits",
+    "PreparedParams",
+    "Sampler",
+]

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-FINISH_STOP = "stop"      # the row emitted one of the stop ids (the stop token is part of the response)
+FINISH_STOP = "stop"  # the row emitted one of the stop ids (the stop token is part of the response)
 FINISH_LENGTH = "length"  # the row used all max_new_tokens without a stop id (truncated)
 
 
@@ -20,6 +20,7 @@ class LearnerArrays(NamedTuple):
   response_mask: bool, True on response tokens up to and including the stop token.
   behavior_logp: float32, log-prob of token t at index t (the alignment of `token_logprobs`), 0 elsewhere.
   """
+
   tokens: np.ndarray
   segment_ids: np.ndarray
   positions: np.ndarray

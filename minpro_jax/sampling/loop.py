@@ -28,6 +28,7 @@ class LoopState(NamedTuple):
   keys: [B] per-row PRNG keys; the key of step i is fold_in(keys[b], i).
   model_carry: opaque state of `step_fn` (the KV cache and positions).
   """
+
   step: jax.Array
   tokens: jax.Array
   logp: jax.Array
@@ -39,15 +40,23 @@ class LoopState(NamedTuple):
   model_carry: Any
 
 
-def init_loop_state(row_keys: jax.Array, active_b: jax.Array, max_new_tokens: int, model_carry,
-                    pad_id: int = 0) -> LoopState:
+def init_loop_state(
+    row_keys: jax.Array, active_b: jax.Array, max_new_tokens: int, model_carry, pad_id: int = 0
+) -> LoopState:
   """An empty carry for B rows; rows with active_b False start done (batch-bucket padding)."""
   b = active_b.shape[0]
   shape = (b, max_new_tokens)
-  return LoopState(step=jnp.zeros((), jnp.int32), tokens=jnp.full(shape, pad_id, jnp.int32),
-                   logp=jnp.zeros(shape, jnp.float32), entropy=jnp.zeros(shape, jnp.float32),
-                   mask=jnp.zeros(shape, bool), done=~active_b, stopped=jnp.zeros((b,), bool), keys=row_keys,
-                   model_carry=model_carry)
+  return LoopState(
+      step=jnp.zeros((), jnp.int32),
+      tokens=jnp.full(shape, pad_id, jnp.int32),
+      logp=jnp.zeros(shape, jnp.float32),
+      entropy=jnp.zeros(shape, jnp.float32),
+      mask=jnp.zeros(shape, bool),
+      done=~active_b,
+      stopped=jnp.zeros((b,), bool),
+      keys=row_keys,
+      model_carry=model_carry,
+  )
 
 
 def sample_step(state: LoopState, logits_bv: jax.Array, sampling: SamplingParams, pad_id: int = 0) -> LoopState:
@@ -62,13 +71,17 @@ def sample_step(state: LoopState, logits_bv: jax.Array, sampling: SamplingParams
   live = ~state.done
   tok = jnp.where(live, nxt.tokens, pad_id)
   stop_ids = jnp.asarray(sampling.stop_token_ids, jnp.int32)
-  is_stop = live & jnp.any(nxt.tokens[:, None] == stop_ids[None, :], axis=-1) if stop_ids.size else \
-      jnp.zeros_like(live)
+  is_stop = live & jnp.any(nxt.tokens[:, None] == stop_ids[None, :], axis=-1) if stop_ids.size else jnp.zeros_like(live)
   col = lambda a, x: jax.lax.dynamic_update_slice(a, x[:, None].astype(a.dtype), (0, i))
-  return state._replace(step=i + 1, tokens=col(state.tokens, tok),
-                        logp=col(state.logp, jnp.where(live, nxt.logp, 0.0)),
-                        entropy=col(state.entropy, jnp.where(live, nxt.entropy, 0.0)),
-                        mask=col(state.mask, live), done=state.done | is_stop, stopped=state.stopped | is_stop)
+  return state._replace(
+      step=i + 1,
+      tokens=col(state.tokens, tok),
+      logp=col(state.logp, jnp.where(live, nxt.logp, 0.0)),
+      entropy=col(state.entropy, jnp.where(live, nxt.entropy, 0.0)),
+      mask=col(state.mask, live),
+      done=state.done | is_stop,
+      stopped=state.stopped | is_stop,
+  )
 
 
 def decode_loop(step_fn: Callable, state: LoopState, sampling: SamplingParams, pad_id: int = 0) -> LoopState:

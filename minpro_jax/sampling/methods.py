@@ -60,14 +60,19 @@ class SamplingParams:
       raise ValueError(f"SamplingParams.temperature must be a real number >= 0, got {self.temperature!r}")
     if not self.temperature >= 0:  # also rejects NaN
       raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-    if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
-                                   or self.top_k < 0):
+    if self.top_k is not None and (
+        isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0
+    ):
       raise ValueError(f"SamplingParams.top_k must be None or an int >= 0 (0 = off), got {self.top_k!r}")
-    if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
-                                   or not 0.0 <= self.top_p <= 1.0):
+    if self.top_p is not None and (
+        isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0.0 <= self.top_p <= 1.0
+    ):
       raise ValueError(f"SamplingParams.top_p must be None or a float in [0, 1] (1 = off), got {self.top_p!r}")
-    if (isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral)
-        or self.max_new_tokens <= 0):
+    if (
+        isinstance(self.max_new_tokens, bool)
+        or not isinstance(self.max_new_tokens, numbers.Integral)
+        or self.max_new_tokens <= 0
+    ):
       raise ValueError(f"SamplingParams.max_new_tokens must be an int > 0, got {self.max_new_tokens!r}")
     stops = self.stop_token_ids
     if isinstance(stops, numbers.Integral) and not isinstance(stops, bool):
@@ -76,8 +81,10 @@ class SamplingParams:
       raise ValueError(f"SamplingParams.stop_token_ids must be a tuple of ints, got {type(stops).__name__}")
     for s in stops:
       if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0:
-        raise ValueError(f"SamplingParams.stop_token_ids must hold non-negative ints, got {s!r} "
-                         f"({type(s).__name__}); convert token strings to ids with the tokenizer first")
+        raise ValueError(
+            f"SamplingParams.stop_token_ids must hold non-negative ints, got {s!r} "
+            f"({type(s).__name__}); convert token strings to ids with the tokenizer first"
+        )
     object.__setattr__(self, "stop_token_ids", tuple(sorted({int(s) for s in stops})))
     object.__setattr__(self, "temperature", float(self.temperature))
     if self.top_k is not None:
@@ -101,6 +108,7 @@ class SamplingParams:
 
 class NextTokens(NamedTuple):
   """tokens: [B] int32; logp: [B] float32 behavior log-prob; entropy: [B] float32 (nats) of that distribution."""
+
   tokens: jax.Array
   logp: jax.Array
   entropy: jax.Array
@@ -169,8 +177,9 @@ def truncation_logits(scaled_logits_bv: jax.Array, top_k: int | None, top_p: flo
     log_z = jax.nn.logsumexp(scaled_logits_bv, axis=-1, keepdims=True)
     keep = _nucleus_keep(jnp.exp(vals - log_z), top_p)
     # the last candidate kept -> that row's nucleus may extend past the candidates: sort everything
-    mask = jax.lax.cond(jnp.any(keep[:, -1]), lambda: mask_from_top(v),
-                        lambda: _sorted_prefix_mask(scaled_logits_bv, vals, ids, keep))
+    mask = jax.lax.cond(
+        jnp.any(keep[:, -1]), lambda: mask_from_top(v), lambda: _sorted_prefix_mask(scaled_logits_bv, vals, ids, keep)
+    )
   return jnp.where(mask, scaled_logits_bv, -jnp.inf)
 
 
@@ -210,7 +219,7 @@ def sample_categorical(weights_bv: jax.Array, keys_b: jax.Array, block: int = SA
   w = jnp.pad(weights_bv, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
   # uniforms on the midpoints of their 2^-23 grid, in (0, 1): u = 0 would hand the first positive weight of a
   # row or block an extra 2^-23 of probability however small that weight is
-  u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys_b) + 2.0 ** -24
+  u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys_b) + 2.0**-24
   blk = _first_above(jnp.sum(w, axis=-1), u[:, 0])
   inner = _first_above(jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0], u[:, 1])
   return blk * block + inner

@@ -42,8 +42,8 @@ import numpy as np
 from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
-from minpro_jax.models.quant import prepare_inference_params, PRECISIONS, precision_config
 from minpro_jax.models.inference_layout import fuse_qkv_params, fused_qkv_keeps_sharding, unstack_layer_params
+from minpro_jax.models.quant import PRECISIONS, precision_config, prepare_inference_params
 from minpro_jax.models.transformer import KVCache, Transformer, rope_tables
 from minpro_jax.param_store import ParamStore
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
@@ -67,14 +67,18 @@ def _signature_diff(got: tuple, want: tuple) -> str:
       return f"{name} ({a!r}, this Sampler: {b!r})"
   got_cfg, want_cfg = got[-1], want[-1]
   fields = [f.name for f in dataclasses.fields(want_cfg) if getattr(got_cfg, f.name) != getattr(want_cfg, f.name)]
-  return "ModelConfig (" + ", ".join(f"{f}={getattr(got_cfg, f)!r}, this Sampler: {getattr(want_cfg, f)!r}"
-                                     for f in fields) + ")"
+  return (
+      "ModelConfig ("
+      + ", ".join(f"{f}={getattr(got_cfg, f)!r}, this Sampler: {getattr(want_cfg, f)!r}" for f in fields)
+      + ")"
+  )
 
 
 def _param_shapes(state) -> list[tuple[str, tuple[int, ...]]]:
   """(path, shape) of every parameter array of an nnx State, in tree order (for mismatch messages)."""
-  return [(jax.tree_util.keystr(k).removesuffix(".value"), x.shape)
-          for k, x in jax.tree_util.tree_leaves_with_path(state)]
+  return [
+      (jax.tree_util.keystr(k).removesuffix(".value"), x.shape) for k, x in jax.tree_util.tree_leaves_with_path(state)
+  ]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,6 +94,7 @@ class PreparedParams:
     signature: (precision, fp8_activations, fuse_qkv, ModelConfig) of the Sampler that made it;
       `generate` of a Sampler with another signature rejects it.
   """
+
   state: Any
   signature: tuple
 
@@ -119,10 +124,19 @@ class Sampler:
     ValueError: unknown precision, or empty / unsorted buckets.
   """
 
-  def __init__(self, model_config: ModelConfig, *, precision: str = "fp32",
-               prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
-               batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS, mesh: jax.sharding.Mesh | None = None,
-               rules=None, pad_id: int = 0, fp8_activations: bool = True, fuse_qkv: bool = True):
+  def __init__(
+      self,
+      model_config: ModelConfig,
+      *,
+      precision: str = "fp32",
+      prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+      batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+      mesh: jax.sharding.Mesh | None = None,
+      rules=None,
+      pad_id: int = 0,
+      fp8_activations: bool = True,
+      fuse_qkv: bool = True,
+  ):
     if precision not in PRECISIONS:
       raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}")
     for name, b in (("prompt_buckets", prompt_buckets), ("batch_buckets", batch_buckets)):
@@ -183,8 +197,9 @@ class Sampler:
       cache, next_pos = carry
       pos = (next_pos + step - 1)[:, None]
       rope = (cos_s[0][pos], sin_s[0][pos])
-      out = model(tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, cache_index=cache_offset + step - 1,
-                  rope=rope)
+      out = model(
+          tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, cache_index=cache_offset + step - 1, rope=rope
+      )
       return out.out[:, 0], (out.cache, next_pos)
 
     return decode_loop(step_fn, loop_state, sampling, self.pad_id)
@@ -194,6 +209,7 @@ class Sampler:
     if self.mesh is None:
       return contextlib.nullcontext()
     from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
+
     return use_mesh(self.mesh, self.rules or DEFAULT_RULES)
 
   def _check_state(self, state):
@@ -205,8 +221,10 @@ class Sampler:
     else:
       (path, shape), (_, want) = next((g, w) for g, w in zip(got, self._abstract_leaves) if g != w)
       detail = f"parameter {path} has shape {shape}, the config's model expects {want}"
-    raise ValueError(f"params do not match model_config: {detail}; build the Sampler with the ModelConfig "
-                     "of the model whose parameters you pass")
+    raise ValueError(
+        f"params do not match model_config: {detail}; build the Sampler with the ModelConfig "
+        "of the model whose parameters you pass"
+    )
 
   def prepare_params(self, params) -> PreparedParams:
     """Converts policy parameters once for this sampler (precision cast, per-layer layout).
@@ -225,16 +243,26 @@ class Sampler:
     if isinstance(params, PreparedParams):
       if params.signature != self._signature:
         diff = _signature_diff(params.signature, self._signature)
-        raise ValueError(f"params were prepared by a Sampler with another {diff}; call prepare_params of this "
-                         "Sampler on the raw parameters")
+        raise ValueError(
+            f"params were prepared by a Sampler with another {diff}; call prepare_params of this "
+            "Sampler on the raw parameters"
+        )
       return params
     state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
     self._check_state(state)
     return PreparedParams(self._prepare(state), self._signature)
 
-  def generate(self, params, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int | jax.Array = 0,
-               *, group_size: int = 1, group_ids: Sequence[int] | None = None,
-               policy_version: int | None = None) -> GenerationBatch:
+  def generate(
+      self,
+      params,
+      prompts: Sequence[Sequence[int]],
+      sampling: SamplingParams,
+      seed: int | jax.Array = 0,
+      *,
+      group_size: int = 1,
+      group_ids: Sequence[int] | None = None,
+      policy_version: int | None = None,
+  ) -> GenerationBatch:
     """Samples `group_size` responses for every prompt.
 
     Args:
@@ -284,8 +312,8 @@ class Sampler:
     segs = np.zeros((rows, p_len), np.int32)
     for r in range(rows):
       prompt = prompts[min(r, n - 1) // group_size]  # padding rows copy the last row (then are dropped)
-      tokens[r, p_len - len(prompt):] = prompt
-      segs[r, p_len - len(prompt):] = 1
+      tokens[r, p_len - len(prompt) :] = prompt
+      segs[r, p_len - len(prompt) :] = 1
     row_group = np.repeat(group_ids, group_size)
     row_sample = np.tile(np.arange(group_size, dtype=np.int32), n0)
     base = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
@@ -302,10 +330,19 @@ class Sampler:
     tok, logp, ent, mask, stopped = jax.device_get((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
     mask = mask[:n]
     return GenerationBatch(
-        prompt_tokens=tokens[:n], prompt_mask=segs[:n].astype(bool), response_tokens=tok[:n],
-        response_mask=mask, behavior_logp=logp[:n], entropy=ent[:n], lengths=mask.sum(-1).astype(np.int32),
-        finish_reason=np.where(stopped[:n], FINISH_STOP, FINISH_LENGTH), group_ids=row_group,
-        sample_index=row_sample, policy_version=version, temperature=sampling.logprob_temperature)
+        prompt_tokens=tokens[:n],
+        prompt_mask=segs[:n].astype(bool),
+        response_tokens=tok[:n],
+        response_mask=mask,
+        behavior_logp=logp[:n],
+        entropy=ent[:n],
+        lengths=mask.sum(-1).astype(np.int32),
+        finish_reason=np.where(stopped[:n], FINISH_STOP, FINISH_LENGTH),
+        group_ids=row_group,
+        sample_index=row_sample,
+        policy_version=version,
+        temperature=sampling.logprob_temperature,
+    )
 
   def _check_prompts(self, prompts) -> list[list[int]]:
     if prompts is None or len(prompts) == 0:
@@ -322,7 +359,9 @@ class Sampler:
       if arr.min() < 0 or arr.max() >= v:
         raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size={v})")
       if arr.size > max_p:
-        raise ValueError(f"prompts[{i}] has length {arr.size} > the largest prompt bucket {max_p} (cache "
-                         "size); truncate the prompt or add a larger bucket to Sampler(prompt_buckets=...)")
+        raise ValueError(
+            f"prompts[{i}] has length {arr.size} > the largest prompt bucket {max_p} (cache "
+            "size); truncate the prompt or add a larger bucket to Sampler(prompt_buckets=...)"
+        )
       out.append(arr.astype(np.int32).tolist())
     return out

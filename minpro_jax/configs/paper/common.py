@@ -12,7 +12,7 @@ DELAYS = (0, 2, 4, 8, 16)
 
 
 def parse_arg(arg: str | None) -> tuple[str, int]:
-  """"minpro,2" -> ("minpro", 2). Default: MinPRO with delay 2 (the paper's main setting)."""
+  """ "minpro,2" -> ("minpro", 2). Default: MinPRO with delay 2 (the paper's main setting)."""
   method, delay = "minpro", 2
   if arg:
     parts = [p.strip() for p in arg.split(",") if p.strip()]
@@ -31,15 +31,15 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
   method, delay = parse_arg(arg)
   c = base_config()
   c.workdir = f"runs/{preset}_{method}_d{delay}"
-  c.total_steps = 300                    # ASSUMPTION: global steps
-  c.prompts_per_step = 256               # ASSUMPTION: DAPO-style 512 x 16 is common; 256 prompts x G=16
-  c.group_size = 16                      # ASSUMPTION: rollouts per prompt (8 or 16 in related work)
-  c.num_updates_per_step = 16            # from the paper's staleness 32..47 at delay 2 (= d*16 .. d*16+15)
-  c.micro_batch_size = 16                # memory knob, not an algorithm setting
+  c.total_steps = 300  # ASSUMPTION: global steps
+  c.prompts_per_step = 256  # ASSUMPTION: DAPO-style 512 x 16 is common; 256 prompts x G=16
+  c.group_size = 16  # ASSUMPTION: rollouts per prompt (8 or 16 in related work)
+  c.num_updates_per_step = 16  # from the paper's staleness 32..47 at delay 2 (= d*16 .. d*16+15)
+  c.micro_batch_size = 16  # memory knob, not an algorithm setting
   c.delay = delay
 
   c.model.source = "hf"
-  c.model.path = hf_path                 # local folder with config.json + safetensors (Qwen/Qwen3-*-Base)
+  c.model.path = hf_path  # local folder with config.json + safetensors (Qwen/Qwen3-*-Base)
   c.model.param_dtype = "float32"
   c.model.dtype = "bfloat16"
   c.model.remat = "block"
@@ -47,41 +47,45 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
   c.tokenizer.kind = "model"
 
   c.data.source = "file"
-  c.data.path = "data/dapo-math-17k.parquet"  # put DAPO-Math-17K here (parquet needs pyarrow) or pass --config.data.path
+  c.data.path = (
+      "data/dapo-math-17k.parquet"  # put DAPO-Math-17K here (parquet needs pyarrow) or pass --config.data.path
+  )
   c.data.format = "dapo"
   c.data.template = "chat"
   c.data.max_prompt_tokens = 2048
   c.data.num_epochs = 100
-  c.reward.mode = "integer"              # DAPO-Math-17K answers are integers
-  c.eval.reward_mode = "math"            # the benchmarks have expressions (MATH-500, OlympiadBench, Minerva)
+  c.reward.mode = "integer"  # DAPO-Math-17K answers are integers
+  c.eval.reward_mode = "math"  # the benchmarks have expressions (MATH-500, OlympiadBench, Minerva)
 
-  c.sampling.temperature = 1.0           # ASSUMPTION
-  c.sampling.top_p = 1.0                 # ASSUMPTION
-  c.sampling.max_new_tokens = 20480      # response length up to 20480 (paper)
+  c.sampling.temperature = 1.0  # ASSUMPTION
+  c.sampling.top_p = 1.0  # ASSUMPTION
+  c.sampling.max_new_tokens = 20480  # response length up to 20480 (paper)
   c.sampling.precision = "bf16"
 
   c.loss.method = method
   c.loss.logprob_chunk_size = 1024
   if method in ("minpro", "cispo"):
-    c.loss.eps_high = 0.28               # ASSUMPTION: DAPO's clip-higher; no lower bound (CISPO lineage)
+    c.loss.eps_high = 0.28  # ASSUMPTION: DAPO's clip-higher; no lower bound (CISPO lineage)
   if method == "grpo":
     c.loss.eps_low, c.loss.eps_high = 0.2, 0.28
 
-  c.optimizer.learning_rate = 1e-6       # ASSUMPTION (CPPO re-run, M2PO scripts)
-  c.optimizer.warmup_steps = 10          # ASSUMPTION
-  c.optimizer.weight_decay = 0.1         # ASSUMPTION
+  c.optimizer.learning_rate = 1e-6  # ASSUMPTION (CPPO re-run, M2PO scripts)
+  c.optimizer.warmup_steps = 10  # ASSUMPTION
+  c.optimizer.weight_decay = 0.1  # ASSUMPTION
   c.optimizer.max_grad_norm = 1.0
 
   c.sft.enabled = False
   c.eval.every = 10
   c.eval.num_problems = 1000
-  c.eval.n = 16                          # ASSUMPTION: avg@16 (CPPO); pass@k reported up to n
+  c.eval.n = 16  # ASSUMPTION: avg@16 (CPPO); pass@k reported up to n
   c.eval.ks = (1, 2, 4, 8, 16)
-  c.eval.temperature = 0.7               # ASSUMPTION (CPPO: 0.7 / top-p 0.95)
+  c.eval.temperature = 0.7  # ASSUMPTION (CPPO: 0.7 / top-p 0.95)
   c.eval.top_p = 0.95
-  c.eval.path = ("aime24=aime:data/aime24.jsonl,aime25=aime:data/aime25.jsonl,amc23=amc:data/amc23.jsonl,"
-                 "math500=math500:data/math500.jsonl,minerva=minerva:data/minerva.jsonl,"
-                 "olympiadbench=olympiadbench:data/olympiadbench.jsonl,gsm8k=gsm8k:data/gsm8k.jsonl")
+  c.eval.path = (
+      "aime24=aime:data/aime24.jsonl,aime25=aime:data/aime25.jsonl,amc23=amc:data/amc23.jsonl,"
+      "math500=math500:data/math500.jsonl,minerva=minerva:data/minerva.jsonl,"
+      "olympiadbench=olympiadbench:data/olympiadbench.jsonl,gsm8k=gsm8k:data/gsm8k.jsonl"
+  )
   c.checkpoint.every = 5
   c.checkpoint.keep = 3
   c.mesh.shape = mesh
