@@ -45,6 +45,7 @@ from flax import nnx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from minpro_jax.models import get_preset, init_model, token_logprobs  # noqa: E402
 from minpro_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
+from minpro_jax.rl.rollout import RolloutBatch  # noqa: E402
 from minpro_jax.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from minpro_jax.sampling import Sampler, SamplingParams  # noqa: E402
 
@@ -200,7 +201,7 @@ def mismatch_tiny():
     b = Sampler(cfg, precision=precision, prompt_buckets=(16,)).generate(
         state, prompts, SamplingParams(temperature=1.0, max_new_tokens=32), seed=0, group_size=2
     )
-    la = b.to_learner_arrays()
+    la = RolloutBatch.from_generation(b, rewards=np.zeros(len(b)), advantages=np.zeros(len(b)))
     lp = np.asarray(
         token_logprobs(model, jnp.asarray(la.tokens), jnp.asarray(la.segment_ids), jnp.asarray(la.positions)).logp
     )

@@ -11,7 +11,10 @@ from flax import nnx
 from minpro_jax.checkpoint import RunCheckpointer
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
+from minpro_jax.rl.aggregation import masked_mean
 from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig, make_schedule
+from minpro_jax.rl.objectives import OBJECTIVES, register_objective
+from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
 VOCAB = 64
@@ -45,15 +48,20 @@ def _batch(model, n=8, length=12, seed=0):
   logp = np.asarray(token_logprobs(model, jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(pos)).logp)
   behavior = np.where(mask, logp + rng.normal(0, 0.3, logp.shape), 0.0).astype(np.float32)
   adv = rng.normal(size=n).astype(np.float32)
-  return {
-      "tokens": tokens,
-      "segment_ids": seg,
-      "positions": pos,
-      "response_mask": mask,
-      "behavior_logp": behavior,
-      "learner_logp": np.where(mask, logp, 0.0).astype(np.float32),
-      "advantages": adv,
-  }
+  return RolloutBatch(
+      tokens=tokens,
+      segment_ids=seg,
+      positions=pos,
+      response_mask=mask,
+      behavior_logp=behavior,
+      learner_logp=np.where(mask, logp, 0.0).astype(np.float32),
+      advantages=adv,
+      rewards=np.zeros(n, np.float32),
+      group_ids=np.arange(n, dtype=np.int64) // 2,
+      policy_version=np.zeros(n, np.int64),
+      response_lengths=mask.sum(1).astype(np.int32),
+      truncated=np.zeros(n, bool),
+  )
 
 
 def _sgd_delta(model, loss_cfg, batch, mb, mesh=None):
@@ -121,12 +129,40 @@ def test_micro_batch_accumulation_all_sizes(model_and_batch, method, hparams):
   _check_accumulation(*model_and_batch, method, hparams, (1, 4))
 
 
+def test_an_objective_with_prepare_gets_whole_mini_batch_inputs(model_and_batch):
+  """A registered objective whose `prepare` needs the whole mini-batch (a baseline = the mean advantage of all M
+  samples) gets its rows of the prepared array in every micro-batch: 4 micro-batches of 2 == one of 8."""
+  model, batch = model_and_batch
+  seen = []
+
+  def prepare(log_ratio, advantages, response_mask, hparams):
+    seen.append((log_ratio.shape, log_ratio.dtype, advantages.shape, hparams["scale"]))
+    return {"baseline": jnp.broadcast_to(jnp.mean(advantages), response_mask.shape)}
+
+  @register_objective("toy_baseline_test", defaults={"scale": 1.0, "baseline": None}, prepare=prepare)
+  def toy(inputs, hp):
+    loss = -hp["scale"] * (inputs.adv - hp["baseline"]) * inputs.logp
+    return loss, jnp.where(inputs.valid, 1.0, 0.0), {"baseline_mean": masked_mean(hp["baseline"], inputs.valid)}
+
+  try:
+    cfg = LossConfig(method="toy_baseline_test", hparams=(("scale", 2.0),))
+    full, m_full, _ = _sgd_delta(model, cfg, batch, mb=8)
+    acc, m_acc, _ = _sgd_delta(model, cfg, batch, mb=2)
+  finally:
+    del OBJECTIVES["toy_baseline_test"]
+  assert seen == [((8, 12), jnp.float32, (8,), 2.0)] * 2  # traced once per learner, on the whole mini-batch
+  assert _max_abs(full) > 1e-3
+  assert _max_abs_diff(acc, full) <= 1e-6
+  np.testing.assert_allclose(m_acc["policy/baseline_mean"], batch.advantages.mean(), rtol=1e-5)
+  np.testing.assert_allclose(m_full["policy/baseline_mean"], batch.advantages.mean(), rtol=1e-5)
+
+
 def test_accumulation_check_detects_per_micro_batch_means(model_and_batch):
   """The wrong variant (mean of per-micro-batch token means) differs, so the check above can fail."""
   model, batch = model_and_batch
   cfg = LossConfig(method="minpro")
   full, _, _ = _sgd_delta(model, cfg, batch, mb=8)
-  halves = [_sgd_delta(model, cfg, {k: v[s] for k, v in batch.items()}, mb=4)[0] for s in (slice(0, 4), slice(4, 8))]
+  halves = [_sgd_delta(model, cfg, half, mb=4)[0] for half in batch.split(2)]
   wrong = jax.tree.map(lambda a, b: (a + b) / 2, *halves)
   assert _max_abs_diff(wrong, full) > 1e-4
 
@@ -174,13 +210,12 @@ def test_non_finite_guard_skips_update(model_and_batch, bad):
   state, m = learner.update(state, batch)  # one good update so the optimizer moments are non-zero
   assert int(state.step) == 1 and not bool(m["update_skipped"])
   before = jax.tree.map(np.asarray, (state.params, state.opt_state))
-  poisoned = dict(batch)
-  arr = batch[bad].copy()
+  arr = getattr(batch, bad).copy()
   if bad == "advantages":
     arr[3] = np.nan
   else:
-    arr[batch["response_mask"]] = np.where(np.arange(batch["response_mask"].sum()) == 0, np.nan, 0.0)
-  poisoned[bad] = arr
+    arr[batch.response_mask] = np.where(np.arange(batch.response_mask.sum()) == 0, np.nan, 0.0)
+  poisoned = batch.replace(**{bad: arr})
   state, m = learner.update(state, poisoned)
   assert bool(m["update_skipped"])
   assert int(state.step) == 1 and int(state.skipped) == 1
@@ -208,7 +243,7 @@ def _b24_steps(tx, params, opt_state, k):
     "variant,expected", [("restore", 0.850279), ("full_reset", 0.900037), ("count_reset", 0.886028)]
 )
 def test_b24_optimizer_step_count_survives_checkpoint(tmp_path, variant, expected):
-  """cases.md B24: Adam + warmup schedule; save after 2 steps, restore, 1 step == 3 uninterrupted steps. The two
+  """Case B24 (tests/CASES.md): Adam + warmup schedule; save after 2 steps, restore, 1 step == 3 uninterrupted steps. The two
   wrong variants (optimizer state rebuilt; only the count reset) give the documented different values."""
   from minpro_jax.rl.learner import TrainState
 
@@ -233,7 +268,7 @@ def test_b24_optimizer_step_count_survives_checkpoint(tmp_path, variant, expecte
     opt = jax.tree.map(lambda x: x, opt)  # every step counter (Adam's bias correction and the schedule's) -> 0
     opt = tuple(o._replace(count=jnp.zeros((), jnp.int32)) if hasattr(o, "count") else o for o in opt)
   p, _ = _b24_steps(tx, params, opt, 1)
-  # the restored run must match to 1e-6; the wrong variants only need to land on cases.md's values (fp32: 1.2e-6 off)
+  # the restored run must match to 1e-6; the wrong variants only need to land on the values of CASES.md (fp32: 1.2e-6 off)
   assert abs(float(p["w"]) - expected) <= (1e-6 if variant == "restore" else 5e-6)
   assert (abs(float(p["w"]) - 0.850279) <= 1e-6) == (variant == "restore")
 

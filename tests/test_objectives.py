@@ -1,5 +1,5 @@
-"""Hand-computed vectors (algorithms.md V1-V7) and bug-report cases (cases.md B01, B03, B04, B05) for
-minpro_jax.rl.objectives, all under jax.jit and jax.grad."""
+"""Worked vectors V1-V7 and cases B01, B03, B04, B05 (tests/CASES.md) for minpro_jax.rl.objectives, all under
+jax.jit and jax.grad; the objective registry."""
 
 import math
 
@@ -9,13 +9,17 @@ import numpy as np
 import pytest
 
 from minpro_jax.rl.objectives import (
+    OBJECTIVES,
     PolicyLossOutput,
     aggregate_loss,
     compute_m2po_mask,
+    get_objective,
     inference_gap_t_post,
     mismatch_metrics,
     policy_loss,
     prefix_log_factor,
+    register_objective,
+    resolve_hparams,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -251,7 +255,7 @@ def test_gspo_token_equals_gspo_gradient_when_unclipped():
   assert np.abs(f("gspo")).max() > 0.01
 
 
-# ---------------------------------------------------------------- cases.md
+# ---------------------------------------------------------------- cases (tests/CASES.md)
 B01_X = np.array([[2, 2, 2, 2, 2, 6, 5, 3, 2, 4], [10, 3, 4, 5, 2, 3, 4, 1, 1, 3]], np.float32)
 B01_M = np.array([[1] * 5 + [0] * 5, [1] + [0] * 9], bool)
 
@@ -536,3 +540,69 @@ def test_output_is_a_pytree_and_metrics_are_scalars():
     assert out.token_weights.shape == logp.shape and out.token_weights.dtype == jnp.float32
     assert all(v.shape == () and v.dtype == jnp.float32 for v in out.metrics.values()), method
     assert all(np.isfinite(v) for v in out.metrics.values())
+
+
+# ---------------------------------------------------------------- registry
+BUILTIN_DEFAULTS = {
+    "minpro": {
+        "eps_low": None,
+        "eps_high": 0.28,
+        "prefix_statistic": "min",
+        "prefix_cap_at_one": False,
+        "surrogate": "reinforce",
+    },
+    "grpo": {"eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": None},
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},
+    "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},
+    "cispo": {"eps_low": None, "eps_high": 0.28},
+    "m2po": {"m2_threshold": 0.04, "m2po_mask": None},
+}
+
+
+def test_registry_holds_the_builtins_with_their_defaults():
+  assert list(OBJECTIVES)[:6] == list(BUILTIN_DEFAULTS)
+  for name, defaults in BUILTIN_DEFAULTS.items():
+    objective = get_objective(name)
+    assert objective.name == name and dict(objective.defaults) == defaults, name
+    assert (objective.prepare is not None) == (name == "m2po"), name
+  with pytest.raises(TypeError):
+    get_objective("grpo").defaults["eps_low"] = 0.1  # read-only
+  with pytest.raises(ValueError, match=r"method 'ppo2'.*minpro.*m2po"):
+    get_objective("ppo2")
+  with pytest.raises(ValueError, match=r"'grpo' is already registered"):
+    register_objective("grpo", defaults={})
+  assert resolve_hparams("gspo", {"eps_high": 0.1})["loss_agg_mode"] == "seq-mean-token-mean"
+  with pytest.raises(ValueError, match=r"'dual_clip_c'.*valid: .*eps_high"):
+    resolve_hparams("cispo", {"dual_clip_c": 3.0})
+  # M2PO's prepare step is its whole-batch keep-mask
+  logp, old, adv, mask = _batch(*V7)
+  prepared = get_objective("m2po").prepare(jnp.asarray(logp - old), adv, mask, resolve_hparams("m2po", {}))
+  np.testing.assert_array_equal(prepared["m2po_mask"], compute_m2po_mask(jnp.asarray(logp - old), adv, mask))
+
+
+def test_a_registered_toy_objective_runs_through_policy_loss():
+  @register_objective("toy_reinforce_test", defaults={"scale": 1.0})
+  def toy(inputs, hp):  # plain REINFORCE: -scale * A * logp
+    weights = jnp.where(inputs.valid, 1.0, 0.0)
+    return -hp["scale"] * inputs.adv * inputs.logp, weights, {"toy_scale": jnp.asarray(hp["scale"])}
+
+  try:
+    logp = np.array([[-1.0, -2.0, 9.0]], np.float32)
+    old = np.array([[-1.5, -1.0, np.nan]], np.float32)
+    adv = np.array([0.5], np.float32)
+    mask = np.array([[1, 1, 0]], bool)
+    f = lambda lp: policy_loss("toy_reinforce_test", lp, old, adv, mask, scale=2.0)
+    out = jax.jit(f)(logp)
+    # token losses -2 * 0.5 * [-1, -2] = [1, 2]; token-mean over 2 valid tokens = 1.5; dL/dlogp = -1 / 2
+    np.testing.assert_allclose(out.loss, 1.5, **TOL)
+    np.testing.assert_allclose(out.denominator, 2.0)
+    np.testing.assert_allclose(out.metrics["toy_scale"], 2.0)
+    np.testing.assert_array_equal(out.token_weights, [[1.0, 1.0, 0.0]])
+    np.testing.assert_allclose(jax.grad(lambda lp: f(lp).loss)(logp), [[-0.5, -0.5, 0.0]], **TOL)
+    np.testing.assert_allclose(policy_loss("toy_reinforce_test", logp, old, adv, mask).loss, 0.75, **TOL)
+    with pytest.raises(ValueError, match=r"'eps_high'.*valid: .*scale"):
+      policy_loss("toy_reinforce_test", logp, old, adv, mask, eps_high=0.2)
+  finally:
+    del OBJECTIVES["toy_reinforce_test"]
+  with pytest.raises(ValueError, match="toy_reinforce_test"):
+    get_objective("toy_reinforce_test")

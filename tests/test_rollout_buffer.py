@@ -1,11 +1,13 @@
 """RolloutBuffer release timing and checkpoint round trip; the checkpointer's disk-space check; RolloutBatch shape
-checks, split and select."""
+checks, split and select, its learner layout built from a GenerationBatch, and its pytree behaviour."""
 
+import jax
 import numpy as np
 import pytest
 
 from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
+from minpro_jax.sampling import GenerationBatch
 
 
 def make_batch(n=4, length=5, tag=0):
@@ -144,15 +146,78 @@ def test_split_and_select():
   for bad in (3, 0, -2):
     with pytest.raises(ValueError, match="mini-batches"):
       b.split(bad)
-  assert set(b.learner_arrays()) == {
-      "tokens",
-      "segment_ids",
-      "positions",
-      "response_mask",
-      "behavior_logp",
-      "learner_logp",
-      "advantages",
-  }
+
+
+def _generation():
+  """Two rows: a 2-token prompt left-padded to P=3 with a 2-token response that stopped, and a full-length row."""
+  return GenerationBatch(
+      prompt_tokens=np.array([[0, 5, 6], [7, 8, 9]], np.int32),
+      prompt_mask=np.array([[0, 1, 1], [1, 1, 1]], bool),
+      response_tokens=np.array([[10, 11, 0], [12, 13, 14]], np.int32),
+      response_mask=np.array([[1, 1, 0], [1, 1, 1]], bool),
+      behavior_logp=np.array([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]], np.float32),
+      entropy=None,
+      lengths=np.array([2, 3], np.int32),
+      finish_reason=np.array(["stop", "length"]),
+      group_ids=np.array([4, 4], np.int32),
+      sample_index=np.array([0, 1], np.int32),
+      policy_version=7,
+  )
+
+
+def test_from_generation_builds_the_learner_layout():
+  b = RolloutBatch.from_generation(_generation(), rewards=[1, 0], advantages=np.array([0.5, -0.5], np.float64))
+  np.testing.assert_array_equal(b.tokens, [[0, 5, 6, 10, 11, 0], [7, 8, 9, 12, 13, 14]])
+  np.testing.assert_array_equal(b.segment_ids, [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+  np.testing.assert_array_equal(b.positions, [[0, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5]])
+  np.testing.assert_array_equal(b.response_mask, [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]])
+  np.testing.assert_array_equal(
+      b.behavior_logp, np.array([[0, 0, 0, -0.1, -0.2, 0], [0, 0, 0, -0.3, -0.4, -0.5]], np.float32)
+  )
+  np.testing.assert_array_equal(b.learner_logp, np.zeros((2, 6)))
+  np.testing.assert_array_equal(b.advantages, [0.5, -0.5])
+  np.testing.assert_array_equal(b.rewards, [1, 0])
+  np.testing.assert_array_equal(b.group_ids, [4, 4])
+  np.testing.assert_array_equal(b.policy_version, [7, 7])
+  np.testing.assert_array_equal(b.response_lengths, [2, 3])
+  np.testing.assert_array_equal(b.truncated, [False, True])
+  dtypes = {k: v.dtype for k, v in b.to_dict().items()}
+  assert dtypes == dict(
+      tokens=np.int32,
+      segment_ids=np.int32,
+      positions=np.int32,
+      response_mask=bool,
+      behavior_logp=np.float32,
+      learner_logp=np.float32,
+      advantages=np.float32,
+      rewards=np.float32,
+      group_ids=np.int64,
+      policy_version=np.int64,
+      response_lengths=np.int32,
+      truncated=bool,
+  )
+  lp = np.full((2, 6), -1.0)
+  with_lp = RolloutBatch.from_generation(_generation(), rewards=[1, 0], advantages=[0, 0], learner_logp=lp)
+  assert with_lp.learner_logp.dtype == np.float32 and np.all(with_lp.learner_logp == -1.0)
+  with pytest.raises(ValueError, match="learner_logp"):
+    RolloutBatch.from_generation(_generation(), rewards=[1, 0], advantages=[0, 0], learner_logp=lp[:, :5])
+  with pytest.raises(ValueError, match="rewards"):
+    RolloutBatch.from_generation(_generation(), rewards=[1], advantages=[0, 0])
+
+
+def test_rollout_batch_is_a_pytree_with_replace():
+  b = make_batch(n=4, tag=1)
+  leaves = jax.tree.leaves(b)
+  assert len(leaves) == 12 and all(isinstance(x, np.ndarray) for x in leaves)
+  doubled = jax.tree.map(lambda x: x * 2, b)
+  assert isinstance(doubled, RolloutBatch)
+  np.testing.assert_array_equal(doubled.advantages, b.advantages * 2)
+  assert jax.tree.structure(jax.tree.map(lambda x: None, b)) is not None  # placeholder leaves are not shape-checked
+  new = b.replace(learner_logp=np.where(b.response_mask, b.behavior_logp, 0).astype(np.float32))
+  np.testing.assert_array_equal(new.learner_logp, new.behavior_logp)
+  np.testing.assert_array_equal(b.learner_logp[b.response_mask], np.float32(-1.6))  # the original is unchanged
+  with pytest.raises(ValueError, match="learner_logp"):
+    b.replace(learner_logp=b.learner_logp[:, :-1])
 
 
 def test_shape_validation_names_the_field():

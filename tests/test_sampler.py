@@ -8,13 +8,13 @@ import pytest
 from flax import nnx
 
 from minpro_jax.models import get_preset, init_model, token_logprobs
-from minpro_jax.param_store import ParamStore
+from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.sampling import Sampler, SamplingParams, get_next_tokens, truncation_logits
 from minpro_jax.sampling.loop import decode_loop, init_loop_state, sample_step
 
 CFG = get_preset("tiny")
 PROMPTS = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [400]]  # ragged -> left padding in bucket 16
-# Each distinct SamplingParams / bucket pair is one compile (seconds on a loaded CPU), so tests share these.
+# Each distinct SamplingParams / bucket pair is one compile, so tests share these.
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=9)
 TOPK = SamplingParams(temperature=0.7, top_k=40, max_new_tokens=9)
 TOPP = SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=9)
@@ -36,7 +36,8 @@ def sampler():
 
 
 def _learner_logp(model, batch):
-  la = batch.to_learner_arrays()
+  n = len(batch)
+  la = RolloutBatch.from_generation(batch, rewards=np.zeros(n), advantages=np.zeros(n))
   lp = token_logprobs(
       model,
       jnp.asarray(la.tokens),
@@ -236,19 +237,15 @@ def test_b13_truncation_does_not_renormalise_logp():
   np.testing.assert_allclose(logp[toks == 1], -1.440190, atol=1e-6)
 
 
-def test_versions_are_stamped_and_evicted_versions_fail(model, state, sampler):
-  store = ParamStore(keep_last=2)
-  for v in range(3):
-    store.put(v, jax.tree.map(lambda x: x * (1.0 + 0.1 * v), state))
-  sp = GREEDY
-  b2 = sampler.generate(store, PROMPTS[:1], sp, policy_version=2)
+def test_versions_are_stamped(state, sampler):
+  b2 = sampler.generate(state, PROMPTS[:1], GREEDY, policy_version=2)
   assert b2.policy_version == 2
-  b2b = sampler.generate(store.get(2), PROMPTS[:1], sp, policy_version=2)
-  np.testing.assert_array_equal(b2.response_tokens, b2b.response_tokens)
-  with pytest.raises(KeyError, match=r"policy_version 0 .*\[1, 2\]"):
-    sampler.generate(store, PROMPTS[:1], sp, policy_version=0)
-  with pytest.raises(ValueError, match="policy_version is required"):
-    sampler.generate(store, PROMPTS[:1], sp)
+  unversioned = sampler.generate(state, PROMPTS[:1], GREEDY)
+  assert unversioned.policy_version == -1
+  np.testing.assert_array_equal(b2.response_tokens, unversioned.response_tokens)
+  rb = RolloutBatch.from_generation(b2, rewards=np.zeros(1), advantages=np.zeros(1))
+  np.testing.assert_array_equal(rb.policy_version, [2])
+  assert rb.policy_version.dtype == np.int64
 
 
 def test_bad_input(state, sampler):

@@ -39,7 +39,7 @@ def group_advantages(
     * ``"rloo"`` (leave-one-out): r_i - (sum_g - r_i) / (n - 1).
   Rules:
     * A group (n >= 2) whose rewards are all exactly equal (group max == group min) gets exactly 0:
-      no NaN and no amplification of a rounding residue by 1/std (case B07).
+      no NaN and no amplification of a rounding residue by 1/std (case B07, tests/CASES.md).
     * A group of size 1 follows verl: mean 0 and std 1, i.e. ``grpo`` gives r / (1 + eps), ``drgrpo``
       and ``rloo`` give r.
     * ``grpo`` with ``std_ddof >= n`` for n >= 2 is treated like ddof = n - 1.

@@ -42,7 +42,7 @@ def aggregate_loss(
     * ``seq-mean-token-sum``: sum over sequences of (sequence token-sum) / number of sequences.
     * ``seq-mean-token-sum-norm`` (Dr. GRPO): total token-sum / (number of sequences * max_response_length),
       ``max_response_length`` defaulting to T. (Older verl divides by T only; we keep the Dr. GRPO
-      1/(G * L_max) normalisation so that the value is a mean over sequences, case B01.)
+      1/(G * L_max) normalisation so that the value is a mean over sequences, case B01 (tests/CASES.md).)
   "Number of sequences" counts sequences with at least one valid token. Because both numbers are sums
   over sequences, accumulating ``loss_sum`` and ``denominator`` over micro-batches (that do not split a
   sequence) and dividing at the end reproduces the full-batch loss exactly.
@@ -51,7 +51,7 @@ def aggregate_loss(
     loss_bt: [B, T] float per-token loss (garbage allowed at masked positions).
     response_mask: [B, T] bool/0-1.
     loss_agg_mode: one of ``LOSS_AGG_MODES``.
-    segment_ids: optional [B, T] int packed-row segment ids (see ``objectives_prefix``).
+    segment_ids: optional [B, T] int packed-row segment ids (see ``minpro_jax.rl.prefix``).
     max_response_length: positive int, only for ``seq-mean-token-sum-norm``.
 
   Returns:

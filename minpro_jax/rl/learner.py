@@ -6,13 +6,18 @@ counter), so checkpointing, rollback (MIPU) and sharding are plain tree operatio
 Gradient accumulation is exact: the policy loss of each micro-batch is its *unreduced* sum divided by the
 denominator of the whole mini-batch (tokens for token-mean, sequences for seq-mean modes), which does
 not depend on the parameters and is computed up front, so the sum of micro-batch gradients is the
-gradient of the mini-batch loss (Tunix's `(unreduced_sum, denominator)` design).
+gradient of the mini-batch loss (Tunix's `(unreduced_sum, denominator)` design). An objective with a
+`prepare` step (M2PO's keep-mask) gets its inputs computed once over the whole mini-batch and each micro-batch
+gets its rows of them (`minpro_jax.rl.objectives.Objective`).
+
+Batches are `minpro_jax.rl.rollout.RolloutBatch` records; the jitted functions receive only the arrays they
+read (`ScoreInputs`, `UpdateInputs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -23,9 +28,41 @@ from flax import nnx
 
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.models.transformer import Transformer
-from minpro_jax.rl.objectives import compute_m2po_mask, policy_loss
+from minpro_jax.rl.objectives import get_objective, policy_loss, resolve_hparams
+from minpro_jax.rl.rollout import RolloutBatch
 
 NUM_POSITION_BINS = 8
+
+
+class ScoreInputs(NamedTuple):
+  """What scoring reads of a `RolloutBatch`: [N, L] int32 tokens, segment_ids and positions (device arrays)."""
+
+  tokens: jax.Array
+  segment_ids: jax.Array
+  positions: jax.Array
+
+  @classmethod
+  def of(cls, batch: RolloutBatch) -> "ScoreInputs":
+    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields))
+
+
+class UpdateInputs(NamedTuple):
+  """What an update reads of a `RolloutBatch` (device arrays, the shapes and dtypes of `RolloutBatch`)."""
+
+  tokens: jax.Array
+  segment_ids: jax.Array
+  positions: jax.Array
+  response_mask: jax.Array
+  behavior_logp: jax.Array
+  learner_logp: jax.Array
+  advantages: jax.Array
+
+  @classmethod
+  def of(cls, batch: RolloutBatch) -> "UpdateInputs":
+    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields))
+
+  def score_inputs(self) -> ScoreInputs:
+    return ScoreInputs(self.tokens, self.segment_ids, self.positions)
 
 
 @flax.struct.dataclass
@@ -107,18 +144,16 @@ class LossConfig:
     return dict(self.hparams)
 
 
-def _call_policy_loss(loss_cfg: LossConfig, logp, batch: dict[str, jax.Array], m2po_mask=None):
-  """`policy_loss` on `batch` with the configured method. With rollout correction (TIS/MIS) on, the three-policy
-  form is used: ratio against the learner at the sampling version (`learner_logp`), correction factor
-  against the sampler (`behavior_logp`)."""
+def _call_policy_loss(loss_cfg: LossConfig, logp, batch: UpdateInputs, prepared: dict[str, jax.Array]):
+  """`policy_loss` on `batch` with the configured method and the rows of its prepared inputs. With rollout
+  correction (TIS/MIS) on, the three-policy form is used: ratio against the learner at the sampling version
+  (`learner_logp`), correction factor against the sampler (`behavior_logp`)."""
   hp = loss_cfg.hparam_dict
-  old = batch["behavior_logp"]
+  old = batch.behavior_logp
   if hp.get("rollout_is") or hp.get("rollout_mis"):
-    hp = {**hp, "rollout_logp": batch["behavior_logp"]}
-    old = batch["learner_logp"]
-  if m2po_mask is not None:
-    hp["m2po_mask"] = m2po_mask
-  return policy_loss(loss_cfg.method, logp, old, batch["advantages"], batch["response_mask"], **hp)
+    hp = {**hp, "rollout_logp": batch.behavior_logp}
+    old = batch.learner_logp
+  return policy_loss(loss_cfg.method, logp, old, batch.advantages, batch.response_mask, **{**hp, **prepared})
 
 
 def _position_bins(response_mask: jax.Array) -> jax.Array:
@@ -152,7 +187,8 @@ class Learner:
     mesh: optional mesh; batches are placed along the "batch" logical axis.
 
   Raises:
-    ValueError: micro_batch_size <= 0.
+    ValueError: micro_batch_size <= 0; `loss_cfg.method` not registered or hparams it does not take
+      (`minpro_jax.rl.objectives.resolve_hparams`).
   """
 
   def __init__(
@@ -162,6 +198,8 @@ class Learner:
       raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
     self.graphdef, _ = nnx.split(model)
     self.loss_cfg = loss_cfg
+    self.objective = get_objective(loss_cfg.method)
+    resolve_hparams(loss_cfg.method, loss_cfg.hparam_dict)
     self.opt_cfg = opt_cfg
     self.optimizer = make_optimizer(opt_cfg)
     self.schedule = make_schedule(opt_cfg)
@@ -195,38 +233,43 @@ class Learner:
     return nnx.merge(self.graphdef, params)
 
   # ----- scoring -----
-  def score(self, params, batch: dict[str, np.ndarray]) -> np.ndarray:
-    """[N, L] float32 teacher-forced log-probs (sampler temperature) of `batch["tokens"]` under `params`."""
-    n = batch["tokens"].shape[0]
+  def score(self, params, batch: RolloutBatch) -> np.ndarray:
+    """[N, L] float32 teacher-forced log-probs (sampler temperature) of `batch.tokens` under `params`, in
+    micro-batches (the log-prob of token t at index t; values off `response_mask` are not meaningful).
+
+    Raises:
+      ValueError: N not divisible by the micro-batch size.
+    """
+    n = batch.size
     mb = min(self.micro_batch_size, n)
     if n % mb:
       raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size {mb}")
-    arrays = {k: jnp.asarray(batch[k]) for k in ("tokens", "segment_ids", "positions")}
-    return np.asarray(self._score(params, arrays, mb))
+    return np.asarray(self._score(params, ScoreInputs.of(batch), mb))
 
-  def _score_impl(self, params, arrays, mb):
+  def _score_impl(self, params, arrays: ScoreInputs, mb):
     model = self.model(params)
 
-    def one(x):
+    def one(x: ScoreInputs):
       return token_logprobs(
           model,
-          x["tokens"],
-          x["segment_ids"],
-          x["positions"],
+          x.tokens,
+          x.segment_ids,
+          x.positions,
           temperature=self.loss_cfg.temperature,
           chunk_size=self.loss_cfg.logprob_chunk_size,
       ).logp
 
     split = jax.tree.map(lambda a: a.reshape(-1, mb, *a.shape[1:]), arrays)
-    return jax.lax.map(one, split).reshape(arrays["tokens"].shape)
+    return jax.lax.map(one, split).reshape(arrays.tokens.shape)
 
   # ----- update -----
-  def update(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
+  def update(self, state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict[str, Any]]:
     """One optimizer update on a mini-batch (donates `state`).
 
     Args:
       state: current `TrainState` (invalid after the call).
-      batch: `RolloutBatch.learner_arrays()` of the mini-batch: [M, L] arrays and [M] advantages.
+      batch: the mini-batch of M samples (reads tokens, segment_ids, positions, response_mask,
+        behavior_logp, learner_logp and advantages).
 
     Returns:
       (new state, metrics dict of numpy scalars / arrays). If the loss or gradient is not finite the update
@@ -235,11 +278,11 @@ class Learner:
     Raises:
       ValueError: M not divisible by the micro-batch size.
     """
-    m = batch["tokens"].shape[0]
+    m = batch.size
     mb = min(self.micro_batch_size, m)
     if m % mb:
       raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
-    arrays = {k: jnp.asarray(v) for k, v in batch.items()}
+    arrays = UpdateInputs.of(batch)
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
       self._update = jax.jit(
@@ -248,62 +291,61 @@ class Learner:
     state, metrics = self._update(state, arrays, mb)
     return state, jax.device_get(metrics)
 
-  def _micro_objective(self, params, micro, denom, num_tokens, num_rows, m2po_mask):
+  def _micro_objective(self, params, micro: UpdateInputs, denom, num_tokens, num_rows, prepared):
     lc = self.loss_cfg
     model = self.model(params)
     need_entropy = lc.entropy_coef != 0.0
     lp = token_logprobs(
         model,
-        micro["tokens"],
-        micro["segment_ids"],
-        micro["positions"],
+        micro.tokens,
+        micro.segment_ids,
+        micro.positions,
         temperature=lc.temperature,
         chunk_size=lc.logprob_chunk_size,
         return_entropy=need_entropy,
     )
-    out = _call_policy_loss(lc, lp.logp, micro, m2po_mask)
-    mask = micro["response_mask"].astype(jnp.float32)
+    out = _call_policy_loss(lc, lp.logp, micro, prepared)
+    mask = micro.response_mask.astype(jnp.float32)
     total = out.loss_sum / denom
     if need_entropy:
       total = total - lc.entropy_coef * jnp.sum(lp.entropy * mask) / num_tokens
     if lc.kl_coef:
-      delta = jnp.clip(jnp.where(mask > 0, micro["behavior_logp"] - lp.logp, 0.0), -20.0, 20.0)
+      delta = jnp.clip(jnp.where(mask > 0, micro.behavior_logp - lp.logp, 0.0), -20.0, 20.0)
       total = total + lc.kl_coef * jnp.sum((jnp.exp(delta) - delta - 1.0) * mask) / num_tokens
     if lc.router_aux_coef:
-      total = total + lc.router_aux_coef * lp.router_aux_loss * micro["tokens"].shape[0] / num_rows
+      total = total + lc.router_aux_coef * lp.router_aux_loss * micro.tokens.shape[0] / num_rows
     return total, (out, lp)
 
-  def _update_impl(self, state: TrainState, arrays, mb):
+  def _update_impl(self, state: TrainState, arrays: UpdateInputs, mb):
     lc = self.loss_cfg
-    m = arrays["tokens"].shape[0]
-    mask = arrays["response_mask"]
+    m = arrays.tokens.shape[0]
+    mask = arrays.response_mask
     num_tokens = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
-    # The policy-loss denominator does not depend on the parameters: get it for the whole mini-batch.
-    no_mask = mask.astype(bool) if lc.method == "m2po" else None
-    denom = jnp.maximum(_call_policy_loss(lc, jnp.zeros(mask.shape, jnp.float32), arrays, no_mask).denominator, 1.0)
 
-    m2po_mask = None
-    if lc.method == "m2po":  # the mask is a function of the whole mini-batch's log-ratios
-      logp_all = self._score_impl(state.params, {k: arrays[k] for k in ("tokens", "segment_ids", "positions")}, mb)
-      m2po_mask = compute_m2po_mask(
-          jax.lax.stop_gradient(logp_all) - arrays["behavior_logp"],
-          arrays["advantages"],
+    prepared = {}
+    if self.objective.prepare is not None:  # inputs that are a function of the whole mini-batch's log-ratios
+      logp_all = self._score_impl(state.params, arrays.score_inputs(), mb)
+      prepared = self.objective.prepare(
+          jax.lax.stop_gradient(logp_all) - arrays.behavior_logp,
+          arrays.advantages,
           mask,
-          lc.hparam_dict.get("m2_threshold", 0.04),
+          resolve_hparams(lc.method, lc.hparam_dict),
       )
+    # The policy-loss denominator does not depend on the parameters: get it for the whole mini-batch.
+    denom = jnp.maximum(_call_policy_loss(lc, jnp.zeros(mask.shape, jnp.float32), arrays, prepared).denominator, 1.0)
 
     split = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), arrays)
-    split_mask = None if m2po_mask is None else m2po_mask.reshape(m // mb, mb, -1)
+    split_prepared = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), prepared)
     grad_fn = jax.grad(self._micro_objective, has_aux=True)
     bins = _position_bins(mask)
     split_bins = bins.reshape(m // mb, mb, -1)
 
     def body(acc, xs):
-      micro, mmask, mbins = xs
-      grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, m, mmask)
+      micro, mprepared, mbins = xs
+      grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, m, mprepared)
       g_acc, loss_acc, metric_acc, wsum, wcnt = acc
       g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
-      valid = micro["response_mask"].astype(jnp.float32)
+      valid = micro.response_mask.astype(jnp.float32)
       onehot = jax.nn.one_hot(mbins, NUM_POSITION_BINS) * valid[..., None]
       wsum = wsum + jnp.einsum("nlb,nl->b", onehot, out.token_weights)
       wcnt = wcnt + jnp.sum(onehot, axis=(0, 1))
@@ -312,12 +354,8 @@ class Learner:
       return (g_acc, loss_acc + out.loss_sum, metric_acc, wsum, wcnt), lp.logp
 
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    first = jax.tree.map(lambda a: a[0], split)
-    metric_shape = jax.eval_shape(
-        lambda: _call_policy_loss(
-            lc, first["behavior_logp"], first, None if no_mask is None else first["response_mask"].astype(bool)
-        ).metrics
-    )
+    first, first_prepared = jax.tree.map(lambda a: a[0], (split, split_prepared))
+    metric_shape = jax.eval_shape(lambda: _call_policy_loss(lc, first.behavior_logp, first, first_prepared).metrics)
     zero_metrics = {
         k: jnp.full(s.shape, _METRIC_INIT.get(k.rsplit("_", 1)[-1], 0.0), jnp.float32) for k, s in metric_shape.items()
     }
@@ -328,7 +366,7 @@ class Learner:
         jnp.zeros(NUM_POSITION_BINS),
         jnp.zeros(NUM_POSITION_BINS),
     )
-    (grads, loss_sum, metrics, wsum, wcnt), logp = jax.lax.scan(body, init, (split, split_mask, split_bins))
+    (grads, loss_sum, metrics, wsum, wcnt), logp = jax.lax.scan(body, init, (split, split_prepared, split_bins))
     logp = logp.reshape(mask.shape)
     loss = loss_sum / denom
     grad_norm = optax.global_norm(grads)
@@ -344,7 +382,7 @@ class Learner:
         skipped=state.skipped + (~finite).astype(jnp.int32),
     )
     valid = mask.astype(bool)
-    delta = jnp.where(valid, logp - arrays["behavior_logp"], 0.0)
+    delta = jnp.where(valid, logp - arrays.behavior_logp, 0.0)
     out_metrics = {f"policy/{k}": v for k, v in metrics.items()}
     out_metrics.update(
         {
@@ -361,5 +399,6 @@ class Learner:
 
 
 def staleness(update_index: int, policy_version: np.ndarray) -> np.ndarray:
-  """Updates applied between sampling and this update: `update_index - policy_version` per sample."""
+  """[N] int64 updates applied between sampling and this update: `update_index - policy_version` per sample
+  (what the delay buffer makes of it: see minpro_jax.rl.rollout)."""
   return update_index - np.asarray(policy_version, np.int64)

@@ -6,7 +6,7 @@ fp8: the inference policy mu') samples validation prompts, the learner scores th
 
     T_post = -mean_i( rho_i * A_i ),   rho_i = exp( mean_t log pi'(y_t) / mu'(y_t) )
 
-(`objectives_agg.inference_gap_t_post`). The update is accepted iff T_post >= -gap_tolerance; otherwise the
+(`minpro_jax.rl.aggregation.inference_gap_t_post`). The update is accepted iff T_post >= -gap_tolerance; otherwise the
 parameters, the optimizer state and the update counters go back to the snapshot taken before the updates,
 and the consumed batch is dropped. T_post estimates the post-update inference gap J(mu') - J(pi') (with
 group-centred advantages, J(pi) - J(mu) = E_mu[(pi/mu) A]): it is negative when the trainer policy puts more

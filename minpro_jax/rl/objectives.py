@@ -1,14 +1,23 @@
-"""Policy objectives: MinPRO and the GRPO / GSPO / CISPO / M2PO baselines, as pure functions.
+"""Policy objectives: MinPRO and the GRPO / GSPO / CISPO / M2PO baselines, as pure functions, and their registry.
 
 Public surface::
 
-    prefix_log_factor(log_ratio, response_mask, statistic="min", segment_ids=None) -> [B, T] f32
     policy_loss(method, logp, behavior_logp, advantages, response_mask, *, segment_ids=None, **hparams)
         -> PolicyLossOutput(loss, loss_sum, denominator, metrics, token_weights)
+    OBJECTIVES: dict[str, Objective]; get_objective(name) -> Objective
+    register_objective(name, *, defaults, prepare=None)   # decorator over a token-loss function
+    resolve_hparams(method, hparams) -> dict              # COMMON_DEFAULTS + the method's defaults + hparams
+    prefix_log_factor(log_ratio, response_mask, statistic="min", segment_ids=None) -> [B, T] f32
     compute_m2po_mask(log_ratio, advantages, response_mask, m2_threshold=0.04) -> [B, T] bool
-    aggregate_loss, mismatch_metrics, inference_gap_t_post (from objectives_agg)
+    aggregate_loss, mismatch_metrics, inference_gap_t_post (from minpro_jax.rl.aggregation)
 
-Formulas: the MinPRO paper and the baselines cited per method; worked vectors V1-V7 are in tests/test_objectives.py. Conventions:
+A method is an `Objective`: a per-token loss over `TokenLossInputs`, its own hparams with their defaults, and
+optionally a `prepare` step that needs the whole mini-batch before it is split into micro-batches (M2PO's
+keep-mask). `policy_loss` does everything the methods share: input checks and sanitising, rollout correction
+(TIS/MIS), aggregation into (loss_sum, denominator), and the common metrics.
+
+Formulas: the MinPRO paper (arXiv 2601.22718) and the baselines cited per method; worked vectors V1-V7
+(tests/CASES.md) are checked in tests/test_objectives.py. Conventions:
   * ``logp`` / ``behavior_logp``: [B, T] log-probs of the sampled tokens under pi_theta and the behaviour
     policy mu that generated them; l_t = logp_t - behavior_logp_t is computed in float32.
   * Masked positions may hold NaN/inf garbage: every input is passed through ``jnp.where(valid, x, 0)``
@@ -20,8 +29,10 @@ Formulas: the MinPRO paper and the baselines cited per method; worked vectors V1
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+import types
+from typing import Any, Callable, Mapping, NamedTuple
 
 import flax.struct
 import jax
@@ -41,14 +52,18 @@ from minpro_jax.rl.prefix import PREFIX_STATISTICS, _check_bt, prefix_log_factor
 
 __all__ = [
     "PolicyLossOutput",
+    "TokenLossInputs",
+    "Objective",
+    "OBJECTIVES",
+    "register_objective",
+    "get_objective",
+    "resolve_hparams",
     "policy_loss",
     "prefix_log_factor",
     "compute_m2po_mask",
     "aggregate_loss",
     "mismatch_metrics",
     "inference_gap_t_post",
-    "METHODS",
-    "METHOD_DEFAULTS",
     "COMMON_DEFAULTS",
     "PREFIX_STATISTICS",
     "LOSS_AGG_MODES",
@@ -65,24 +80,101 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "rollout_mis": None,
     "rollout_mis_bounds": (0.5, 2.0),
 }
-METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "minpro": {
-        "eps_low": None,
-        "eps_high": 0.28,
-        "prefix_statistic": "min",
-        "prefix_cap_at_one": False,
-        "surrogate": "reinforce",
-    },
-    "grpo": {"eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": None},
-    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},
-    "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"},
-    "cispo": {"eps_low": None, "eps_high": 0.28},
-    "m2po": {"m2_threshold": 0.04, "m2po_mask": None},
-}
-METHODS = tuple(METHOD_DEFAULTS)
 SURROGATES = ("reinforce", "ppo")
 
 
+# ------------------------------------------------------------------------------------------------- registry
+class TokenLossInputs(NamedTuple):
+  """What `policy_loss` hands a method's token loss (all [B, T], masked positions already exact zeros).
+
+  method: the registered name being evaluated (for error messages).
+  logp: f32 log-probs under pi_theta (carries the gradient).
+  log_ratio: f32 l = logp - sg(behavior_logp), 0 at masked positions.
+  adv: f32 per-token advantages (stop-gradient), 0 at masked positions.
+  valid: bool, response tokens that enter the loss (response_mask, and segment id != 0 when packed).
+  starts: bool segment-start flags, or None when every row is one sequence (``segment_ids=None``).
+  segment_ids: the int packed-row segment ids passed to `policy_loss`, or None.
+  """
+
+  method: str
+  logp: jax.Array
+  log_ratio: jax.Array
+  adv: jax.Array
+  valid: jax.Array
+  starts: jax.Array | None
+  segment_ids: jax.Array | None
+
+
+TokenLoss = Callable[[TokenLossInputs, dict[str, Any]], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """One registered policy objective.
+
+  Attributes:
+    name: the method name (`LossConfig.method`, `policy_loss`'s first argument).
+    token_loss: ``(inputs: TokenLossInputs, hparams: dict) -> (loss [B, T], weights [B, T], metrics)``: the
+      per-token loss (before rollout correction and aggregation), the detached per-token weight reported as
+      `PolicyLossOutput.token_weights`, and a dict of scalar metrics. ``hparams`` holds every key of
+      `COMMON_DEFAULTS` and `defaults`, resolved.
+    defaults: the method's own hparams and their defaults (read-only).
+    prepare: None, or ``(log_ratio [M, T] f32 (stop-gradient), advantages [M], response_mask [M, T], hparams)
+      -> {hparam name: [M, T] array}``: inputs computed once over the WHOLE mini-batch before it is split
+      into micro-batches; the learner passes each micro-batch its rows of these arrays as extra hparams.
+  """
+
+  name: str
+  token_loss: TokenLoss
+  defaults: Mapping[str, Any]
+  prepare: Callable[..., dict[str, jax.Array]] | None = None
+
+
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def register_objective(
+    name: str, *, defaults: Mapping[str, Any], prepare: Callable[..., dict[str, jax.Array]] | None = None
+) -> Callable[[TokenLoss], TokenLoss]:
+  """Decorator: registers the decorated token-loss function as objective ``name`` in `OBJECTIVES`.
+
+  ``defaults`` may also override a `COMMON_DEFAULTS` entry for this method (GSPO's ``loss_agg_mode``).
+  Returns the function unchanged.
+
+  Raises:
+    ValueError: ``name`` is already registered.
+  """
+  if name in OBJECTIVES:
+    raise ValueError(f"objective {name!r} is already registered; registered: {', '.join(OBJECTIVES)}")
+  defaults = dict(defaults)
+
+  def deco(fn: TokenLoss) -> TokenLoss:
+    OBJECTIVES[name] = Objective(name, fn, types.MappingProxyType(defaults), prepare)
+    return fn
+
+  return deco
+
+
+def get_objective(name: str) -> Objective:
+  """The registered `Objective` called ``name``. Raises ValueError naming it and listing the registered ones."""
+  check_choice("method", name, tuple(OBJECTIVES))
+  return OBJECTIVES[name]
+
+
+def resolve_hparams(method: str, hparams: Mapping[str, Any]) -> dict[str, Any]:
+  """``COMMON_DEFAULTS``, then ``method``'s defaults, then ``hparams``.
+
+  Raises:
+    ValueError: unknown method, or hparams that are neither common nor the method's (listing the valid ones).
+  """
+  allowed = {**COMMON_DEFAULTS, **get_objective(method).defaults}
+  unknown = sorted(set(hparams) - set(allowed))
+  if unknown:
+    raise ValueError(f"Unknown hparam(s) {unknown} for method {method!r}; valid: {', '.join(sorted(allowed))}.")
+  return {**allowed, **hparams}
+
+
+# ------------------------------------------------------------------------------------------------- helpers
 @flax.struct.dataclass
 class PolicyLossOutput:
   """Result of :func:`policy_loss` (a pytree: safe to return from ``jax.jit`` / ``jax.value_and_grad(has_aux)``).
@@ -139,6 +231,24 @@ def _ppo_token_loss(log_r, adv, log_lo, log_hi, dual_clip_c=None):
   return loss, clip_low, clip_high, dual
 
 
+def _token_advantages(advantages, valid):
+  if advantages.ndim == 1 and advantages.shape[0] == valid.shape[0]:
+    adv = advantages[:, None]
+  elif advantages.shape == valid.shape:
+    adv = advantages
+  else:
+    raise ValueError(
+        f"advantages must have shape [B]={(valid.shape[0],)} or [B, T]={tuple(valid.shape)}, "
+        f"got {tuple(advantages.shape)}."
+    )
+  return jnp.where(valid, adv.astype(jnp.float32), 0.0)
+
+
+def _seq_mean(x, valid, starts):
+  count = seq_sum(valid.astype(jnp.float32), starts)
+  return seq_sum(jnp.where(valid, x, 0.0), starts) / jnp.maximum(count, 1.0)
+
+
 def compute_m2po_mask(
     log_ratio: jax.Array,
     advantages: jax.Array,
@@ -147,11 +257,11 @@ def compute_m2po_mask(
 ) -> jax.Array:
   """M2PO keep-mask over the WHOLE batch passed in (pass the full global mini-batch).
 
-  Variant implemented (``algorithms.md`` section 4, M2PO; Trinity-RFT-style, consistent with the authors'
-  "harmful tokens" rule): candidates are trust-region tokens (A > 0 and l > 0) or (A < 0 and l < 0);
-  sort their l^2 ascending and keep the longest sorted prefix whose running mean of l^2 stays
-  <= ``m2_threshold``; drop the other candidates. Non-candidate valid tokens are always kept.
-  (Not the authors' released variant that turns the budget into global PPO clip bounds.)
+  Variant implemented (M2PO, arXiv 2510.01161; Trinity-RFT-style, consistent with the authors' "harmful
+  tokens" rule): candidates are trust-region tokens (A > 0 and l > 0) or (A < 0 and l < 0); sort their l^2
+  ascending and keep the longest sorted prefix whose running mean of l^2 stays <= ``m2_threshold``; drop the
+  other candidates. Non-candidate valid tokens are always kept. (Not the authors' released variant that
+  turns the budget into global PPO clip bounds.)
 
   Args:
     log_ratio: [B, T] f32 l = logp - behavior_logp (garbage allowed at masked positions).
@@ -180,30 +290,26 @@ def compute_m2po_mask(
   return valid & (~cand | keep_cand)
 
 
-def _token_advantages(advantages, valid):
-  if advantages.ndim == 1 and advantages.shape[0] == valid.shape[0]:
-    adv = advantages[:, None]
-  elif advantages.shape == valid.shape:
-    adv = advantages
-  else:
-    raise ValueError(
-        f"advantages must have shape [B]={(valid.shape[0],)} or [B, T]={tuple(valid.shape)}, "
-        f"got {tuple(advantages.shape)}."
-    )
-  return jnp.where(valid, adv.astype(jnp.float32), 0.0)
+# ------------------------------------------------------------------------------------------------- methods
+_GSPO_DEFAULTS = {"eps_low": 3e-4, "eps_high": 4e-4, "loss_agg_mode": "seq-mean-token-mean"}
 
 
-def _seq_mean(x, valid, starts):
-  count = seq_sum(valid.astype(jnp.float32), starts)
-  return seq_sum(jnp.where(valid, x, 0.0), starts) / jnp.maximum(count, 1.0)
-
-
-def _minpro(ctx, hp):
-  check_choice("prefix_statistic", hp["prefix_statistic"], PREFIX_STATISTICS)
+@register_objective(
+    "minpro",
+    defaults={
+        "eps_low": None,
+        "eps_high": 0.28,
+        "prefix_statistic": "min",
+        "prefix_cap_at_one": False,
+        "surrogate": "reinforce",
+    },
+)
+def _minpro(inp: TokenLossInputs, hp):
+  """MinPRO (arXiv 2601.22718): -sg(clip(f_t rho_t)) A logp_t, log f_t = exclusive prefix statistic of l."""
   check_choice("surrogate", hp["surrogate"], SURROGATES)
-  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
-  lr, adv, valid = ctx["log_ratio"], ctx["adv"], ctx["valid"]
-  log_f = jax.lax.stop_gradient(prefix_log_factor(lr, valid, hp["prefix_statistic"], ctx["segment_ids"]))
+  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], inp.method)
+  lr, adv, valid = inp.log_ratio, inp.adv, inp.valid
+  log_f = jax.lax.stop_gradient(prefix_log_factor(lr, valid, hp["prefix_statistic"], inp.segment_ids))
   if hp["prefix_cap_at_one"]:
     log_f = jnp.minimum(log_f, 0.0)
   metrics = {
@@ -213,11 +319,11 @@ def _minpro(ctx, hp):
   if hp["surrogate"] == "reinforce":
     log_w = jax.lax.stop_gradient(log_f + lr)
     w = _clipped_ratio(log_w, log_lo, log_hi)
-    loss = -w * adv * ctx["logp"]
+    loss = -w * adv * inp.logp
     metrics["clip_frac_low"] = masked_mean((log_w < log_lo).astype(jnp.float32), valid)
     metrics["clip_frac_high"] = masked_mean((log_w > log_hi).astype(jnp.float32), valid)
     return loss, w, metrics
-  # "ppo" ablation (algorithms.md A2): PPO clipped surrogate on r = sg(f_t) * rho_t.
+  # "ppo" surrogate (ablation): PPO clipped surrogate on r = sg(f_t) * rho_t.
   log_r = jnp.clip(log_f + lr, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
   lo = math.log1p(-hp["eps_low"]) if hp["eps_low"] is not None else -math.inf
   loss, clip_low, clip_high, _ = _ppo_token_loss(log_r, adv, lo, log_hi)
@@ -226,15 +332,13 @@ def _minpro(ctx, hp):
   return loss, jnp.exp(jax.lax.stop_gradient(log_r)), metrics
 
 
-def _cispo(ctx, hp):
-  return _minpro(ctx, {**hp, "prefix_statistic": "none", "prefix_cap_at_one": False, "surrogate": "reinforce"})
-
-
-def _grpo(ctx, hp):
-  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
-  valid = ctx["valid"]
-  log_r = jnp.clip(ctx["log_ratio"], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-  loss, clip_low, clip_high, dual = _ppo_token_loss(log_r, ctx["adv"], log_lo, log_hi, hp["dual_clip_c"])
+@register_objective("grpo", defaults={"eps_low": 0.2, "eps_high": 0.28, "dual_clip_c": None})
+def _grpo(inp: TokenLossInputs, hp):
+  """GRPO with DAPO clip-higher, optional verl dual clip."""
+  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], inp.method)
+  valid = inp.valid
+  log_r = jnp.clip(inp.log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  loss, clip_low, clip_high, dual = _ppo_token_loss(log_r, inp.adv, log_lo, log_hi, hp["dual_clip_c"])
   metrics = {
       "clip_frac_low": masked_mean(clip_low.astype(jnp.float32), valid),
       "clip_frac_high": masked_mean(clip_high.astype(jnp.float32), valid),
@@ -243,17 +347,17 @@ def _grpo(ctx, hp):
   return loss, jnp.exp(jax.lax.stop_gradient(log_r)), metrics
 
 
-def _gspo(ctx, hp):
+def _gspo_loss(inp: TokenLossInputs, hp, *, token_level: bool):
   """GSPO (arXiv 2507.18071): s_i = exp(mean_t l_{i,t}) per sequence (per segment for packed rows)."""
-  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], ctx["method"])
-  valid, starts = ctx["valid"], ctx["starts"]
-  log_s = _seq_mean(ctx["log_ratio"], valid, starts)
-  if ctx["method"] == "gspo":
-    adv = _seq_mean(ctx["adv"], valid, starts)  # sequence-level advantage
+  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], inp.method)
+  valid, starts = inp.valid, inp.starts
+  log_s = _seq_mean(inp.log_ratio, valid, starts)
+  if not token_level:
+    adv = _seq_mean(inp.adv, valid, starts)  # sequence-level advantage
     log_s = jnp.broadcast_to(log_s, valid.shape)
   else:  # gspo_token: s_{i,t} = sg(s_i) * pi(o_t) / sg(pi(o_t)); same value, per-token gradient.
-    adv = ctx["adv"]
-    logp = ctx["logp"]
+    adv = inp.adv
+    logp = inp.logp
     log_s = jax.lax.stop_gradient(log_s) + logp - jax.lax.stop_gradient(logp)
   log_s = jnp.where(valid, jnp.clip(log_s, -LOG_RATIO_CLAMP, GSPO_LOG_RATIO_MAX), 0.0)
   loss, clip_low, clip_high, _ = _ppo_token_loss(log_s, adv, log_lo, log_hi)
@@ -264,19 +368,41 @@ def _gspo(ctx, hp):
   return loss, jnp.exp(jax.lax.stop_gradient(log_s)), metrics
 
 
-def _m2po(ctx, hp):
+@register_objective("gspo", defaults=_GSPO_DEFAULTS)
+def _gspo(inp: TokenLossInputs, hp):
+  return _gspo_loss(inp, hp, token_level=False)
+
+
+@register_objective("gspo_token", defaults=_GSPO_DEFAULTS)
+def _gspo_token(inp: TokenLossInputs, hp):
+  return _gspo_loss(inp, hp, token_level=True)
+
+
+@register_objective("cispo", defaults={"eps_low": None, "eps_high": 0.28})
+def _cispo(inp: TokenLossInputs, hp):
+  """CISPO (MiniMax-M1): MinPRO's REINFORCE form without a prefix factor."""
+  return _minpro(inp, {**hp, "prefix_statistic": "none", "prefix_cap_at_one": False, "surrogate": "reinforce"})
+
+
+def _m2po_prepare(log_ratio, advantages, response_mask, hparams) -> dict[str, jax.Array]:
+  """M2PO's keep-mask needs the whole mini-batch's log-ratios."""
+  return {"m2po_mask": compute_m2po_mask(log_ratio, advantages, response_mask, hparams["m2_threshold"])}
+
+
+@register_objective("m2po", defaults={"m2_threshold": 0.04, "m2po_mask": None}, prepare=_m2po_prepare)
+def _m2po(inp: TokenLossInputs, hp):
   """M2PO (arXiv 2510.01161): J = (1/N_valid) sum M rho A, no clip, gradient through rho."""
-  valid = ctx["valid"]
+  valid = inp.valid
   mask = hp["m2po_mask"]
   if mask is None:
-    mask = compute_m2po_mask(ctx["log_ratio"], ctx["adv"], valid, hp["m2_threshold"])
+    mask = compute_m2po_mask(inp.log_ratio, inp.adv, valid, hp["m2_threshold"])
   else:
     _check_bt("m2po_mask", mask, valid.shape)
     mask = valid & mask.astype(bool)
   mask = jax.lax.stop_gradient(mask)
-  rho = jnp.exp(jnp.clip(ctx["log_ratio"], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-  loss = jnp.where(mask, -rho * ctx["adv"], 0.0)
-  lr = ctx["log_ratio"]
+  rho = jnp.exp(jnp.clip(inp.log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  loss = jnp.where(mask, -rho * inp.adv, 0.0)
+  lr = inp.log_ratio
   metrics = {
       "m2po_kept_frac": masked_mean(mask.astype(jnp.float32), valid),
       "m2po_second_moment": masked_mean(lr * lr, valid),
@@ -284,9 +410,7 @@ def _m2po(ctx, hp):
   return loss, jnp.where(mask, jax.lax.stop_gradient(rho), 0.0), metrics
 
 
-_IMPLS = {"minpro": _minpro, "grpo": _grpo, "gspo": _gspo, "gspo_token": _gspo, "cispo": _cispo, "m2po": _m2po}
-
-
+# ------------------------------------------------------------------------------------------------- entry point
 def policy_loss(
     method: str,
     logp: jax.Array,
@@ -297,9 +421,9 @@ def policy_loss(
     segment_ids: jax.Array | None = None,
     **hparams,
 ) -> PolicyLossOutput:
-  """Policy-gradient loss of one (micro-)batch for ``method`` in ``METHODS``.
+  """Policy-gradient loss of one (micro-)batch for the registered objective ``method`` (see `OBJECTIVES`).
 
-  Per-token losses (l = logp - behavior_logp, A the token advantage, sg = stop_gradient):
+  Per-token losses of the built-ins (l = logp - behavior_logp, A the token advantage, sg = stop_gradient):
     * ``minpro`` (arXiv 2601.22718): -sg(clip(f_t rho_t)) A logp_t with log f_t = ``prefix_log_factor``
       (``prefix_statistic`` min|mean|geomean|prod|none), clipped in log space to
       [log(1-eps_low), log(1+eps_high)] (eps_low None = no lower bound). ``prefix_cap_at_one`` uses
@@ -312,19 +436,19 @@ def policy_loss(
     * ``cispo`` (MiniMax-M1): -sg(clip(rho, 1-eps_low, 1+eps_high)) A logp.
     * ``m2po``: -M rho A with the mask of :func:`compute_m2po_mask`, denominator = all valid tokens.
       The mask needs the whole mini-batch: call with the full mini-batch, or compute ``m2po_mask`` once
-      on it and pass the slice to each micro-batch call.
+      on it (the objective's ``prepare``) and pass the slice to each micro-batch call.
   Common hparams: ``loss_agg_mode`` (``LOSS_AGG_MODES``), ``max_response_length``; rollout correction
   ``rollout_logp`` [B, T], ``rollout_is`` None|token|sequence, ``tis_cap`` (2.0), ``rollout_mis``
-  None|token|sequence|geometric, ``rollout_mis_bounds`` ((0.5, 2.0)); see ``objectives_agg.rollout_correction``
-  (MIS-rejected tokens still count in the denominator).
+  None|token|sequence|geometric, ``rollout_mis_bounds`` ((0.5, 2.0)); see
+  ``minpro_jax.rl.aggregation.rollout_correction`` (MIS-rejected tokens still count in the denominator).
 
   Args:
-    method: name in ``METHODS``.
+    method: a name in ``OBJECTIVES``.
     logp, behavior_logp: [B, T] float log-probs (computed in fp32 here).
     advantages: [B] or [B, T] float ([B, T] required with ``segment_ids``).
     response_mask: [B, T] bool/0-1.
     segment_ids: optional [B, T] int32 packed-row segment ids (0 = padding).
-    **hparams: method hparams (see ``METHOD_DEFAULTS``) and ``COMMON_DEFAULTS``.
+    **hparams: the method's hparams (``get_objective(method).defaults``) and ``COMMON_DEFAULTS``.
 
   Returns:
     PolicyLossOutput. Metrics (f32 scalars, over valid tokens): ``ratio_mean/min/max`` of rho,
@@ -337,13 +461,8 @@ def policy_loss(
     ValueError: unknown method / hparam / statistic / agg mode (listing the valid choices), bad shapes
       or dtypes, invalid hparam values.
   """
-  check_choice("method", method, METHODS)
-  allowed = {**COMMON_DEFAULTS, **METHOD_DEFAULTS[method]}
-  unknown = sorted(set(hparams) - set(allowed))
-  if unknown:
-    raise ValueError(f"Unknown hparam(s) {unknown} for method {method!r}; valid: {', '.join(sorted(allowed))}.")
-  hp = {**allowed, **hparams}
-  check_choice("loss_agg_mode", hp["loss_agg_mode"], LOSS_AGG_MODES)
+  hp = resolve_hparams(method, hparams)
+  objective = OBJECTIVES[method]
   _check_bt("logp", logp)
   _check_bt("behavior_logp", behavior_logp, logp.shape)
   _check_bt("response_mask", response_mask, logp.shape)
@@ -355,17 +474,17 @@ def policy_loss(
   blogp_s = jax.lax.stop_gradient(jnp.where(valid, behavior_logp, 0.0).astype(jnp.float32))
   log_ratio = jnp.where(valid, logp_s - blogp_s, 0.0)
   adv = jax.lax.stop_gradient(_token_advantages(advantages, valid))
-  ctx = {
-      "method": method,
-      "logp": logp_s,
-      "log_ratio": log_ratio,
-      "adv": adv,
-      "valid": valid,
-      "starts": starts,
-      "segment_ids": segment_ids,
-  }
+  inputs = TokenLossInputs(
+      method=method,
+      logp=logp_s,
+      log_ratio=log_ratio,
+      adv=adv,
+      valid=valid,
+      starts=starts,
+      segment_ids=segment_ids,
+  )
 
-  loss_bt, weights, metrics = _IMPLS[method](ctx, hp)
+  loss_bt, weights, metrics = objective.token_loss(inputs, hp)
   rc_weight, rc_keep, rc_metrics = rollout_correction(
       blogp_s,
       hp["rollout_logp"],

@@ -11,8 +11,8 @@ Conventions (``[B, T]`` = batch x time):
   * Masked positions are identities of the statistic: they never enter a later prefix and the
     scan carries across them (e.g. prompt tokens inside a packed segment).
 
-Reference: MinPRO, arXiv 2601.22718 (prefix min of token ratios); the ablation statistics are from
-the MinPRO algorithm note, section 2 (worked vectors in tests/test_objectives.py).
+Reference: MinPRO, arXiv 2601.22718 (prefix min of token ratios); the other statistics are its ablations
+(worked vectors V1-V2, tests/CASES.md).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def prefix_log_factor(
   """Log of the exclusive prefix statistic of token ratios over strictly preceding valid tokens.
 
   For valid token t of a response, with l_j = log rho_j = logp_j - behavior_logp_j over the valid tokens
-  j < t of the *same* response (``algorithms.md`` section 2):
+  j < t of the *same* response:
     * ``"min"``: min_{j<t} l_j (MinPRO, arXiv 2601.22718), segmented ``jax.lax.associative_scan``;
     * ``"mean"``: log((1/n) sum_{j<t} exp(l_j)) = exclusive logsumexp - log n (arithmetic mean of ratios);
     * ``"geomean"``: (1/n) sum_{j<t} l_j;

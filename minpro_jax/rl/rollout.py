@@ -1,16 +1,21 @@
 """Rollout batches and the delay buffer that emulates stale sampling exactly.
 
 A `RolloutBatch` is everything the learner needs about one global step's samples, as host numpy arrays
-in the learner's layout (one sample per row: left-padded prompt then response). It carries the
-behavior log-probs recorded by the sampler at generation time together with the `policy_version` of
-the parameters that produced them; nothing here ever recomputes them (case B15).
+in the learner's layout (one sample per row: left-padded prompt then response); it is built from the
+sampler's `GenerationBatch` by `RolloutBatch.from_generation`. It carries the behavior log-probs recorded
+by the sampler at generation time together with the `policy_version` of the parameters that produced
+them; nothing here ever recomputes them (case B15, tests/CASES.md).
 
-`RolloutBuffer` is a FIFO of depth `delay`: the batch pushed at global step s is released at step
-s + delay. With `num_updates_per_step = n` and the sampler always using the newest parameters, a sample
-consumed by update j (0-based) of step s + delay was produced by version (s - delay) * n, i.e. its
-staleness is exactly delay * n + j once s >= delay (the paper's d = 2, n = 16 gives 32..47). During the
-first `delay` steps the buffer fills and no update happens; the first `delay` released batches were
-sampled by the initial parameters and so have the smaller staleness s * n + j (see `Trainer`).
+Staleness. `RolloutBuffer` is a FIFO of depth d = `delay`: the batch pushed at global step s is released
+at step s + d. Each global step runs n = `num_updates_per_step` optimizer updates on the batch released
+in it (none while the buffer fills, steps 0..d-1), and the sampler always uses the newest parameters, so
+the parameters at the start of step t are version max(0, t - d) * n. The batch released at step s >= d was
+sampled at step s - d by version max(0, s - 2d) * n, and update j (0-based) of step s runs at version
+(s - d) * n + j. Its staleness (`minpro_jax.rl.learner.staleness`, updates between sampling and use) is
+therefore:
+  * d * n + j once the buffer has been full for d steps (s >= 2d);
+  * (s - d) * n + j for the first d released batches (d <= s < 2d), which the initial parameters sampled.
+The paper's d = 2, n = 16 gives 32..47 in the steady state (tests/test_staleness.py).
 """
 
 from __future__ import annotations
@@ -18,27 +23,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import flax.struct
 import numpy as np
 
-_FIELDS = (
-    "tokens",
-    "segment_ids",
-    "positions",
-    "response_mask",
-    "behavior_logp",
-    "learner_logp",
-    "advantages",
-    "rewards",
-    "group_ids",
-    "policy_version",
-    "response_lengths",
-    "truncated",
-)
+from minpro_jax.sampling.batch import GenerationBatch
+
+_ROW_FIELDS = ("tokens", "segment_ids", "positions", "response_mask", "behavior_logp", "learner_logp")
+_SAMPLE_FIELDS = ("advantages", "rewards", "group_ids", "policy_version", "response_lengths", "truncated")
 
 
-@dataclasses.dataclass
+@flax.struct.dataclass
 class RolloutBatch:
   """Samples of one global step in learner layout (N rows, L = prompt bucket + max new tokens).
+
+  A pytree (`flax.struct.dataclass`, frozen: use `.replace(field=...)`) of host numpy arrays.
 
   Attributes:
     tokens: [N, L] int32 prompt and response tokens (padding anywhere is segment 0).
@@ -56,6 +54,9 @@ class RolloutBatch:
     policy_version: [N] int64 number of optimizer updates of the parameters that sampled each row.
     response_lengths: [N] int32 response tokens including the stop token.
     truncated: [N] bool, True if generation hit max_new_tokens without a stop token.
+
+  Raises (on construction, when every field is an array):
+    ValueError: a field whose shape is not [N, L] / [N] (names the field).
   """
 
   tokens: np.ndarray
@@ -72,13 +73,68 @@ class RolloutBatch:
   truncated: np.ndarray
 
   def __post_init__(self):
+    # pytree transforms rebuild the batch with placeholder leaves (None, sentinels): only arrays are checked
+    if not all(hasattr(getattr(self, f), "shape") for f in _FIELDS):
+      return
     n, length = self.tokens.shape
-    for name in ("segment_ids", "positions", "response_mask", "behavior_logp", "learner_logp"):
+    for name in _ROW_FIELDS[1:]:
       if getattr(self, name).shape != (n, length):
         raise ValueError(f"RolloutBatch.{name} has shape {getattr(self, name).shape}, expected {(n, length)}")
-    for name in ("advantages", "rewards", "group_ids", "policy_version", "response_lengths", "truncated"):
+    for name in _SAMPLE_FIELDS:
       if getattr(self, name).shape != (n,):
         raise ValueError(f"RolloutBatch.{name} has shape {getattr(self, name).shape}, expected {(n,)}")
+
+  @classmethod
+  def from_generation(
+      cls,
+      gen: GenerationBatch,
+      *,
+      rewards: np.ndarray,
+      advantages: np.ndarray,
+      learner_logp: np.ndarray | None = None,
+  ) -> "RolloutBatch":
+    """The learner layout [N, P + R] of the sampler's batch `gen` (prompt [N, P], response [N, R]).
+
+    The left-padded prompt ends at column P - 1 and the response starts at column P, so every row is one
+    contiguous segment; `token_logprobs(model, tokens, segment_ids, positions, temperature=gen.temperature)`
+    reproduces `behavior_logp` on `response_mask` (exactly, at equal parameters and precision): the
+    log-prob of token t sits at index t, as `token_logprobs` aligns it.
+
+    Args:
+      gen: the sampler's `GenerationBatch`.
+      rewards: [N] rewards (stored as float32).
+      advantages: [N] advantages (stored as float32).
+      learner_logp: optional [N, P + R] learner log-probs of the same tokens (stored as float32); None
+        stores zeros (fill it later with `.replace(learner_logp=...)`).
+
+    Returns:
+      A `RolloutBatch` with `policy_version` = gen.policy_version on every row, `group_ids` int64,
+      `response_lengths` = gen.lengths and `truncated` = gen.truncated.
+
+    Raises:
+      ValueError: rewards / advantages / learner_logp of the wrong shape.
+    """
+    n, p = gen.prompt_tokens.shape
+    tokens = np.concatenate([gen.prompt_tokens, gen.response_tokens], axis=1).astype(np.int32)
+    real = np.concatenate([gen.prompt_mask, gen.response_mask], axis=1)
+    positions = np.where(real, np.cumsum(real, axis=1) - 1, 0).astype(np.int32)
+    behavior_logp = np.concatenate([np.zeros((n, p), np.float32), gen.behavior_logp], axis=1)
+    if learner_logp is None:
+      learner_logp = np.zeros(tokens.shape, np.float32)
+    return cls(
+        tokens=tokens,
+        segment_ids=real.astype(np.int32),
+        positions=positions,
+        response_mask=np.concatenate([np.zeros((n, p), bool), gen.response_mask], axis=1),
+        behavior_logp=behavior_logp.astype(np.float32),
+        learner_logp=np.asarray(learner_logp, np.float32),
+        advantages=np.asarray(advantages, np.float32),
+        rewards=np.asarray(rewards, np.float32),
+        group_ids=np.asarray(gen.group_ids).astype(np.int64),
+        policy_version=np.full(n, gen.policy_version, np.int64),
+        response_lengths=gen.lengths,
+        truncated=gen.truncated,
+    )
 
   @property
   def size(self) -> int:
@@ -99,18 +155,6 @@ class RolloutBatch:
     m = self.size // num
     return [self.select(slice(i * m, (i + 1) * m)) for i in range(num)]
 
-  def learner_arrays(self) -> dict[str, np.ndarray]:
-    """The [N, L] / [N] arrays the jitted learner step consumes."""
-    return {
-        "tokens": self.tokens,
-        "segment_ids": self.segment_ids,
-        "positions": self.positions,
-        "response_mask": self.response_mask,
-        "behavior_logp": self.behavior_logp,
-        "learner_logp": self.learner_logp,
-        "advantages": self.advantages,
-    }
-
   def to_dict(self) -> dict[str, np.ndarray]:
     return {f: getattr(self, f) for f in _FIELDS}
 
@@ -119,11 +163,15 @@ class RolloutBatch:
     return cls(**{f: np.asarray(d[f]) for f in _FIELDS})
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(RolloutBatch))
+
+
 class RolloutBuffer:
   """FIFO that releases each pushed batch exactly `delay` global steps later.
 
   `push(step, batch)` then `pop(step)` in every global step: `pop` returns the batch pushed at
   `step - delay` (with delay 0, the batch just pushed: on-policy), or None while the buffer is filling.
+  The staleness this produces is derived in the module docstring.
 
   Raises:
     ValueError: negative delay; steps pushed out of order.

@@ -1,6 +1,6 @@
 """Generation: sampling parameters, the jitted KV-cache sampler and the batch it returns."""
 
-from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch, LearnerArrays
+from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.methods import NextTokens, SamplingParams, get_next_tokens, truncation_logits
 from minpro_jax.sampling.sampler import PreparedParams, Sampler
 
@@ -8,7 +8,6 @@ __all__ = [
     "FINISH_LENGTH",
     "FINISH_STOP",
     "GenerationBatch",
-    "LearnerArrays",
     "NextTokens",
     "SamplingParams",
     "get_next_tokens",

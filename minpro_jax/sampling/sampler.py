@@ -6,12 +6,10 @@ Flow of one `generate` call:
   2. The parameter State is converted once to the inference precision (`fp32`, `bf16`, or simulated `fp8`,
      see `minpro_jax.models.quant`), to per-layer arrays (`unstack_layer_params`) and to one fused q/k/v
      matrix per layer (`fuse_qkv_params`) by a small jitted function. The sampler's model runs its
-     layers unrolled with a per-layer KV cache: XLA:CPU copies every slice of a stacked weight or cache out
-     of the stack inside a loop, which at batch 1 tripled the bytes a decode step reads. Fusing q/k/v
-     cuts a layer's matmuls per token from 7 to 5, whose fixed per-dot cost matters at small batch. The
-     copy costs one parameter-sized buffer while `generate` runs; `prepare_params` does this step alone and
-     returns a `PreparedParams` that later `generate` calls reuse (once per parameter version instead of
-     once per call).
+     layers unrolled with a per-layer KV cache (XLA:CPU copies a stacked weight's or cache's slice out of
+     the stack inside a loop), and fused q/k/v makes a layer's matmuls per token 5 instead of 7. The copy
+     holds one parameter-sized buffer while `generate` runs; `prepare_params` does this step alone and
+     returns a `PreparedParams` that later `generate` calls reuse (once per parameter version).
   3. Jitted prefill: the prompts run through the model into a fresh KV cache of P + max_new_tokens slots
      (segment id 1 on real tokens, 0 on pads, so pads are never attended to; RoPE positions count real
      tokens only), and response index 0 is sampled from the last prompt position.
@@ -45,7 +43,6 @@ from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.inference_layout import fuse_qkv_params, fused_qkv_keeps_sharding, unstack_layer_params
 from minpro_jax.models.quant import PRECISIONS, precision_config, prepare_inference_params
 from minpro_jax.models.transformer import KVCache, Transformer, rope_tables
-from minpro_jax.param_store import ParamStore
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
 from minpro_jax.sampling.methods import SamplingParams
@@ -118,7 +115,7 @@ class Sampler:
       happens in `prepare_params`, after the FP8 rounding). Same tokens and log-probs up to the matmul's
       summation order. Ignored (no fusion) on a mesh whose head split does not divide the KV-head count,
       where the fused matrix could not be split like the unfused ones (`fused_qkv_keeps_sharding`);
-      `self.config.fuse_qkv` says what runs. False keeps the learner's projections (for A/B measurements).
+      `self.config.fuse_qkv` says what runs. False keeps the learner's separate projections.
 
   Raises:
     ValueError: unknown precision, or empty / unsorted buckets.
@@ -266,16 +263,15 @@ class Sampler:
     """Samples `group_size` responses for every prompt.
 
     Args:
-      params: an `nnx.State` of the policy parameters (from `nnx.split(model)`), a `Transformer`, the
-        `PreparedParams` of `prepare_params` (converted once, reused across calls), or a `ParamStore` (then
-        `policy_version` selects the version and must be held by the store).
+      params: an `nnx.State` of the policy parameters (from `nnx.split(model)`), a `Transformer`, or the
+        `PreparedParams` of `prepare_params` (converted once, reused across calls).
       prompts: list of N0 non-empty token-id lists (ints in [0, vocab_size)).
       sampling: `SamplingParams`.
       seed: int seed or a PRNG key.
       group_size: G >= 1 samples per prompt; rows are ordered prompt-major (prompt0 x G, prompt1 x G, ...).
       group_ids: N0 ints, one per prompt (default 0..N0-1); every sample of a prompt carries it.
-      policy_version: the version the params are (stamped on the batch; required with a `ParamStore`;
-        otherwise default -1 = unversioned).
+      policy_version: optional int, the version (number of optimizer updates) of the params, stamped on
+        the batch (None: -1 = unversioned).
 
     Returns:
       A `GenerationBatch` of N0 * G rows.
@@ -283,14 +279,9 @@ class Sampler:
     Raises:
       ValueError: empty prompt list or prompt, token ids outside the vocabulary, a prompt longer than the
         largest prompt bucket, bad group_size / group_ids / sampling, params that do not fit the config.
-      KeyError: `policy_version` is not (or no longer) held by the `ParamStore`.
     """
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    if isinstance(params, ParamStore):
-      if policy_version is None:
-        raise ValueError("policy_version is required when params is a ParamStore")
-      params = params.get(policy_version)
     version = -1 if policy_version is None else int(policy_version)
     if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
       raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
