@@ -57,7 +57,7 @@ def bench(name: str, steps: int) -> dict:
   c.log.progress = False
   c.log.tensorboard = False
   t0 = time.time()
-  trainer = Trainer(c)
+  trainer = Trainer.from_config(c)
   setup = time.time() - t0
   trainer.run()
   recs = [r for r in read_metrics(c.workdir) if 0 <= r.get("step", -1) < steps]

@@ -220,19 +220,6 @@ class RunCheckpointer:
   def best_step(self) -> int | None:
     return self._best.latest_step()
 
-  def restore_best(self, params_template: Any) -> tuple[Any, dict[str, Any]]:
-    """(params, meta) of the best checkpoint. Raises FileNotFoundError if there is none."""
-    step = self._best.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"no best checkpoint under {self.workdir}/best")
-    out = self._best.restore(
-        step,
-        args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(params_template)), meta=ocp.args.JsonRestore()
-        ),
-    )
-    return out["params"], out["meta"]
-
   def close(self) -> None:
     self._mngr.close()
     self._best.close()

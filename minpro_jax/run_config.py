@@ -1,31 +1,41 @@
-"""From a config to the run's parts: validation, tokenizer, problems, model, loss and optimizer configs.
+"""A training config (`minpro_jax/configs/default.py`) checked and turned into the typed configs of its parts.
 
-`validate_config` runs before anything expensive and fails with a message naming the config field and the fix.
+`validate_config` runs before anything expensive. Each field is checked once, against the choices of the module
+that owns it (imported, never copied), and a failure is a `ConfigError` whose message starts with
+`config.<field>:` and says how to fix it. Where a part validates its own settings (`SamplingParams`, the
+objectives' hyper-parameters, `ModelConfig`), the config is handed to it and its error is renamed to the config
+field. `loss_config`, `optimizer_config` and `sampling_params` build the typed configs the learner and the
+sampler take; `resume_fingerprint` / `check_resume` keep a workdir to one experiment.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
+import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from minpro_jax.data.records import MathProblem
+from minpro_jax.data.prompts import TEMPLATES
+from minpro_jax.data.sources import FORMATS, get_source
+from minpro_jax.errors import ConfigError
+from minpro_jax.models.config import PRESETS, get_preset
+from minpro_jax.models.quant import PRECISIONS
+from minpro_jax.rl.advantages import ADVANTAGE_MODES
 from minpro_jax.rl.learner import LossConfig, OptimizerConfig
-from minpro_jax.rl.objectives import METHODS
+from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
+from minpro_jax.runtime.sharding import MESH_AXES
+from minpro_jax.sampling import SamplingParams
 
-logger = logging.getLogger(__name__)
+__all__ = ["ConfigError", "validate_config", "check_mipu_problem_count", "loss_config", "optimizer_config"]
 
-MODEL_SOURCES = ("scratch", "hf", "gguf")
-TOKENIZER_KINDS = ("train_spm", "path", "model")
-DATA_SOURCES = ("reasoning_gym", "file", "champ")
-
-
-class ConfigError(ValueError):
-  """A config field is invalid; the message names `config.<field>` and how to fix it."""
+MODEL_SOURCES = ("scratch", "hf", "gguf")  # how run_setup builds the model
+TOKENIZER_KINDS = ("train_spm", "path", "model")  # how run_setup builds the tokenizer
+REWARD_MODES = ("math", "integer")  # minpro_jax.data.rewards.math_reward's modes
+SCHEDULES = ("constant", "cosine", "linear")  # minpro_jax.rl.learner.make_schedule's schedules
 
 
 def _need(cond: bool, field: str, msg: str) -> None:
@@ -34,44 +44,66 @@ def _need(cond: bool, field: str, msg: str) -> None:
 
 
 def parse_mesh_shape(spec: str) -> dict[str, int] | None:
-  """ "data=2,fsdp=4" -> {"data": 2, "fsdp": 4}; "" -> None."""
+  """`"data=2,fsdp=4"` -> `{"data": 2, "fsdp": 4}`; `""` -> None. Raises ConfigError naming `config.mesh.shape`."""
   if not spec:
     return None
   out = {}
   for part in spec.split(","):
     name, _, size = part.partition("=")
-    _need(
-        bool(name.strip()) and size.strip().lstrip("-").isdigit(),
-        "mesh.shape",
-        f"cannot parse {part!r}; write e.g. 'data=2,fsdp=4'",
-    )
+    ok = bool(name.strip()) and size.strip().lstrip("-").isdigit()
+    _need(ok, "mesh.shape", f"cannot parse {part!r}; write e.g. 'data=2,fsdp=4'")
     out[name.strip()] = int(size)
   return out
 
 
 def validate_config(c, num_devices: int | None = None) -> None:
-  """Checks every cross-field constraint of a training config.
+  """Checks every field and cross-field constraint of a training config.
+
+  Args:
+    c: the `ml_collections.ConfigDict` of `minpro_jax/configs/default.py` (or a config built on it).
+    num_devices: devices the mesh must use (default `len(jax.devices())`).
 
   Raises:
-    ConfigError: naming the field, e.g. batch not divisible by the number of updates or micro-batch,
-      negative delay, unknown method, mesh not dividing the device count, missing checkpoint path.
+    ConfigError: naming `config.<field>` and the fix.
   """
-  num_devices = num_devices or len(jax.devices())
+  _check_run(c)
+  _check_model(c)
+  _check_data(c)
+  sampling_params(c, stop_token_ids=())
+  _need(
+      c.sampling.temperature > 0,
+      "sampling.temperature",
+      "must be > 0 for RL (the learner scores the sampled tokens under the temperature-scaled distribution)",
+  )
+  _need(
+      c.sampling.precision in PRECISIONS, "sampling.precision", f"{c.sampling.precision!r}; choose one of {PRECISIONS}"
+  )
+  loss_config(c)
+  _check_optimizer(c)
+  _need(c.advantage_mode in ADVANTAGE_MODES, "advantage_mode", f"{c.advantage_mode!r}; choose one of {ADVANTAGE_MODES}")
+  _need(c.reward.mode in REWARD_MODES, "reward.mode", f"{c.reward.mode!r}; choose one of {REWARD_MODES}")
+  _check_eval(c)
+  _check_mipu(c)
+  if c.sft.enabled:
+    ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
+    _need(ok, "sft", "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
+  _check_mesh(c, num_devices or len(jax.devices()))
+
+
+def _check_run(c) -> None:
   _need(
       bool(c.workdir),
       "workdir",
-      "must not be empty (the run writes checkpoints, metrics and plots there); " "e.g. --config.workdir=runs/my_run",
+      "must not be empty (the run writes checkpoints, metrics and plots there); e.g. --config.workdir=runs/my_run",
   )
   _need(
       not os.path.exists(c.workdir) or os.path.isdir(c.workdir),
       "workdir",
       f"{c.workdir!r} exists and is not a directory; choose another path",
   )
-  _need(c.total_steps > 0, "total_steps", f"must be > 0, got {c.total_steps}")
-  _need(c.prompts_per_step > 0, "prompts_per_step", f"must be > 0, got {c.prompts_per_step}")
-  _need(c.group_size >= 1, "group_size", f"must be >= 1, got {c.group_size}")
+  for field, low in (("total_steps", 1), ("prompts_per_step", 1), ("group_size", 1), ("num_updates_per_step", 1)):
+    _need(c[field] >= low, field, f"must be >= {low}, got {c[field]}")
   _need(c.delay >= 0, "delay", f"must be >= 0 (0 = on-policy), got {c.delay}")
-  _need(c.num_updates_per_step >= 1, "num_updates_per_step", f"must be >= 1, got {c.num_updates_per_step}")
   n = c.prompts_per_step * c.group_size
   _need(
       n % c.num_updates_per_step == 0,
@@ -89,68 +121,141 @@ def validate_config(c, num_devices: int | None = None) -> None:
       "micro_batch_size",
       f"mini-batch of {mini} samples is not divisible by micro_batch_size={c.micro_batch_size}",
   )
-  _need(c.loss.method in METHODS, "loss.method", f"unknown method {c.loss.method!r}; choose one of {METHODS}")
-  _need(c.model.source in MODEL_SOURCES, "model.source", f"{c.model.source!r}; choose one of {MODEL_SOURCES}")
-  if c.model.source == "hf":
-    _need(
-        bool(c.model.path) and os.path.isdir(c.model.path),
-        "model.path",
-        f"HF checkpoint folder {c.model.path!r} does not exist; point it at a folder with config.json + safetensors",
-    )
-  if c.model.source == "gguf" and c.model.path:
-    _need(os.path.isfile(c.model.path), "model.path", f"GGUF file {c.model.path!r} does not exist")
-  _need(c.tokenizer.kind in TOKENIZER_KINDS, "tokenizer.kind", f"{c.tokenizer.kind!r}; choose one of {TOKENIZER_KINDS}")
-  if c.tokenizer.kind == "path":
-    _need(
-        bool(c.tokenizer.path) and os.path.exists(c.tokenizer.path),
-        "tokenizer.path",
-        f"{c.tokenizer.path!r} does not exist",
-    )
-  _need(c.data.source in DATA_SOURCES, "data.source", f"{c.data.source!r}; choose one of {DATA_SOURCES}")
-  if c.data.source == "file":
-    _need(
-        bool(c.data.path) and not os.path.isdir(c.data.path),
-        "data.path",
-        f"{c.data.path!r} is a directory; point it at one .jsonl / .json / .parquet file",
-    )
-    _need(os.path.isfile(c.data.path), "data.path", f"data file {c.data.path!r} does not exist")
-  _need(c.sampling.max_new_tokens > 0, "sampling.max_new_tokens", f"must be > 0, got {c.sampling.max_new_tokens}")
-  _need(
-      c.sampling.temperature > 0,
-      "sampling.temperature",
-      "must be > 0 for RL (the learner scores the sampled tokens under the temperature-scaled distribution)",
-  )
-  _need(
-      c.sampling.precision in ("fp32", "bf16", "fp8"),
-      "sampling.precision",
-      f"{c.sampling.precision!r}; choose fp32, bf16 or fp8",
-  )
-  _need(c.checkpoint.every >= 0, "checkpoint.every", f"must be >= 0, got {c.checkpoint.every}")
-  _need(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}")
-  _need(c.eval.n >= 1, "eval.n", f"must be >= 1, got {c.eval.n}")
-  _need(c.eval.num_problems >= 1, "eval.num_problems", f"must be >= 1, got {c.eval.num_problems}")
-  _need(all(1 <= k <= c.eval.n for k in c.eval.ks), "eval.ks", f"every k must lie in [1, eval.n={c.eval.n}]")
-  _validate_choices_and_ranges(c)
-  shape = parse_mesh_shape(c.mesh.shape)
-  if shape:
-    from minpro_jax.runtime.sharding import MESH_AXES
+  for field in ("every", "keep"):
+    low = 0 if field == "every" else 1
+    _need(c.checkpoint[field] >= low, f"checkpoint.{field}", f"must be >= {low}, got {c.checkpoint[field]}")
 
-    unknown = set(shape) - set(MESH_AXES)
-    _need(not unknown, "mesh.shape", f"unknown axes {sorted(unknown)}; mesh axes are {MESH_AXES}")
-    fill = [a for a, v in shape.items() if v == -1]
+
+_MODEL_FIELD = re.compile(r"ModelConfig\.(\w+)")
+
+
+def _check_model(c) -> None:
+  m = c.model
+  _need(m.source in MODEL_SOURCES, "model.source", f"{m.source!r}; choose one of {MODEL_SOURCES}")
+  if m.source == "hf":
     _need(
-        len(fill) <= 1 and all(v > 0 or v == -1 for v in shape.values()),
-        "mesh.shape",
-        f"{c.mesh.shape!r}: sizes must be positive, with at most one -1 (= the remaining devices)",
+        bool(m.path) and os.path.isdir(m.path),
+        "model.path",
+        f"HF checkpoint folder {m.path!r} does not exist; point it at a folder with config.json + safetensors",
     )
-    prod = 1
-    for v in shape.values():
-      prod *= v if v > 0 else 1
-    _need(
-        num_devices % prod == 0 if fill else prod == num_devices,
-        "mesh.shape",
-        f"{c.mesh.shape!r} does not divide the {num_devices} available devices",
-    )
+  if m.source == "gguf" and m.path:
+    _need(os.path.isfile(m.path), "model.path", f"GGUF file {m.path!r} does not exist")
+  t = c.tokenizer
+  _need(t.kind in TOKENIZER_KINDS, "tokenizer.kind", f"{t.kind!r}; choose one of {TOKENIZER_KINDS}")
+  if t.kind == "path":
+    _need(bool(t.path) and os.path.exists(t.path), "tokenizer.path", f"{t.path!r} does not exist")
+  if m.source != "scratch":
+    return
+  _need(m.preset in PRESETS, "model.preset", f"{m.preset!r}; choose one of {sorted(PRESETS)}")
+  _need(
+      t.kind != "model",
+      "tokenizer.kind",
+      "'model' reads the tokenizer of an hf/gguf checkpoint; with model.source=scratch use train_spm or path",
+  )
+  try:  # ModelConfig checks its own fields: name the config field that set the bad value
+    get_preset(m.preset, **dict(m.overrides), **model_overrides(c))
+  except (TypeError, ValueError) as e:
+    hit = _MODEL_FIELD.search(str(e)) or re.search(r"argument '(\w+)'", str(e))
+    name = hit.group(1) if hit else ""
+    field = f"model.overrides.{name}" if name in m.overrides else f"model.{name}" if name in m else "model.overrides"
+    raise ConfigError(f"config.{field}: {e}") from e
+
+
+def model_overrides(c) -> dict[str, Any]:
+  """The `ModelConfig` fields `config.model` sets for every model source."""
+  m = c.model
+  return {"param_dtype": m.param_dtype, "dtype": m.dtype, "remat": m.remat, "scan_layers": bool(m.scan_layers)}
+
+
+def _check_data(c) -> None:
+  d = c.data
+  source = get_source(d.source)
+  _need(d.format in FORMATS, "data.format", f"{d.format!r}; choose one of {FORMATS}")
+  if source.validate is not None:
+    source.validate(d)
+  _need(d.template in TEMPLATES, "data.template", f"{d.template!r}; choose one of {TEMPLATES}")
+  _need(d.num_epochs > 0, "data.num_epochs", f"must be > 0, got {d.num_epochs}")
+  _need(d.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {d.max_prompt_tokens}")
+
+
+def _check_optimizer(c) -> None:
+  o = c.optimizer
+  _need(o.schedule in SCHEDULES, "optimizer.schedule", f"{o.schedule!r}; choose one of {SCHEDULES}")
+  _need(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
+
+
+def _check_eval(c) -> None:
+  e = c.eval
+  _need(e.n >= 1, "eval.n", f"must be >= 1, got {e.n}")
+  _need(e.num_problems >= 1, "eval.num_problems", f"must be >= 1, got {e.num_problems}")
+  _need(all(1 <= k <= e.n for k in e.ks), "eval.ks", f"every k must lie in [1, eval.n={e.n}]")
+  _need(0.0 < e.top_p <= 1.0, "eval.top_p", f"must lie in (0, 1] (1 = off), got {e.top_p}")
+  _need(e.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {e.temperature}")
+  _need(e.every >= 0, "eval.every", f"must be >= 0 (0 = only at start and end), got {e.every}")
+  _need(
+      e.reward_mode is None or e.reward_mode in REWARD_MODES,
+      "eval.reward_mode",
+      f"{e.reward_mode!r}; choose one of {REWARD_MODES}, or leave it unset for reward.mode",
+  )
+  for name, fmt, path in eval_files(c):
+    _need(bool(name and fmt and path), "eval.path", f"cannot parse {name}={fmt}:{path}; write name=fmt:path")
+    _need(os.path.isfile(path), "eval.path", f"{name}={fmt}:{path}: write name=fmt:path with an existing file")
+
+
+def eval_files(c) -> list[tuple[str, str, str]]:
+  """`config.eval.path` ("name=fmt:path,name2=fmt:path2") as (name, fmt, path) triples."""
+  out = []
+  for item in filter(None, (c.eval.path or "").split(",")):
+    name, _, rest = item.partition("=")
+    fmt, _, path = rest.partition(":")
+    out.append((name, fmt, path))
+  return out
+
+
+def _check_mipu(c) -> None:
+  m = c.mipu
+  if not m.rollback:
+    return
+  _need(math.isfinite(m.gap_tolerance), "mipu.gap_tolerance", f"must be a finite number, got {m.gap_tolerance}")
+  _need(m.val_prompts >= 1, "mipu.val_prompts", f"must be >= 1, got {m.val_prompts}")
+  _need(
+      m.val_group_size >= 2,
+      "mipu.val_group_size",
+      f"must be >= 2 (T_post needs group-normalised advantages), got {m.val_group_size}",
+  )
+  n_val = m.val_prompts * m.val_group_size
+  mb = min(learner_micro_batch(c), n_val)  # the learner scores the validation batch in these micro-batches
+  _need(
+      n_val % mb == 0,
+      "mipu.val_prompts",
+      f"val_prompts * val_group_size = {n_val} validation samples are not divisible by the scoring micro-batch "
+      f"{mb} (micro_batch_size); choose sizes whose product is a multiple of {mb}",
+  )
+
+
+def learner_micro_batch(c) -> int:
+  """Samples per micro-batch of the learner: `micro_batch_size`, at most one mini-batch."""
+  return min(c.micro_batch_size, c.prompts_per_step * c.group_size // c.num_updates_per_step)
+
+
+def _check_mesh(c, num_devices: int) -> None:
+  shape = parse_mesh_shape(c.mesh.shape)
+  if not shape:
+    return
+  unknown = set(shape) - set(MESH_AXES)
+  _need(not unknown, "mesh.shape", f"unknown axes {sorted(unknown)}; mesh axes are {MESH_AXES}")
+  fill = [a for a, v in shape.items() if v == -1]
+  _need(
+      len(fill) <= 1 and all(v > 0 or v == -1 for v in shape.values()),
+      "mesh.shape",
+      f"{c.mesh.shape!r}: sizes must be positive, with at most one -1 (= the remaining devices)",
+  )
+  prod = math.prod(v for v in shape.values() if v > 0)
+  _need(
+      num_devices % prod == 0 if fill else prod == num_devices,
+      "mesh.shape",
+      f"{c.mesh.shape!r} does not divide the {num_devices} available devices",
+  )
 
 
 def check_mipu_problem_count(c, num_problems: int) -> None:
@@ -168,99 +273,101 @@ def check_mipu_problem_count(c, num_problems: int) -> None:
     )
 
 
-def _validate_choices_and_ranges(c) -> None:
-  """Every enumerated or bounded field, so a typo fails at start and not after the warm start."""
-  from minpro_jax.data.prompts import TEMPLATES
-  from minpro_jax.data.sources import FORMATS
-  from minpro_jax.models.config import PRESETS
-  from minpro_jax.rl.advantages import ADVANTAGE_MODES
-  from minpro_jax.rl.aggregation import LOSS_AGG_MODES
-  from minpro_jax.rl.prefix import PREFIX_STATISTICS
+# ---------------------------------------------------------------------------------------------- typed configs
+def sampling_params(c, stop_token_ids) -> SamplingParams:
+  """The sampler's `SamplingParams` of `config.sampling` (top_k 0 and top_p 1 mean off).
 
-  _need(c.data.format in FORMATS, "data.format", f"{c.data.format!r}; choose one of {FORMATS}")
+  Raises:
+    ConfigError: naming the `config.sampling` field `SamplingParams` refuses.
+  """
+  s = c.sampling
+  try:
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k or None,
+        top_p=s.top_p if s.top_p != 1.0 else None,
+        max_new_tokens=s.max_new_tokens,
+        stop_token_ids=tuple(int(i) for i in stop_token_ids),
+    )
+  except ValueError as e:
+    hit = re.search(r"SamplingParams\.(\w+)", str(e))
+    raise ConfigError(f"config.sampling.{hit.group(1) if hit else ''}: {e}") from e
+
+
+# config.loss fields that are not objective hyper-parameters
+_LOSS_TERMS = ("method", "entropy_coef", "kl_coef", "router_aux_coef", "logprob_chunk_size")
+_COMMON_HPARAMS = ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis")
+
+
+def loss_config(c) -> LossConfig:
+  """The learner's `LossConfig` of `config.loss`, its hyper-parameters checked by the objectives themselves.
+
+  Every `config.loss` field named like a hyper-parameter of some registered objective is passed to the configured
+  method when set (None = the method's default, `minpro_jax.rl.objectives`); `tis_cap` only with `rollout_is`.
+
+  Raises:
+    ConfigError: `config.loss.method` is not registered; a field is set that the method does not take; a value the
+      objective refuses (checked with an abstract call of `policy_loss`, nothing is computed).
+  """
   l = c.loss
-  _need(
-      l.prefix_statistic in PREFIX_STATISTICS,
-      "loss.prefix_statistic",
-      f"{l.prefix_statistic!r}; choose one of {PREFIX_STATISTICS}",
-  )
-  _need(
-      not l.loss_agg_mode or l.loss_agg_mode in LOSS_AGG_MODES,
-      "loss.loss_agg_mode",
-      f"{l.loss_agg_mode!r}; choose one of {LOSS_AGG_MODES} (or '' for the method's default)",
-  )
-  _need(l.rollout_is in ("", "token", "sequence"), "loss.rollout_is", f"{l.rollout_is!r}; choose '', token or sequence")
-  _need(
-      l.rollout_mis in ("", "token", "sequence", "geometric"),
-      "loss.rollout_mis",
-      f"{l.rollout_mis!r}; choose '', token, sequence or geometric",
-  )
-  _need(l.eps_low < 1.0, "loss.eps_low", "must be < 1 (a ratio bound 1 - eps_low > 0), or < 0 for the default")
-  _need(l.dual_clip_c == 0 or l.dual_clip_c > 1, "loss.dual_clip_c", "must be 0 (off) or > 1")
-  _need(l.tis_cap > 0, "loss.tis_cap", f"must be > 0, got {l.tis_cap}")
+  try:
+    objective = get_objective(l.method)
+  except ValueError as e:
+    raise ConfigError(f"config.loss.method: {e}") from e
+  method_fields = sorted({k for o in OBJECTIVES.values() for k in o.defaults} & set(l.keys()))
+  hp: dict[str, Any] = {}
+  for name in ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis", *method_fields):
+    value = l[name]
+    if value is None or (name == "tis_cap" and l.rollout_is is None):
+      continue
+    if name not in _COMMON_HPARAMS and name not in objective.defaults:
+      takes = sorted(o.name for o in OBJECTIVES.values() if name in o.defaults)
+      raise ConfigError(
+          f"config.loss.{name}: method {l.method!r} does not take it (methods that do: {takes}); unset it"
+      )
+    hp[name] = value
+    if name == "loss_agg_mode" and value == "seq-mean-token-sum-norm":
+      hp["max_response_length"] = int(c.sampling.max_new_tokens)
+    try:  # the objective validates its own hyper-parameters; a failure is the field just added
+      _probe_policy_loss(l.method, hp)
+    except ValueError as e:
+      raise ConfigError(f"config.loss.{name}: {e}") from e
   _need(l.logprob_chunk_size > 0, "loss.logprob_chunk_size", f"must be > 0, got {l.logprob_chunk_size}")
-  _need(
-      c.optimizer.schedule in ("constant", "cosine", "linear"),
-      "optimizer.schedule",
-      f"{c.optimizer.schedule!r}; choose constant, cosine or linear",
+  return LossConfig(
+      method=l.method,
+      hparams=tuple(sorted(hp.items())),
+      temperature=float(c.sampling.temperature),
+      entropy_coef=float(l.entropy_coef),
+      kl_coef=float(l.kl_coef),
+      router_aux_coef=float(l.router_aux_coef),
+      logprob_chunk_size=int(l.logprob_chunk_size),
   )
-  _need(c.optimizer.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {c.optimizer.learning_rate}")
-  _need(c.advantage_mode in ADVANTAGE_MODES, "advantage_mode", f"{c.advantage_mode!r}; choose one of {ADVANTAGE_MODES}")
-  _need(c.reward.mode in ("math", "integer"), "reward.mode", f"{c.reward.mode!r}; choose math or integer")
-  _need(
-      c.eval.reward_mode in ("", "math", "integer"),
-      "eval.reward_mode",
-      f"{c.eval.reward_mode!r}; choose '' (= reward.mode), math or integer",
-  )
-  _need(c.data.template in TEMPLATES, "data.template", f"{c.data.template!r}; choose one of {TEMPLATES}")
-  _need(c.data.num_epochs > 0, "data.num_epochs", f"must be > 0, got {c.data.num_epochs}")
-  _need(c.data.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {c.data.max_prompt_tokens}")
-  if c.model.source == "scratch":
-    _need(c.model.preset in PRESETS, "model.preset", f"{c.model.preset!r}; choose one of {sorted(PRESETS)}")
-    _need(
-        c.tokenizer.kind != "model",
-        "tokenizer.kind",
-        "'model' reads the tokenizer of an hf/gguf checkpoint; with model.source=scratch use train_spm or path",
-    )
-  for name in ("sampling.top_p", "eval.top_p"):
-    v = c.sampling.top_p if name.startswith("sampling") else c.eval.top_p
-    _need(0.0 < v <= 1.0, name, f"must lie in (0, 1] (1 = off), got {v}")
-  _need(c.sampling.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 = off), got {c.sampling.top_k}")
-  _need(c.eval.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {c.eval.temperature}")
-  _need(c.eval.every >= 0, "eval.every", f"must be >= 0 (0 = only at start and end), got {c.eval.every}")
-  if c.mipu.rollback:
-    _need(
-        math.isfinite(c.mipu.gap_tolerance),
-        "mipu.gap_tolerance",
-        f"must be a finite number, got {c.mipu.gap_tolerance}",
-    )
-    _need(c.mipu.val_prompts >= 1, "mipu.val_prompts", f"must be >= 1, got {c.mipu.val_prompts}")
-    _need(
-        c.mipu.val_group_size >= 2,
-        "mipu.val_group_size",
-        f"must be >= 2 (T_post needs group-normalised advantages), got {c.mipu.val_group_size}",
-    )
-    n_val = c.mipu.val_prompts * c.mipu.val_group_size
-    mini = c.prompts_per_step * c.group_size // c.num_updates_per_step
-    mb = min(c.micro_batch_size, mini, n_val)  # the learner scores the validation batch in these micro-batches
-    _need(
-        n_val % mb == 0,
-        "mipu.val_prompts",
-        f"val_prompts * val_group_size = {n_val} validation samples are not divisible by the scoring micro-batch "
-        f"{mb} (micro_batch_size); choose sizes whose product is a multiple of {mb}",
-    )
-  if c.sft.enabled:
-    _need(
-        c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0,
-        "sft",
-        "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)",
-    )
-  if c.eval.path:
-    for item in c.eval.path.split(","):
-      path = item.partition("=")[2].partition(":")[2]
-      _need(bool(path) and os.path.isfile(path), "eval.path", f"{item!r}: write name=fmt:path with an existing file")
 
 
+def _probe_policy_loss(method: str, hparams: dict[str, Any]) -> None:
+  x = jax.ShapeDtypeStruct((1, 2), jnp.float32)
+  extra = {"rollout_logp": x} if hparams.get("rollout_is") or hparams.get("rollout_mis") else {}
+  adv = jax.ShapeDtypeStruct((1,), jnp.float32)
+  mask = jax.ShapeDtypeStruct((1, 2), jnp.bool_)
+  jax.eval_shape(lambda lp, b, a, m, **kw: policy_loss(method, lp, b, a, m, **hparams, **kw), x, x, adv, mask, **extra)
+
+
+def optimizer_config(c) -> OptimizerConfig:
+  """The learner's `OptimizerConfig` of `config.optimizer`."""
+  o = c.optimizer
+  return OptimizerConfig(
+      learning_rate=float(o.learning_rate),
+      warmup_steps=int(o.warmup_steps),
+      schedule=o.schedule,
+      decay_steps=int(o.decay_steps),
+      final_lr_ratio=float(o.final_lr_ratio),
+      weight_decay=float(o.weight_decay),
+      max_grad_norm=float(o.max_grad_norm),
+      b2=float(o.b2),
+  )
+
+
+# ---------------------------------------------------------------------------------------------- resume check
 # Fields a run checkpoint is only valid for: resuming with other values would silently change the experiment.
 RESUME_KEYS = (
     "seed",
@@ -279,28 +386,16 @@ RESUME_KEYS = (
     "advantage_mode",
     "reward",
     "mipu",
-    "eval.seed",
+    "eval.seed",  # the held-out prompts are removed from training, so the eval fields that choose them count
     "eval.num_problems",
     "eval.path",
-)  # the held-out prompts are removed from training
+)
 
 
 def _mipu_equivalent(now: Any, stored: Any) -> bool:
-  """The mipu settings matter only when rollback is on (a checkpoint from before they existed has none)."""
+  """The mipu settings change the experiment only when rollback is on."""
   off = lambda v: not (v or {}).get("rollback", False)  # noqa: E731
   return now == stored or (off(now) and off(stored))
-
-
-# Fingerprint keys whose values may differ without changing the experiment.
-# A key added to RESUME_KEYS after a checkpoint was written is absent from its fingerprint: accept it.
-_added_later = lambda now, stored: stored is None or now == stored  # noqa: E731
-_EQUIVALENT = {
-    "mipu": _mipu_equivalent,
-    "sampling.max_new_tokens": _added_later,
-    "eval.seed": _added_later,
-    "eval.num_problems": _added_later,
-    "eval.path": _added_later,
-}
 
 
 def _differing_fields(key: str, now: Any, stored: Any) -> list[str]:
@@ -323,14 +418,15 @@ def resume_fingerprint(c) -> dict[str, Any]:
 
 
 def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
-  """Raises ConfigError when the config differs from the one the checkpoint in `workdir` was written with."""
+  """Raises ConfigError naming `config.workdir` and each differing field when the config differs from the one the
+  checkpoint in `workdir` was written with (`stored`, its `resume_fingerprint`)."""
   if not stored:
     return
   now = resume_fingerprint(c)
   diff = [
       f
       for k in sorted(set(now) | set(stored))
-      if now.get(k) != stored.get(k) and not (k in _EQUIVALENT and _EQUIVALENT[k](now.get(k), stored.get(k)))
+      if now.get(k) != stored.get(k) and not (k == "mipu" and _mipu_equivalent(now.get(k), stored.get(k)))
       for f in _differing_fields(k, now.get(k), stored.get(k))
   ]
   _need(
@@ -339,156 +435,3 @@ def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
       f"{workdir} holds a checkpoint of a run with different {', '.join(diff)}; resuming would mix two "
       "experiments. Use a new --config.workdir (or delete the old one)",
   )
-
-
-def loss_config(c) -> LossConfig:
-  """`LossConfig` from `config.loss` (negative/empty values mean the method's default)."""
-  l = c.loss
-  hp: dict[str, Any] = {}
-  if l.method == "minpro":
-    hp["prefix_statistic"] = l.prefix_statistic
-  if l.eps_low >= 0:
-    hp["eps_low"] = float(l.eps_low)
-  if l.eps_high >= 0:
-    hp["eps_high"] = float(l.eps_high)
-  if l.loss_agg_mode:
-    hp["loss_agg_mode"] = l.loss_agg_mode
-    if l.loss_agg_mode == "seq-mean-token-sum-norm":
-      hp["max_response_length"] = int(c.sampling.max_new_tokens)
-  if l.method == "grpo" and l.dual_clip_c > 0:
-    hp["dual_clip_c"] = float(l.dual_clip_c)
-  if l.rollout_is:
-    hp["rollout_is"] = l.rollout_is
-    hp["tis_cap"] = float(l.tis_cap)
-  if l.rollout_mis:
-    hp["rollout_mis"] = l.rollout_mis
-  return LossConfig(
-      method=l.method,
-      hparams=tuple(sorted(hp.items())),
-      temperature=float(c.sampling.temperature),
-      entropy_coef=float(l.entropy_coef),
-      kl_coef=float(l.kl_coef),
-      router_aux_coef=float(l.router_aux_coef),
-      logprob_chunk_size=int(l.logprob_chunk_size),
-  )
-
-
-def optimizer_config(c) -> OptimizerConfig:
-  o = c.optimizer
-  return OptimizerConfig(
-      learning_rate=float(o.learning_rate),
-      warmup_steps=int(o.warmup_steps),
-      schedule=o.schedule,
-      decay_steps=int(o.decay_steps),
-      final_lr_ratio=float(o.final_lr_ratio),
-      weight_decay=float(o.weight_decay),
-      max_grad_norm=float(o.max_grad_norm),
-      b2=float(o.b2),
-  )
-
-
-def load_problems(c, *, seed: int, size: int) -> list[MathProblem]:
-  """Problems of `config.data` (for reasoning-gym: `size` problems from generator seed `seed`)."""
-  from minpro_jax.data import champ_problems, load_file, reasoning_gym_problems
-
-  d = c.data
-  if d.source == "reasoning_gym":
-    try:
-      return reasoning_gym_problems(d.task, size, seed, **dict(d.task_config))
-    except (ValueError, TypeError) as e:  # unknown task name / a task_config key the task does not take
-      raise ConfigError(
-          f"config.data.task / config.data.task_config: reasoning-gym refused task {d.task!r} with "
-          f"task_config={dict(d.task_config)} ({e}); minpro_jax/configs/default.py sets chain_sum's fields, so "
-          "for another task set data.task_config to that task's fields in your config file"
-      ) from e
-  if d.source == "champ":
-    return champ_problems()
-  problems = load_file(d.path, d.format)
-  _need(
-      bool(problems),
-      "data.path",
-      f"{d.path!r} holds no usable problem (skipped rows are logged above); each row "
-      f"needs a question and an answer in data.format={d.format!r}",
-  )
-  return problems
-
-
-def eval_benchmarks(c) -> dict[str, list[MathProblem]]:
-  """Held-out problems: a reasoning-gym draw with generator seed `eval.seed` (the trainer removes these prompts from
-  the training set), plus the `eval.path` files ("name=fmt:path,...")."""
-  from minpro_jax.data import load_file
-
-  out: dict[str, list[MathProblem]] = {}
-  if c.data.source == "reasoning_gym":
-    probs = load_problems(c, seed=c.eval.seed, size=c.eval.num_problems)
-    unique = list({p.prompt: p for p in probs}.values())
-    out[f"{c.data.task}_heldout"] = unique
-  if c.eval.path:
-    for item in c.eval.path.split(","):
-      name, _, rest = item.partition("=")
-      fmt, _, path = rest.partition(":")
-      _need(bool(name and fmt and path), "eval.path", f"cannot parse {item!r}; write name=fmt:path")
-      out[name] = load_file(path, fmt)[: c.eval.num_problems]
-  return out
-
-
-def remove_heldout(train: list[MathProblem], eval_sets: dict[str, list[MathProblem]]) -> list[MathProblem]:
-  """Training problems whose prompt text appears in no held-out set."""
-  held = {p.prompt for ps in eval_sets.values() for p in ps}
-  return [p for p in train if p.prompt not in held]
-
-
-HELDOUT_MAX_FRACTION = 0.2  # a split taken from the training data holds out at most this share of its prompts
-
-
-def train_and_eval_problems(c) -> tuple[list[MathProblem], dict[str, list[MathProblem]]]:
-  """The run's training problems and held-out benchmarks.
-
-  Held-out sets are `eval_benchmarks(c)`. A file or champ source has no held-out draw of its own: if `eval.path`
-  is empty too, `min(eval.num_problems, 20 % of the distinct prompts)` problems (at least 1) are split off the
-  training data with a shuffle seeded by `eval.seed` (benchmark "<name>_heldout"), so every run is evaluated on
-  problems it does not train on. Training problems whose prompt is in any held-out set are removed.
-
-  Returns:
-    (train problems in source order, {benchmark name: problems}).
-
-  Raises:
-    ConfigError: naming `config.data` if the held-out sets leave no training problem.
-  """
-  import numpy as np
-
-  eval_sets = eval_benchmarks(c)
-  problems = load_problems(c, seed=c.seed, size=c.data.size)
-  if not eval_sets:
-    prompts = list(dict.fromkeys(p.prompt for p in problems))
-    _need(
-        len(prompts) >= 2,
-        "data",
-        f"{len(prompts)} distinct problem(s), too few to split off a held-out set; "
-        "give more problems or a held-out file with eval.path=name=fmt:path",
-    )
-    n_held = min(int(c.eval.num_problems), max(1, int(HELDOUT_MAX_FRACTION * len(prompts))))
-    held = {prompts[i] for i in np.random.default_rng(int(c.eval.seed)).permutation(len(prompts))[:n_held]}
-    first = {}
-    for p in problems:
-      if p.prompt in held:
-        first.setdefault(p.prompt, p)
-    name = os.path.splitext(os.path.basename(c.data.path))[0] if c.data.source == "file" else c.data.source
-    eval_sets[f"{name}_heldout"] = list(first.values())
-    logger.warning(
-        "config.eval.path is empty: holding out %d of %d distinct %s problems (eval.seed=%d) as benchmark "
-        "%s_heldout; set eval.path=name=fmt:path to evaluate on a separate file instead",
-        n_held,
-        len(prompts),
-        c.data.source,
-        int(c.eval.seed),
-        name,
-    )
-  train = remove_heldout(problems, eval_sets)
-  _need(
-      bool(train),
-      "data",
-      "every training problem is also in a held-out set (eval.path or the reasoning-gym draw "
-      "of eval.seed); use other data or other held-out problems",
-  )
-  return train, eval_sets

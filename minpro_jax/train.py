@@ -32,10 +32,10 @@ def main(argv):
   from minpro_jax.runtime.distributed import maybe_initialize_distributed
 
   maybe_initialize_distributed()  # multi-host TPU / multi-node GPU only; must precede any JAX computation
+  from minpro_jax.run_setup import setup_run
   from minpro_jax.trainer import Trainer
 
-  trainer = Trainer(_CONFIG.value)
-  summary = trainer.run()
+  summary = Trainer(setup_run(_CONFIG.value)).run()
   keys = ("eval_after_sft", "eval_final", "best", "policy_version", "skipped_updates")
   print(json.dumps({k: summary[k] for k in keys}, indent=2))
 

@@ -81,7 +81,7 @@ def _run(tmp_path, name, **extra):
   from minpro_jax.trainer import Trainer
 
   ov = tiny_overrides(tmp_path, workdir=str(tmp_path / name), total_steps=3, delay=1, **extra)
-  tr = Trainer(make_config(ov))
+  tr = Trainer.from_config(make_config(ov))
   summary = tr.run()
   recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
   return tr, summary, [r for r in recs if 0 <= r["step"] < 3]
@@ -97,10 +97,13 @@ def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
   assert int(tr.final_state.step) == 0
   from flax import nnx
 
-  from minpro_jax.run_setup import build_model_and_tokenizer
+  from minpro_jax.run_setup import build_model, build_tokenizer, train_and_eval_problems, warm_start
 
   c = make_config(tiny_overrides(tmp_path, workdir=str(tmp_path / "fresh")))
-  fresh_model = build_model_and_tokenizer(c, tr.problems, None, str(tmp_path / "fresh"))[0]
+  problems, _ = train_and_eval_problems(c)
+  tok = build_tokenizer(c, problems)
+  fresh_model = build_model(c, tok, None)
+  warm_start(c, fresh_model, tok, problems)
   for a, b in zip(jax.tree.leaves(nnx.split(fresh_model)[1]), jax.tree.leaves(tr.final_state.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -90,7 +90,7 @@ def paper_run(tmp_path_factory):
           **{"loss.entropy_coef": 0.05, "optimizer.learning_rate": 1e-2},
       )
   )
-  tr = Trainer(c)
+  tr = Trainer.from_config(c)
   sampled, consumed = [], []
   orig_sample, orig_learn = tr.sample_step, tr.learn_step
 
@@ -100,7 +100,7 @@ def paper_run(tmp_path_factory):
     return batch, m
 
   def learn_step(state, batch):
-    now = tr.learner.score(state.params, batch.learner_arrays())
+    now = tr.learner.score(state.params, batch)
     consumed.append((int(state.step), batch, np.asarray(now)))
     return orig_learn(state, batch)
 

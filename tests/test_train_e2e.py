@@ -17,7 +17,7 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
       num_updates_per_step=2,
       **{"eval.every": 2, "checkpoint.every": 2, "log.plots": True, "log.tensorboard": True},
   )
-  tr = Trainer(make_config(ov))
+  tr = Trainer.from_config(make_config(ov))
   assert tr.sft_info["enabled"] and tr.sft_info["cached"] is False
   summary = tr.run()
   run = tmp_path / "run"
@@ -46,12 +46,12 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   # re-running the finished run's command resumes after its last step, repeats only the final evaluation and keeps
   # the best checkpoint it already has (orbax raised StepAlreadyExistsError before)
   best_before = sorted(os.listdir(run / "best"))
-  again = Trainer(make_config(ov)).run()
+  again = Trainer.from_config(make_config(ov)).run()
   assert again["policy_version"] == 6 and again["eval_final"] == on_disk["eval_final"]
   assert sorted(os.listdir(run / "best")) == best_before
   # a second run with the same SFT settings reuses the cached warm start (and tokenizer)
   ov2 = dict(ov, workdir=str(tmp_path / "run2"))
-  tr2 = Trainer(make_config(ov2))
+  tr2 = Trainer.from_config(make_config(ov2))
   assert tr2.sft_info["cached"] is True and tr2.sft_info["path"] == tr.sft_info["path"]
   # a disk without room for the checkpoints fails before any evaluation or step, not at the first save
   import collections
@@ -90,5 +90,5 @@ def test_smollm2_config_one_step(tmp_path):
     c.sft.enabled = False
   from minpro_jax.trainer import Trainer
 
-  summary = Trainer(c).run()
+  summary = Trainer.from_config(c).run()
   assert summary["policy_version"] == c.num_updates_per_step

@@ -9,7 +9,9 @@
 # Output: runs/default/.
 """Default experiment config (ml_collections)."""
 
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, config_dict
+
+_unset = config_dict.placeholder  # a typed field that is None until set: "the method's default"
 
 
 def base_config() -> ConfigDict:
@@ -40,7 +42,7 @@ def base_config() -> ConfigDict:
   c.tokenizer.kind = "train_spm"  # train_spm | path (HF folder / tokenizer.json / .model / .gguf) | model
   c.tokenizer.path = ""
   c.tokenizer.vocab_size = 384
-  c.tokenizer.chat_format = ""  # "" = the tokenizer's own (qwen3 / smollm2 / plain)
+  c.tokenizer.chat_format = _unset(str)  # unset = the tokenizer's own (qwen3 / smollm2 / plain)
 
   c.data = ConfigDict()
   c.data.source = "reasoning_gym"  # reasoning_gym | file | champ
@@ -65,16 +67,21 @@ def base_config() -> ConfigDict:
   c.reward.format_reward = 0.0
   c.advantage_mode = "grpo"  # grpo | drgrpo | rloo
 
+  # Objective hyper-parameters: unset = the method's default (minpro_jax/rl/objectives.py); a field the method
+  # does not take must stay unset.
   c.loss = ConfigDict()
-  c.loss.method = "minpro"  # minpro | grpo | gspo | gspo_token | cispo | m2po
-  c.loss.prefix_statistic = "min"  # min | mean | geomean | prod | none (minpro only)
-  c.loss.eps_low = -1.0  # < 0 means "method default" (minpro/cispo: no lower bound; grpo 0.2)
-  c.loss.eps_high = -1.0  # < 0 means "method default" (0.28; gspo 4e-4)
-  c.loss.loss_agg_mode = ""  # "" = method default (token-mean; gspo seq-mean-token-mean)
-  c.loss.dual_clip_c = 0.0  # 0 = off (grpo only)
-  c.loss.rollout_is = ""  # "" | token | sequence: TIS against the sampler (MIPU step 1: token, cap 2)
+  c.loss.method = "minpro"  # any registered objective: minpro | grpo | gspo | gspo_token | cispo | m2po
+  c.loss.prefix_statistic = _unset(str)  # minpro: min | mean | geomean | prod | none (default min)
+  c.loss.prefix_cap_at_one = _unset(bool)  # minpro: use min(f, 1) as the prefix factor
+  c.loss.surrogate = _unset(str)  # minpro: reinforce (default) | ppo
+  c.loss.eps_low = _unset(float)  # minpro/cispo: no lower bound; grpo 0.2; gspo 3e-4
+  c.loss.eps_high = _unset(float)  # 0.28; gspo 4e-4
+  c.loss.dual_clip_c = _unset(float)  # grpo: dual clip c > 1 (default off)
+  c.loss.m2_threshold = _unset(float)  # m2po: second-moment budget (default 0.04)
+  c.loss.loss_agg_mode = _unset(str)  # token-mean; gspo seq-mean-token-mean
+  c.loss.rollout_is = _unset(str)  # token | sequence: TIS against the sampler (MIPU step 1: token, cap 2)
   c.loss.tis_cap = 2.0
-  c.loss.rollout_mis = ""  # "" | token | sequence | geometric
+  c.loss.rollout_mis = _unset(str)  # token | sequence | geometric
   c.loss.entropy_coef = 0.0
   c.loss.kl_coef = 0.0
   c.loss.router_aux_coef = 0.0
@@ -120,7 +127,7 @@ def base_config() -> ConfigDict:
   c.eval.seed = 12345  # held-out problems come from a different generator seed
   c.eval.path = ""  # benchmark files "name=fmt:path,name2=fmt:path2"; for data.source file/champ,
   # empty = hold out min(num_problems, 20%) of the training problems
-  c.eval.reward_mode = ""  # "" = reward.mode; "math" for MATH-500 / OlympiadBench-style answers
+  c.eval.reward_mode = _unset(str)  # unset = reward.mode; "math" for MATH-500 / OlympiadBench-style answers
 
   c.checkpoint = ConfigDict()
   c.checkpoint.every = 10  # global steps; also on SIGTERM / SIGINT

@@ -23,13 +23,16 @@ Malformed rows are skipped and reported per ``LoadReport`` (``strict=True`` rais
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from minpro_jax.data.records import DataError, LoadReport, MathProblem
+from minpro_jax.data.rewards import _last_box
+from minpro_jax.errors import ConfigError
 
 FORMATS = ("auto", "dapo", "math500", "aime", "amc", "minerva", "olympiadbench", "gsm8k")
 
@@ -84,8 +87,6 @@ def _first(row: dict, keys: Sequence[str]) -> tuple[str | None, Any]:
 
 
 def _last_boxed(text: str) -> str | None:
-  from minpro_jax.data.rewards import _last_box
-
   return _last_box(text)[1]
 
 
@@ -294,3 +295,99 @@ def champ_problems(version: str = "v0") -> list[MathProblem]:
       )
       for k, p in sorted(probs.items())
   ]
+
+
+# ----------------------------------------------------------------------------------------------- the registry
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One data source a run can train on (`config.data.source`).
+
+  Attributes:
+    name: the value of `config.data.source`.
+    load: `load(data_config, *, seed, size) -> list[MathProblem]`, the problems of `config.data`. A generator
+      draws `size` problems from generator seed `seed`; a fixed set ignores both and returns all of its problems.
+      Raises `ConfigError` naming the `config.data` field at fault.
+    generator: True when `load` draws a fresh set from any seed (reasoning-gym): the run's held-out problems are
+      then a draw with `eval.seed`. False for a fixed set (a file, CHAMP): a held-out share is split off it.
+    heldout_name: `heldout_name(data_config) -> str`, the stem of the held-out benchmark's name
+      ("<stem>_heldout").
+    validate: `validate(data_config)` checks the source's own fields before any expensive work (raises
+      `ConfigError`), or None.
+  """
+
+  name: str
+  load: Callable[..., list[MathProblem]]
+  generator: bool
+  heldout_name: Callable[[Any], str]
+  validate: Callable[[Any], None] | None = None
+
+
+SOURCES: dict[str, Source] = {}
+
+
+def register_source(
+    name: str,
+    *,
+    generator: bool,
+    heldout_name: Callable[[Any], str] | None = None,
+    validate: Callable[[Any], None] | None = None,
+):
+  """Decorator adding a `load(data_config, *, seed, size)` function to `SOURCES` under `name` (see `Source`).
+
+  Raises:
+    ValueError: `name` is already registered.
+  """
+
+  def add(load):
+    if name in SOURCES:
+      raise ValueError(f"data source {name!r} is already registered")
+    SOURCES[name] = Source(name, load, generator, heldout_name or (lambda d: name), validate)
+    return load
+
+  return add
+
+
+def get_source(name: str) -> Source:
+  """The registered source `name`. Raises `ConfigError` naming `config.data.source` and the choices."""
+  if name not in SOURCES:
+    raise ConfigError(f"config.data.source: {name!r} is not a data source; choose one of {sorted(SOURCES)}")
+  return SOURCES[name]
+
+
+@register_source("reasoning_gym", generator=True, heldout_name=lambda d: d.task)
+def _reasoning_gym(d, *, seed: int, size: int) -> list[MathProblem]:
+  try:
+    return reasoning_gym_problems(d.task, size, seed, **dict(d.task_config))
+  except (ValueError, TypeError) as e:  # an unknown task name / a task_config key the task does not take
+    raise ConfigError(
+        f"config.data.task / config.data.task_config: reasoning-gym refused task {d.task!r} with "
+        f"task_config={dict(d.task_config)} ({e}); minpro_jax/configs/default.py sets chain_sum's fields, so "
+        "for another task set data.task_config to that task's fields in your config file"
+    ) from e
+
+
+def _check_file(d) -> None:
+  if not d.path or os.path.isdir(d.path):
+    raise ConfigError(f"config.data.path: {d.path!r} is a directory; point it at one .jsonl / .json / .parquet file")
+  if not os.path.isfile(d.path):
+    raise ConfigError(f"config.data.path: data file {d.path!r} does not exist")
+
+
+@register_source(
+    "file", generator=False, heldout_name=lambda d: os.path.splitext(os.path.basename(d.path))[0], validate=_check_file
+)
+def _file(d, *, seed: int, size: int) -> list[MathProblem]:
+  del seed, size
+  problems = load_file(d.path, d.format)
+  if not problems:
+    raise ConfigError(
+        f"config.data.path: {d.path!r} holds no usable problem (skipped rows are logged above); each row "
+        f"needs a question and an answer in data.format={d.format!r}"
+    )
+  return problems
+
+
+@register_source("champ", generator=False)
+def _champ(d, *, seed: int, size: int) -> list[MathProblem]:
+  del d, seed, size
+  return champ_problems()

@@ -6,8 +6,8 @@ recipes and the CPPO re-run of MinPRO (lr 1e-6, no KL, no entropy bonus).
 """
 
 from minpro_jax.configs.default import base_config
+from minpro_jax.rl.objectives import OBJECTIVES
 
-METHODS = ("minpro", "grpo", "gspo", "gspo_token", "cispo", "m2po")
 DELAYS = (0, 2, 4, 8, 16)
 
 
@@ -20,8 +20,8 @@ def parse_arg(arg: str | None) -> tuple[str, int]:
       method = parts[0]
     if len(parts) > 1:
       delay = int(parts[1])
-  if method not in METHODS:
-    raise ValueError(f"config arg method {method!r}; choose one of {METHODS}")
+  if method not in OBJECTIVES:
+    raise ValueError(f"config arg method {method!r}; choose one of {sorted(OBJECTIVES)}")
   if delay not in DELAYS:
     raise ValueError(f"config arg delay {delay}; the paper's settings are {DELAYS}")
   return method, delay
