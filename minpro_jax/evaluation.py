@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from minpro_jax.data.prompts import format_prompt
 from minpro_jax.data.records import MathProblem
 from minpro_jax.data.rewards import extract_answer, grade, normalize_answer
 
@@ -38,7 +39,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     n: samples drawn (int >= 1). c: correct samples (0 <= c <= n). k: budget (1 <= k <= n).
 
   Raises:
-    ValueError: ``k > n`` (no unbiased estimate; B22), or out-of-range arguments.
+    ValueError: ``k > n`` (no unbiased estimate; case B22 of tests/CASES.md), or out-of-range or non-int arguments.
   """
   for name, v in (("n", n), ("c", c), ("k", k)):
     if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
@@ -53,7 +54,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def avg_at_n(correct: Sequence[bool | float]) -> float:
-  """Mean correctness of the samples of one problem (avg@n)."""
+  """Mean correctness of the samples of one problem (avg@n).
+
+  Raises:
+    ValueError: no samples.
+  """
   if len(correct) == 0:
     raise ValueError("avg_at_n of zero samples")
   return float(np.mean(np.asarray(correct, dtype=np.float64)))
@@ -94,6 +99,10 @@ def score_samples(
   """Aggregate per-problem sample correctness into ``{"avg@n", "pass@k": {k: v}, "maj@k": {k: v}}``.
 
   ``correct`` is [P][n] (every problem has the same n). k > n is omitted (reported under ``"omitted_k"``).
+  ``answers`` (same [P][n] shape, None = no answer) adds ``"maj@k"``; None leaves it out.
+
+  Raises:
+    ValueError: no problems, or problems with different sample counts.
   """
   if not correct:
     raise ValueError("no problems to score")
@@ -153,8 +162,6 @@ def evaluate(
   if n < 1:
     raise ValueError(f"n={n} must be >= 1")
   if prompt_fn is None:
-    from minpro_jax.data.prompts import format_prompt
-
     prompt_fn = lambda p: format_prompt(p, template="plain")  # noqa: E731
   results: dict[str, Any] = {
       "benchmarks": {},

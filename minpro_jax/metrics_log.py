@@ -159,6 +159,7 @@ def _save(fig, workdir: str, name: str) -> str:
 
 
 def write_summary(workdir: str, summary: dict[str, Any]) -> str:
+  """Writes `summary` to `workdir/summary.json` (numpy values as Python scalars, non-finite floats as null)."""
   path = os.path.join(workdir, "summary.json")
   with open(path, "w") as f:
     json.dump(_jsonable(summary), f, indent=2)

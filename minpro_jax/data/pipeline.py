@@ -5,7 +5,7 @@ Order: the problems of this JAX process's shard are shuffled with ``seed`` and r
 ``len(shard) // batch_size`` batches (the epoch's remainder is dropped, so a batch never mixes two epochs and no
 example appears twice within an epoch). The iterator's whole state is the next step number, so
 ``get_state()`` is a small JSON-serialisable dict and ``set_state`` resumes with exactly the remaining batches
-(case B23: resuming at an epoch boundary still runs the remaining epochs).
+(case B23 of tests/CASES.md: resuming at an epoch boundary still runs the remaining epochs).
 
 Sharding: ``shard_index/shard_count`` default to ``jax.process_index()/process_count()`` (grain's
 ``ShardByJaxProcess``). Each process takes a strided, equal-size slice (``len // count`` problems; the remainder is

@@ -80,6 +80,9 @@ def encode_prompts(
   Returns:
     ``EncodedPrompts``; never raises for a long prompt (a whole batch may come back empty: check
     ``len(result.problems)``).
+
+  Raises:
+    ValueError: ``max_prompt_tokens <= 0``, or a bad template (``format_prompt``).
   """
   if max_prompt_tokens <= 0:
     raise ValueError(f"max_prompt_tokens={max_prompt_tokens} must be positive")

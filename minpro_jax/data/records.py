@@ -19,6 +19,10 @@ class MathProblem:
     answer: ground-truth final answer as a string (LaTeX or plain; integers for DAPO/GSM8K/AIME).
     source: dataset name, e.g. ``"math500"``, ``"dapo"``, ``"reasoning_gym/chain_sum"``.
     metadata: JSON-serialisable extras (level, subject, original prompt, ...).
+
+  Raises:
+    TypeError: id, prompt, answer or source is not a str.
+    ValueError: the prompt or the answer is empty or whitespace.
   """
 
   id: str

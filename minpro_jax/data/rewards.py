@@ -1,7 +1,8 @@
 """Answer extraction and verifiable math rewards.
 
 ``extract_answer`` finds the model's final answer; ``math_reward`` grades it against the ground truth with
-`math-verify <https://github.com/huggingface/Math-Verify>`_ (symbolic equivalence) plus the rules it lacks:
+`math-verify <https://github.com/huggingface/Math-Verify>`_ (symbolic equivalence) plus the rules it lacks
+(Bnn: the case ids of tests/CASES.md):
 
 * Extraction (our own; math-verify's extractor concatenates all boxes and falls back to any number in the text):
   the **last** ``\\boxed{...}``/``\\fbox{...}`` with balanced nested braces wins (B16, B20). If the last box is
@@ -37,6 +38,9 @@ import threading
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
+
+import sympy
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +175,6 @@ _HUGE = 1e6  # bits; a number above ~300k decimal digits is refused
 
 def _log2_size(e) -> float:
   """Upper bound on log2 of the magnitude of an exact numeric sympy subtree (inf if unbounded/too big)."""
-  import sympy
-
   if isinstance(e, sympy.Integer):
     return float(max(abs(int(e)).bit_length(), 1))
   if isinstance(e, sympy.Rational):
@@ -197,8 +199,6 @@ def _log2_size(e) -> float:
 
 
 def _too_expensive(obj) -> bool:
-  import sympy
-
   if isinstance(obj, (sympy.Basic, sympy.MatrixBase)):
     try:
       exprs = [obj] if isinstance(obj, sympy.Basic) else list(obj)
@@ -231,8 +231,6 @@ def _time_limit(seconds: float | None):
 
 # ----------------------------------------------------------------------------------------------- grading
 def _mv_parse(s: str) -> list:
-  from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
-
   return parse(
       f"${s}$",
       extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
@@ -243,8 +241,6 @@ def _mv_parse(s: str) -> list:
 
 def _exact_rational(x) -> Fraction | None:
   """Exact value of a float-free numeric sympy expression that is rational (after ``doit``), else None."""
-  import sympy
-
   if isinstance(x, sympy.Basic) and x.is_number and not x.atoms(sympy.Float):
     try:
       v = x.doit()
@@ -271,8 +267,6 @@ def _equivalent(pred: str, gold: str, mode: str) -> bool:
       return fp == fg
   elif fp is not None and fg is not None and ("." not in pred and "." not in gold):
     return fp == fg
-  from math_verify import verify
-
   p_parsed, g_parsed = _mv_parse(pred), _mv_parse(gold)
   if not p_parsed or not g_parsed:
     return False

@@ -12,6 +12,8 @@ import io
 import os
 from collections.abc import Iterable, Sequence
 
+import sentencepiece as spm
+
 DEFAULT_USER_SYMBOLS = ("\\boxed", "\\frac", "\\sqrt", "\\cdot", "\\times", "####", "<think>", "</think>")
 
 
@@ -40,8 +42,6 @@ def train_sentencepiece(
   Raises:
     ValueError: empty corpus, non-str items, or ``vocab_size`` too small / too large for the corpus.
   """
-  import sentencepiece as spm
-
   texts = list(texts)
   if not texts:
     raise ValueError("texts is empty: need a corpus to train on")

@@ -24,6 +24,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import sentencepiece as spm
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _Tok
+
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 Message = dict[str, str]
@@ -119,7 +123,11 @@ class Tokenizer(abc.ABC):
 
   @abc.abstractmethod
   def encode(self, text: str, add_bos: bool = False) -> list[int]:
-    """Text -> ids (no eos; bos only if ``add_bos``). Special-token strings in ``text`` map to their ids (HF/GGUF)."""
+    """Text -> ids (no eos; bos only if ``add_bos``). Special-token strings in ``text`` map to their ids (HF/GGUF).
+
+    Raises:
+      TypeError: ``text`` is not a str.
+    """
 
   @abc.abstractmethod
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
@@ -240,8 +248,6 @@ def load_hf_tokenizer(path: str, chat_format: str | None = None) -> HFTokenizer:
   Raises:
     FileNotFoundError: no tokenizer.json at ``path``.
   """
-  from tokenizers import Tokenizer as _Tok
-
   folder, file = (path, os.path.join(path, "tokenizer.json")) if os.path.isdir(path) else (os.path.dirname(path), path)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"no tokenizer.json at {path!r}")
@@ -300,16 +306,12 @@ def load_gguf_tokenizer(path_or_reader, chat_format: str | None = None) -> HFTok
   """Build the byte-level BPE tokenizer stored in a GGUF (``tokenizer.ggml.model == 'gpt2'``).
 
   Args:
-    path_or_reader: a ``.gguf`` path or an open ``gguf.GGUFReader`` (pass the reader to avoid re-parsing the file,
-      which takes seconds for SmolLM2).
+    path_or_reader: a ``.gguf`` path or an open ``gguf.GGUFReader`` (pass the reader to avoid re-parsing the file).
     chat_format: override; default detected from the stored chat template.
 
   Raises:
     ValueError: the GGUF has a tokenizer model other than ``gpt2`` (e.g. sentencepiece-style ``llama``).
   """
-  from tokenizers import AddedToken, decoders, models, pre_tokenizers
-  from tokenizers import Tokenizer as _Tok
-
   r = _reader(path_or_reader)
   get = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
   model = get("tokenizer.ggml.model")
@@ -338,9 +340,11 @@ def load_gguf_tokenizer(path_or_reader, chat_format: str | None = None) -> HFTok
 
 
 def load_sentencepiece(path: str, chat_format: str = "plain") -> SentencePieceTokenizer:
-  """Load a sentencepiece ``.model`` file (or its serialized bytes)."""
-  import sentencepiece as spm
+  """Load a sentencepiece ``.model`` file (or its serialized bytes).
 
+  Raises:
+    FileNotFoundError: ``path`` is not a file.
+  """
   if isinstance(path, (bytes, bytearray)):
     return SentencePieceTokenizer(spm.SentencePieceProcessor(model_proto=bytes(path)), chat_format)
   if not os.path.isfile(path):

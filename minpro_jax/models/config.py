@@ -39,7 +39,9 @@ class ModelConfig:
     num_experts_per_tok: top-k experts per token.
     moe_intermediate_size: width of each expert's SwiGLU.
     norm_topk_prob: renormalise the top-k router probabilities to sum to 1.
-    router_aux_loss_coef: weight of the load-balancing loss (Switch/Qwen3-MoE form) when the caller adds it.
+    router_aux_loss_coef: the checkpoint's load-balancing loss weight (HF `router_aux_loss_coef`), kept for
+      the `config.json` round trip; the model never reads it (the learner's weight is
+      `minpro_jax.rl.learner.LossConfig.router_aux_coef`).
     moe_impl: "dense" (every expert on every token, masked; exact and simple, for tests and tiny models) or
       "ragged" (tokens sorted by expert and `jax.lax.ragged_dot`; compute proportional to top-k).
     max_position_embeddings: longest sequence the RoPE tables are meant for (informational).
@@ -64,7 +66,12 @@ class ModelConfig:
       matrix. The KV-cache path (the sampler) always scores all cache slots.
     act_quant: "none", or "fp8" to fake-quantize every matmul input of attention and MLP/experts to e4m3
       (dynamic per-token scale; `minpro_jax.models.quant`). Used by the sampler's simulated FP8 mode.
-    logits_soft_cap: unused by Qwen3/Llama; kept None.
+
+  Raises:
+    ValueError: on construction (and `replace`), naming the field: a size <= 0, num_heads not a multiple of
+      num_kv_heads, top-k outside [1, num_experts] or moe_intermediate_size <= 0 for a MoE, an unknown dtype /
+      remat / moe_impl / act_quant / RoPE scaling type, scan_layers without stack_layers, fuse_qkv with
+      stack_layers, or attn_causal_blocks not an int >= 1.
   """
 
   vocab_size: int

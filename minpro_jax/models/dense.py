@@ -2,11 +2,9 @@
 
 Why not `jnp.einsum("btd,df->btf", ...)`: autodiff turns the 3-D einsum's weight gradient into a dot that
 contracts over both batch and sequence, and XLA:CPU lowers that as a transposed copy of the [B, T, F]
-activation gradient (fused with the elementwise backward, strided, single-threaded) followed by a
-non-library dot. With the token axes flattened first, the weight gradient is the canonical
-`x[N, D]^T @ dy[N, F]` dot and no copy is made: the SwiGLU block's forward+backward runs 1.5x faster on
-XLA:CPU (benchmarks/results/model_step.json has the whole-step effect). Reshapes that merge or split
-contiguous axes are free (bitcasts), also for the parameters, so the stored layouts do not change.
+activation gradient followed by a non-library dot. With the token axes flattened first, the weight gradient
+is the canonical `x[N, D]^T @ dy[N, F]` dot and no copy is made. Reshapes that merge or split contiguous axes
+are free (bitcasts), also for the parameters, so the stored layouts do not change.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def load_gguf(
 
   Args:
     path_or_reader: a `.gguf` path or an open `gguf.GGUFReader` (pass the reader to share one parse with
-      `minpro_jax.data.tokenizers.load_gguf_tokenizer`; parsing SmolLM2's vocabulary takes seconds).
+      `minpro_jax.data.tokenizers.load_gguf_tokenizer`).
     mesh: target mesh (None = first device). rules: logical-axis rules.
     **config_overrides: `ModelConfig` fields (param_dtype, dtype, remat, scan_layers, ...).
 

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.transformer import Transformer
+from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
 _ARCH_CLASS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
@@ -399,8 +400,6 @@ def load_from_source(
   Raises:
     ValueError: a tensor is missing, has the wrong shape, or is not used by the model.
   """
-  from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
-
   fused = config.is_moe and "model.layers.0.mlp.experts.gate_up_proj" in source.shapes
   specs = _specs(config, fused_experts=fused)
   _check_tensors(source, config, specs)

@@ -5,10 +5,9 @@ A decode step on XLA:CPU prefers otherwise:
 
 * per-layer arrays (`unstack_layer_params`): inside a `while_loop`, XLA:CPU copies every slice of a stacked
   weight out of the stack at every step;
-* one `qkv_proj` per layer (`fuse_qkv_params`): attention's three input projections as one matmul. At
-  batch 1 each matmul streams a few MB of weights and XLA:CPU's fixed cost per dot is a large part of the
-  step (`benchmarks/decode.py` measures both layouts in the same run). Fusing gate/up the same way was
-  measured too and left out: no gain at batch 1 beyond the q/k/v fusion, and slower at batch 64.
+* one `qkv_proj` per layer (`fuse_qkv_params`): attention's three input projections as one matmul, so a
+  decode step pays XLA:CPU's fixed cost per dot once instead of three times (`benchmarks/decode.py` times
+  both layouts).
 
 Both conversions only move values (no arithmetic), so the converted model computes the same function up to
 the matmul's summation order. The sampler fake-quantizes (FP8) *before* fusing, so q, k and v keep the
@@ -30,6 +29,7 @@ from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.transformer import Transformer
+from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_to_spec
 
 
 def _template(config: ModelConfig) -> nnx.State:
@@ -85,8 +85,6 @@ def fused_qkv_keeps_sharding(config: ModelConfig, mesh: jax.sharding.Mesh | None
   """
   if mesh is None:
     return True
-  from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_to_spec
-
   q_spec, kv_spec = logical_to_spec(("q_heads", "kv_heads"), rules or DEFAULT_RULES)
   names = lambda s: tuple(a for a in ((s,) if isinstance(s, str) else s or ()) if a in mesh.shape)  # noqa: E731
   n = math.prod(mesh.shape[a] for a in names(kv_spec))

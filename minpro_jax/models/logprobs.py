@@ -8,7 +8,8 @@ chunk's logits one vocabulary tile [B, C, V/n] at a time and writes the head gra
 a single chunk (C >= T) plain autodiff is used: the logits are kept for the backward pass instead of
 recomputed, which costs no extra peak memory there and saves one head matmul.
 
-This is the function the learner, the evaluator and the parity tests call.
+This is the function the learner, the evaluator and the parity tests call. Log-probs and entropies are
+fp32 and in nats.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def logprobs_from_hidden(
     ([B, T] float32 log-probs, [B, T] float32 entropies or None).
 
   Raises:
-    ValueError: temperature <= 0 or chunk_size <= 0.
+    ValueError: temperature <= 0, chunk_size <= 0 or vocab_tile <= 0.
   """
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
@@ -164,8 +165,7 @@ def logprobs_from_hidden(
   inv_t = 1.0 / temperature
 
   if n == 1:
-    # One chunk holds all B * T * V logits anyway, so recomputing them in the backward pass would cost a
-    # fourth head matmul and save no peak memory: autodiff keeps them for the backward instead.
+    # one chunk holds all B * T * V logits anyway: recomputing them would add a head matmul and save no memory
     logp, ent, _ = _chunk_forward(h[0], head_dv, y[0], inv_t, return_entropy)
     logp, ent = logp[None], None if ent is None else ent[None]
   else:
@@ -202,6 +202,10 @@ def token_logprobs(
   Returns:
     `TokenLogprobs` with logp[:, t] = log p(tokens[:, t] | tokens[:, <t]) (column 0 is 0; values at
     padding or across segment boundaries are meaningless and must be masked by the caller).
+
+  Raises:
+    ValueError: temperature <= 0 or chunk_size <= 0 (`logprobs_from_hidden`), or inputs of the wrong shape
+      (`Transformer.__call__`).
   """
   out = model(tokens_bt, positions_bt, segment_ids_bt, return_hidden=True)
   logp, ent = logprobs_from_hidden(

@@ -1,10 +1,11 @@
 """Simulated ("fake") FP8 quantisation and the sampler's inference-precision conversions.
 
-This is how the sampler's policy mu differs from the learner's pi at equal weights, as in the MIPU paper
-(research/mipu.md section 5, mirroring vLLM's FP8 path): every dense-layer weight (attention q/k/v/o,
-MLP gate/up/down, MoE experts and router; NOT the embedding or LM head, NOT norms) is rounded to
-float8_e4m3fn with a per-tensor scale amax / 448 and dequantized back; optionally each matmul input is
-quantized dynamically per token the same way. Compute stays in the model's compute dtype.
+This is how the sampler's policy mu differs from the learner's pi at equal weights, as in MIPU (arXiv
+2606.29526); the scheme mirrors vLLM's FP8 path. Every dense-layer weight (attention q/k/v/o, MLP
+gate/up/down, MoE experts and router; NOT the embedding or LM head, NOT norms) is rounded to float8_e4m3fn
+with a per-tensor scale amax / 448 and dequantized back; optionally each matmul input is quantized
+dynamically per token the same way. Compute stays in the model's compute dtype. The e4m3 format (max finite
+448) is that of Micikevicius et al. 2022, "FP8 Formats for Deep Learning".
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ def fake_quant_e4m3(x: jax.Array, axis=None) -> jax.Array:
 
 
 def maybe_quant_act(x: jax.Array, mode: str) -> jax.Array:
-  """Dynamic activation fake-quant at a matmul input: "none" -> x; "fp8" -> per-token e4m3 (last axis)."""
+  """Dynamic activation fake-quant at a matmul input: "none" -> x; "fp8" -> per-token e4m3 (last axis).
+
+  Raises:
+    ValueError: `mode` is neither "none" nor "fp8".
+  """
   if mode == "none":
     return x
   if mode == "fp8":
@@ -84,7 +89,14 @@ def fake_quant_weights(state, *, num_stacked_axes: int = 1):
 
 
 def precision_config(config: ModelConfig, precision: str, *, fp8_activations: bool = True) -> ModelConfig:
-  """The config of the sampler's forward for `precision` ("fp32" | "bf16" | "fp8")."""
+  """The config of the sampler's forward for `precision` ("fp32" | "bf16" | "fp8").
+
+  fp32 and bf16 set both `dtype` and `param_dtype`; fp8 computes in fp32 with fp8 fake-quantized weights
+  (`prepare_inference_params`) and, when `fp8_activations`, `act_quant="fp8"`.
+
+  Raises:
+    ValueError: `precision` is not one of `PRECISIONS`.
+  """
   if precision == "fp32":
     return config.replace(dtype="float32", param_dtype="float32")
   if precision == "bf16":
@@ -100,6 +112,10 @@ def prepare_inference_params(state, precision: str, config: ModelConfig | None =
 
   `config` (the model's) tells whether layer weights are stacked ([L, ...], one fp8 scale per layer
   and tensor) or per-layer arrays; default stacked.
+
+  Raises:
+    ValueError: `precision` is not one of `PRECISIONS`, or (fp8) the State is already fused
+      (`fake_quant_weights`).
   """
   stacked = 1 if config is None or config.stack_layers else 0
   if precision == "fp32":

@@ -4,10 +4,14 @@ One code path covers the three architectures (see `ModelConfig`): RMSNorm, rotat
 layout), grouped-query attention with optional per-head q/k RMSNorm (Qwen3), SwiGLU MLPs or a top-k
 mixture of experts, tied or untied LM head. It matches Hugging Face `Qwen3ForCausalLM`,
 `Qwen3MoeForCausalLM` and `LlamaForCausalLM` to fp32 rounding (tests/test_model_hf_parity.py).
+Sources: RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021, RoFormer), grouped-query attention
+(Ainslie et al. 2023), SwiGLU (Shazeer 2020), the Switch load-balancing loss (Fedus et al. 2022, eq. 4).
 
-Layers are *stacked*: every per-layer parameter has a leading `layers` axis (created with
-`nnx.vmap`), so `scan_layers=True` runs them with `nnx.scan` and `False` with a Python loop over the
-same parameters; checkpoints are identical either way.
+With `stack_layers=True` (the default; checkpoints and the learner) layers are *stacked*: every per-layer
+parameter has a leading `layers` axis (created with `nnx.vmap`), so `scan_layers=True` runs them with
+`nnx.scan` and `False` with a Python loop over the same parameters; checkpoints are identical either way.
+`stack_layers=False` (the sampler's layout, `minpro_jax.models.unstack_layer_params`) holds one
+`DecoderLayer` per layer.
 
 Attention masking is by segment ids and slot order, which covers every use with one rule: a query
 attends to a key iff they carry the same non-zero segment id and the key's slot is not after the
@@ -29,7 +33,7 @@ from minpro_jax.models.attention_core import causal_block_attention, causal_bloc
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
 from minpro_jax.models.quant import maybe_quant_act
-from minpro_jax.runtime.sharding import constrain
+from minpro_jax.runtime.sharding import DEFAULT_RULES, constrain, use_mesh
 
 
 def _init(stddev: float, axes: tuple[str | None, ...]):
@@ -41,10 +45,9 @@ class KVCache:
   """Key/value cache of all layers.
 
   Layouts are heads-major, the order a decode step's attention contracts without copying the cache
-  (measured on XLA:CPU, batch 64, 1040 slots, per layer and step: a [B, S, K, head_dim] cache was
-  transposed every step; fp32 q.k against [B, K, S, head_dim] keys took 38 ms, against [B, K, head_dim, S]
-  keys 5.8 ms; bf16 has no fast dot in the second form, so bf16 keys stay [B, K, S, head_dim], 7.6 ms):
-  values [B, K, S, head_dim]; keys [B, K, head_dim, S] in fp32 (`keys_head_dim_major`), else like values.
+  (a token-major [B, S, K, head_dim] cache is transposed by XLA:CPU at every step): values
+  [B, K, S, head_dim]; keys [B, K, head_dim, S] in fp32 (`keys_head_dim_major`: XLA:CPU's fast q.k dot form
+  for fp32), else like values (bf16 has no fast dot in the head_dim-major form).
 
   Attributes:
     k: keys (compute dtype, RoPE already applied): one array with a leading [L] axis when the config stacks
@@ -143,9 +146,8 @@ def rope_tables(positions_bt: jax.Array, config: ModelConfig) -> tuple[jax.Array
     angles = positions_bt.astype(jnp.float32)[..., None] * rope_inv_freq(config)
     return jnp.cos(angles), jnp.sin(angles)
 
-  # Both branches are the same function, so the predicate does not matter: the conditional only makes the
-  # tables real buffers. Without it XLA:CPU fuses cos/sin into every consumer and evaluates them per head,
-  # in every layer, forward and backward (and it drops `optimization_barrier`s before fusion).
+  # Same function in both branches: the cond only materialises the tables, which XLA:CPU would otherwise
+  # fuse into (and recompute in) every consumer, per head, in every layer, forward and backward.
   return jax.lax.cond(jnp.any(positions_bt > 0), tables, tables, positions_bt)
 
 
@@ -231,8 +233,7 @@ class Attention(nnx.Module):
     t = x_btd.shape[1]
     b, _, h, hd = q.shape
     kh = c.num_kv_heads
-    # heads-major operands: every attention dot is then a plain batched [M, K] x [K, N] matmul on XLA:CPU
-    # (the token-major einsums were 3x slower there in the forward pass, from operand transposes)
+    # heads-major operands: every attention dot is a plain batched [M, K] x [K, N] matmul (no operand transpose)
     qg = jnp.transpose(q.reshape(b, t, kh, h // kh, hd), (0, 2, 3, 1, 4))  # [B, K, G, T, hd]
     k_new = jnp.transpose(k, (0, 2, 1, 3))  # [B, K, T, hd]
     v_new = jnp.transpose(v, (0, 2, 1, 3))
@@ -378,7 +379,7 @@ def _unstack_layers(x_l: jax.Array) -> tuple[jax.Array, ...]:
   """The L slices of a stacked [L, ...] parameter, whose gradient is one stack of the L slice gradients.
 
   Plain `x[i]` slicing differentiates into L zero-padded [L, ...] gradients that are then summed: O(L^2)
-  memory traffic per step (measured: 23% of a 12-layer smollm2 train step on CPU, more at 30 layers).
+  memory traffic per step instead of O(L).
   """
   return tuple(x_l[i] for i in range(x_l.shape[0]))
 
@@ -584,8 +585,6 @@ def init_model(config: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | Non
     mesh: optional device mesh (see `minpro_jax.runtime.sharding.make_mesh`).
     rules: logical-axis rules (default `minpro_jax.runtime.sharding.DEFAULT_RULES`).
   """
-  from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
-
   if mesh is None:
     with nnx.use_eager_sharding(False):
       return Transformer(config, rngs=nnx.Rngs(seed))

@@ -1,11 +1,10 @@
 """Keep freed host memory mapped, so XLA:CPU steps stop paying a page fault per 4 KiB of their temporaries.
 
 XLA:CPU allocates each execution's temporaries with `malloc` and frees them when the step ends. glibc serves
-blocks above 32 MiB with a fresh `mmap` and unmaps them on `free` (and trims its heaps), so every step
-touches fresh pages again: the smollm2-135m train step (B=8, T=256) took 1.49 million minor page faults
-(5.8 GB of first touches) per step, about a quarter of its time on the 2-vCPU VM this project is measured on.
-With `keep_freed_host_memory()` the faults drop to zero after the first step
-(benchmarks/results/model_step.json records both figures).
+large blocks (above its dynamic mmap threshold, at most 32 MiB on 64-bit) with a fresh `mmap` and unmaps them on
+`free` (and trims its heaps), so every step page-faults on fresh pages again. With `keep_freed_host_memory()`
+the freed blocks stay mapped and are reused, so the faults stop after the first step. Source: glibc
+`mallopt(3)` (M_ARENA_MAX, M_MMAP_MAX, M_TRIM_THRESHOLD).
 
 The cost: the process keeps its peak host memory instead of returning freed blocks to the OS, which is what a
 training or benchmark process wants anyway. Accelerator backends allocate their buffers on the device, so this

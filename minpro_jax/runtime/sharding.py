@@ -15,7 +15,8 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from flax.core import spmd as core_spmd
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -107,8 +108,6 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules=None) -> P:
 
 
 def _active_rules():
-  from flax.core import spmd as core_spmd
-
   return core_spmd.get_logical_axis_rules() or ()
 
 
@@ -137,8 +136,3 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     if x.shape[i] % math.prod(mesh.shape[a] for a in names):
       spec[i] = None
   return jax.lax.with_sharding_constraint(x, P(*spec))
-
-
-def named_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules=DEFAULT_RULES) -> NamedSharding:
-  """NamedSharding on `mesh` for an array whose dimensions carry `logical_axes`."""
-  return NamedSharding(mesh, logical_to_spec(logical_axes, rules))

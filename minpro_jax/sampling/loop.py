@@ -60,7 +60,7 @@ def init_loop_state(
 
 
 def sample_step(state: LoopState, logits_bv: jax.Array, sampling: SamplingParams, pad_id: int = 0) -> LoopState:
-  """Samples response index `state.step` for every live row and applies the stop rule (case B09).
+  """Samples response index `state.step` for every live row and applies the stop rule (case B09 of tests/CASES.md).
 
   A row that is already done gets the pad id, mask False and log-prob 0. A row that draws a stop id keeps
   that token (mask True) and is done from the next index on.

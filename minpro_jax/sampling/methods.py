@@ -1,6 +1,6 @@
 """Sampling parameters and the pure next-token function of the sampler.
 
-The behavior log-prob contract (public bug-report cases B12, B13; tests/test_sampler.py):
+The behavior log-prob contract (cases B12 and B13 of tests/CASES.md; tests/test_sampler.py):
 
   behavior_logp(token) = log_softmax(logits / T)[token], over the FULL vocabulary.
 
@@ -11,15 +11,15 @@ mass S; reporting raw logits at T != 1 would be off by the temperature). Greedy 
 returns the argmax and reports log_softmax(logits) at T = 1 (`SamplingParams.logprob_temperature`), which
 is finite for every token, so no NaN or inf can appear.
 
-Order of truncation (HF / vLLM convention): temperature, then top-k, then top-p on the renormalised top-k
-distribution. The nucleus keeps the smallest prefix of tokens (sorted by probability) whose mass reaches
-top_p, *including* the token that crosses the threshold, and always the most likely token, so top_p=0
-means argmax (case B11).
+Order of truncation (HF / vLLM convention): temperature, then top-k, then top-p (nucleus sampling, Holtzman
+et al. 2020) on the renormalised top-k distribution. The nucleus keeps the smallest prefix of tokens (sorted
+by probability) whose mass reaches top_p, *including* the token that crosses the threshold, and always the
+most likely token, so top_p=0 means argmax (case B11).
 
 How a token is drawn: exact inverse-CDF sampling from the (truncated) softmax weights in two levels, a
-vocabulary block then a token inside it, from two uniforms per row (`sample_categorical`). jax's Gumbel-max
-`random.categorical` needs one threefry draw per vocabulary entry; at batch 64 and vocab 49k that alone
-took ~90 ms of a ~170 ms CPU decode step. The draw of a row depends only on its key and its logits.
+vocabulary block then a token inside it, from two uniforms per row (`sample_categorical`), where jax's
+Gumbel-max `random.categorical` needs one threefry draw per vocabulary entry. The draw of a row depends only
+on its key and its logits.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ class NextTokens(NamedTuple):
   entropy: jax.Array
 
 
-# top-p alone first sorts only this many candidates; rows whose nucleus reaches past them fall back to the
-# full-vocabulary sort (a full sort of 49k logits per row costs about a second per decode step at batch 64)
+# top-p alone first sorts only this many candidates (a full-vocabulary sort per row and step is expensive);
+# rows whose nucleus reaches past them fall back to the full-vocabulary sort
 TOP_P_CANDIDATES = 1024
 SAMPLE_BLOCK = 256  # vocabulary block of the two-level inverse-CDF draw
 
@@ -201,15 +201,14 @@ def sample_categorical(weights_bv: jax.Array, keys_b: jax.Array, block: int = SA
 
   A vocabulary block is drawn from the block masses with one uniform, then a token inside it from the
   block's weights with a second, independent uniform: two random numbers per row instead of one Gumbel per
-  vocabulary entry (which on CPU cost ~90 ms per decode step at batch 64, vocab 49k), and the fp32 CDFs
-  stay short (V / block and block entries), so rounding moves each token's probability by ~1e-7 of its
-  block's mass at most. A zero weight is never drawn.
+  vocabulary entry, and the fp32 CDFs stay short (V / block and block entries), so rounding moves each
+  token's probability by ~1e-7 of its block's mass at most. A zero weight is never drawn.
 
   Args:
     weights_bv: [B, V] float32 non-negative, finite, with a positive sum per row (e.g. exp(logits - max),
       0 outside a top-k / top-p set).
     keys_b: [B] PRNG keys, one per row (the draw of a row depends only on its key and weights).
-    block: vocabulary block size.
+    block: vocabulary block size (static int >= 1).
 
   Returns:
     [B] int32 token ids.
