@@ -27,6 +27,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from minpro_jax.errors import CheckpointError, DiskFullError
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,7 +77,7 @@ class RunCheckpointer:
     need = n_state * _tree_bytes(state) + n_params * _tree_bytes(params)
     free = shutil.disk_usage(self.workdir).free
     if free < need:
-      raise OSError(
+      raise DiskFullError(
           f"config.workdir: {self.workdir} has {free / 1e9:.2f} GB free, but the {n_state} run "
           f"checkpoint(s) and {n_params} best-parameter checkpoint(s) this run will still write need about "
           f"{need / 1e9:.2f} GB. Free disk space there, set workdir to a disk with room (e.g. "
@@ -139,7 +141,7 @@ class RunCheckpointer:
       (step, state, buffer_state, meta), or None when there is no run checkpoint.
 
     Raises:
-      RuntimeError: when no checkpoint reads back; the message names the newest one and its error, and no
+      CheckpointError: when no checkpoint reads back; the message names the newest one and its error, and no
         checkpoint is moved.
     """
     steps = sorted(self._mngr.all_steps(), reverse=True)
@@ -162,7 +164,7 @@ class RunCheckpointer:
       return step, state, buffer_state, meta
     if errors:
       newest, err = errors[0]
-      raise RuntimeError(
+      raise CheckpointError(
           f"config.workdir: no run checkpoint under {self.workdir}/checkpoints reads back (steps "
           f"{[s for s, _ in errors]}); the newest, {newest}, fails with {type(err).__name__}: "
           f"{str(err).rstrip('.')}. If the config changed the parameter or optimizer-state structure "
@@ -209,7 +211,7 @@ class RunCheckpointer:
         raise
       for tmp in glob.glob(os.path.join(str(mngr.directory), f"{step}.orbax-checkpoint-tmp*")):
         shutil.rmtree(tmp, ignore_errors=True)  # the partial write; the complete checkpoints stay
-      raise OSError(
+      raise DiskFullError(
           errno.ENOSPC,
           f"config.workdir: the disk under {self.workdir} filled up while writing the "
           f"{what} of step {step} (the partial write was removed; the run checkpoints on disk, newest "

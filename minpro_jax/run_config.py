@@ -10,6 +10,8 @@ sampler take; `resume_fingerprint` / `check_resume` keep a workdir to one experi
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import os
@@ -21,8 +23,10 @@ import jax.numpy as jnp
 
 from minpro_jax.data.prompts import TEMPLATES
 from minpro_jax.data.sources import FORMATS, get_source
-from minpro_jax.errors import ConfigError
+from minpro_jax.data.tokenizers import CHAT_TEMPLATES
+from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
+from minpro_jax.models.hf_io import config_from_hf
 from minpro_jax.models.quant import PRECISIONS
 from minpro_jax.rl.advantages import ADVANTAGE_MODES
 from minpro_jax.rl.learner import LossConfig, OptimizerConfig
@@ -144,6 +148,13 @@ def _check_model(c) -> None:
   _need(t.kind in TOKENIZER_KINDS, "tokenizer.kind", f"{t.kind!r}; choose one of {TOKENIZER_KINDS}")
   if t.kind == "path":
     _need(bool(t.path) and os.path.exists(t.path), "tokenizer.path", f"{t.path!r} does not exist")
+  _need(
+      t.chat_format is None or t.chat_format in CHAT_TEMPLATES,
+      "tokenizer.chat_format",
+      f"{t.chat_format!r}; choose one of {sorted(CHAT_TEMPLATES)}, or leave it unset for the tokenizer's own",
+  )
+  if m.source == "hf":
+    check_overrides_match(c, _hf_config(m.path))
   if m.source != "scratch":
     return
   _need(m.preset in PRESETS, "model.preset", f"{m.preset!r}; choose one of {sorted(PRESETS)}")
@@ -159,6 +170,35 @@ def _check_model(c) -> None:
     name = hit.group(1) if hit else ""
     field = f"model.overrides.{name}" if name in m.overrides else f"model.{name}" if name in m else "model.overrides"
     raise ConfigError(f"config.{field}: {e}") from e
+
+
+def _hf_config(path: str):
+  """The `ModelConfig` of a Hugging Face folder's config.json. Raises FileFormatError naming the file."""
+  cfg_path = os.path.join(path, "config.json")
+  try:
+    with open(cfg_path) as f:
+      return config_from_hf(json.load(f))
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise FileFormatError(f"{cfg_path}: not a usable Hugging Face config.json ({type(e).__name__}: {e})") from e
+
+
+def check_overrides_match(c, loaded) -> None:
+  """`config.model.overrides` apply to scratch models; for a loaded checkpoint each one must equal the
+  checkpoint's own value (`loaded`, its `ModelConfig`).
+
+  Raises:
+    ConfigError: naming `config.model.overrides.<field>` and both values.
+  """
+  for name, value in dict(c.model.overrides).items():
+    have = getattr(loaded, name, None)
+    _need(
+        have == value,
+        f"model.overrides.{name}",
+        f"{value!r} contradicts the checkpoint's {name}={have!r} (model.source={c.model.source}); the architecture "
+        "of a loaded checkpoint is its own: remove the override (model.param_dtype, dtype, remat and scan_layers "
+        "apply to every source)",
+    )
+
 
 
 def model_overrides(c) -> dict[str, Any]:
@@ -178,10 +218,19 @@ def _check_data(c) -> None:
   _need(d.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {d.max_prompt_tokens}")
 
 
+MAX_LEARNING_RATE = 1.0  # AdamW moves each parameter by about lr per update: above 1 nothing survives
+
+
 def _check_optimizer(c) -> None:
   o = c.optimizer
   _need(o.schedule in SCHEDULES, "optimizer.schedule", f"{o.schedule!r}; choose one of {SCHEDULES}")
-  _need(o.learning_rate > 0, "optimizer.learning_rate", f"must be > 0, got {o.learning_rate}")
+  optimizer_config(c)
+  _need(
+      o.learning_rate <= MAX_LEARNING_RATE,
+      "optimizer.learning_rate",
+      f"{o.learning_rate} is above {MAX_LEARNING_RATE}: AdamW moves every parameter by about the learning rate per "
+      "update, which destroys the policy; RL fine-tuning uses 1e-7 .. 1e-3",
+  )
 
 
 def _check_eval(c) -> None:
@@ -353,24 +402,33 @@ def _probe_policy_loss(method: str, hparams: dict[str, Any]) -> None:
 
 
 def optimizer_config(c) -> OptimizerConfig:
-  """The learner's `OptimizerConfig` of `config.optimizer`."""
+  """The learner's `OptimizerConfig` of `config.optimizer`.
+
+  Raises:
+    ConfigError: naming the `config.optimizer` field `OptimizerConfig` refuses (not finite, out of range).
+  """
   o = c.optimizer
-  return OptimizerConfig(
-      learning_rate=float(o.learning_rate),
-      warmup_steps=int(o.warmup_steps),
-      schedule=o.schedule,
-      decay_steps=int(o.decay_steps),
-      final_lr_ratio=float(o.final_lr_ratio),
-      weight_decay=float(o.weight_decay),
-      max_grad_norm=float(o.max_grad_norm),
-      b2=float(o.b2),
-  )
+  try:
+    return OptimizerConfig(
+        learning_rate=float(o.learning_rate),
+        warmup_steps=int(o.warmup_steps),
+        schedule=o.schedule,
+        decay_steps=int(o.decay_steps),
+        final_lr_ratio=float(o.final_lr_ratio),
+        weight_decay=float(o.weight_decay),
+        max_grad_norm=float(o.max_grad_norm),
+        b2=float(o.b2),
+    )
+  except ValueError as e:
+    hit = re.search(r"OptimizerConfig\.(\w+)", str(e))
+    raise ConfigError(f"config.optimizer.{hit.group(1) if hit else ''}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------- resume check
 # Fields a run checkpoint is only valid for: resuming with other values would silently change the experiment.
 RESUME_KEYS = (
     "seed",
+    "tokenizer",
     "prompts_per_step",
     "group_size",
     "num_updates_per_step",
@@ -407,14 +465,37 @@ def _differing_fields(key: str, now: Any, stored: Any) -> list[str]:
 
 
 def resume_fingerprint(c) -> dict[str, Any]:
-  """The values of `RESUME_KEYS` as plain JSON (stored in each run checkpoint)."""
+  """The values of `RESUME_KEYS` as plain JSON (stored in each run checkpoint), plus "files": the sha256 of every
+  data, held-out and tokenizer file the run reads, so an edited file is seen even when its name did not change."""
   out = {}
   for key in RESUME_KEYS:
     node = c
     for part in key.split("."):
       node = node[part]
     out[key] = node.to_dict() if hasattr(node, "to_dict") else node
+  paths = [p for _, _, p in eval_files(c)]
+  if c.data.source == "file":
+    paths.append(c.data.path)
+  if c.tokenizer.kind == "path":
+    paths.append(c.tokenizer.path)
+  out["files"] = {p: _file_sha256(os.path.abspath(p), *_stat(p)) for p in sorted(set(paths)) if os.path.isfile(p)}
   return json.loads(json.dumps(out, default=str))
+
+
+def _stat(path: str) -> tuple[int, int]:
+  st = os.stat(path)
+  return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+  """sha256 of a file's content; cached by (path, size, mtime) because every checkpoint stores it."""
+  del size, mtime_ns
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
 
 
 def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:

@@ -9,7 +9,9 @@ tokenizer or model comes before them, so a config mistake costs seconds.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
@@ -17,6 +19,8 @@ import tempfile
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -24,6 +28,7 @@ from minpro_jax import run_config
 from minpro_jax.checkpoint import RunCheckpointer
 from minpro_jax.data import encode_prompts, format_prompt, load_file, train_sentencepiece
 from minpro_jax.data.records import MathProblem
+from minpro_jax.data.rewards import math_reward
 from minpro_jax.data.sources import get_source
 from minpro_jax.data.tokenizers import (
     load_gguf_tokenizer,
@@ -32,7 +37,7 @@ from minpro_jax.data.tokenizers import (
     load_tokenizer,
     smollm2_gguf_path,
 )
-from minpro_jax.errors import ConfigError
+from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models import Transformer, get_preset, init_model
 from minpro_jax.models.gguf_io import load_gguf
 from minpro_jax.models.hf_io import load_hf_checkpoint
@@ -60,6 +65,7 @@ class RunParts:
     eval_sets: {benchmark name: held-out problems that fit}.
     sft_info: what the warm start did (JSON-able; `{"enabled": False}` without one).
     setup_seconds: wall time of `setup_run`.
+    lock: the open lock file that keeps a second process off this workdir (released when the process exits).
   """
 
   config: Any
@@ -73,6 +79,7 @@ class RunParts:
   eval_sets: dict[str, list[MathProblem]]
   sft_info: dict[str, Any]
   setup_seconds: float
+  lock: Any = None
 
 
 def setup_run(c) -> RunParts:
@@ -90,39 +97,49 @@ def setup_run(c) -> RunParts:
         c.delay,
     )
   workdir = writable_workdir(c.workdir)
-  shape = run_config.parse_mesh_shape(c.mesh.shape)
-  mesh = make_mesh(shape) if shape else None
-  problems, eval_sets = train_and_eval_problems(c)
-  run_config.check_mipu_problem_count(c, len(problems))  # before the tokenizer and SFT
-  checkpointer = RunCheckpointer(workdir, keep=c.checkpoint.keep)
-  resuming = checkpointer.latest_step() is not None  # the checkpoint holds the weights: no warm start needed
-  tokenizer = build_tokenizer(c, problems)
-  model = build_model(c, tokenizer, mesh)
-  sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": bool(c.sft.enabled)}
-  if resuming and c.sft.enabled:
-    sft_info["skipped"] = "resumed from a run checkpoint"
-  enc = encode_fitting(c, tokenizer, problems, "training set")
-  if len(enc.problems) < c.prompts_per_step:
-    raise ConfigError(
-        f"config.data: {len(enc.problems)} training problems are left ({len(problems)} after removing the held-out "
-        f"prompts, {len(enc.skipped)} of them longer than data.max_prompt_tokens={c.data.max_prompt_tokens}), "
-        f"fewer than prompts_per_step={c.prompts_per_step}; use more data, a larger max_prompt_tokens or a "
-        "smaller prompts_per_step"
+  lock = lock_workdir(workdir)
+  try:
+    shape = run_config.parse_mesh_shape(c.mesh.shape)
+    mesh = make_mesh(shape) if shape else None
+    problems, eval_sets = train_and_eval_problems(c)
+    check_gradable(c, problems, eval_sets)
+    check_data_lasts(c, len(problems))  # an upper bound: prompts too long for the sampler are dropped below
+    run_config.check_mipu_problem_count(c, len(problems))  # before the tokenizer and SFT
+    checkpointer = RunCheckpointer(workdir, keep=c.checkpoint.keep)
+    resuming = checkpointer.latest_step() is not None  # the checkpoint holds the weights: no warm start needed
+    tokenizer = build_tokenizer(c, problems)
+    model = build_model(c, tokenizer, mesh)
+    check_vocab_fits(c, tokenizer, model)
+    sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": bool(c.sft.enabled)}
+    if resuming and c.sft.enabled:
+      sft_info["skipped"] = "resumed from a run checkpoint"
+    enc = encode_fitting(c, tokenizer, problems, "training set")
+    if len(enc.problems) < c.prompts_per_step:
+      raise ConfigError(
+          f"config.data: {len(enc.problems)} training problems are left ({len(problems)} after removing the held-out "
+          f"prompts, {len(enc.skipped)} of them longer than data.max_prompt_tokens={c.data.max_prompt_tokens}), "
+          f"fewer than prompts_per_step={c.prompts_per_step}; use more data, a larger max_prompt_tokens or a "
+          "smaller prompts_per_step"
+      )
+    run_config.check_mipu_problem_count(c, len(enc.problems))  # after prompts too long were dropped
+    check_data_lasts(c, len(enc.problems))
+    return RunParts(
+        lock=lock,
+        config=c,
+        workdir=workdir,
+        mesh=mesh,
+        checkpointer=checkpointer,
+        model=model,
+        tokenizer=tokenizer,
+        train_problems=list(enc.problems),
+        prompt_ids={p.id: ids for p, ids in zip(enc.problems, enc.token_ids)},
+        eval_sets=fit_eval_sets(c, tokenizer, eval_sets),
+        sft_info=sft_info,
+        setup_seconds=time.time() - t0,
     )
-  run_config.check_mipu_problem_count(c, len(enc.problems))  # after prompts too long were dropped
-  return RunParts(
-      config=c,
-      workdir=workdir,
-      mesh=mesh,
-      checkpointer=checkpointer,
-      model=model,
-      tokenizer=tokenizer,
-      train_problems=list(enc.problems),
-      prompt_ids={p.id: ids for p, ids in zip(enc.problems, enc.token_ids)},
-      eval_sets=fit_eval_sets(c, tokenizer, eval_sets),
-      sft_info=sft_info,
-      setup_seconds=time.time() - t0,
-  )
+  except BaseException:
+    lock.close()  # a failed setup leaves the workdir free at once
+    raise
 
 
 def writable_workdir(path: str) -> str:
@@ -138,6 +155,95 @@ def writable_workdir(path: str) -> str:
         "writable directory, e.g. --config.workdir=runs/my_run"
     ) from e
   return workdir
+
+
+def lock_workdir(workdir: str):
+  """An exclusive `flock` on `workdir/.lock`, held as long as the returned file stays open (the kernel releases it
+  when the process exits, however it exits, so a killed run leaves no stale lock).
+
+  Raises:
+    ConfigError: naming `config.workdir` and the process that holds it.
+  """
+  f = open(os.path.join(workdir, ".lock"), "a+")
+  try:
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    f.seek(0)
+    holder = f.read().strip() or "unknown"
+    f.close()
+    raise ConfigError(
+        f"config.workdir: {workdir} is in use by another run (pid {holder}); wait for it to finish, stop it, or "
+        "use another --config.workdir"
+    ) from None
+  f.seek(0)
+  f.truncate()
+  f.write(str(os.getpid()))
+  f.flush()
+  return f
+
+
+def check_gradable(c, train: list[MathProblem], eval_sets: dict[str, list[MathProblem]]) -> None:
+  """Every gold answer can be graded in its reward mode (`reward.mode` for training, `eval.reward_mode` or
+  `reward.mode` for the held-out sets), so a run never fails at its first grading after the warm start.
+
+  Raises:
+    ConfigError: naming the reward-mode field, the count, one example and the fix.
+  """
+  sets = [("reward.mode", c.reward.mode, "training set", train)]
+  field = "eval.reward_mode" if c.eval.reward_mode else "reward.mode"
+  sets += [(field, c.eval.reward_mode or c.reward.mode, f"held-out set {n!r}", ps) for n, ps in eval_sets.items()]
+  for field, mode, what, problems in sets:
+    bad = []
+    for p in problems:
+      try:
+        math_reward("", p.answer, mode=mode, stats=collections.Counter())
+      except ValueError:
+        bad.append(p)
+    if bad:
+      raise ConfigError(
+          f"config.{field}: {len(bad)} of {len(problems)} answers of the {what} cannot be graded in mode {mode!r} "
+          f"(e.g. problem {bad[0].id!r}: {bad[0].answer!r}); set {field}=math for answers that are not integers"
+      )
+
+
+def check_data_lasts(c, num_problems: int) -> None:
+  """The loader yields a batch for every global step: `num_epochs` passes of `num_problems // prompts_per_step`
+  batches (per process) must reach `total_steps` (the loader does not cycle past `data.num_epochs`).
+
+  Raises:
+    ConfigError: naming `config.data.num_epochs` and the smallest value that lasts.
+  """
+  per_epoch = num_problems // jax.process_count() // c.prompts_per_step
+  if per_epoch * c.data.num_epochs < c.total_steps:
+    need = -(-c.total_steps // max(per_epoch, 1))
+    raise ConfigError(
+        f"config.data.num_epochs: {num_problems} training problems give {per_epoch} batches of prompts_per_step="
+        f"{c.prompts_per_step} per epoch, so num_epochs={c.data.num_epochs} lasts {per_epoch * c.data.num_epochs} "
+        f"of total_steps={c.total_steps} global steps; set data.num_epochs >= {need}, add data, or lower total_steps"
+    )
+
+
+def check_vocab_fits(c, tokenizer, model: Transformer) -> None:
+  """Every token id of the tokenizer has a row in the model's embedding (checked before the warm start).
+
+  Raises:
+    ConfigError: naming `config.tokenizer` and both sizes.
+  """
+  if tokenizer.vocab_size > model.config.vocab_size:
+    raise ConfigError(
+        f"config.tokenizer: the tokenizer has {tokenizer.vocab_size} token ids but the model's embedding has "
+        f"{model.config.vocab_size} rows (model.source={c.model.source}); use the tokenizer that belongs to the "
+        "model (tokenizer.kind=model) or a smaller tokenizer.vocab_size"
+    )
+
+
+def check_finite_params(model: Transformer, path: str) -> None:
+  """Raises FileFormatError naming `path` and the first parameter holding NaN or inf."""
+  for key, leaf in jax.tree_util.tree_leaves_with_path(nnx.split(model)[1]):
+    if not bool(jnp.all(jnp.isfinite(leaf))):
+      raise FileFormatError(
+          f"{path}: parameter {jax.tree_util.keystr(key)} holds NaN or inf; the checkpoint is damaged"
+      )
 
 
 # --------------------------------------------------------------------------------------------------- problems
@@ -180,6 +286,12 @@ def train_and_eval_problems(c) -> tuple[list[MathProblem], dict[str, list[MathPr
     ConfigError: naming `config.data` when too few problems are left on either side.
   """
   eval_sets = eval_benchmarks(c)
+  for name, held in eval_sets.items():
+    if not held:
+      raise ConfigError(
+          f"config.eval.path: held-out set {name!r} holds no usable problem (skipped rows are logged above); "
+          "each row needs a question and an answer in its format"
+      )
   problems = load_problems(c, seed=c.seed, size=c.data.size)
   if not eval_sets:
     prompts = list(dict.fromkeys(p.prompt for p in problems))
@@ -255,18 +367,26 @@ def _cache_dir(c) -> str:
 def build_tokenizer(c, problems: list[MathProblem]):
   """The run's tokenizer (see `config.tokenizer`). A trained sentencepiece model is cached by corpus hash."""
   t = c.tokenizer
-  if t.kind == "path":
-    return load_tokenizer(t.path, chat_format=t.chat_format)
-  if t.kind == "model":
-    if c.model.source == "hf":
-      return load_hf_tokenizer(c.model.path, chat_format=t.chat_format)
-    return load_gguf_tokenizer(c.model.path or smollm2_gguf_path(), chat_format=t.chat_format)
+  if t.kind != "train_spm":
+    path = t.path if t.kind == "path" else c.model.path or smollm2_gguf_path()
+    try:
+      if t.kind == "path":
+        return load_tokenizer(t.path, chat_format=t.chat_format)
+      if c.model.source == "hf":
+        return load_hf_tokenizer(c.model.path, chat_format=t.chat_format)
+      return load_gguf_tokenizer(path, chat_format=t.chat_format)
+    except Exception as e:  # noqa: BLE001 - any failure to read the file is a bad file: name it
+      field = "tokenizer.path" if t.kind == "path" else "model.path"
+      raise FileFormatError(f"{path}: cannot read a tokenizer from it (config.{field}; {type(e).__name__}: {e})") from e
   corpus = [format_prompt(p, template="plain") + sft_target(p.answer) for p in problems]  # tokenizer corpus only
   key = hashlib.sha256(("\n".join(corpus) + f"|{t.vocab_size}|{c.seed}").encode()).hexdigest()[:16]
   path = os.path.join(_cache_dir(c), f"spm-{key}.model")
   if not os.path.exists(path):
     tmp = path + f".tmp{os.getpid()}"
-    train_sentencepiece(corpus, t.vocab_size, tmp, seed=c.seed)
+    try:
+      train_sentencepiece(corpus, t.vocab_size, tmp, seed=c.seed)
+    except ValueError as e:
+      raise ConfigError(f"config.tokenizer.vocab_size: {e}") from e
     os.replace(tmp, path)
     logger.info("trained sentencepiece tokenizer (%d pieces) -> %s", t.vocab_size, path)
   return load_sentencepiece(path, chat_format=t.chat_format or "plain")
@@ -275,10 +395,18 @@ def build_tokenizer(c, problems: list[MathProblem]):
 def build_model(c, tokenizer, mesh) -> Transformer:
   """The policy: a loaded HF folder / GGUF file, or a scratch preset (vocabulary = the tokenizer's), on `mesh`."""
   overrides = run_config.model_overrides(c)
-  if c.model.source == "hf":
-    return load_hf_checkpoint(c.model.path, mesh=mesh, **overrides)[0]
-  if c.model.source == "gguf":
-    return load_gguf(c.model.path or smollm2_gguf_path(), mesh=mesh, **overrides)[0]
+  if c.model.source in ("hf", "gguf"):
+    path = c.model.path or smollm2_gguf_path()
+    try:
+      load = load_hf_checkpoint if c.model.source == "hf" else load_gguf
+      model = load(path, mesh=mesh, **overrides)[0]
+    except Exception as e:  # noqa: BLE001 - a file that does not load is a bad file: name it
+      raise FileFormatError(
+          f"{path}: cannot load a {c.model.source} checkpoint (config.model.path; " f"{type(e).__name__}: {e})"
+      ) from e
+    run_config.check_overrides_match(c, model.config)
+    check_finite_params(model, path)
+    return model
   cfg = get_preset(c.model.preset, vocab_size=tokenizer.vocab_size, **dict(c.model.overrides), **overrides)
   return init_model(cfg, seed=c.seed, mesh=mesh)
 

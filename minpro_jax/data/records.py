@@ -6,6 +6,8 @@ import dataclasses
 import logging
 from typing import Any
 
+from minpro_jax.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,7 +53,7 @@ class MathProblem:
     )
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """A malformed row (raised only with ``strict=True``); the message names file and line."""
 
 

@@ -16,8 +16,9 @@ gsm8k          ``question``                                               text a
 auto           inferred from the keys of each row
 ============== ========================================================== =============================================
 
-Files: ``.jsonl`` (one object per line), ``.json`` (a list of objects), ``.parquet`` (needs ``pyarrow``, which is
-not a dependency of this project: install it on the machine that holds the parquet files, or convert to JSONL).
+Files: ``.jsonl`` (one object per line), ``.json`` (a list of objects), ``.parquet`` (read with ``pyarrow``, a
+dependency of this project; nested columns such as DAPO's ``prompt`` list and ``reward_model`` struct come back as
+lists/dicts).
 Malformed rows are skipped and reported per ``LoadReport`` (``strict=True`` raises ``DataError``).
 """
 
@@ -367,7 +368,9 @@ def _reasoning_gym(d, *, seed: int, size: int) -> list[MathProblem]:
 
 
 def _check_file(d) -> None:
-  if not d.path or os.path.isdir(d.path):
+  if not d.path:
+    raise ConfigError("config.data.path: empty; with data.source=file point it at one .jsonl / .json / .parquet file")
+  if os.path.isdir(d.path):
     raise ConfigError(f"config.data.path: {d.path!r} is a directory; point it at one .jsonl / .json / .parquet file")
   if not os.path.isfile(d.path):
     raise ConfigError(f"config.data.path: data file {d.path!r} does not exist")

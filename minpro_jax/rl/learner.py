@@ -17,6 +17,7 @@ read (`ScoreInputs`, `UpdateInputs`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -81,6 +82,9 @@ class OptimizerConfig:
   """AdamW with linear warmup, then constant / cosine / linear decay, and global-norm clipping.
 
   Units: learning rates per update; `warmup_steps` and `decay_steps` in optimizer updates.
+
+  Raises:
+    ValueError: a field that is not finite or out of its range, naming `OptimizerConfig.<field>`.
   """
 
   learning_rate: float = 1e-6
@@ -93,6 +97,34 @@ class OptimizerConfig:
   eps: float = 1e-8
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
+
+  def __post_init__(self):
+    for name in ("learning_rate", "final_lr_ratio", "b1", "b2", "eps", "weight_decay", "max_grad_norm"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"OptimizerConfig.{name} must be a finite number, got {v!r}")
+    checks = (
+        ("learning_rate", self.learning_rate > 0, "must be > 0"),
+        ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+        ("decay_steps", self.decay_steps >= 0, "must be >= 0"),
+        ("final_lr_ratio", 0 <= self.final_lr_ratio <= 1, "must lie in [0, 1]"),
+        ("b1", 0 <= self.b1 < 1, "must lie in [0, 1)"),
+        ("b2", 0 <= self.b2 < 1, "must lie in [0, 1)"),
+        ("eps", self.eps > 0, "must be > 0"),
+        ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+        ("max_grad_norm", self.max_grad_norm >= 0, "must be >= 0 (0 = no clipping)"),
+    )
+    for name, ok, msg in checks:
+      if not ok:
+        raise ValueError(f"OptimizerConfig.{name} {msg}, got {getattr(self, name)!r}")
+
+
+def _all_finite(tree) -> jax.Array:
+  """Scalar bool: every floating-point leaf of `tree` is finite."""
+  leaves = [
+      jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+  ]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -370,10 +402,12 @@ class Learner:
     logp = logp.reshape(mask.shape)
     loss = loss_sum / denom
     grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    safe_grads = jax.tree.map(lambda g: jnp.where(grads_finite, g, 0.0), grads)
     updates, new_opt = self.optimizer.update(safe_grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
+    # an update that makes the parameters or the optimizer state non-finite is skipped too
+    finite = grads_finite & _all_finite(new_params) & _all_finite(new_opt)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_state = TrainState(
         params=keep(new_params, state.params),

@@ -5,6 +5,8 @@ hyper-parameter table were not available to us); they follow common verl/DAPO
 recipes and the CPPO re-run of MinPRO (lr 1e-6, no KL, no entropy bonus).
 """
 
+from ml_collections import ConfigDict
+
 from minpro_jax.configs.default import base_config
 from minpro_jax.rl.objectives import OBJECTIVES
 
@@ -39,6 +41,7 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
   c.delay = delay
 
   c.model.source = "hf"
+  c.model.overrides = ConfigDict()  # the architecture is the checkpoint's own
   c.model.path = hf_path  # local folder with config.json + safetensors (Qwen/Qwen3-*-Base)
   c.model.param_dtype = "float32"
   c.model.dtype = "bfloat16"

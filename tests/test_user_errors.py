@@ -1,0 +1,209 @@
+"""A user's mistake ends in one clear message naming the field or file, exit status 2, and no traceback; checks run
+before expensive work; nothing fails silently during a run (docs/errors.md lists every case)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from train_helpers import cli_args, cli_env, make_config, tiny_overrides
+
+from minpro_jax.errors import ConfigError
+from minpro_jax.models import get_preset
+from minpro_jax.models.hf_io import config_to_hf
+from minpro_jax.run_config import check_resume, resume_fingerprint
+from minpro_jax.run_setup import lock_workdir
+
+_TINY_PRESET = {
+    k: getattr(get_preset("tiny"), k)
+    for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+}
+
+
+def _cli(args, timeout=180):
+  return subprocess.run(args, capture_output=True, text=True, env=cli_env(), timeout=timeout)
+
+
+def _hf_folder(tmp_path, safetensors: bytes | None = None, config: str | None = None):
+  d = tmp_path / "hf"
+  d.mkdir(exist_ok=True)
+  (d / "config.json").write_text(config if config is not None else json.dumps(config_to_hf(get_preset("tiny"))))
+  if safetensors is not None:
+    (d / "model.safetensors").write_bytes(safetensors)
+  return d
+
+
+def _file(tmp_path, name, rows):
+  p = tmp_path / name
+  p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  return p
+
+
+def _cases(tmp_path):
+  """(id, extra overrides or raw argv, text the message must contain)."""
+  fractions = _file(
+      tmp_path, "fractions.jsonl", [{"problem": f"What is 1/{i}?", "answer": f"1/{i}"} for i in range(2, 40)]
+  )
+  junk = _file(tmp_path, "junk.jsonl", [{"nothing": i} for i in range(3)])
+  not_tok = tmp_path / "not_a_tokenizer.txt"
+  not_tok.write_text("hello")
+  bad_gguf = tmp_path / "model.gguf"
+  bad_gguf.write_bytes(b"GGUF" + b"\0" * 20)
+  return [
+      ("config file", ["--config=/nonexistent/cfg.py"], "--config=/nonexistent/cfg.py: cannot load"),
+      ("unknown field", ["--config.no_such_field=3"], "config.no_such_field: the config has no such field"),
+      ("unparsable value", ["--config.delay=abc"], "--config.delay=abc"),
+      ("lr inf", {"optimizer.learning_rate": float("inf")}, "config.optimizer.learning_rate"),
+      ("lr huge", {"optimizer.learning_rate": 1e3}, "config.optimizer.learning_rate: 1000.0 is above 1.0"),
+      ("b2", {"optimizer.b2": 1.5}, "config.optimizer.b2"),
+      ("warmup", {"optimizer.warmup_steps": -1}, "config.optimizer.warmup_steps"),
+      ("data runs out", {"total_steps": 1000, "data.num_epochs": 1}, "config.data.num_epochs: "),
+      ("answers not integer", {"data.source": "file", "data.path": str(fractions)}, "config.reward.mode: "),
+      ("chat format", {"tokenizer.chat_format": "llama3"}, "config.tokenizer.chat_format: 'llama3'"),
+      ("tokenizer file", {"tokenizer.kind": "path", "tokenizer.path": str(not_tok)}, f"{not_tok}: cannot read a token"),
+      ("eval file unusable", {"eval.path": f"junk=auto:{junk}"}, "config.eval.path: held-out set 'junk'"),
+      ("empty data.path", {"data.source": "file", "data.path": ""}, "config.data.path: empty"),
+      ("bad override", {"model.overrides.num_kv_heads": 3}, "config.model.overrides.num_heads"),
+      (
+          "hf config.json",
+          {"model.source": "hf", "model.path": str(_hf_folder(tmp_path / "a", config="{not json"))},
+          "config.json: not a usable Hugging Face config.json",
+      ),
+      (
+          "overrides vs checkpoint",
+          {"model.source": "hf", "model.path": str(_hf_folder(tmp_path / "b"))},
+          "config.model.overrides.hidden_size: 32 contradicts the checkpoint's hidden_size=64",
+      ),
+      (
+          "truncated safetensors",
+          {"model.source": "hf", "model.path": str(_hf_folder(tmp_path / "c", safetensors=b"\x10\0\0\0"))}
+          | {f"model.overrides.{k}": v for k, v in _TINY_PRESET.items()},
+          "cannot load a hf checkpoint (config.model.path",
+      ),
+      (
+          "truncated gguf",
+          {"model.source": "gguf", "model.path": str(bad_gguf)},
+          f"{bad_gguf}: cannot load a gguf checkpoint",
+      ),
+  ]
+
+
+def test_each_user_mistake_prints_one_message_naming_the_field_and_no_traceback(tmp_path):
+  for sub in ("a", "b", "c"):
+    (tmp_path / sub).mkdir()
+  failures = []
+  for name, extra, expected in _cases(tmp_path):
+    ov = tiny_overrides(tmp_path, workdir=str(tmp_path / "run"))
+    if isinstance(extra, list):
+      args = cli_args(ov) + extra
+    else:
+      model = {k.split(".")[-1]: v for k, v in extra.items() if k.startswith("model.overrides.")}
+      ov.update({k: v for k, v in extra.items() if not k.startswith("model.overrides.")})
+      args = cli_args(ov, model)
+    r = _cli(args)
+    out = r.stdout + r.stderr
+    if r.returncode != 2 or expected not in out or "Traceback" in out:
+      failures.append(f"{name}: rc={r.returncode}, expected {expected!r}, got ...{out[-600:]}")
+  assert not failures, "\n\n".join(failures)
+  cache = tmp_path / "cache"
+  assert not [f for f in (os.listdir(cache) if cache.exists() else []) if f.startswith("sft")]  # no warm start ran
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+  r = _cli(cli_args(tiny_overrides(tmp_path, delay=-1)) + ["--debug"])
+  assert r.returncode != 0 and "Traceback" in r.stderr and "config.delay" in r.stderr
+
+
+def test_one_run_per_workdir(tmp_path):
+  lock = lock_workdir(str(tmp_path))
+  with pytest.raises(ConfigError, match=rf"config\.workdir: .* is in use by another run \(pid {os.getpid()}\)"):
+    lock_workdir(str(tmp_path))
+  lock.close()  # released with the file (and by the kernel when a process dies, SIGKILL included)
+  lock_workdir(str(tmp_path)).close()
+  holder = subprocess.Popen(
+      [
+          "python3",
+          "-c",
+          "import fcntl,time,sys; f=open(sys.argv[1],'a+'); "
+          "fcntl.flock(f, fcntl.LOCK_EX); f.write('4242'); f.flush(); time.sleep(60)",
+          str(tmp_path / ".lock"),
+      ]
+  )
+  try:
+    for _ in range(100):
+      if (tmp_path / ".lock").read_text().strip().endswith("4242"):
+        break
+      time.sleep(0.05)
+    with pytest.raises(ConfigError, match=r"in use by another run \(pid .*4242\)"):
+      lock_workdir(str(tmp_path))
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+  lock_workdir(str(tmp_path)).close()  # a killed holder leaves no stale lock
+
+
+def test_resume_sees_an_edited_data_file(tmp_path):
+  path = _file(tmp_path, "data.jsonl", [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(30)])
+  c = make_config(tiny_overrides(tmp_path, **{"data.source": "file", "data.path": str(path)}))
+  stored = resume_fingerprint(c)
+  check_resume(c, stored, "runs/x")
+  path.write_text(path.read_text().replace('"answer": "5"', '"answer": "6"'))  # same rows, one answer changed
+  with pytest.raises(ConfigError, match=r"config\.workdir: .* different files\."):
+    check_resume(c, stored, "runs/x")
+
+
+def test_an_update_that_makes_the_parameters_non_finite_is_skipped():
+  from test_learner import _batch, _model
+
+  from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+
+  model = _model()
+  batch = _batch(model)
+  learner = Learner(model, LossConfig(method="grpo"), OptimizerConfig(learning_rate=1e-2), micro_batch_size=4)
+  learner.optimizer = optax.sgd(float("inf"))  # loss and gradient stay finite; the updated parameters do not
+  state = learner.init_state(nnx.split(model)[1])
+  before = jax.tree.map(np.asarray, state.params)
+  state, m = learner.update(state, batch)
+  assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) and bool(m["update_skipped"])
+  assert int(state.step) == 0 and int(state.skipped) == 1
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_a_run_whose_updates_keep_being_skipped_stops_on_its_last_good_state(tmp_path, monkeypatch):
+  from minpro_jax.errors import TrainingError
+  from minpro_jax.rl import learner as learner_mod
+  from minpro_jax.trainer import MAX_ALL_SKIPPED_STEPS, Trainer
+
+  monkeypatch.setattr(learner_mod, "_all_finite", lambda tree: jnp.asarray(False))  # every update is non-finite
+  tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, total_steps=8, delay=0)))
+  with pytest.raises(TrainingError, match=r"every optimizer update of global steps 0\.\.2 was non-finite .* at step 2"):
+    tr.run()
+  recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in recs if r["step"] >= 0]
+  assert len(steps) == MAX_ALL_SKIPPED_STEPS and all(r["learn/skipped_updates"] == 2 for r in steps)
+  assert tr.ckpt.latest_step() == 2  # the last good state (here: the warm start) is checkpointed
+  _, state, _, _ = tr.ckpt.restore_latest(tr.learner.init_state(nnx.split(tr.model)[1]))
+  assert int(state.step) == 0 and int(state.skipped) == 2 * MAX_ALL_SKIPPED_STEPS
+
+
+def test_sigterm_during_setup_says_what_is_lost(tmp_path):
+  ov = tiny_overrides(tmp_path, **{"sft.steps": 100000})
+  proc = subprocess.Popen(cli_args(ov), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env())
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if "trained sentencepiece tokenizer" in line:
+      break
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  out = "".join(seen) + out
+  assert proc.returncode == 2, out[-2000:]
+  assert "error: stopped by signal 15 during setup" in out and "Traceback" not in out
