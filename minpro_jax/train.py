@@ -6,7 +6,8 @@ from the newest checkpoint in the workdir.
 
 A mistake the user can fix (a bad flag or config field, a data / model / tokenizer file, a workdir in use) prints
 one line, `error: <what is wrong; the fix>`, and exits with status 2; `--debug` (or `MINPRO_DEBUG=1`) shows the
-traceback instead. A run stopped by SIGTERM / SIGINT exits with 128 + the signal after its checkpoint.
+traceback instead. A run stopped by SIGTERM / SIGINT exits with 128 + the signal: after its checkpoint during training, at once
+(saying so) during the setup.
 """
 
 from __future__ import annotations
@@ -84,11 +85,16 @@ def _run(config) -> dict:
 
 
 def _interrupted_during_setup(signum, frame):
+  """SIGTERM / SIGINT before the first step: nothing is checkpointed yet, and the tokenizer and SFT caches are
+  written atomically, so the process ends at once (an exception raised here could be swallowed by the code it
+  interrupts, e.g. a logging handler)."""
   del frame
-  raise UserError(
-      f"stopped by signal {signum} during setup (tokenizer, SFT warm start); nothing was checkpointed "
-      "yet: re-running the same command starts the setup again (a finished SFT is cached)"
+  sys.stderr.write(
+      f"error: stopped by signal {signum} during setup (tokenizer, SFT warm start); nothing was "
+      "checkpointed yet: re-running the same command starts the setup again (a finished SFT is cached)\n"
   )
+  sys.stderr.flush()
+  os._exit(128 + signum)
 
 
 def _newest_checkpoint(config) -> str:

@@ -205,5 +205,5 @@ def test_sigterm_during_setup_says_what_is_lost(tmp_path):
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
   out = "".join(seen) + out
-  assert proc.returncode == 2, out[-2000:]
+  assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
   assert "error: stopped by signal 15 during setup" in out and "Traceback" not in out
