@@ -248,11 +248,18 @@ def _check_eval(c) -> None:
   )
   for name, fmt, path in eval_files(c):
     _need(bool(name and fmt and path), "eval.path", f"cannot parse {name}={fmt}:{path}; write name=fmt:path")
+    if fmt == "tfds":  # name=tfds:DATASET/SPLIT@DATA_DIR (minpro_jax.data.tfds_source)
+      from minpro_jax.data.tfds_source import dataset_dir_exists, parse_tfds_ref
+
+      ds, _, data_dir = parse_tfds_ref(path)
+      _need(dataset_dir_exists(ds, data_dir), "eval.path", f"{name}=tfds:{path}: no dataset {ds!r} in {data_dir!r}")
+      continue
     _need(os.path.isfile(path), "eval.path", f"{name}={fmt}:{path}: write name=fmt:path with an existing file")
 
 
 def eval_files(c) -> list[tuple[str, str, str]]:
-  """`config.eval.path` ("name=fmt:path,name2=fmt:path2") as (name, fmt, path) triples."""
+  """`config.eval.path` ("name=fmt:path,name2=fmt:path2") as (name, fmt, path) triples; for a TFDS split
+  ("name=tfds:DATASET/SPLIT@DATA_DIR") fmt is "tfds" and path "DATASET/SPLIT@DATA_DIR"."""
   out = []
   for item in filter(None, (c.eval.path or "").split(",")):
     name, _, rest = item.partition("=")

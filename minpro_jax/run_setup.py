@@ -30,6 +30,7 @@ from minpro_jax.data import encode_prompts, format_prompt, load_file, train_sent
 from minpro_jax.data.records import MathProblem
 from minpro_jax.data.rewards import math_reward
 from minpro_jax.data.sources import get_source
+from minpro_jax.data.tfds_source import load_tfds, parse_tfds_ref
 from minpro_jax.data.tokenizers import (
     load_gguf_tokenizer,
     load_hf_tokenizer,
@@ -254,13 +255,17 @@ def load_problems(c, *, seed: int, size: int) -> list[MathProblem]:
 
 def eval_benchmarks(c) -> dict[str, list[MathProblem]]:
   """Held-out problems: for a generator source, a draw with generator seed `eval.seed` (benchmark
-  "<stem>_heldout"); plus the `eval.path` files (at most `eval.num_problems` problems each)."""
+  "<stem>_heldout"); plus the `eval.path` files (at most `eval.num_problems` problems each). An `eval.path` item
+  `name=tfds:DATASET/SPLIT@DATA_DIR` reads a split of a prepared TFDS dataset (`minpro_jax.data.tfds_source`)."""
   out: dict[str, list[MathProblem]] = {}
   source = get_source(c.data.source)
   if source.generator:
     probs = load_problems(c, seed=c.eval.seed, size=c.eval.num_problems)
     out[f"{source.heldout_name(c.data)}_heldout"] = list({p.prompt: p for p in probs}.values())
   for name, fmt, path in run_config.eval_files(c):
+    if fmt == "tfds":
+      out[name] = load_tfds(*parse_tfds_ref(path), limit=c.eval.num_problems)
+      continue
     out[name] = load_file(path, fmt)[: c.eval.num_problems]
   return out
 

@@ -2,7 +2,6 @@
 reproducible sentencepiece training."""
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -146,22 +145,33 @@ def test_bad_arguments(tmp_path):
     MathProblem(id="x", prompt="p", answer=" ", source="s")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow installed")
-def test_parquet_without_pyarrow_says_so(tmp_path):
-  p = tmp_path / "dapo.parquet"
-  p.write_bytes(b"PAR1")
-  with pytest.raises(ImportError, match="pyarrow"):
-    load_file(str(p), "dapo")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None, reason="pyarrow not installed")
 def test_parquet_dapo(tmp_path):
+  """DAPO-Math-17K's published parquet layout (BytedTsinghua-SIA/DAPO-Math-17k, data/dapo-math-17k.parquet): `prompt`
+  a list<struct<content, role>>, `reward_model` a struct<ground_truth, style>, `extra_info` a struct<index>."""
   import pyarrow as pa
   import pyarrow.parquet as pq
 
+  schema = pa.schema(
+      [
+          ("data_source", pa.string()),
+          ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+          ("ability", pa.string()),
+          ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+          ("extra_info", pa.struct([("index", pa.string())])),
+      ]
+  )
   rows = [json.loads(line) for line in open(fx("dapo_math_17k.jsonl"))]
-  pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
-  assert [p.answer for p in load_file(str(tmp_path / "d.parquet"), "dapo")] == ["1", "24", "58"]
+  path = str(tmp_path / "dapo-math-17k.parquet")
+  pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+  assert pq.read_schema(path).field("prompt").type == schema.field("prompt").type
+  probs = load_file(path, "dapo")
+  assert [p.answer for p in probs] == ["1", "24", "58"]
+  assert [p.id for p in probs] == ["a1f3-0001", "a1f3-0002", "a1f3-0003"]
+  assert probs[0].prompt == "Find the remainder when $7^{100}$ is divided by $5$."
+  assert probs[0].metadata["raw_prompt"].startswith("Solve the following math problem step by step.")
+  # the same problems as the JSONL copy, and "auto" infers the layout from the parquet rows too
+  assert probs == load_file(fx("dapo_math_17k.jsonl"), "dapo", source="dapo")
+  assert [p.answer for p in load_file(path)] == ["1", "24", "58"]
 
 
 # ------------------------------------------------------------------------------------------- generators
@@ -323,3 +333,130 @@ def test_train_spm_script_reproducible(tmp_path, capsys):
   a, b = (tmp_path / "a.model").read_bytes(), (tmp_path / "b.model").read_bytes()
   assert a == b
   assert f"sha256={hashlib.sha256(a).hexdigest()}" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------- TFDS datasets
+_TFDS_SPLITS = {  # split -> (fmt, fixture): every layout the loaders know
+    "dapo": ("dapo", "dapo_math_17k.jsonl"),
+    "math500": ("math500", "math500.jsonl"),
+    "aime": ("aime", "aime.jsonl"),
+    "amc": ("amc", "amc.jsonl"),
+    "minerva": ("minerva", "minerva.jsonl"),
+    "olympiadbench": ("olympiadbench", "olympiadbench.jsonl"),
+    "gsm8k": ("gsm8k", "gsm8k.jsonl"),
+}
+
+_READ_BACK = """
+import json, sys
+from minpro_jax.data.tfds_source import load_tfds
+out = {s: [p.to_dict() for p in load_tfds("fixture_math", s, sys.argv[1])] for s in sys.argv[2:]}
+assert "tensorflow" not in sys.modules and "minpro_jax.data.build_tfds" not in sys.modules
+print(json.dumps(out))
+"""
+
+
+def _run_py(args, **kw):
+  import subprocess
+  import sys
+
+  from train_helpers import cli_env
+
+  return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=cli_env(), timeout=300, **kw)
+
+
+def test_tfds_build_and_read_in_fresh_process(tmp_path):
+  """build_tfds writes array_record splits of every fixture layout; a fresh process reads them back with
+  tfds.data_source only (no builder class, no TensorFlow) into exactly the problems load_file gives, in order."""
+  data_dir = str(tmp_path / "tfds")
+  argv = ["-m", "minpro_jax.data.build_tfds", "--name=fixture_math", f"--data_dir={data_dir}"]
+  argv += [f"--split={s}={f}:{fx(name)}" for s, (f, name) in _TFDS_SPLITS.items()]
+  r = _run_py(argv)
+  assert r.returncode == 0, r.stderr[-3000:]
+  vdir = os.path.join(data_dir, "fixture_math", "1.0.0")
+  files = sorted(os.listdir(vdir))
+  assert "dataset_info.json" in files and "features.json" in files
+  assert any(f.startswith("fixture_math-gsm8k.array_record") for f in files)
+  r = _run_py(["-c", _READ_BACK, data_dir, *_TFDS_SPLITS])
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = json.loads(r.stdout.strip().splitlines()[-1])
+  for split, (fmt, name) in _TFDS_SPLITS.items():
+    want = [p.to_dict() for p in load_file(fx(name), fmt)]
+    assert got[split] == want, split
+  assert [p["answer"] for p in got["dapo"]] == ["1", "24", "58"]
+
+
+def test_tfds_source_errors(tmp_path):
+  from minpro_jax.data.build_tfds import build_dataset, parse_split
+  from minpro_jax.data.tfds_source import load_tfds, parse_tfds_ref
+  from minpro_jax.errors import ConfigError
+
+  assert parse_split("train=dapo:/d/x.parquet") == ("train", ("dapo", "/d/x.parquet"))
+  assert parse_split("test=/d/x.jsonl") == ("test", ("auto", "/d/x.jsonl"))
+  assert parse_tfds_ref("my_math/test@gs://bucket/tfds") == ("my_math", "test", "gs://bucket/tfds")
+  with pytest.raises(ConfigError, match="DATASET/SPLIT@DATA_DIR"):
+    parse_tfds_ref("my_math@/data")
+  with pytest.raises(ValueError, match="snake case"):
+    build_dataset("MyMath", {"train": ("auto", fx("aime.jsonl"))}, str(tmp_path))
+  with pytest.raises(DataError, match="cannot be opened"):
+    load_tfds("no_such_math", "train", str(tmp_path))
+
+
+@pytest.mark.slow
+def test_tfds_source_trains_and_evaluates_in_fresh_process(tmp_path):
+  """`data.source=tfds` and an `eval.path` TFDS split, in a fresh `python -m minpro_jax.train` process that never
+  imports the builder."""
+  from train_helpers import cli_args, tiny_overrides
+
+  probs = reasoning_gym_problems("chain_sum", size=72, seed=3, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+  with open(tmp_path / "train.jsonl", "w") as f:
+    for p in probs[:60]:
+      f.write(json.dumps({"problem": p.prompt, "answer": p.answer, "unique_id": p.id}) + "\n")
+  with open(tmp_path / "test.jsonl", "w") as f:
+    for p in probs[60:]:
+      f.write(json.dumps({"problem": p.prompt, "answer": p.answer, "unique_id": p.id}) + "\n")
+  data_dir = str(tmp_path / "tfds")
+  from minpro_jax.data.build_tfds import build_dataset
+
+  build_dataset(
+      "chain_math",
+      {"train": ("math500", str(tmp_path / "train.jsonl")), "test": ("math500", str(tmp_path / "test.jsonl"))},
+      data_dir,
+  )
+  ov = tiny_overrides(
+      tmp_path,
+      **{
+          "data.source": "tfds",
+          "data.tfds_name": "chain_math",
+          "data.tfds_split": "train",
+          "data.tfds_data_dir": data_dir,
+          "eval.path": f"chain_test=tfds:chain_math/test@{data_dir}",
+          "total_steps": 2,
+      },
+  )
+  r = _run_py(cli_args(ov)[1:])
+  assert r.returncode == 0, r.stderr[-4000:]
+  summary = json.load(open(os.path.join(ov["workdir"], "summary.json")))
+  text = json.dumps(summary)
+  assert "chain_test" in text
+  recs = [json.loads(line) for line in open(os.path.join(ov["workdir"], "metrics.jsonl"))]
+  assert [r["step"] for r in recs][:3] == [-1, 0, 1]
+  assert 0.0 <= recs[-1]["eval/pass@1"] <= 1.0  # the final evaluation, on the TFDS held-out split
+
+
+def test_tfds_config_checks_name_the_field(tmp_path):
+  from train_helpers import make_config, tiny_overrides
+
+  from minpro_jax.errors import ConfigError
+  from minpro_jax.run_config import validate_config
+
+  ov = tiny_overrides(tmp_path, **{"data.source": "tfds", "data.tfds_name": "my_math"})
+  with pytest.raises(ConfigError, match="tfds_name / tfds_split / tfds_data_dir"):
+    validate_config(make_config(ov))
+  ov["data.tfds_data_dir"] = str(tmp_path)
+  with pytest.raises(ConfigError, match=r"config.data.tfds_data_dir: no dataset 'my_math'"):
+    validate_config(make_config(ov))
+  ov.update({"data.source": "reasoning_gym", "eval.path": f"t=tfds:my_math/test@{tmp_path}"})
+  with pytest.raises(ConfigError, match=r"config.eval.path: t=tfds:my_math/test@.*no dataset 'my_math'"):
+    validate_config(make_config(ov))
+  (tmp_path / "my_math").mkdir()
+  validate_config(make_config(ov))  # a dataset folder is there: the check passes

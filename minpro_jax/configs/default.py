@@ -45,12 +45,15 @@ def base_config() -> ConfigDict:
   c.tokenizer.chat_format = _unset(str)  # unset = the tokenizer's own (qwen3 / smollm2 / plain)
 
   c.data = ConfigDict()
-  c.data.source = "reasoning_gym"  # reasoning_gym | file | champ
+  c.data.source = "reasoning_gym"  # reasoning_gym | file | champ | tfds
   c.data.task = "chain_sum"
   c.data.task_config = ConfigDict({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
   c.data.size = 20000
   c.data.path = ""  # for source=file: JSONL/JSON/parquet in a published schema
   c.data.format = "auto"
+  c.data.tfds_name = ""  # for source=tfds: a dataset built with python -m minpro_jax.data.build_tfds
+  c.data.tfds_split = "train"
+  c.data.tfds_data_dir = ""  # local folder or gs:// URL holding tfds_name/
   c.data.template = "plain"  # plain | chat
   c.data.max_prompt_tokens = 64
   c.data.num_epochs = 100

@@ -12,7 +12,10 @@
   verifier (B19).
 * Normalisation: ``{,}`` and ``\\,`` inside numbers, and well-formed thousands groups (``8,000``, ``-1,234.5``) are
   un-grouped; malformed groups (``12,34``) and lists (``3,5,7``, ``0,1``) are kept, so they stay tuples/sets and
-  never fuse into one integer (B17). Signs are kept (B18).
+  never fuse into one integer (B17); a first group starts with 1-9 (``0,125`` is not 125, B43). Signs are kept
+  (B18). A trailing unit word after a value (``12 \\text{ ft}``, ``2\\sqrt3\\text{ cm}^2``) is dropped (B40).
+* Percent (B40): a percent sign is optional on either side (``25\\%`` = ``25``), and math-verify also reads
+  ``25\\%`` as 0.25, so gold ``25\\%`` accepts ``25\\%``, ``25`` and ``0.25``.
 * Exactness: if both sides parse to exact rationals (integers, fractions, powers of them), they must be equal
   exactly -- math-verify's 6-decimal numeric tolerance would say 1/2^99 == 1/2^98 (B21). If one side is a decimal
   (a float), math-verify's rule applies: values equal after rounding to 6 decimals. Hence "1/12" vs "0.0833" is
@@ -50,7 +53,9 @@ STATS: collections.Counter = collections.Counter()
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _PHRASE_RE = re.compile(r"(?:final\s+answer|the\s+answer|answer)\s*(?:is\s*[:=]?|[:=])\s*", re.IGNORECASE)
 _NUM_RE = re.compile(r"(?<![\w)\]}.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d])")
-_THOUSANDS_RE = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_THOUSANDS_RE = re.compile(r"^[+-]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?$")  # a first group of 0 is no group (B43)
+_PERCENT_RE = re.compile(r"^(.+?)\s*\\?%$")
+_UNIT_RE = re.compile(r"(?<=[\d}).])\s*\\(?:text|mathrm)\{\s*[A-Za-z][A-Za-z ]*\}(?:\^\{?[23]\}?)?$")
 _INT_RE = re.compile(r"^[+-]?\d+$")
 _DEC_RE = re.compile(r"^[+-]?\d+\.\d+$")
 
@@ -158,6 +163,7 @@ def normalize_answer(ans: str) -> str:
   s = ans.strip()
   s = re.sub(r"^\$+|\$+$", "", s).strip()
   s = re.sub(r"^\\\(|\\\)$", "", s).strip()
+  s = _UNIT_RE.sub("", s)  # a trailing unit after a value: "12 \\text{ ft}", "2\\sqrt3\\text{ cm}^2" (B40)
   s = re.sub(r"\\(?:text|mathrm|textbf|mathbf)\{([^{}]*)\}", r"\1", s)
   s = s.replace("\\!", "").replace("\\left", "").replace("\\right", "")
   s = re.sub(r"(?<=\d)\{,\}(?=\d)", ",", s)
@@ -261,6 +267,9 @@ def _equivalent(pred: str, gold: str, mode: str) -> bool:
   """Compare normalised strings; may raise VerifyTimeout / _Refused."""
   if pred == gold:
     return True
+  mp, mg = _PERCENT_RE.match(pred), _PERCENT_RE.match(gold)
+  if (mp or mg) and _equivalent(mp.group(1) if mp else pred, mg.group(1) if mg else gold, mode):
+    return True  # a percent sign is optional on either side: 25\% = 25 (and = 0.25 by math-verify below), B40
   fp, fg = _literal_fraction(pred), _literal_fraction(gold)
   if mode == "integer":
     if fp is not None:

@@ -390,6 +390,36 @@ def _file(d, *, seed: int, size: int) -> list[MathProblem]:
   return problems
 
 
+def _check_tfds(d) -> None:
+  from minpro_jax.data.tfds_source import dataset_dir_exists
+
+  if not d.tfds_name or not d.tfds_split or not d.tfds_data_dir:
+    raise ConfigError(
+        "config.data.tfds_name / tfds_split / tfds_data_dir: data.source=tfds needs all three (a dataset built "
+        "with python -m minpro_jax.data.build_tfds)"
+    )
+  if not dataset_dir_exists(d.tfds_name, d.tfds_data_dir):
+    raise ConfigError(
+        f"config.data.tfds_data_dir: no dataset {d.tfds_name!r} in {d.tfds_data_dir!r} (expected the folder "
+        f"{d.tfds_data_dir}/{d.tfds_name}/ written by python -m minpro_jax.data.build_tfds)"
+    )
+
+
+@register_source("tfds", generator=False, heldout_name=lambda d: d.tfds_name, validate=_check_tfds)
+def _tfds(d, *, seed: int, size: int) -> list[MathProblem]:
+  """A TFDS dataset prepared by `minpro_jax.data.build_tfds`, read with `tfds.data_source` (tfds_source.py)."""
+  from minpro_jax.data.tfds_source import load_tfds
+
+  del seed, size
+  try:
+    problems = load_tfds(d.tfds_name, d.tfds_split, d.tfds_data_dir)
+  except DataError as e:
+    raise ConfigError(f"config.data.tfds_name / tfds_split / tfds_data_dir: {e}") from e
+  if not problems:
+    raise ConfigError(f"config.data.tfds_split: split {d.tfds_split!r} of {d.tfds_name!r} holds no problem")
+  return problems
+
+
 @register_source("champ", generator=False)
 def _champ(d, *, seed: int, size: int) -> list[MathProblem]:
   del d, seed, size

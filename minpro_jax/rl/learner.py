@@ -29,6 +29,7 @@ from flax import nnx
 
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.models.transformer import Transformer
+from minpro_jax.rl.aggregation import k3
 from minpro_jax.rl.objectives import get_objective, policy_loss, resolve_hparams
 from minpro_jax.rl.rollout import RolloutBatch
 
@@ -343,7 +344,7 @@ class Learner:
       total = total - lc.entropy_coef * jnp.sum(lp.entropy * mask) / num_tokens
     if lc.kl_coef:
       delta = jnp.clip(jnp.where(mask > 0, micro.behavior_logp - lp.logp, 0.0), -20.0, 20.0)
-      total = total + lc.kl_coef * jnp.sum((jnp.exp(delta) - delta - 1.0) * mask) / num_tokens
+      total = total + lc.kl_coef * jnp.sum(k3(delta) * mask) / num_tokens
     if lc.router_aux_coef:
       total = total + lc.router_aux_coef * lp.router_aux_loss * micro.tokens.shape[0] / num_rows
     return total, (out, lp)
