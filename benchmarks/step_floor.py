@@ -84,7 +84,8 @@ def attention_block_fns(cfg, batch: int, seq: int) -> dict:
   from flax import nnx
   from model_step import hf_model  # pylint: disable=import-outside-toplevel
 
-  from minpro_jax.models.transformer import Attention, rope_tables
+  from minpro_jax.models.rope import rope_tables
+  from minpro_jax.models.transformer import Attention
 
   x0 = np.random.default_rng(0).standard_normal((batch, seq, cfg.hidden_size)).astype(np.float32)
   positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))

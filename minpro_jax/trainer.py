@@ -102,6 +102,7 @@ class Trainer:
     self.sampler = Sampler(
         self.model.config,
         precision=c.sampling.precision,
+        continuous=c.sampling.continuous,
         mesh=self.mesh,
         pad_id=max(self.tokenizer.pad_id, 0),
         prompt_buckets=_prompt_buckets(c.data.max_prompt_tokens),

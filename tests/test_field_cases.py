@@ -6,7 +6,7 @@ Cases and the function each goes through:
   B30 temperature              minpro_jax.sampling.methods.get_next_tokens
   B35 mismatch before clipping policy_loss metrics, rollout_correction, mismatch_metrics
   B36 advantage scaling        minpro_jax.rl.advantages.group_advantages
-  B37 rope_theta / head_dim    minpro_jax.models.hf_io.config_from_hf, models.transformer.rope_inv_freq / apply_rope
+  B37 rope_theta / head_dim    minpro_jax.models.hf_io.config_from_hf, models.rope.rope_inv_freq / apply_rope
   B39 GGUF Q/K rows            minpro_jax.models.gguf_io.permute_rope_rows / unpermute_rope_rows
   B40, B41, B43 grading        minpro_jax.data.rewards.math_reward (conventions: module docstring, docs/data.md)
 Expected numbers are the ones of cases.md (recomputed there with numpy, fp64).
@@ -20,7 +20,7 @@ import pytest
 from minpro_jax.data.rewards import math_reward
 from minpro_jax.models.gguf_io import permute_rope_rows, unpermute_rope_rows
 from minpro_jax.models.hf_io import config_from_hf
-from minpro_jax.models.transformer import apply_rope, rope_inv_freq
+from minpro_jax.models.rope import apply_rope, rope_inv_freq
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.aggregation import mismatch_metrics, rollout_correction
 from minpro_jax.rl.objectives import policy_loss

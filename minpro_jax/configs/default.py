@@ -64,6 +64,7 @@ def base_config() -> ConfigDict:
   c.sampling.top_k = 0
   c.sampling.max_new_tokens = 16
   c.sampling.precision = "fp32"  # fp32 | bf16 | fp8 (simulated; MIPU's inference mismatch)
+  c.sampling.continuous = False  # True: continuous batching + live-length attention (minpro_jax/sampling/continuous.py)
 
   c.reward = ConfigDict()
   c.reward.mode = "integer"  # integer | math

@@ -111,3 +111,81 @@ def causal_block_attention(
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v[:, :, :hi], preferred_element_type=jnp.float32))
   return (outs[0] if n == 1 else jnp.concatenate(outs, axis=3)).astype(dtype)
+
+
+LIVE_MIN_SLOTS = 128  # the shortest live-length bucket (fewer slots save less than a switch branch costs)
+
+
+def live_length_buckets(num_slots: int, min_slots: int = LIVE_MIN_SLOTS) -> tuple[int, ...]:
+  """Key-slot counts `live_length_attention` switches between for a cache of `num_slots` slots: min_slots,
+  2 * min_slots, 4 * min_slots, ... up to num_slots / 2, then num_slots itself. A bucket below the cache size
+  is a strided slice that XLA copies out of the cache before its dots, so it costs about twice its slots;
+  one above half the cache would cost more than scoring the whole cache. Plain ints in, a strictly increasing
+  tuple of ints out."""
+  out, n = [], max(1, int(min_slots))
+  while 2 * n <= num_slots:
+    out.append(n)
+    n *= 2
+  return (*out, int(num_slots))
+
+
+def live_length_attention(
+    qg_bkgth: jax.Array,
+    k_all: jax.Array,
+    v_bksh: jax.Array,
+    q_slot_bt: jax.Array,
+    q_segment_bt: jax.Array,
+    kv_segment_bs: jax.Array,
+    live_len: jax.Array,
+    *,
+    keys_hd_major: bool,
+    dtype,
+    buckets: tuple[int, ...] | None = None,
+) -> jax.Array:
+  """`masked_attention` over a KV cache that scores only its first L slots, L the smallest bucket >= live_len.
+
+  The mask is the KV-cache rule (slot s <= the query's slot, same non-zero segment id), built on the L slots
+  only; a `lax.switch` over the static `buckets` picks L, so the cost of a call follows the longest live
+  row instead of the cache size. A query whose slot is < L sees exactly the keys it sees in the full cache
+  (every slot >= L lies after it), so its output equals `masked_attention` on the whole cache up to fp32
+  rounding of the softmax sums (they run over fewer exact zeros). Queries at slot >= L (finished rows whose
+  output nobody reads) see only the first L slots.
+
+  Args:
+    qg_bkgth: [B, K, G, T, hd] queries (compute dtype).
+    k_all: [B, K, S, hd] keys, or [B, K, hd, S] when `keys_hd_major`.
+    v_bksh: [B, K, S, hd] values.
+    q_slot_bt: [B, T] int32 cache slot of each query.
+    q_segment_bt: [B, T] int32 segment ids of the queries (0: padding, attends to nothing).
+    kv_segment_bs: [B, S] int32 segment ids of the cache slots.
+    live_len: int32 scalar, the number of leading slots any query that matters may see (max slot + 1);
+      values above the largest bucket score all S slots.
+    keys_hd_major: the layout of `k_all`.
+    dtype: compute dtype of the probabilities and the output.
+    buckets: strictly increasing slot counts ending at S (default `live_length_buckets(S)`).
+
+  Returns:
+    [B, K, G, T, hd] in `dtype`.
+
+  Raises:
+    ValueError: if the buckets do not end at the cache's S slots.
+  """
+  s = v_bksh.shape[2]
+  buckets = live_length_buckets(s) if buckets is None else tuple(int(b) for b in buckets)
+  if buckets[-1] != s or list(buckets) != sorted(set(buckets)):
+    raise ValueError(f"live_length_attention: buckets {buckets} must be strictly increasing and end at S={s}")
+
+  def branch(n: int):
+    def run(qg, k_all, v_all, q_slot, q_seg, kv_seg):
+      k = k_all[..., :n] if keys_hd_major else k_all[:, :, :n]
+      mask = (jnp.arange(n)[None, None, :] <= q_slot[:, :, None]) & (q_seg[:, :, None] == kv_seg[:, None, :n])
+      mask = mask & (q_seg[:, :, None] != 0)
+      return masked_attention(qg, k, v_all[:, :, :n], mask, keys_hd_major=keys_hd_major, dtype=dtype)
+
+    return run
+
+  operands = (qg_bkgth, k_all, v_bksh, q_slot_bt, q_segment_bt, kv_segment_bs)
+  if len(buckets) == 1:
+    return branch(s)(*operands)
+  idx = jnp.clip(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), live_len.astype(jnp.int32)), 0, len(buckets) - 1)
+  return jax.lax.switch(idx, [branch(n) for n in buckets], *operands)

@@ -21,7 +21,6 @@ of the sampler stores the segment id of each slot.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import flax.struct
@@ -29,10 +28,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minpro_jax.models.attention_core import causal_block_attention, causal_block_count, masked_attention
+from minpro_jax.models.attention_core import (
+    causal_block_attention,
+    causal_block_count,
+    live_length_attention,
+    masked_attention,
+)
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
 from minpro_jax.models.quant import maybe_quant_act
+from minpro_jax.models.rope import apply_rope, rope_tables
 from minpro_jax.runtime.sharding import DEFAULT_RULES, constrain, use_mesh
 
 
@@ -112,59 +117,6 @@ class RMSNorm(nnx.Module):
     return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-  """[head_dim // 2] float32 inverse frequencies, with HF's "linear" / "llama3" scaling if configured."""
-  hd = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-  scaling = config.rope_scaling
-  if not scaling:
-    return inv_freq
-  kind = scaling.get("rope_type", scaling.get("type", "default"))
-  if kind == "linear":
-    return inv_freq / float(scaling["factor"])
-  if kind == "llama3":
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-    return jnp.where(is_medium, smoothed, out)
-  return inv_freq
-
-
-def rope_tables(positions_bt: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array]:
-  """(cos, sin), each [B, T, head_dim // 2] float32, of the RoPE angles positions * inv_freq (HF's
-  `rotary_emb`), computed once per forward and shared by every layer.
-
-  The sampler passes tables gathered from one precomputed per `generate` instead.
-  """
-
-  def tables(positions_bt):
-    angles = positions_bt.astype(jnp.float32)[..., None] * rope_inv_freq(config)
-    return jnp.cos(angles), jnp.sin(angles)
-
-  # Same function in both branches: the cond only materialises the tables, which XLA:CPU would otherwise
-  # fuse into (and recompute in) every consumer, per head, in every layer, forward and backward.
-  return jax.lax.cond(jnp.any(positions_bt > 0), tables, tables, positions_bt)
-
-
-def apply_rope(x_bthk: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-  """Rotate-half RoPE (HF layout: pairs (i, i + head_dim/2)) in fp32; returns x's dtype.
-
-  Args:
-    x_bthk: [B, T, heads, head_dim].
-    rope: (cos, sin) [B, T, head_dim // 2] from `rope_tables`.
-  """
-  cos, sin = rope[0][:, :, None, :], rope[1][:, :, None, :]
-  x = x_bthk.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_bthk.dtype)
-
-
 class Attention(nnx.Module):
   """Grouped-query self-attention with optional q/k RMSNorm and a KV cache."""
 
@@ -196,7 +148,7 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
       self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
 
-  def __call__(self, x_btd, rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index):
+  def __call__(self, x_btd, rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index, live_len=None):
     """Attention of T new tokens.
 
     Args:
@@ -208,7 +160,10 @@ class Attention(nnx.Module):
         layer's index; or (k, v, None) with this layer's own caches. The new keys/values are written in
         place at slots [cache_index, cache_index + T).
       cache_index: int32 scalar slot where the new tokens are written; ignored without a cache (the tokens
-        are then slots 0..T-1).
+        are then slots 0..T-1). With this layer's own cache (layer None) and T = 1 it may be a [B] int32
+        array, one slot per row (continuous batching: rows at different steps).
+      live_len: optional int32 scalar (with a cache only): score only the first slots up to a bucket >= it
+        (`live_length_attention`); every query that matters must sit in a slot < live_len.
 
     Returns:
       ([B, T, D] output, the updated (k, v) caches in the layout given, or None).
@@ -245,7 +200,14 @@ class Attention(nnx.Module):
         k_new = jnp.swapaxes(k_new, 2, 3)  # [B, K, hd, T]
       k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
       k_at = (0, 0, 0, cache_index) if hd_major else (0, 0, cache_index, 0)
-      if layer is None:  # this layer's own cache: updated in place and read without a copy
+      if jnp.ndim(cache_index) == 1:  # one slot per row (T = 1, per-layer cache): a scatter of B columns
+        rows = jnp.arange(b)
+        if hd_major:
+          k_all = k_cache = k_cache.at[rows, :, :, cache_index].set(k_new[..., 0])
+        else:
+          k_all = k_cache = k_cache.at[rows, :, cache_index].set(k_new[:, :, 0])
+        v_all = v_cache = v_cache.at[rows, :, cache_index].set(v_new[:, :, 0])
+      elif layer is None:  # this layer's own cache: updated in place and read without a copy
         k_all = k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, k_at)
         v_all = v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, (0, 0, cache_index, 0))
       else:
@@ -256,8 +218,19 @@ class Attention(nnx.Module):
     else:
       k_all, v_all, new_cache = k_new, v_new, None
     s = v_all.shape[2]
-    q_slot = (0 if cache_kv is None else cache_index) + jnp.arange(t)
-    mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
+    if cache_kv is not None and live_len is not None:  # score only the cache slots up to the longest live row
+      q_slot = jnp.broadcast_to(jnp.reshape(cache_index, (-1, 1)) + jnp.arange(t)[None], (b, t))
+      out = live_length_attention(
+          qg, k_all, v_all, q_slot, q_segment_bt, kv_segment_bs, live_len, keys_hd_major=hd_major, dtype=dt
+      )
+      out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, hd)
+      return dense(maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt), n_in=2), new_cache
+    if jnp.ndim(cache_index) == 1:
+      q_slot = cache_index[:, None, None] + jnp.arange(t)[None, :, None]  # [B, T, 1]
+      mask = jnp.arange(s)[None, None, :] <= q_slot  # [B, T, S] causal by slot
+    else:
+      q_slot = (0 if cache_kv is None else cache_index) + jnp.arange(t)
+      mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
     mask = mask & (q_segment_bt[:, :, None] == kv_segment_bs[:, None, :]) & (q_segment_bt[:, :, None] != 0)
     blocks = causal_block_count(t, c.attn_causal_blocks)
     if cache_kv is None and blocks > 1:  # query t is key slot t: skip the keys after each query block
@@ -363,8 +336,8 @@ class DecoderLayer(nnx.Module):
     self.is_moe = config.is_moe
     self.mlp = MoE(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
 
-  def __call__(self, x_btd, rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index):
-    h, new_kv = self.attn(self.input_norm(x_btd), rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index)
+  def __call__(self, x_btd, rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index, live_len=None):
+    h, new_kv = self.attn(self.input_norm(x_btd), rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index, live_len)
     x_btd = x_btd + h
     if self.is_moe:
       h, aux = self.mlp(self.post_attn_norm(x_btd), q_segment_bt != 0)
@@ -459,6 +432,7 @@ class Transformer(nnx.Module):
       cache_index: jax.Array | int = 0,
       return_hidden: bool = False,
       rope: tuple[jax.Array, jax.Array] | None = None,
+      live_len: jax.Array | None = None,
   ) -> ModelOutput:
     """Runs the decoder on T new tokens.
 
@@ -469,12 +443,16 @@ class Transformer(nnx.Module):
       cache: optional `KVCache` with S >= cache_index + T slots; the new keys/values and segment ids are
         written at slots [cache_index, cache_index + T) and the new tokens attend to every earlier slot of
         their segment.
-      cache_index: int32 scalar, first slot written (only with a cache).
+      cache_index: int32 scalar, first slot written (only with a cache); or, for T = 1 and a per-layer cache
+        (`stack_layers=False`), a [B] int32 array with each row's own slot (continuous batching).
       return_hidden: return final-normed hidden states [B, T, D] instead of logits (the chunked log-prob
         path uses this so [B, T, V] is never built).
       rope: optional precomputed `rope_tables(positions_bt, config)` (cos, sin), each [B, T, head_dim // 2].
         The sampler gathers them from a table built once per `generate`, so its decode loop computes no
         cos/sin per step.
+      live_len: optional int32 scalar (only with a cache): attention scores only the leading cache slots up
+        to the smallest `live_length_buckets` size >= live_len (`live_length_attention`), so a decode step
+        costs what the longest live row needs; queries at slots >= live_len get undefined outputs.
 
     Returns:
       `ModelOutput(out, cache, router_aux_loss)`.
@@ -502,10 +480,16 @@ class Transformer(nnx.Module):
         raise ValueError(
             "cache layout does not match ModelConfig.stack_layers; build it with " "KVCache.zeros(model.config, ...)"
         )
-      kv_segment = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, cache_index))
+      if jnp.ndim(cache_index) == 1:
+        if t != 1 or c.stack_layers:
+          raise ValueError("a per-row cache_index needs T = 1 and a per-layer cache (stack_layers=False)")
+        kv_segment = cache.segment_ids.at[jnp.arange(b), cache_index].set(segment_ids_bt[:, 0])
+      else:
+        kv_segment = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, cache_index))
     else:
       kv_segment = segment_ids_bt
       cache_index = 0
+      live_len = None
 
     x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(c.jnp_dtype)
     x = constrain(x, ("batch", "act_seq", "act_embed"))
@@ -516,7 +500,7 @@ class Transformer(nnx.Module):
       raise ValueError(f"rope tables have shapes {[r.shape for r in rope]}, expected 2 x {(b, t, c.head_dim // 2)}")
 
     def run_layer(layer, x, kv):
-      return layer(x, rope, segment_ids_bt, kv_segment, kv, cache_index)
+      return layer(x, rope, segment_ids_bt, kv_segment, kv, cache_index, live_len)
 
     if c.remat == "block":
       run_layer = nnx.remat(run_layer, prevent_cse=not c.scan_layers)

@@ -17,6 +17,12 @@ Flow of one `generate` call:
      len(prompt) + i - 1), samples index i, and exits as soon as every row has stopped. Its carry (KV cache
      and outputs) is donated, and nothing goes back to the host until the loop ends.
 
+Steps 3-4 are the static sampler (`continuous=False`): every row of the call runs until the slowest stops.
+The default, `continuous=True`, runs the same requests on a fixed number of decode rows and refills a row
+with the next waiting prompt as soon as it stops, with decode attention over the live cache length only
+(`minpro_jax.sampling.continuous`); every response is the one the static sampler gives, token for token
+(log-probs up to fp32 rounding of the batch's matmuls).
+
 The graphdef is static and the parameters are a traced argument, so new parameter values with the same
 shapes, dtypes and shardings never recompile (`Sampler.trace_count` counts traces for tests).
 
@@ -42,7 +48,9 @@ from flax import nnx
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.inference_layout import fuse_qkv_params, fused_qkv_keeps_sharding, unstack_layer_params
 from minpro_jax.models.quant import PRECISIONS, precision_config, prepare_inference_params
-from minpro_jax.models.transformer import KVCache, Transformer, rope_tables
+from minpro_jax.models.rope import rope_tables
+from minpro_jax.models.transformer import KVCache, Transformer, keys_head_dim_major
+from minpro_jax.sampling import continuous as cb
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
 from minpro_jax.sampling.methods import SamplingParams
@@ -116,9 +124,24 @@ class Sampler:
       summation order. Ignored (no fusion) on a mesh whose head split does not divide the KV-head count,
       where the fused matrix could not be split like the unfused ones (`fused_qkv_keeps_sharding`);
       `self.config.fuse_qkv` says what runs. False keeps the learner's separate projections.
+    continuous: True (default) runs `generate` with continuous batching on at most `decode_rows` rows and
+      live-length decode attention; False runs today's static sampler (all rows until the slowest stops,
+      attention over the whole cache). Both return the same responses.
+    decode_rows: the continuous sampler's number of decode rows (rounded up to a batch bucket, and never
+      more than the call's row bucket).
+    refill_rows: the continuous sampler refills once this many rows are done (or fewer when fewer prompts
+      wait); None: max(1, rows // 8).
+    in_loop_refill: True (default, the faster on this project's CPU, benchmarks/README.md): the whole call is
+      one jitted `while_loop` whose iterations either prefill refill_rows waiting prompts into done rows or run
+      a decode step; False: decode chunks end when refill_rows rows are done and the host refills them (one
+      prefill of those rows). Same responses either way.
+    logits_processor: optional jit-traceable `f(logits [B, V] float32, response index [B] int32, group id [B]
+      int32) -> logits [B, V]` applied to the raw logits before every draw, in both samplers (group id: the
+      row's `group_ids` entry cast to int32; 0 on the static sampler's padding rows). The behavior log-probs are those of the processed logits. For scripted stops (benchmarks), like a
+      `transformers` LogitsProcessor. Must be hashable (it is a static part of the compiled functions).
 
   Raises:
-    ValueError: unknown precision, or empty / unsorted buckets.
+    ValueError: unknown precision, empty / unsorted buckets, decode_rows or refill_rows < 1.
   """
 
   def __init__(
@@ -133,6 +156,11 @@ class Sampler:
       pad_id: int = 0,
       fp8_activations: bool = True,
       fuse_qkv: bool = True,
+      continuous: bool = True,
+      decode_rows: int = 64,
+      refill_rows: int | None = None,
+      logits_processor=None,
+      in_loop_refill: bool = True,
   ):
     if precision not in PRECISIONS:
       raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}")
@@ -140,6 +168,13 @@ class Sampler:
       b = tuple(b)
       if not b or any(x <= 0 for x in b) or list(b) != sorted(set(b)):
         raise ValueError(f"{name} must be a non-empty strictly increasing tuple of positive ints, got {b}")
+    if int(decode_rows) < 1 or (refill_rows is not None and int(refill_rows) < 1):
+      raise ValueError(f"decode_rows ({decode_rows}) and refill_rows ({refill_rows}) must be >= 1")
+    self.continuous = bool(continuous)
+    self.in_loop_refill = bool(in_loop_refill)
+    self.logits_processor = logits_processor
+    self.decode_rows = int(decode_rows)
+    self.refill_rows = None if refill_rows is None else int(refill_rows)
     self.model_config = model_config
     self.precision = precision
     # the learner-layout config (what `params` look like after the precision cast) and the sampler's own
@@ -162,6 +197,10 @@ class Sampler:
     self._prepare = jax.jit(self._prepare_impl)
     self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
     self._decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
+    self._c_init = jax.jit(self._c_init_impl, static_argnames=("rows", "num_requests", "slots", "max_new_tokens"))
+    self._c_refill = jax.jit(self._c_refill_impl, static_argnames=("sampling",), donate_argnums=(1,))
+    self._c_all = jax.jit(self._c_all_impl, static_argnames=("sampling", "p_len", "rows", "refill"))
+    self._c_decode = jax.jit(self._c_decode_impl, static_argnames=("sampling", "p_len"), donate_argnums=(1,))
 
   # ----------------------------------------------------------------------------------------- jitted parts
   def _prepare_impl(self, state):
@@ -170,7 +209,9 @@ class Sampler:
       state = unstack_layer_params(state, self._input_config)
     return fuse_qkv_params(state, self._per_layer_config) if self.config.fuse_qkv else state
 
-  def _prefill_impl(self, state, tokens_bp, segment_bp, row_keys, active_b, *, sampling: SamplingParams):
+  def _prefill_impl(
+      self, state, tokens_bp, segment_bp, row_keys, active_b, row_group=None, *, sampling: SamplingParams
+  ):
     self.trace_count += 1
     model = nnx.merge(self._graphdef, state)
     b, p = tokens_bp.shape
@@ -178,7 +219,10 @@ class Sampler:
     cache = KVCache.zeros(self.config, b, p + sampling.max_new_tokens)
     out = model(tokens_bp, positions, segment_bp, cache=cache, cache_index=0, return_hidden=True)
     logits = model.logits(out.out[:, -1:])[:, 0]
-    carry = (out.cache, positions[:, -1] + 1)
+    if self.logits_processor is not None:
+      group = jnp.zeros((b,), jnp.int32) if row_group is None else row_group
+      logits = self.logits_processor(logits, jnp.zeros((b,), jnp.int32), group)
+    carry = (out.cache, positions[:, -1] + 1, jnp.zeros((b,), jnp.int32) if row_group is None else row_group)
     st = init_loop_state(row_keys, active_b, sampling.max_new_tokens, carry, self.pad_id)
     return sample_step(st, logits, sampling, self.pad_id)
 
@@ -191,15 +235,139 @@ class Sampler:
     cos_s, sin_s = rope_tables(jnp.arange(cache_offset + sampling.max_new_tokens)[None], self.config)
 
     def step_fn(carry, tokens_b, step):
-      cache, next_pos = carry
+      cache, next_pos, group = carry
       pos = (next_pos + step - 1)[:, None]
       rope = (cos_s[0][pos], sin_s[0][pos])
       out = model(
           tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, cache_index=cache_offset + step - 1, rope=rope
       )
-      return out.out[:, 0], (out.cache, next_pos)
+      logits = out.out[:, 0]
+      if self.logits_processor is not None:
+        logits = self.logits_processor(logits, jnp.full(group.shape, step, jnp.int32), group)
+      return logits, (out.cache, next_pos, group)
 
     return decode_loop(step_fn, loop_state, sampling, self.pad_id)
+
+  def _c_init_impl(self, *, rows, num_requests, slots, max_new_tokens):
+    return cb.init_state(self.config, rows, num_requests, slots, max_new_tokens, self.pad_id)
+
+  def _c_refill_impl(
+      self, state, st, tokens_mp, segs_mp, rows_m, reqs_m, groups_m, keys_m, *, sampling: SamplingParams
+  ):
+    self.trace_count += 1
+    model = nnx.merge(self._graphdef, state)
+
+    def prefill(tokens, positions, segs):
+      cache = KVCache.zeros(self.config, tokens.shape[0], tokens.shape[1])
+      out = model(tokens, positions, segs, cache=cache, cache_index=0, return_hidden=True)
+      return model.logits(out.out[:, -1:])[:, 0], out.cache
+
+    hd_major = keys_head_dim_major(self.config.jnp_dtype)
+    return cb.refill(
+        st,
+        prefill,
+        tokens_mp,
+        segs_mp,
+        rows_m,
+        reqs_m,
+        groups_m,
+        keys_m,
+        sampling,
+        self.pad_id,
+        hd_major,
+        self.logits_processor,
+    )
+
+  def _c_decode_impl(self, state, st, need, *, sampling: SamplingParams, p_len: int):
+    self.trace_count += 1
+    model = nnx.merge(self._graphdef, state)
+    cos_s, sin_s = rope_tables(jnp.arange(p_len + sampling.max_new_tokens)[None], self.config)
+
+    def step_fn(cache, tokens_b, slot_b, pos_b, live_len):
+      pos = pos_b[:, None]
+      out = model(
+          tokens_b[:, None],
+          pos,
+          jnp.ones_like(pos),
+          cache=cache,
+          cache_index=slot_b,
+          rope=(cos_s[0][pos], sin_s[0][pos]),
+          live_len=live_len,
+      )
+      return out.out[:, 0], out.cache
+
+    return cb.decode_until(st, step_fn, need, sampling, self.pad_id, p_len, self.logits_processor)
+
+  def _c_all_impl(self, state, requests, *, sampling: SamplingParams, p_len: int, rows: int, refill: int):
+    self.trace_count += 1
+    model = nnx.merge(self._graphdef, state)
+    n = requests[0].shape[0]
+    st = cb.init_state(self.config, rows, n, p_len + sampling.max_new_tokens, sampling.max_new_tokens, self.pad_id)
+    cos_s, sin_s = rope_tables(jnp.arange(p_len + sampling.max_new_tokens)[None], self.config)
+
+    def step_fn(cache, tokens_b, slot_b, pos_b, live_len):
+      pos = pos_b[:, None]
+      out = model(
+          tokens_b[:, None],
+          pos,
+          jnp.ones_like(pos),
+          cache=cache,
+          cache_index=slot_b,
+          rope=(cos_s[0][pos], sin_s[0][pos]),
+          live_len=live_len,
+      )
+      return out.out[:, 0], out.cache
+
+    def prefill(tokens, positions, segs):
+      cache = KVCache.zeros(self.config, tokens.shape[0], tokens.shape[1])
+      out = model(tokens, positions, segs, cache=cache, cache_index=0, return_hidden=True)
+      return model.logits(out.out[:, -1:])[:, 0], out.cache
+
+    hd_major = keys_head_dim_major(self.config.jnp_dtype)
+    st = cb.decode_with_refills(
+        st, step_fn, prefill, requests, refill, sampling, self.pad_id, p_len, hd_major, self.logits_processor
+    )
+    return st.tokens, st.logp, st.entropy, st.mask, st.stopped
+
+  def _generate_continuous(self, state, tokens, segs, row_keys, row_group, n: int, sampling: SamplingParams):
+    """The continuous-batching decode of the N request rows `tokens` / `segs` [N, P] -> outputs [N, R]."""
+    p_len = tokens.shape[1]
+    rows = min(_bucket(self.decode_rows, self.batch_buckets) or self.decode_rows, _bucket(n, self.batch_buckets) or n)
+    refill_at = self.refill_rows or max(1, rows // 8)
+    keys = (
+        np.asarray(jax.random.key_data(row_keys))
+        if jnp.issubdtype(row_keys.dtype, jax.dtypes.prng_key)
+        else np.asarray(row_keys)
+    )
+    keys = keys.astype(np.uint32)
+    if self.in_loop_refill:
+      requests = (tokens, segs, row_group.astype(np.int32), keys)
+      out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=min(refill_at, rows))
+      return jax.device_get(out)
+    st = self._c_init(
+        rows=rows, num_requests=n, slots=p_len + sampling.max_new_tokens, max_new_tokens=sampling.max_new_tokens
+    )
+    done = np.ones(rows, bool)
+    nxt = 0  # next waiting request
+    while True:
+      free = np.flatnonzero(done)[: n - nxt]
+      if free.size:
+        m = min(_bucket(free.size, self.batch_buckets) or rows, rows)
+        take = np.arange(nxt, nxt + free.size)
+        pad = m - free.size
+        at = np.concatenate([free, np.full(pad, rows)]).astype(np.int32)
+        reqs = np.concatenate([take, np.full(pad, n)]).astype(np.int32)
+        src = np.concatenate([take, np.full(pad, take[-1])])
+        groups = row_group[src].astype(np.int32)
+        st = self._c_refill(state, st, tokens[src], segs[src], at, reqs, groups, keys[src], sampling=sampling)
+        nxt += free.size
+      waiting = n - nxt
+      need = min(refill_at, waiting) if waiting else rows + 1
+      st = self._c_decode(state, st, np.int32(need), sampling=sampling, p_len=p_len)
+      done = np.asarray(jax.device_get(st.done))
+      if not waiting and done.all():
+        break
+    return jax.device_get((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
 
   # ------------------------------------------------------------------------------------------- host side
   def _mesh_ctx(self):
@@ -316,9 +484,14 @@ class Sampler:
 
     state = self.prepare_params(params).state
     with self._mesh_ctx():
-      st = self._prefill(state, tokens, segs, row_keys, active, sampling=sampling)
-      st = self._decode(state, st, sampling=sampling, cache_offset=p_len)
-    tok, logp, ent, mask, stopped = jax.device_get((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
+      if self.continuous:
+        tok, logp, ent, mask, stopped = self._generate_continuous(
+            state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling
+        )
+      else:
+        st = self._prefill(state, tokens, segs, row_keys, active, g_all.astype(np.int32), sampling=sampling)
+        st = self._decode(state, st, sampling=sampling, cache_offset=p_len)
+        tok, logp, ent, mask, stopped = jax.device_get((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
     mask = mask[:n]
     return GenerationBatch(
         prompt_tokens=tokens[:n],
