@@ -200,7 +200,6 @@ def check_overrides_match(c, loaded) -> None:
     )
 
 
-
 def model_overrides(c) -> dict[str, Any]:
   """The `ModelConfig` fields `config.model` sets for every model source."""
   m = c.model
