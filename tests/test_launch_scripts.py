@@ -175,7 +175,7 @@ done
       "minpro_jax/configs/paper/qwen3_8b.py",
   } <= names
   assert not any(n.startswith((".venv/", "runs/", "cache/")) for n in names)
-  assert (home / "minpro_jax" / "minpro_jax" / "distributed.py").is_file()  # unpacked on the "worker"
+  assert (home / "minpro_jax" / "minpro_jax" / "runtime" / "distributed.py").is_file()  # unpacked on the "worker"
   out = proc.stdout
   assert "MINPRO_DISTRIBUTED=1" in out
   expected = [
