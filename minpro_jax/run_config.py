@@ -86,6 +86,13 @@ def validate_config(c, num_devices: int | None = None) -> None:
   _check_optimizer(c)
   _need(c.advantage_mode in ADVANTAGE_MODES, "advantage_mode", f"{c.advantage_mode!r}; choose one of {ADVANTAGE_MODES}")
   _need(c.reward.mode in REWARD_MODES, "reward.mode", f"{c.reward.mode!r}; choose one of {REWARD_MODES}")
+  r = c.reward
+  _need(
+      0 <= r.overlong_buffer <= c.sampling.max_new_tokens,
+      "reward.overlong_buffer",
+      f"must lie in [0, sampling.max_new_tokens={c.sampling.max_new_tokens}] (0 = off), got {r.overlong_buffer}",
+  )
+  _need(r.overlong_factor >= 0, "reward.overlong_factor", f"must be >= 0, got {r.overlong_factor}")
   _check_eval(c)
   _check_mipu(c)
   if c.sft.enabled:

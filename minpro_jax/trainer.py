@@ -36,7 +36,7 @@ from tqdm import tqdm
 from minpro_jax import run_config
 from minpro_jax.checkpoint import buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, format_prompt
-from minpro_jax.data.rewards import grade
+from minpro_jax.data.rewards import grade, overlong_penalty
 from minpro_jax.errors import ConfigError, TrainingError
 from minpro_jax.evaluation import evaluate
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
@@ -148,6 +148,9 @@ class Trainer:
     rewards, gstats = grade(
         texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)
     )
+    if c.reward.overlong_buffer:  # DAPO's soft overlong penalty on top of the grader's score (case B32)
+      max_len, buf, f = c.sampling.max_new_tokens, c.reward.overlong_buffer, c.reward.overlong_factor
+      rewards = [r + overlong_penalty(int(n), max_len, buf, f) for r, n in zip(rewards, gen.lengths)]
     rewards = np.asarray(rewards, np.float32)
     adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=c.advantage_mode))
     batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=adv.astype(np.float32))

@@ -69,6 +69,8 @@ def base_config() -> ConfigDict:
   c.reward = ConfigDict()
   c.reward.mode = "integer"  # integer | math
   c.reward.format_reward = 0.0
+  c.reward.overlong_buffer = 0  # > 0: DAPO soft overlong penalty over the last this many tokens of the budget
+  c.reward.overlong_factor = 1.0  # the penalty at max_new_tokens
   c.advantage_mode = "grpo"  # grpo | drgrpo | rloo
 
   # Objective hyper-parameters: unset = the method's default (minpro_jax/rl/objectives.py); a field the method

@@ -391,3 +391,28 @@ def grade(responses: Sequence[str], ground_truths: Sequence[Any], **kwargs: Any)
   STATS.update(st)
   out = {k: int(st.get(k, 0)) for k in ("graded", "correct", "no_answer", "timeout", "refused", "error")}
   return rewards, out
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int, factor: float = 1.0) -> float:
+  """DAPO's soft overlong penalty (Yu et al. 2025, arXiv 2503.14476, eq. 13), capped at -factor (case B32).
+
+  With L_max = `max_length` and L_cache = `buffer`: 0 for `length <= L_max - L_cache`, then
+  -(length - (L_max - L_cache)) / L_cache * factor, and at most -factor in magnitude (lengths past L_max, e.g. a
+  stop token counted after the budget, cannot push it below -factor). The trainer adds it to the grader's reward of
+  every response; `length` counts response tokens only, the stop token included.
+
+  Args:
+    length: response tokens (>= 0).
+    max_length: the response budget L_max (`sampling.max_new_tokens`).
+    buffer: L_cache, 0 < buffer <= max_length.
+    factor: the penalty at and past L_max (>= 0).
+
+  Raises:
+    ValueError: buffer outside (0, max_length] or a negative factor.
+  """
+  if not 0 < buffer <= max_length:
+    raise ValueError(f"overlong buffer={buffer} must lie in (0, max_length={max_length}]")
+  if factor < 0:
+    raise ValueError(f"overlong factor={factor} must be >= 0")
+  over = length - (max_length - buffer)
+  return -factor * min(max(over, 0), buffer) / buffer
