@@ -278,23 +278,25 @@ class Sampler:
         self.logits_processor,
     )
 
-  def _c_decode_impl(self, state, st, need, *, sampling: SamplingParams, p_len: int):
-    self.trace_count += 1
-    model = nnx.merge(self._graphdef, state)
-    cos_s, sin_s = rope_tables(jnp.arange(p_len + sampling.max_new_tokens)[None], self.config)
+  def _c_step_fn(self, model, num_positions: int):
+    """The continuous decode step: one token per row at its own cache slot and position, attending to the live
+    length of the cache; RoPE tables are built once for every position a row can reach."""
+    cos_s, sin_s = rope_tables(jnp.arange(num_positions)[None], self.config)
 
     def step_fn(cache, tokens_b, slot_b, pos_b, live_len):
       pos = pos_b[:, None]
+      rope = (cos_s[0][pos], sin_s[0][pos])
       out = model(
-          tokens_b[:, None],
-          pos,
-          jnp.ones_like(pos),
-          cache=cache,
-          cache_index=slot_b,
-          rope=(cos_s[0][pos], sin_s[0][pos]),
-          live_len=live_len,
+          tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, cache_index=slot_b, rope=rope, live_len=live_len
       )
       return out.out[:, 0], out.cache
+
+    return step_fn
+
+  def _c_decode_impl(self, state, st, need, *, sampling: SamplingParams, p_len: int):
+    self.trace_count += 1
+    model = nnx.merge(self._graphdef, state)
+    step_fn = self._c_step_fn(model, p_len + sampling.max_new_tokens)
 
     return cb.decode_until(st, step_fn, need, sampling, self.pad_id, p_len, self.logits_processor)
 
@@ -303,20 +305,7 @@ class Sampler:
     model = nnx.merge(self._graphdef, state)
     n = requests[0].shape[0]
     st = cb.init_state(self.config, rows, n, p_len + sampling.max_new_tokens, sampling.max_new_tokens, self.pad_id)
-    cos_s, sin_s = rope_tables(jnp.arange(p_len + sampling.max_new_tokens)[None], self.config)
-
-    def step_fn(cache, tokens_b, slot_b, pos_b, live_len):
-      pos = pos_b[:, None]
-      out = model(
-          tokens_b[:, None],
-          pos,
-          jnp.ones_like(pos),
-          cache=cache,
-          cache_index=slot_b,
-          rope=(cos_s[0][pos], sin_s[0][pos]),
-          live_len=live_len,
-      )
-      return out.out[:, 0], out.cache
+    step_fn = self._c_step_fn(model, p_len + sampling.max_new_tokens)
 
     def prefill(tokens, positions, segs):
       cache = KVCache.zeros(self.config, tokens.shape[0], tokens.shape[1])
