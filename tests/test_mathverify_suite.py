@@ -1,6 +1,8 @@
 """Math-Verify's equivalence cases run through this project's grader, ``minpro_jax.data.rewards.math_reward``.
 
-Source: the categories of huggingface/Math-Verify ``tests/test_all.py`` (numbers, fractions and decimals, roots,
+Two tables. First, upstream's own: every (gold, pred, expected) row of huggingface/Math-Verify ``tests/test_all.py``
+(171 rows, tests/fixtures/math_verify_test_all.json, at the end of this file), each with this grader's verdict and,
+where the two differ, the reason. Second, our own table in the categories of the same file (numbers, fractions and decimals, roots,
 symbolic expressions, sets / tuples / intervals, matrices, equations and inequalities, percent, units, thousands
 separators, choices). The upstream file is not shipped in the math-verify wheel, so the table below is our own
 (gold, prediction) pairs in those categories; its ``math_verify`` column is re-checked here against the installed
@@ -117,3 +119,45 @@ def test_by_design_list_is_exact():
   assert differing == set(BY_DESIGN)
   agree = sum(mv == ours for _, _, mv, ours in CASES)
   assert (agree, len(CASES)) == (71, 74)
+
+
+# ------------------------------------------------------------------ upstream's own table (tests/fixtures)
+# Every (gold, pred, expected) row of the parametrized tables of huggingface/Math-Verify tests/test_all.py (MIT),
+# transcribed into tests/fixtures/math_verify_test_all.json with this grader's verdict. Upstream passes bare answers
+# and prose as predictions and extracts from anywhere in them; a response graded here carries its final answer in
+# a box or after a final-answer phrase, and the text is never searched for the gold (case B19). So each row is one of:
+UPSTREAM_CATEGORIES = {
+    "agree": "the same verdict on the prediction as written",
+    "bare_answer": "a bare answer with no final-answer marker: 0 here by design (B19); boxed, the same verdict",
+    "prose": "the answer stands inside prose without a box or final-answer phrase: 0 here by design (B19)",
+    "locale_number": "'1 000', '1000,99', '1,22', '2,74': a space or a decimal comma never joins digits into one "
+    "number here, since '3,5' is as often a list (B17)",
+}
+
+
+def _upstream_rows():
+  import json
+  import os
+
+  with open(os.path.join(os.path.dirname(__file__), "fixtures", "math_verify_test_all.json")) as f:
+    return json.load(f)["rows"]
+
+
+def test_math_verify_upstream_table_every_row_has_its_verdict_and_reason():
+  rows = _upstream_rows()
+  assert len(rows) == 171 and set(r["category"] for r in rows) == set(UPSTREAM_CATEGORIES)
+  wrong = []
+  for r in rows:
+    ours = int(math_reward(r["pred"], r["gold"], mode="math") >= 1.0)
+    boxed = int(math_reward("\\boxed{" + r["pred"] + "}", r["gold"], mode="math") >= 1.0)
+    ok = {
+        "agree": ours == r["math_verify"],
+        "bare_answer": ours == 0 and "\\boxed" not in r["pred"] and boxed == r["math_verify"] == 1,
+        "prose": ours == 0 and r["math_verify"] == 1 and r["pred"].count("\\boxed") != 1,
+        "locale_number": ours == 0 and r["math_verify"] == 1 and r["source_test"] == "test_number_extraction",
+    }[r["category"]]
+    if not ok or ours != r["ours"]:
+      wrong.append((r["category"], r["gold"][:60], r["pred"][:60], r["math_verify"], ours))
+  assert not wrong, wrong
+  counts = {c: sum(r["category"] == c for r in rows) for c in UPSTREAM_CATEGORIES}
+  assert counts == {"agree": 82, "bare_answer": 65, "prose": 20, "locale_number": 4}

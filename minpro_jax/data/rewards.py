@@ -165,6 +165,7 @@ def normalize_answer(ans: str) -> str:
   s = re.sub(r"^\\\(|\\\)$", "", s).strip()
   s = _UNIT_RE.sub("", s)  # a trailing unit after a value: "12 \\text{ ft}", "2\\sqrt3\\text{ cm}^2" (B40)
   s = re.sub(r"\\(?:text|mathrm|textbf|mathbf)\{([^{}]*)\}", r"\1", s)
+  s = re.sub(r"(?<=\d),\\!\s*(?=\d)", ",", s)  # LaTeX's thousands separator: 11,\! 111 (Math-Verify's tests)
   s = s.replace("\\!", "").replace("\\left", "").replace("\\right", "")
   s = re.sub(r"(?<=\d)\{,\}(?=\d)", ",", s)
   s = re.sub(r"(?<=\d)\\,(?=\d)", ",", s)
