@@ -17,7 +17,7 @@
 #
 # Environment: TPU_NAME, ZONE (required); PROJECT; CONFIG (default minpro_jax/configs/paper/qwen3_8b.py:minpro,2);
 # MODEL_PATH (--config.model.path; must exist on every worker: copy it there or use a shared mount);
-# WORKDIR (--config.workdir; orbax multi-host checkpoints need a path all workers share, e.g. gs://bucket/run);
+# WORKDIR (--config.workdir; orbax multi-host checkpoints need a path all workers share: an NFS or gcsfuse mount);
 # EXTRA_ARGS (more --config.FIELD=VALUE flags, word-split); REMOTE_DIR (default minpro_jax, relative to $HOME);
 # REPO_URL, REPO_REF (default main); JAX_TPU_PIP (default "jax[tpu]==0.10.2", matching requirements.txt);
 # PYTHON (default python3.11); DETACH=1 (run under nohup, log to REMOTE_DIR/train_worker.log, return at once);

@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from minpro_jax.errors import CheckpointError, DiskFullError
+from minpro_jax.runtime import multihost
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,13 @@ class RunCheckpointer:
 
   def _set_aside(self, errors: list[tuple[int, Exception]], fallback: int) -> None:
     aside = os.path.join(self.workdir, "checkpoints_unreadable")
+    multihost.barrier("checkpoints read")  # every process has read before process 0 moves the folders
+    if multihost.is_primary():
+      self._move_aside(errors, fallback, aside)
+    multihost.barrier("checkpoints set aside")
+    self._mngr.reload()
+
+  def _move_aside(self, errors: list[tuple[int, Exception]], fallback: int, aside: str) -> None:
     os.makedirs(aside, exist_ok=True)
     for step, reason in errors:
       src = os.path.join(self.workdir, "checkpoints", str(step))
@@ -188,7 +196,6 @@ class RunCheckpointer:
           dst,
           fallback,
       )
-    self._mngr.reload()
 
   def save_best(self, step: int, params: Any, meta: dict[str, Any]) -> None:
     """Stores `params` as the best-so-far parameters (replacing the previous best).

@@ -31,3 +31,8 @@ class TrainingError(UserError, RuntimeError):
 
 class DiskFullError(UserError, OSError):
   """The workdir's disk has no room for the checkpoints the run writes; the message names `config.workdir`."""
+
+
+class LaunchError(UserError, RuntimeError):
+  """The processes of a multi-process run were not started alike (e.g. with different commands); the message
+  names the processes."""

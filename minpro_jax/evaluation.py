@@ -2,7 +2,8 @@
 
 ``evaluate`` is sampler-agnostic: it takes ``generate_fn(prompts, n, seed) -> list[list[str]]`` (n response texts
 per prompt), grades every response with ``rewards.math_reward`` and aggregates. The trainer wires its JAX sampler
-into ``generate_fn``.
+into ``generate_fn``. In a multi-process run every process holds every response and grades its share of them
+(``grade_split``); the tables are computed over all of them, on every process.
 
 Estimators (per problem with n samples, c of them correct; the benchmark value is the mean over problems):
   * pass@k = 1 - C(n-c, k) / C(n, k)  (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1),
@@ -28,8 +29,34 @@ import numpy as np
 from minpro_jax.data.prompts import format_prompt
 from minpro_jax.data.records import MathProblem
 from minpro_jax.data.rewards import extract_answer, grade, normalize_answer
+from minpro_jax.runtime import multihost
 
 GenerateFn = Callable[[list[str], int, int], list[list[str]]]
+
+
+def grade_split(
+    responses: Sequence[str], ground_truths: Sequence[Any], **kwargs: Any
+) -> tuple[list[float], dict[str, int]]:
+  """``rewards.grade`` with the rows split over the run's processes (`multihost.process_rows`).
+
+  Every process passes the same N responses; each grades its share, and the N rewards and the summed statistics
+  come back on every process (the same values ``grade`` gives in one process). Every process must call it at the
+  same point. Arguments, returns and errors as ``rewards.grade``.
+  """
+  n = len(responses)
+  if len(ground_truths) != n:
+    raise ValueError(f"len(responses)={n} != len(ground_truths)={len(ground_truths)}")
+  if multihost.process_count() == 1:
+    return grade(responses, ground_truths, **kwargs)
+  rows = multihost.process_rows(n)
+  truncated = kwargs.pop("truncated", False)
+  if not isinstance(truncated, bool):
+    truncated = list(truncated)[rows]
+  rewards, stats = grade(list(responses)[rows], list(ground_truths)[rows], truncated=truncated, **kwargs)
+  rewards = multihost.gather_rows(np.asarray(rewards, np.float64), n)
+  keys = sorted(stats)
+  totals = multihost.sum_over_processes(np.asarray([stats[k] for k in keys], np.int64))
+  return [float(r) for r in rewards], {k: int(v) for k, v in zip(keys, totals)}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -182,7 +209,7 @@ def evaluate(
       responses.extend(out)
     flat = [r for rs in responses for r in rs]
     golds = [p.answer for p in problems for _ in range(n)]
-    rewards, stats = grade(flat, golds, mode=mode, **grade_kwargs)
+    rewards, stats = grade_split(flat, golds, mode=mode, **grade_kwargs)
     correct = [[rewards[i * n + s] >= 1.0 for s in range(n)] for i in range(len(problems))]
     answers = [[extract_answer(r) for r in rs] for rs in responses]
     scores = score_samples(correct, answers, ks)

@@ -38,11 +38,16 @@ class MetricsWriter:
     workdir: run directory.
     resume_step: if given, existing lines with "step" > resume_step are removed (they will be recomputed).
     tensorboard: write TensorBoard event files to `workdir/tb` when tensorboardX is installed.
+    enabled: False makes every call a no-op (the processes of a multi-process run other than process 0).
   """
 
-  def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True):
-    os.makedirs(workdir, exist_ok=True)
+  def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True, enabled: bool = True):
+    self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
     if os.path.exists(self.path):
       keep = []
       with open(self.path) as f:
@@ -55,7 +60,6 @@ class MetricsWriter:
             keep.append(line if line.endswith("\n") else line + "\n")
       with open(self.path, "w") as f:
         f.writelines(keep)
-    self._tb = None
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter
@@ -65,6 +69,8 @@ class MetricsWriter:
         self._tb = None
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
     rec = {"step": int(step), **_jsonable(metrics)}
     with open(self.path, "a") as f:
       f.write(json.dumps(rec) + "\n")

@@ -43,6 +43,7 @@ from minpro_jax.models import Transformer, get_preset, init_model
 from minpro_jax.models.gguf_io import load_gguf
 from minpro_jax.models.hf_io import load_hf_checkpoint
 from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_target
+from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ def setup_run(c) -> RunParts:
         c.delay,
     )
   workdir = writable_workdir(c.workdir)
-  lock = lock_workdir(workdir)
+  multihost.check_same(c.to_json_best_effort(), "the config (the train command's --config flags)")
+  lock = lock_workdir(workdir) if multihost.is_primary() else None  # one lock per run; process 0 holds it
   try:
     shape = run_config.parse_mesh_shape(c.mesh.shape)
     mesh = make_mesh(shape) if shape else None
@@ -139,12 +141,19 @@ def setup_run(c) -> RunParts:
         setup_seconds=time.time() - t0,
     )
   except BaseException:
-    lock.close()  # a failed setup leaves the workdir free at once
+    if lock is not None:
+      lock.close()  # a failed setup leaves the workdir free at once
     raise
 
 
 def writable_workdir(path: str) -> str:
-  """`path` made absolute, created, and checked writable. Raises ConfigError naming `config.workdir`."""
+  """`path` made absolute, created, and checked writable. Raises ConfigError naming `config.workdir` (also for a
+  URL such as gs://..., which would otherwise become a local folder named "gs:")."""
+  if "://" in path:
+    raise ConfigError(
+        f"config.workdir={path!r}: URLs are not supported as the workdir (the lock, metrics and tables use the file "
+        "system); mount the bucket (e.g. gcsfuse) or use a shared NFS path, and pass that path"
+    )
   workdir = os.path.abspath(path)
   try:
     os.makedirs(workdir, exist_ok=True)
@@ -209,12 +218,12 @@ def check_gradable(c, train: list[MathProblem], eval_sets: dict[str, list[MathPr
 
 def check_data_lasts(c, num_problems: int) -> None:
   """The loader yields a batch for every global step: `num_epochs` passes of `num_problems // prompts_per_step`
-  batches (per process) must reach `total_steps` (the loader does not cycle past `data.num_epochs`).
+  batches must reach `total_steps` (the loader does not cycle past `data.num_epochs`).
 
   Raises:
     ConfigError: naming `config.data.num_epochs` and the smallest value that lasts.
   """
-  per_epoch = num_problems // jax.process_count() // c.prompts_per_step
+  per_epoch = num_problems // c.prompts_per_step
   if per_epoch * c.data.num_epochs < c.total_steps:
     need = -(-c.total_steps // max(per_epoch, 1))
     raise ConfigError(
@@ -437,6 +446,9 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
       c.sft.max_len,
       boxed_fraction=c.sft.boxed_fraction,
       seed=c.seed,
+  )
+  multihost.check_same(  # a tokenizer or data that differ between hosts would hang the SFT's collectives
+      hashlib.sha256(tokens.tobytes() + repr(tokens.shape).encode()).hexdigest(), "the SFT warm-start examples"
   )
   scfg = SFTConfig(
       steps=c.sft.steps,

@@ -71,7 +71,8 @@ def _quiet_logging() -> None:
     logging.getLogger(name).setLevel(logging.CRITICAL if name in ("orbax", "asyncio") else logging.WARNING)
 
 
-def _run(config) -> dict:
+def _run(config) -> dict | None:
+  """Trains; returns the summary to print (None on the processes of a multi-process run other than process 0)."""
   from minpro_jax.runtime.host_memory import keep_freed_host_memory
 
   keep_freed_host_memory()  # host (XLA:CPU) steps stop re-faulting their temporaries; before JAX starts threads
@@ -79,9 +80,13 @@ def _run(config) -> dict:
 
   maybe_initialize_distributed()  # multi-host TPU / multi-node GPU only; must precede any JAX computation
   from minpro_jax.run_setup import setup_run
+  from minpro_jax.runtime import multihost
   from minpro_jax.trainer import Trainer
 
-  return Trainer(setup_run(config)).run()
+  if not multihost.is_primary():  # process 0 reports progress; the others only their warnings and errors
+    logging.getLogger("minpro_jax").setLevel(logging.WARNING)
+  summary = Trainer(setup_run(config)).run()
+  return summary if multihost.is_primary() else None
 
 
 def _interrupted_during_setup(signum, frame):
@@ -131,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
-  keys = ("eval_after_sft", "eval_final", "best", "policy_version", "skipped_updates")
-  print(json.dumps({k: summary[k] for k in keys}, indent=2))
+  if summary is not None:
+    keys = ("eval_after_sft", "eval_final", "best", "policy_version", "skipped_updates")
+    print(json.dumps({k: summary[k] for k in keys}, indent=2))
   return 0
 
 

@@ -36,9 +36,9 @@ from tqdm import tqdm
 from minpro_jax import run_config
 from minpro_jax.checkpoint import buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, format_prompt
-from minpro_jax.data.rewards import grade, overlong_penalty
-from minpro_jax.errors import ConfigError, TrainingError
-from minpro_jax.evaluation import evaluate
+from minpro_jax.data.rewards import overlong_penalty
+from minpro_jax.errors import CheckpointError, ConfigError, TrainingError
+from minpro_jax.evaluation import evaluate, grade_split
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
 from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import group_advantages
@@ -46,6 +46,7 @@ from minpro_jax.rl.aggregation import inference_gap_t_post, mismatch_metrics
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 from minpro_jax.run_setup import RunParts, setup_run
+from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling import Sampler, SamplingParams
 
@@ -97,7 +98,11 @@ class Trainer:
     self.model, self.tokenizer = parts.model, parts.tokenizer
     self.train_problems, self.prompt_ids, self.eval_sets = parts.train_problems, parts.prompt_ids, parts.eval_sets
     self.sft_info = parts.sft_info
-    self.loader = ProblemLoader(self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs)
+    # The global batch order, the same on every process (docs/multihost.md): a run's samples do not depend on the
+    # process count; each process grades its rows of it (`evaluation.grade_split`).
+    self.loader = ProblemLoader(
+        self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs, shard_index=0, shard_count=1
+    )
     self.sampling = run_config.sampling_params(c, self.tokenizer.stop_ids)
     self.sampler = Sampler(
         self.model.config,
@@ -145,7 +150,7 @@ class Trainer:
     t0 = time.time()
     texts = self._decode(gen)
     golds = [p.answer for p in problems for _ in range(group_size)]
-    rewards, gstats = grade(
+    rewards, gstats = grade_split(
         texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)
     )
     if c.reward.overlong_buffer:  # DAPO's soft overlong penalty on top of the grader's score (case B32)
@@ -192,7 +197,7 @@ class Trainer:
         batch_size=max(1, 256 // e.n),
         prompt_fn=lambda p: format_prompt(p, self.tokenizer, self.c.data.template),
         modes=e.reward_mode or self.c.reward.mode,
-        out_dir=f"{self.workdir}/eval",
+        out_dir=f"{self.workdir}/eval" if multihost.is_primary() else None,
         name=name,
     )
 
@@ -319,13 +324,24 @@ class Trainer:
         "data": self.loader.get_state(),
         "config": run_config.resume_fingerprint(self.c),
         "progress": progress.to_json(),
+        "process_count": multihost.process_count(),
     }
     self.ckpt.save(step, state, buffer.state_dict(), meta)
 
   def _restore(self, state, buffer: RolloutBuffer, progress: RunProgress) -> tuple[Any, RunProgress, int]:
     """The newest run checkpoint that reads back (after the config check), or the fresh state: (state, progress,
     first global step to run)."""
-    check = lambda meta: run_config.check_resume(self.c, meta.get("config"), self.workdir)  # noqa: E731
+
+    def check(meta):
+      run_config.check_resume(self.c, meta.get("config"), self.workdir)
+      saved_count = meta.get("process_count", 1)
+      if saved_count != multihost.process_count():
+        raise CheckpointError(
+            f"config.workdir: the run in {self.workdir} was checkpointed by {saved_count} process(es), this one "
+            f"runs on {multihost.process_count()}; resume it with {saved_count} process(es) (the same launch "
+            "command), or start a new run in another --config.workdir"
+        )
+
     restored = self.ckpt.restore_latest(state, check_meta=check)
     if restored is None:
       return state, progress, 0
@@ -354,6 +370,16 @@ class Trainer:
     for sig in (signal.SIGTERM, signal.SIGINT):
       signal.signal(sig, handler)
 
+  def _agreed_stop_signal(self) -> int | None:
+    """The signal to stop on after this step, the same on every process: one that reached any process (a
+    preemption notice may reach one host first) stops them all, since the checkpoint they then write is
+    collective. Read once per step, so a signal arriving later is seen by every process at the next step."""
+    signum = self._stop_signal
+    if multihost.process_count() == 1:
+      return signum
+    signals = multihost.gather_rows(np.asarray([signum or 0], np.int64), multihost.process_count())
+    return int(signals[signals > 0][0]) if signals.any() else None
+
   # ------------------------------------------------------------------ run
   def run(self) -> dict[str, Any]:
     """Trains to `config.total_steps` global steps (resuming from the newest checkpoint in workdir if any).
@@ -377,13 +403,24 @@ class Trainer:
     self.ckpt.check_disk_space(state, state.params)  # before any work a full disk would lose
     buffer = RolloutBuffer(c.delay)
     state, progress, start = self._restore(state, buffer, RunProgress(sft_info=self.sft_info))
-    writer = MetricsWriter(self.workdir, resume_step=start - 1 if start else None, tensorboard=c.log.tensorboard)
+    writer = MetricsWriter(
+        self.workdir,
+        resume_step=start - 1 if start else None,
+        tensorboard=c.log.tensorboard,
+        enabled=multihost.is_primary(),
+    )
     self._install_signal_handlers()
     if progress.sft_eval is None:  # the starting policy is a candidate for "best" too
       res = self._eval_and_keep_best(state.params, 0, "step_000000_initial", progress)
       progress.sft_eval = res["macro"]
       writer.write(-1, _eval_metrics(res))
-    bar = tqdm(total=c.total_steps, initial=start, desc="RL", dynamic_ncols=True, disable=not c.log.progress)
+    bar = tqdm(
+        total=c.total_steps,
+        initial=start,
+        desc="RL",
+        dynamic_ncols=True,
+        disable=not c.log.progress or not multihost.is_primary(),
+    )
     watch = _RunWatch(self.model.config.vocab_size)
     for step in range(start, c.total_steps):
       t0 = time.time()
@@ -418,14 +455,13 @@ class Trainer:
       bar.set_postfix(
           reward=f"{metrics['reward/mean']:.3f}", sec=f"{metrics['time/step']:.1f}", v=metrics["policy_version"]
       )
-      if self._stop_signal is not None or (c.checkpoint.every and (step + 1) % c.checkpoint.every == 0):
+      stop = self._agreed_stop_signal()
+      if stop is not None or (c.checkpoint.every and (step + 1) % c.checkpoint.every == 0):
         self._save(step, state, buffer, progress)
-      if self._stop_signal is not None:
+      if stop is not None:
         writer.close()
-        logger.warning(
-            "stopped by signal %d at global step %d; re-run the same command to resume", self._stop_signal, step
-        )
-        raise SystemExit(128 + self._stop_signal)
+        logger.warning("stopped by signal %d at global step %d; re-run the same command to resume", stop, step)
+        raise SystemExit(128 + stop)
     bar.close()
     final = self._eval_and_keep_best(state.params, c.total_steps, "final", progress)
     writer.write(c.total_steps, _eval_metrics(final))
@@ -449,9 +485,10 @@ class Trainer:
         "eval_samples_per_problem": self.c.eval.n,
         "setup_seconds": self.parts.setup_seconds,
     }
-    write_summary(self.workdir, summary)
-    if self.c.log.plots:
-      plot_run(self.workdir)
+    if multihost.is_primary():
+      write_summary(self.workdir, summary)
+      if self.c.log.plots:
+        plot_run(self.workdir)
     self.ckpt.close()
     self.final_state = state
     return summary

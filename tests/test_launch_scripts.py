@@ -159,7 +159,7 @@ done
       "ZONE": "z",
       "STEPS": "sync run",
       "MODEL_PATH": "/mnt/my ckpt/Qwen3-8B-Base",
-      "WORKDIR": "gs://bucket/run 1",
+      "WORKDIR": "/mnt/shared/run 1",
       "EXTRA_ARGS": "--config.total_steps=3 --config.mesh.shape=data=2,fsdp=-1\n  --config.eval.ks=(1,)",
   }
   proc = _bash("tpu_vm.sh", env=env)
@@ -183,7 +183,7 @@ done
       "minpro_jax.train",
       f"--config={PAPER_CONFIG}",
       "--config.model.path=/mnt/my ckpt/Qwen3-8B-Base",
-      "--config.workdir=gs://bucket/run 1",
+      "--config.workdir=/mnt/shared/run 1",
       "--config.total_steps=3",
       "--config.mesh.shape=data=2,fsdp=-1",
       "--config.eval.ks=(1,)",

@@ -88,7 +88,7 @@ def _run(tmp_path, name, **extra):
 
 
 def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
-  monkeypatch.setattr("minpro_jax.trainer.grade", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
   # reject every update (accept iff T_post >= 1e9): the run ends on the warm-start parameters, version 0
   tr, summary, recs = _run(tmp_path, "reject", **{"mipu.rollback": True, "mipu.gap_tolerance": -1e9})
   assert summary["mipu"] == {"checks": 2, "rollbacks": 2} and summary["policy_version"] == 0
@@ -125,7 +125,7 @@ def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_trainer_t_post_nonzero_with_fp8_sampler(tmp_path, monkeypatch):
   # fp8 sampler vs fp32 learner: rho != 1, so T_post is a small non-zero number, and the verdict follows it
-  monkeypatch.setattr("minpro_jax.trainer.grade", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
   _, summary, recs = _run(
       tmp_path,
       "fp8",

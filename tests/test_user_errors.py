@@ -19,7 +19,7 @@ from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset
 from minpro_jax.models.hf_io import config_to_hf
 from minpro_jax.run_config import check_resume, resume_fingerprint
-from minpro_jax.run_setup import lock_workdir
+from minpro_jax.run_setup import lock_workdir, writable_workdir
 
 _TINY_PRESET = {
     k: getattr(get_preset("tiny"), k)
@@ -147,6 +147,13 @@ def test_one_run_per_workdir(tmp_path):
     holder.send_signal(signal.SIGKILL)
     holder.wait()
   lock_workdir(str(tmp_path)).close()  # a killed holder leaves no stale lock
+
+
+def test_a_url_workdir_is_refused_not_made_a_local_folder(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ConfigError, match=r"config\.workdir='gs://bucket/run': URLs are not supported"):
+    writable_workdir("gs://bucket/run")
+  assert not (tmp_path / "gs:").exists()
 
 
 def test_resume_sees_an_edited_data_file(tmp_path):

@@ -38,6 +38,7 @@ from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
 from minpro_jax.models.quant import maybe_quant_act
 from minpro_jax.models.rope import apply_rope, rope_tables
+from minpro_jax.runtime.multihost import settle
 from minpro_jax.runtime.sharding import DEFAULT_RULES, constrain, use_mesh
 
 
@@ -573,4 +574,6 @@ def init_model(config: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | Non
     with nnx.use_eager_sharding(False):
       return Transformer(config, rngs=nnx.Rngs(seed))
   with use_mesh(mesh, rules or DEFAULT_RULES):
-    return nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(seed)))()
+    model = nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(seed)))()
+    settle(nnx.state(model))
+    return model

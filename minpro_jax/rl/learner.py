@@ -32,6 +32,7 @@ from minpro_jax.models.transformer import Transformer
 from minpro_jax.rl.aggregation import k3
 from minpro_jax.rl.objectives import get_objective, policy_loss, resolve_hparams
 from minpro_jax.rl.rollout import RolloutBatch
+from minpro_jax.runtime.multihost import settle, to_host
 
 NUM_POSITION_BINS = 8
 
@@ -250,7 +251,7 @@ class Learner:
         step=jnp.zeros((), jnp.int32),
         skipped=jnp.zeros((), jnp.int32),
     )
-    return jax.device_put(state, self._state_shardings(state)) if self.mesh is not None else state
+    return settle(jax.device_put(state, self._state_shardings(state))) if self.mesh is not None else state
 
   def _state_shardings(self, state: TrainState):
     """Each leaf's sharding; with a mesh, scalars and other single-device leaves are replicated on it."""
@@ -277,7 +278,7 @@ class Learner:
     mb = min(self.micro_batch_size, n)
     if n % mb:
       raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size {mb}")
-    return np.asarray(self._score(params, ScoreInputs.of(batch), mb))
+    return to_host(self._score(params, ScoreInputs.of(batch), mb))
 
   def _score_impl(self, params, arrays: ScoreInputs, mb):
     model = self.model(params)
@@ -322,7 +323,7 @@ class Learner:
           self._update_impl, donate_argnums=(0,), static_argnums=(2,), out_shardings=(shardings, None)
       )
     state, metrics = self._update(state, arrays, mb)
-    return state, jax.device_get(metrics)
+    return state, to_host(metrics)
 
   def _micro_objective(self, params, micro: UpdateInputs, denom, num_tokens, num_rows, prepared):
     lc = self.loss_cfg

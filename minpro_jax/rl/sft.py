@@ -23,6 +23,7 @@ from flax import nnx
 
 from minpro_jax.checkpoint import restore_params, save_params
 from minpro_jax.models.logprobs import token_logprobs
+from minpro_jax.runtime import multihost
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ def run_sft(
         }
     )
     path = os.path.join(os.path.abspath(cache_dir), f"sft-{key}")
+    multihost.barrier("sft cache check")  # every process decides on the same files (restore or train: collective)
     if os.path.exists(os.path.join(path, "done")):
       try:
         restored = restore_params(os.path.join(path, "params"), params)
@@ -171,14 +173,17 @@ def run_sft(
       order, pos = rng.permutation(n), 0
     idx = order[pos : pos + bs]
     pos += bs
-    params, opt_state, loss = step(params, opt_state, tokens[idx], segment_ids[idx], response_mask[idx])
+    params, opt_state, loss = multihost.settle(
+        step(params, opt_state, tokens[idx], segment_ids[idx], response_mask[idx])
+    )
     if (i + 1) % log_every == 0 or i == cfg.steps - 1:
       running = float(loss)
       logger.info("SFT step %d/%d loss %.4f", i + 1, cfg.steps, running)
   info = {"final_loss": running, "steps": cfg.steps}
   if path is not None:
     save_params(os.path.join(path, "params"), params)
-    with open(os.path.join(path, "info.json"), "w") as f:
-      json.dump(info, f)
-    open(os.path.join(path, "done"), "w").close()
+    if multihost.is_primary():
+      with open(os.path.join(path, "info.json"), "w") as f:
+        json.dump(info, f)
+      open(os.path.join(path, "done"), "w").close()
   return params, {**info, "cached": False, "path": path}

@@ -20,6 +20,10 @@ one process per node (or per GPU) with either
 Whatever the launcher, `jax.devices()` then lists every device of every process and `--config.mesh.shape` must
 multiply to that global count.
 
+CPU (tests, this machine): several processes on one host, each with its own CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=N) and the explicit variables above; gloo carries the
+collectives (selected here). `python -m minpro_jax.launch_local` starts such a job.
+
 Control: ``MINPRO_DISTRIBUTED=1`` forces initialize (auto-detection by JAX, e.g. the TPU metadata server),
 ``MINPRO_DISTRIBUTED=0`` forbids it, unset = detect from the variables above.
 """
@@ -149,9 +153,20 @@ def maybe_initialize_distributed(
       reason,
       ", ".join(f"{k}={v}" for k, v in kwargs.items()),
   )
+  use_gloo_on_cpu()
   initialize_fn(**kwargs)
   _log("initialized")
   return True
+
+
+def use_gloo_on_cpu() -> None:
+  """Selects gloo for the collectives of JAX's CPU backend (a multi-process CPU run has none without it).
+
+  It only affects the CPU client, so it is harmless on TPU and GPU; a value the user set (flag or environment
+  variable JAX_CPU_COLLECTIVES_IMPLEMENTATION) is kept. Call it before the backend starts.
+  """
+  if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):  # JAX 0.10's default, pinned against a change
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
 def _log(what: str) -> None:

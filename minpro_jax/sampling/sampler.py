@@ -50,6 +50,7 @@ from minpro_jax.models.inference_layout import fuse_qkv_params, fused_qkv_keeps_
 from minpro_jax.models.quant import PRECISIONS, precision_config, prepare_inference_params
 from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, Transformer, keys_head_dim_major
+from minpro_jax.runtime.multihost import settle, to_host
 from minpro_jax.sampling import continuous as cb
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
@@ -332,9 +333,11 @@ class Sampler:
     if self.in_loop_refill:
       requests = (tokens, segs, row_group.astype(np.int32), keys)
       out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=min(refill_at, rows))
-      return jax.device_get(out)
-    st = self._c_init(
-        rows=rows, num_requests=n, slots=p_len + sampling.max_new_tokens, max_new_tokens=sampling.max_new_tokens
+      return to_host(out)
+    st = settle(
+        self._c_init(
+            rows=rows, num_requests=n, slots=p_len + sampling.max_new_tokens, max_new_tokens=sampling.max_new_tokens
+        )
     )
     done = np.ones(rows, bool)
     nxt = 0  # next waiting request
@@ -348,15 +351,15 @@ class Sampler:
         reqs = np.concatenate([take, np.full(pad, n)]).astype(np.int32)
         src = np.concatenate([take, np.full(pad, take[-1])])
         groups = row_group[src].astype(np.int32)
-        st = self._c_refill(state, st, tokens[src], segs[src], at, reqs, groups, keys[src], sampling=sampling)
+        st = settle(self._c_refill(state, st, tokens[src], segs[src], at, reqs, groups, keys[src], sampling=sampling))
         nxt += free.size
       waiting = n - nxt
       need = min(refill_at, waiting) if waiting else rows + 1
       st = self._c_decode(state, st, np.int32(need), sampling=sampling, p_len=p_len)
-      done = np.asarray(jax.device_get(st.done))
+      done = to_host(st.done)
       if not waiting and done.all():
         break
-    return jax.device_get((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
+    return to_host((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
 
   # ------------------------------------------------------------------------------------------- host side
   def _mesh_ctx(self):
@@ -404,7 +407,7 @@ class Sampler:
       return params
     state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
     self._check_state(state)
-    return PreparedParams(self._prepare(state), self._signature)
+    return PreparedParams(settle(self._prepare(state)), self._signature)
 
   def generate(
       self,
@@ -478,9 +481,9 @@ class Sampler:
             state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling
         )
       else:
-        st = self._prefill(state, tokens, segs, row_keys, active, g_all.astype(np.int32), sampling=sampling)
+        st = settle(self._prefill(state, tokens, segs, row_keys, active, g_all.astype(np.int32), sampling=sampling))
         st = self._decode(state, st, sampling=sampling, cache_offset=p_len)
-        tok, logp, ent, mask, stopped = jax.device_get((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
+        tok, logp, ent, mask, stopped = to_host((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
     mask = mask[:n]
     return GenerationBatch(
         prompt_tokens=tokens[:n],

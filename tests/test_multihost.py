@@ -1,0 +1,288 @@
+"""The trainer as several real JAX processes on this machine (gloo collectives, a localhost coordinator), started
+with `python -m minpro_jax.launch_local` exactly as the README's "Multi-host" section says.
+
+* 2 processes x 2 CPU devices on the mesh data=2,fsdp=2 give the per-step metrics of 1 process x 4 devices on the
+  same mesh: every sampled token, reward, length, advantage, staleness and evaluation score equal; the float
+  statistics of the log-probs (sampler-learner mismatch, policy ratios, weights) within 1e-5, because XLA's
+  in-process all-reduce over 4 devices and gloo's over 2 processes sum partial results in another order (fp32
+  round-off, ~1e-7 here).
+* both processes SIGKILLed at a random moment and relaunched with the same command end with the metrics of the
+  uninterrupted two-process run, exactly; SIGTERM to one process stops both after the same step, checkpointed;
+* a resume with another process count fails naming both counts;
+* the host primitives (all-gather, row split, grading split, config check) in two processes;
+* `launch_local` ends the others when one fails and forwards SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from train_helpers import REPO, cli_args, cli_env, tiny_overrides
+
+from minpro_jax import launch_local
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+TIMING = ("time/", "throughput/")
+# Metrics that are float statistics of log-probs: equal up to the reduction order of the collectives.
+ROUNDOFF = ("sampler_learner/", "learn/")
+EXACT_LEARN = ("learn/updates", "learn/skipped_updates")
+
+
+def _overrides(tmp, name):
+  return tiny_overrides(
+      tmp,
+      workdir=str(tmp / name),
+      total_steps=STEPS,
+      **{"mesh.shape": "data=2,fsdp=2", "eval.every": 2, "checkpoint.every": 1, "checkpoint.keep": 2},
+  )
+
+
+def _launch_args(ov, num_processes=2):
+  train = cli_args(ov)[3:]  # the flags after `python -m minpro_jax.train`
+  return [
+      sys.executable,
+      "-m",
+      "minpro_jax.launch_local",
+      f"--num_processes={num_processes}",
+      "--devices_per_process=2",
+      "--",
+      *train,
+  ]
+
+
+def _env(devices=None):
+  env = cli_env()
+  if devices:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  return env
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in map(json.loads, f)}
+
+
+def _ckpt_steps(workdir):
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
+
+
+def _finish(p, timeout):
+  """The output of `p` once it ends; killed (its processes die with it) and failed after `timeout` seconds."""
+  try:
+    return p.communicate(timeout=timeout)[0]
+  except subprocess.TimeoutExpired:
+    p.kill()
+    out = p.communicate()[0]
+    pytest.fail(f"still running after {timeout} s; output: ...{out[-3000:]}")
+
+
+def _close(a, b, tol=1e-5):
+  if isinstance(a, list):
+    return isinstance(b, list) and len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+  if isinstance(a, float) and isinstance(b, float):
+    return math.isclose(a, b, rel_tol=tol, abs_tol=tol)
+  return a == b
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """The uninterrupted two-process run and the one-process, four-device run of the same config, side by side."""
+  tmp = tmp_path_factory.mktemp("multihost")
+  one, two = _overrides(tmp, "one"), _overrides(tmp, "two")
+  one["sft.cache_dir"] = str(tmp / "cache_one")  # the two runs go side by side: one SFT cache each
+  p1 = subprocess.Popen(cli_args(one), env=_env(devices=4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  p2 = subprocess.Popen(_launch_args(two), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  out1, out2 = _finish(p1, 600), _finish(p2, 600)
+  assert p1.returncode == 0, out1[-3000:]
+  assert p2.returncode == 0, out2[-3000:]
+  return tmp, one["workdir"], two["workdir"], out2
+
+
+def test_two_processes_give_the_metrics_of_one(runs):
+  _, one, two, _ = runs
+  ref, got = _records(one), _records(two)
+  assert sorted(ref) == sorted(got) == list(range(-1, STEPS + 1))
+  assert ref[STEPS - 1]["policy_version"] == got[STEPS - 1]["policy_version"] > 0
+  for step in ref:
+    for k, v in ref[step].items():
+      if k.startswith(ROUNDOFF) and k not in EXACT_LEARN:
+        assert _close(v, got[step][k]), (step, k, v, got[step][k])
+      else:
+        assert got[step][k] == v, (step, k, v, got[step][k])
+  assert "eval/pass@1" in got[1] and "reward/mean" in got[0]
+
+
+def test_process_0_writes_the_files_once(runs):
+  _, _, two, out = runs
+  with open(os.path.join(two, "metrics.jsonl")) as f:
+    steps = [json.loads(line)["step"] for line in f]
+  assert steps == list(range(-1, STEPS + 1))  # one line per step, not one per process
+  assert sorted(os.listdir(os.path.join(two, "eval"))) == sorted(
+      f"{n}.{e}" for n in ("step_000000_initial", "step_000002", "final") for e in ("json", "md")
+  )
+  with open(os.path.join(two, "summary.json")) as f:
+    assert json.load(f)["policy_version"] > 0
+  assert out.count('"eval_final"') == 1  # the summary is printed by process 0 only
+  assert "[0]" in out and "[1]" in out  # both processes ran, their lines prefixed
+
+
+def test_sigkill_both_processes_then_relaunch_matches(runs):
+  tmp, _, two, _ = runs
+  ov = _overrides(tmp, "killed")
+  seed = random.randrange(1 << 30)
+  delay = random.Random(seed).uniform(0.0, 4.0)
+  procs = launch_local.spawn([sys.executable, "-m", "minpro_jax.train", *cli_args(ov)[3:]], 2, 2, env=_env())
+  threads = launch_local.stream(procs, out=open(os.devnull, "w"))
+  t0 = time.time()
+  try:
+    while not _ckpt_steps(ov["workdir"]):
+      assert all(p.poll() is None for p in procs), "the run ended before it could be killed"
+      assert time.time() - t0 < 500
+      time.sleep(0.05)
+    time.sleep(delay)  # a random moment after the first checkpoint (seed printed on failure)
+    for p in procs:
+      p.kill()
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+    for t in threads:
+      t.join(timeout=5)
+  killed_at = _ckpt_steps(ov["workdir"])
+  r = subprocess.run(_launch_args(ov), env=_env(), capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, (seed, r.stdout[-3000:])
+  assert _records(ov["workdir"]) == _records(two), f"seed {seed}, killed with checkpoints {killed_at}"
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step(runs):
+  tmp, _, two, _ = runs
+  ov = _overrides(tmp, "preempted")
+  procs = launch_local.spawn([sys.executable, "-m", "minpro_jax.train", *cli_args(ov)[3:]], 2, 2, env=_env())
+  lines: list[str] = []
+
+  class Sink:
+
+    def write(self, text):
+      lines.append(text)
+
+    def flush(self):
+      pass
+
+  threads = launch_local.stream(procs, out=Sink())
+  try:
+    t0 = time.time()
+    while not _ckpt_steps(ov["workdir"]):
+      assert all(p.poll() is None for p in procs) and time.time() - t0 < 500, "".join(lines)[-3000:]
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # a preemption notice that reached one host
+    codes = [p.wait(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+    for t in threads:
+      t.join(timeout=5)
+  out = "".join(lines)
+  assert codes == [128 + signal.SIGTERM] * 2, out[-3000:]
+  stopped = {int(m) for m in re.findall(r"stopped by signal 15 at global step (\d+)", out)}
+  assert len(stopped) == 1, out[-3000:]  # both processes name the same step (process 1 logs its warning too)
+  assert max(_ckpt_steps(ov["workdir"])) == stopped.pop()
+  r = subprocess.run(_launch_args(ov), env=_env(), capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:]
+  assert _records(ov["workdir"]) == _records(two)
+
+
+def test_resume_with_another_process_count_fails_naming_it(runs):
+  tmp, _, two, _ = runs
+  copy = str(tmp / "recount")
+  shutil.copytree(two, copy)
+  ov = dict(_overrides(tmp, "recount"), **{"mesh.shape": "data=2,fsdp=2"})
+  r = subprocess.run(cli_args(ov), env=_env(devices=4), capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "checkpointed by 2 process(es), this one runs on 1" in r.stderr
+
+
+def _worker(mode, out_dir, num_processes=2, grace_s=5):
+  args = [sys.executable, "-m", "minpro_jax.launch_local", f"--num_processes={num_processes}", f"--grace_s={grace_s}"]
+  args += ["--module=tests.multihost_worker", "--", mode, str(out_dir)]
+  return subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_host_primitives_in_two_processes(tmp_path):
+  p = _worker("primitives", tmp_path)
+  out = _finish(p, 300)
+  assert p.returncode == 0, out[-3000:]
+  seen = [json.load(open(tmp_path / f"process_{i}.json")) for i in range(2)]
+  rows = [[2.0 * (3 * r + c) for c in range(3)] for r in range(8)]
+  for i, s in enumerate(seen):
+    assert (s["process_index"], s["process_count"], s["devices"], s["local_devices"]) == (i, 2, 4, 2)
+    assert s["fully_addressable"] is False and s["to_host"] == rows
+    assert s["sum"] == [2, 1]
+    assert s["gathered"] == [0, 10, 20, 30, 40, 50, 60]
+    assert s["rewards"] == [float(k % 2) for k in range(6)]  # graded in two halves, gathered on both
+    assert s["stats"]["correct"] == 3 and s["stats"]["graded"] == 6
+    assert "processes [1]" in s["check_same_error"]
+  # the same global batch on both; each process's share is disjoint and together they are the batch, in order
+  assert seen[0]["batch_ids"] == seen[1]["batch_ids"]
+  assert set(seen[0]["my_ids"]).isdisjoint(seen[1]["my_ids"])
+  assert seen[0]["my_ids"] + seen[1]["my_ids"] == seen[0]["batch_ids"]
+
+
+def test_launch_local_ends_the_others_when_one_fails(tmp_path):
+  t0 = time.time()
+  p = _worker("fail", tmp_path)
+  out = _finish(p, 120)
+  assert p.returncode == 3, out
+  assert "process 1 exited with status 3; ending the others" in out
+  assert time.time() - t0 < 60  # process 0 (sleeping 120 s) was ended
+
+
+def test_launch_local_forwards_sigterm(tmp_path):
+  p = _worker("sleep", tmp_path)
+  t0 = time.time()
+  while not all((tmp_path / f"process_{i}.ready").exists() for i in range(2)):
+    assert p.poll() is None and time.time() - t0 < 60
+    time.sleep(0.05)
+  p.send_signal(signal.SIGTERM)
+  out = _finish(p, 60)
+  assert p.returncode == 128 + signal.SIGTERM, out
+  assert [(tmp_path / f"process_{i}.signal").read_text() for i in range(2)] == [str(int(signal.SIGTERM))] * 2
+
+
+def test_launch_local_kills_processes_that_do_not_stop_on_sigterm(tmp_path):
+  p = _worker("stubborn", tmp_path, grace_s=2)
+  t0 = time.time()
+  while not all((tmp_path / f"process_{i}.ready").exists() for i in range(2)):
+    assert p.poll() is None and time.time() - t0 < 60
+    time.sleep(0.05)
+  t1 = time.time()
+  p.send_signal(signal.SIGTERM)
+  out = _finish(p, 60)
+  assert p.returncode == 128 + signal.SIGKILL, out
+  assert "still running 2 s after the signal; killing them" in out
+  assert time.time() - t1 < 30
+
+
+def test_process_rows_split_evenly_and_cover_in_order():
+  from minpro_jax.runtime.multihost import process_rows
+
+  for n in range(0, 12):
+    for count in range(1, 5):
+      parts = [range(n)[process_rows(n, i, count)] for i in range(count)]
+      assert [x for part in parts for x in part] == list(range(n))
+      assert max(map(len, parts)) - min(map(len, parts)) <= 1
+  with pytest.raises(ValueError, match="process index 2 not in"):
+    process_rows(4, 2, 2)
