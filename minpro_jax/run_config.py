@@ -202,15 +202,22 @@ def check_overrides_match(c, loaded) -> None:
         have == value,
         f"model.overrides.{name}",
         f"{value!r} contradicts the checkpoint's {name}={have!r} (model.source={c.model.source}); the architecture "
-        "of a loaded checkpoint is its own: remove the override (model.param_dtype, dtype, remat and scan_layers "
-        "apply to every source)",
+        "of a loaded checkpoint is its own: remove the override (model.param_dtype, dtype, remat, scan_layers, "
+        "attention_impl and attn_block_size apply to every source)",
     )
 
 
 def model_overrides(c) -> dict[str, Any]:
   """The `ModelConfig` fields `config.model` sets for every model source."""
   m = c.model
-  return {"param_dtype": m.param_dtype, "dtype": m.dtype, "remat": m.remat, "scan_layers": bool(m.scan_layers)}
+  return {
+      "param_dtype": m.param_dtype,
+      "dtype": m.dtype,
+      "remat": m.remat,
+      "scan_layers": bool(m.scan_layers),
+      "attention_impl": m.attention_impl,
+      "attn_block_size": int(m.attn_block_size),
+  }
 
 
 def _check_data(c) -> None:

@@ -35,8 +35,10 @@ def base_config() -> ConfigDict:
   )
   c.model.param_dtype = "float32"
   c.model.dtype = "float32"
-  c.model.remat = "none"
+  c.model.remat = "none"  # none | block | dots_saveable | dots_with_no_batch_dims_saveable
   c.model.scan_layers = False
+  c.model.attention_impl = "auto"  # auto | xla | blockwise (auto: blockwise from 2,048 tokens on)
+  c.model.attn_block_size = 512
 
   c.tokenizer = ConfigDict()
   c.tokenizer.kind = "train_spm"  # train_spm | path (HF folder / tokenizer.json / .model / .gguf) | model

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ROPE_TYPES = ("default", "linear", "llama3")
-_REMAT = ("none", "block")
+_REMAT = ("none", "block", "dots_saveable", "dots_with_no_batch_dims_saveable")
+_ATTENTION_IMPLS = ("auto", "xla", "blockwise")
 _MOE_IMPLS = ("dense", "ragged")
 _ACT_QUANT = ("none", "fp8")
 
@@ -48,7 +49,15 @@ class ModelConfig:
     architecture: "qwen3", "qwen3_moe" or "llama" (what `config.json` calls `model_type`).
     param_dtype: storage dtype of parameters ("float32" or "bfloat16").
     dtype: compute dtype of activations and matmuls ("float32" or "bfloat16"). Log-softmax is always fp32.
-    remat: "none" or "block" (recompute each decoder block in the backward pass).
+    remat: what the backward pass of each decoder block recomputes (`jax.checkpoint` policies): "none" (keep
+      every activation), "block" (keep only the block's input, recompute the rest), "dots_saveable" (keep
+      every matmul output, recompute the elementwise rest), "dots_with_no_batch_dims_saveable" (keep the
+      matmul outputs without batch dimensions: the projections, not attention's scores).
+    attention_impl: how attention runs without a KV cache (the learner, scoring): "xla" (`attention_core`:
+      [T, T] scores in causal query blocks), "blockwise" (`models.blockwise_attention`: FlashAttention's
+      online softmax with a recomputing backward, O(T · block) memory) or "auto" (blockwise from
+      AUTO_BLOCKWISE_MIN_TOKENS tokens on, xla below). The KV-cache paths (the sampler) are unchanged.
+    attn_block_size: query and key block of "blockwise" (an int >= 1; blocks are cut to the sequence).
     scan_layers: run the stacked layers with `nnx.scan` (fast compile for deep models) instead of a Python loop.
     stack_layers: True (default, what checkpoints and the learner use): every per-layer parameter has a
       leading `layers` axis. False: one separate `DecoderLayer` per layer (an `nnx.List`) and a per-layer
@@ -71,7 +80,7 @@ class ModelConfig:
     ValueError: on construction (and `replace`), naming the field: a size <= 0, num_heads not a multiple of
       num_kv_heads, top-k outside [1, num_experts] or moe_intermediate_size <= 0 for a MoE, an unknown dtype /
       remat / moe_impl / act_quant / RoPE scaling type, scan_layers without stack_layers, fuse_qkv with
-      stack_layers, or attn_causal_blocks not an int >= 1.
+      stack_layers, attn_causal_blocks or attn_block_size not an int >= 1, an unknown attention_impl.
   """
 
   vocab_size: int
@@ -102,6 +111,8 @@ class ModelConfig:
   fuse_qkv: bool = False
   attn_causal_blocks: int = 4
   act_quant: str = "none"
+  attention_impl: str = "auto"
+  attn_block_size: int = 512
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
@@ -136,6 +147,10 @@ class ModelConfig:
           f"ModelConfig.attn_causal_blocks={self.attn_causal_blocks} must be an int >= 1 "
           "(1 = one full T x T score matrix)"
       )
+    if self.attention_impl not in _ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}; choose one of {_ATTENTION_IMPLS}")
+    if not isinstance(self.attn_block_size, int) or self.attn_block_size < 1:
+      raise ValueError(f"ModelConfig.attn_block_size={self.attn_block_size} must be an int >= 1")
     if self.act_quant not in _ACT_QUANT:
       raise ValueError(f"ModelConfig.act_quant={self.act_quant!r}; choose one of {_ACT_QUANT}")
     if self.moe_impl not in _MOE_IMPLS:

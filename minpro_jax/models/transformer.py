@@ -34,6 +34,7 @@ from minpro_jax.models.attention_core import (
     live_length_attention,
     masked_attention,
 )
+from minpro_jax.models.blockwise_attention import blockwise_attention
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
 from minpro_jax.models.quant import maybe_quant_act
@@ -234,7 +235,10 @@ class Attention(nnx.Module):
       mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
     mask = mask & (q_segment_bt[:, :, None] == kv_segment_bs[:, None, :]) & (q_segment_bt[:, :, None] != 0)
     blocks = causal_block_count(t, c.attn_causal_blocks)
-    if cache_kv is None and blocks > 1:  # query t is key slot t: skip the keys after each query block
+    if cache_kv is None and uses_blockwise_attention(c, t):  # O(T · block) memory, forward and backward
+      bs = c.attn_block_size
+      out = blockwise_attention(qg, k_all, v_all, q_segment_bt, kv_segment_bs, block_q=bs, block_k=bs, dtype=dt)
+    elif cache_kv is None and blocks > 1:  # query t is key slot t: skip the keys after each query block
       out = causal_block_attention(qg, k_all, v_all, mask, blocks, dtype=dt)
     else:
       out = masked_attention(qg, k_all, v_all, mask, keys_hd_major=hd_major, dtype=dt)
@@ -367,6 +371,21 @@ def _unstack_layers_bwd(_, grads):
 
 
 _unstack_layers.defvjp(_unstack_layers_fwd, _unstack_layers_bwd)
+
+
+AUTO_BLOCKWISE_MIN_TOKENS = 2048  # attention_impl="auto" switches to blockwise attention from this length on
+REMAT_POLICIES = {  # ModelConfig.remat -> jax.checkpoint policy (None: save nothing but the block's input)
+    "block": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def uses_blockwise_attention(config: ModelConfig, seq_len: int) -> bool:
+  """Whether a cache-free forward of `seq_len` tokens runs `blockwise_attention` (`ModelConfig.attention_impl`)."""
+  if config.attention_impl == "auto":
+    return seq_len >= AUTO_BLOCKWISE_MIN_TOKENS
+  return config.attention_impl == "blockwise"
 
 
 def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
@@ -503,8 +522,8 @@ class Transformer(nnx.Module):
     def run_layer(layer, x, kv):
       return layer(x, rope, segment_ids_bt, kv_segment, kv, cache_index, live_len)
 
-    if c.remat == "block":
-      run_layer = nnx.remat(run_layer, prevent_cse=not c.scan_layers)
+    if c.remat != "none":
+      run_layer = nnx.remat(run_layer, prevent_cse=not c.scan_layers, policy=REMAT_POLICIES[c.remat])
 
     if c.scan_layers:
       if cache is None:

@@ -46,6 +46,7 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
   c.model.param_dtype = "float32"
   c.model.dtype = "bfloat16"
   c.model.remat = "block"
+  c.model.attention_impl = "auto"  # blockwise at the papers' lengths (O(T) attention memory)
   c.model.scan_layers = True
   c.tokenizer.kind = "model"
 
