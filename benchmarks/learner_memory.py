@@ -84,7 +84,8 @@ def measure(topology: str, layers: int, seq: int, impl: str, scan: bool = False)
       return jnp.sum(token_logprobs(nnx.merge(graphdef, p), tok, chunk_size=512).logp)
 
     t0 = time.time()
-    compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+    shardings = jax.tree.map(lambda x: x.sharding, params)  # gradients sharded like the parameters, as in the update
+    compiled = jax.jit(jax.grad(loss), out_shardings=shardings).lower(params, tokens).compile()
     seconds = time.time() - t0
   m = compiled.memory_analysis()
   return {

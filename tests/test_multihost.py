@@ -15,6 +15,7 @@ with `python -m minpro_jax.launch_local` exactly as the README's "Multi-host" se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 from train_helpers import REPO, cli_args, cli_env, tiny_overrides
@@ -139,28 +141,39 @@ def test_process_0_writes_the_files_once(runs):
   assert "[0]" in out and "[1]" in out  # both processes ran, their lines prefixed
 
 
-def test_sigkill_both_processes_then_relaunch_matches(runs):
-  tmp, _, two, _ = runs
-  ov = _overrides(tmp, "killed")
-  seed = random.randrange(1 << 30)
-  delay = random.Random(seed).uniform(0.0, 4.0)
+@contextlib.contextmanager
+def _two_processes_past_their_first_checkpoint(ov):
+  """Starts the two processes of `ov`'s run (output collected), yields (processes, output lines) once the first
+  run checkpoint exists, and kills whatever is still running on the way out."""
   procs = launch_local.spawn([sys.executable, "-m", "minpro_jax.train", *cli_args(ov)[3:]], 2, 2, env=_env())
-  threads = launch_local.stream(procs, out=open(os.devnull, "w"))
-  t0 = time.time()
+  lines: list[str] = []
+  sink = types.SimpleNamespace(write=lines.append, flush=lambda: None)
+  threads = launch_local.stream(procs, out=sink)
   try:
+    t0 = time.time()
     while not _ckpt_steps(ov["workdir"]):
-      assert all(p.poll() is None for p in procs), "the run ended before it could be killed"
+      assert all(p.poll() is None for p in procs), (
+          "the run ended before its first checkpoint: " + "".join(lines)[-3000:]
+      )
       assert time.time() - t0 < 500
       time.sleep(0.05)
-    time.sleep(delay)  # a random moment after the first checkpoint (seed printed on failure)
-    for p in procs:
-      p.kill()
+    yield procs, lines
   finally:
     for p in procs:
       p.kill()
       p.wait()
     for t in threads:
       t.join(timeout=5)
+
+
+def test_sigkill_both_processes_then_relaunch_matches(runs):
+  tmp, _, two, _ = runs
+  ov = _overrides(tmp, "killed")
+  seed = random.randrange(1 << 30)
+  with _two_processes_past_their_first_checkpoint(ov) as (procs, _):
+    time.sleep(random.Random(seed).uniform(0.0, 4.0))  # a random moment after the first checkpoint
+    for p in procs:
+      p.kill()
   killed_at = _ckpt_steps(ov["workdir"])
   r = subprocess.run(_launch_args(ov), env=_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, (seed, r.stdout[-3000:])
@@ -170,31 +183,9 @@ def test_sigkill_both_processes_then_relaunch_matches(runs):
 def test_sigterm_to_one_process_stops_both_after_the_same_step(runs):
   tmp, _, two, _ = runs
   ov = _overrides(tmp, "preempted")
-  procs = launch_local.spawn([sys.executable, "-m", "minpro_jax.train", *cli_args(ov)[3:]], 2, 2, env=_env())
-  lines: list[str] = []
-
-  class Sink:
-
-    def write(self, text):
-      lines.append(text)
-
-    def flush(self):
-      pass
-
-  threads = launch_local.stream(procs, out=Sink())
-  try:
-    t0 = time.time()
-    while not _ckpt_steps(ov["workdir"]):
-      assert all(p.poll() is None for p in procs) and time.time() - t0 < 500, "".join(lines)[-3000:]
-      time.sleep(0.05)
+  with _two_processes_past_their_first_checkpoint(ov) as (procs, lines):
     procs[1].send_signal(signal.SIGTERM)  # a preemption notice that reached one host
     codes = [p.wait(timeout=300) for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-      p.wait()
-    for t in threads:
-      t.join(timeout=5)
   out = "".join(lines)
   assert codes == [128 + signal.SIGTERM] * 2, out[-3000:]
   stopped = {int(m) for m in re.findall(r"stopped by signal 15 at global step (\d+)", out)}
