@@ -47,6 +47,9 @@ from minpro_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
 from minpro_jax.models.transformer import KVCache  # noqa: E402
 from minpro_jax.sampling import Sampler, SamplingParams  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode import _interleaved as interleaved_best_and_median  # noqa: E402
+
 STOP = 1
 PROMPT_LEN = 16
 
@@ -69,15 +72,8 @@ def jax_stop_processor(sched: np.ndarray):
 
 
 def _interleaved(fns: dict, reps: int) -> dict:
-  for fn in fns.values():
-    fn()
-  times = {k: [] for k in fns}
-  for _ in range(reps):
-    for k, fn in fns.items():
-      t = time.perf_counter()
-      fn()
-      times[k].append(time.perf_counter() - t)
-  return {k: min(v) for k, v in times.items()}
+  """{name: best seconds} of `decode._interleaved`'s round-robin timing."""
+  return {k: best for k, (best, _) in interleaved_best_and_median(fns, reps).items()}
 
 
 def bench_lengths(preset: str, batches, max_len: int, requests_per_row: int, reps: int, hf_on: bool = True):

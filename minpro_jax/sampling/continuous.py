@@ -176,6 +176,21 @@ def refill(
   )
 
 
+def decode_step(s: ContinuousState, step_fn, sampling: SamplingParams, pad_id: int, p_len: int, processor=None):
+  """One token for every live row: `step_fn` at each row's own cache slot and position, attending to the live
+  length of the cache (the longest live row), then `record`. Finished rows are carried unchanged by `record`.
+
+  Args: as `decode_until`. Returns: the updated `ContinuousState`.
+  """
+  live = ~s.done
+  slot = p_len + s.step - 1
+  live_len = p_len + jnp.max(jnp.where(live, s.step, 1))
+  logits, cache = step_fn(s.cache, s.prev, slot, s.next_pos + s.step - 1, live_len)
+  s = s._replace(cache=cache)
+  s, step, done, prev = record(s, logits, s.step, live, s.req, s.group, s.keys, sampling, pad_id, processor)
+  return s._replace(step=step, done=done, prev=prev)
+
+
 def decode_until(st: ContinuousState, step_fn, need, sampling: SamplingParams, pad_id: int, p_len: int, processor=None):
   """Decode steps (one token per live row) until at least `need` rows are done or every row is.
 
@@ -187,13 +202,7 @@ def decode_until(st: ContinuousState, step_fn, need, sampling: SamplingParams, p
     return ~jnp.all(s.done) & (n_done < need)
 
   def body(s):
-    live = ~s.done
-    slot = p_len + s.step - 1
-    live_len = p_len + jnp.max(jnp.where(live, s.step, 1))
-    logits, cache = step_fn(s.cache, s.prev, slot, s.next_pos + s.step - 1, live_len)
-    s = s._replace(cache=cache)
-    s, step, done, prev = record(s, logits, s.step, live, s.req, s.group, s.keys, sampling, pad_id, processor)
-    return s._replace(step=step, done=done, prev=prev)
+    return decode_step(s, step_fn, sampling, pad_id, p_len, processor)
 
   return jax.lax.while_loop(cond, body, st)
 
@@ -252,13 +261,7 @@ def decode_with_refills(
 
   def step_branch(c):
     s, nxt = c
-    live = ~s.done
-    slot = p_len + s.step - 1
-    live_len = p_len + jnp.max(jnp.where(live, s.step, 1))
-    logits, cache = step_fn(s.cache, s.prev, slot, s.next_pos + s.step - 1, live_len)
-    s = s._replace(cache=cache)
-    s, step, done, prev = record(s, logits, s.step, live, s.req, s.group, s.keys, sampling, pad_id, processor)
-    return s._replace(step=step, done=done, prev=prev), nxt
+    return decode_step(s, step_fn, sampling, pad_id, p_len, processor), nxt
 
   def cond(c):
     s, nxt = c
