@@ -150,6 +150,7 @@ def terminate(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """The CLI of the module docstring; returns the exit status (argparse exits 2 on bad arguments)."""
   argv = list(sys.argv[1:] if argv is None else argv)
   ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
   ap = argparse.ArgumentParser(prog="python -m minpro_jax.launch_local", description=__doc__.split("\n\n")[0])

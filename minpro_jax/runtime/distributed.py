@@ -162,8 +162,9 @@ def maybe_initialize_distributed(
 def use_gloo_on_cpu() -> None:
   """Selects gloo for the collectives of JAX's CPU backend (a multi-process CPU run has none without it).
 
-  It only affects the CPU client, so it is harmless on TPU and GPU; a value the user set (flag or environment
-  variable JAX_CPU_COLLECTIVES_IMPLEMENTATION) is kept. Call it before the backend starts.
+  It only affects the CPU client, so it is harmless on TPU and GPU; a value set in the environment variable
+  JAX_CPU_COLLECTIVES_IMPLEMENTATION is kept. Call it before the backend starts. Source: JAX's multi-process
+  CPU collectives (the `jax_cpu_collectives_implementation` option; docs/multihost.md).
   """
   if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):  # JAX 0.10's default, pinned against a change
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -27,6 +27,7 @@ from minpro_jax.errors import LaunchError
 
 
 def process_count() -> int:
+  """The number of JAX processes of this run (`jax.process_count()`; 1 without `jax.distributed`)."""
   return jax.process_count()
 
 
