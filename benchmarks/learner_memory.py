@@ -36,14 +36,9 @@ def _devices(topology: str):
 
   if topology.startswith("cpu:"):
     return jax.devices("cpu")[: int(topology.split(":")[1])]
-  from jax.experimental import topologies
+  from minpro_jax.runtime.aot import tpu_topology_devices
 
-  name = topology
-  dims = tuple(int(x) for x in name.split(":")[1].split("x"))
-  desc = topologies.get_topology_desc(
-      platform="tpu", topology_name=name, chip_config_name="default", chips_per_host_bounds=dims, num_slices=1
-  )
-  return list(desc.devices)
+  return tpu_topology_devices(topology, tuple(int(x) for x in topology.split(":")[1].split("x")))
 
 
 def measure(topology: str, layers: int, seq: int, impl: str, scan: bool = False) -> dict:
@@ -57,7 +52,7 @@ def measure(topology: str, layers: int, seq: int, impl: str, scan: bool = False)
 
   from minpro_jax.models import get_preset
   from minpro_jax.models.logprobs import token_logprobs
-  from minpro_jax.models.transformer import Transformer
+  from minpro_jax.runtime.aot import abstract_params
   from minpro_jax.runtime.sharding import MESH_AXES, use_mesh
 
   devices = _devices(topology)
@@ -72,13 +67,8 @@ def measure(topology: str, layers: int, seq: int, impl: str, scan: bool = False)
       attention_impl=impl,
       scan_layers=scan,
   )
+  graphdef, params = abstract_params(cfg, mesh)
   with use_mesh(mesh):
-    with nnx.use_eager_sharding(False):
-      abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)), state
-    )
     tokens = jax.ShapeDtypeStruct((n, seq), jnp.int32, sharding=NamedSharding(mesh, P("fsdp", None)))
 
     def loss(p, tok):

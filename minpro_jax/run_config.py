@@ -160,23 +160,28 @@ def _check_model(c) -> None:
       "tokenizer.chat_format",
       f"{t.chat_format!r}; choose one of {sorted(CHAT_TEMPLATES)}, or leave it unset for the tokenizer's own",
   )
-  if m.source == "hf":
-    check_overrides_match(c, _hf_config(m.path))
-  if m.source != "scratch":
-    return
-  _need(m.preset in PRESETS, "model.preset", f"{m.preset!r}; choose one of {sorted(PRESETS)}")
-  _need(
-      t.kind != "model",
-      "tokenizer.kind",
-      "'model' reads the tokenizer of an hf/gguf checkpoint; with model.source=scratch use train_spm or path",
-  )
+  every_source = model_overrides(c)
+  for name in every_source:
+    _need(name not in m.overrides, f"model.overrides.{name}", f"set config.model.{name} instead (every source)")
+  if m.source == "scratch":
+    _need(m.preset in PRESETS, "model.preset", f"{m.preset!r}; choose one of {sorted(PRESETS)}")
+    _need(
+        t.kind != "model",
+        "tokenizer.kind",
+        "'model' reads the tokenizer of an hf/gguf checkpoint; with model.source=scratch use train_spm or path",
+    )
   try:  # ModelConfig checks its own fields: name the config field that set the bad value
-    get_preset(m.preset, **dict(m.overrides), **model_overrides(c))
+    if m.source == "scratch":
+      get_preset(m.preset, **dict(m.overrides), **every_source)
+    else:  # the architecture comes from the checkpoint; check the fields every source takes
+      get_preset("tiny", **every_source)
   except (TypeError, ValueError) as e:
     hit = _MODEL_FIELD.search(str(e)) or re.search(r"argument '(\w+)'", str(e))
     name = hit.group(1) if hit else ""
     field = f"model.overrides.{name}" if name in m.overrides else f"model.{name}" if name in m else "model.overrides"
     raise ConfigError(f"config.{field}: {e}") from e
+  if m.source == "hf":
+    check_overrides_match(c, _hf_config(m.path))
 
 
 def _hf_config(path: str):
@@ -203,7 +208,7 @@ def check_overrides_match(c, loaded) -> None:
         f"model.overrides.{name}",
         f"{value!r} contradicts the checkpoint's {name}={have!r} (model.source={c.model.source}); the architecture "
         "of a loaded checkpoint is its own: remove the override (model.param_dtype, dtype, remat, scan_layers, "
-        "attention_impl and attn_block_size apply to every source)",
+        "attention_impl, attn_block_size and moe_impl apply to every source)",
     )
 
 
@@ -217,6 +222,7 @@ def model_overrides(c) -> dict[str, Any]:
       "scan_layers": bool(m.scan_layers),
       "attention_impl": m.attention_impl,
       "attn_block_size": int(m.attn_block_size),
+      "moe_impl": m.moe_impl,
   }
 
 
@@ -364,7 +370,7 @@ def sampling_params(c, stop_token_ids) -> SamplingParams:
 
 
 # config.loss fields that are not objective hyper-parameters
-_LOSS_TERMS = ("method", "entropy_coef", "kl_coef", "router_aux_coef", "logprob_chunk_size")
+_LOSS_TERMS = ("method", "entropy_coef", "kl_coef", "router_aux_coef", "logprob_chunk_size", "router_replay")
 _COMMON_HPARAMS = ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis")
 
 
@@ -410,6 +416,7 @@ def loss_config(c) -> LossConfig:
       kl_coef=float(l.kl_coef),
       router_aux_coef=float(l.router_aux_coef),
       logprob_chunk_size=int(l.logprob_chunk_size),
+      router_replay=bool(l.router_replay),
   )
 
 

@@ -40,6 +40,7 @@ from minpro_jax.data.rewards import overlong_penalty
 from minpro_jax.errors import CheckpointError, ConfigError, TrainingError
 from minpro_jax.evaluation import evaluate, grade_split
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
+from minpro_jax.models.moe import route_mismatch
 from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.aggregation import inference_gap_t_post, mismatch_metrics
@@ -104,6 +105,9 @@ class Trainer:
         self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs, shard_index=0, shard_count=1
     )
     self.sampling = run_config.sampling_params(c, self.tokenizer.stop_ids)
+    for field in ("loss.router_replay", "sampling.record_routes"):
+      if c[field.split(".")[0]][field.split(".")[1]] and not self.model.config.is_moe:
+        raise ConfigError(f"config.{field}: routes exist only in MoE models; this model has no experts, unset it")
     self.sampler = Sampler(
         self.model.config,
         precision=c.sampling.precision,
@@ -111,6 +115,7 @@ class Trainer:
         mesh=self.mesh,
         pad_id=max(self.tokenizer.pad_id, 0),
         prompt_buckets=_prompt_buckets(c.data.max_prompt_tokens),
+        record_routes=bool(c.loss.router_replay or c.sampling.record_routes),
     )
     self.learner = Learner(
         self.model,
@@ -161,7 +166,9 @@ class Trainer:
     batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=adv.astype(np.float32))
     gstats = {**gstats, "seconds": time.time() - t0}
     with use_mesh(self.mesh):
-      learner_logp = self.learner.score(state.params, batch)
+      learner_logp, learner_routes = self.learner.score(state.params, batch, return_routes=True)
+    if batch.routes is not None:  # where the learner's router, at the sampling version, picks other experts
+      gstats["router_mismatch"] = route_mismatch(learner_routes, batch.routes)[0]
     return (
         batch.replace(learner_logp=np.where(batch.response_mask, learner_logp, 0.0).astype(np.float32)),
         texts,
@@ -240,6 +247,8 @@ class Trainer:
         "throughput/sample_tokens_per_s": n_tok / max(t1 - t0, 1e-9),
     }
     metrics.update({f"sampler_learner/{k}": float(v) for k, v in mm.items()})
+    if "router_mismatch" in gstats:
+      metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
     return batch, metrics
 
   def check_inference_gap(self, state, step: int) -> mipu.GapCheck:

@@ -188,3 +188,12 @@ def test_the_eval_fields_that_choose_the_heldout_prompts_are_part_of_the_resume_
   for field, value in (("eval.seed", 1), ("eval.num_problems", 3), ("eval.path", "x=auto:/y.jsonl")):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
       check_resume(make_config({**ok, field: value}), stored, "runs/x")
+
+
+def test_a_field_every_source_takes_is_refused_in_model_overrides(ok):
+  """model.remat (and the other every-source fields) set in a config file's model.overrides would be ambiguous."""
+  c = make_config(ok)
+  with c.model.overrides.unlocked():
+    c.model.overrides.remat = "block"
+  with pytest.raises(ConfigError, match="config.model.overrides.remat: set config.model.remat instead"):
+    validate_config(c, num_devices=1)

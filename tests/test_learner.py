@@ -23,8 +23,12 @@ MODEL_KW = dict(
 )
 
 
-def _model(mesh=None):
-  return init_model(get_preset("tiny", **MODEL_KW), seed=0, mesh=mesh)
+MOE_KW = dict(MODEL_KW, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+def _model(mesh=None, preset="tiny", **overrides):
+  kw = MOE_KW if preset == "tiny-moe" else MODEL_KW
+  return init_model(get_preset(preset, **kw, **overrides), seed=0, mesh=mesh)
 
 
 def _batch(model, n=8, length=12, seed=0):
@@ -167,16 +171,28 @@ def test_accumulation_check_detects_per_micro_batch_means(model_and_batch):
   assert _max_abs_diff(wrong, full) > 1e-4
 
 
-def test_sharded_update_equals_single_device():
+SHARDED_UPDATE_CASES = [
+    ("tiny", {"data": 2, "fsdp": 4}, "fsdp"),
+    ("tiny-moe", {"expert": 4, "data": 2}, "expert"),
+    ("tiny-moe", {"expert": 4, "fsdp": 2}, "expert"),
+]
+
+
+@pytest.mark.parametrize(
+    "preset,layout,sharded_axis", SHARDED_UPDATE_CASES, ids=[f"{p}-{l}" for p, l, _ in SHARDED_UPDATE_CASES]
+)
+def test_sharded_update_equals_single_device(preset, layout, sharded_axis):
+  """Two learner updates on a mesh equal them on one device. For the MoE, the single device runs the dense
+  dispatch (every expert on every token) and the mesh the ragged one (the default), with experts sharded."""
   assert len(jax.devices()) == 8
-  mesh = make_mesh({"data": 2, "fsdp": 4})
+  mesh = make_mesh(layout)
   cfg = LossConfig(method="minpro")
   opt = OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0)
-  model1 = _model()
+  model1 = _model(preset=preset, **({"moe_impl": "dense"} if preset == "tiny-moe" else {}))
   batch = _batch(model1)
   l1 = Learner(model1, cfg, opt, micro_batch_size=4)
   s1 = l1.init_state(nnx.split(model1)[1])
-  model8 = _model(mesh)
+  model8 = _model(mesh, preset=preset)
   _, p8 = nnx.split(model8)
   leaves8, treedef8 = jax.tree.flatten(p8)
   p8 = jax.tree.unflatten(
@@ -190,16 +206,19 @@ def test_sharded_update_equals_single_device():
   s8 = l8.init_state(p8)
   assert _max_abs_diff(jax.tree.map(np.asarray, s1.params), jax.tree.map(np.asarray, s8.params)) == 0.0
   shardings = {str(x.sharding.spec) for x in jax.tree.leaves(s8.params)}
-  assert any("fsdp" in s for s in shardings), shardings
+  assert any(sharded_axis in s for s in shardings), shardings
   for _ in range(2):
     s1, m1 = l1.update(s1, batch)
     with use_mesh(mesh):
       s8, m8 = l8.update(s8, batch)
   assert int(s8.step) == 2
-  assert _max_abs_diff(jax.tree.map(np.asarray, s1.params), jax.tree.map(np.asarray, s8.params)) <= 1e-5
+  # Adam divides by sqrt(v): an expert that few tokens reach has tiny gradients whose float-rounding differences
+  # it amplifies (dense on this mesh vs one device: 1.9e-5 after two steps of lr 1e-2); a wrong route moves 1e-2.
+  tol = 1e-4 if preset == "tiny-moe" else 1e-5
+  assert _max_abs_diff(jax.tree.map(np.asarray, s1.params), jax.tree.map(np.asarray, s8.params)) <= tol
   assert abs(float(m1["loss"]) - float(m8["loss"])) <= 1e-5
   assert abs(float(m1["grad_norm"]) - float(m8["grad_norm"])) <= 1e-5
-  assert any("fsdp" in str(x.sharding.spec) for x in jax.tree.leaves(s8.params))  # still sharded after updates
+  assert any(sharded_axis in str(x.sharding.spec) for x in jax.tree.leaves(s8.params))  # still sharded
 
 
 @pytest.mark.parametrize("bad", ["advantages", "behavior_logp"])

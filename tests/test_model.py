@@ -23,8 +23,9 @@ from minpro_jax.models.hf_io import (
     save_hf_checkpoint,
 )
 from minpro_jax.models.inference_layout import fuse_qkv_params, unstack_layer_params
+from minpro_jax.models.moe import MoE
 from minpro_jax.models.quant import fake_quant_weights
-from minpro_jax.models.transformer import MoE, Transformer
+from minpro_jax.models.transformer import Transformer
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
 
@@ -98,12 +99,15 @@ def test_sharded_logits_equal_single_device(name, layout):
 
 
 def test_sharded_load_streams_onto_mesh(tmp_path):
-  model = _model("tiny-moe", tie_embeddings=False)
+  """An HF MoE checkpoint loads onto an expert x fsdp x tensor mesh with the ragged dispatch (the default for every
+  source) and gives the dense dispatch's logits."""
+  model = _model("tiny-moe", tie_embeddings=False, moe_impl="dense")
   save_hf_checkpoint(model, str(tmp_path))
   tokens, seg = _tokens(), _left_pad_segments()
   ref = np.asarray(_fwd(model, tokens, seg))
   mesh = make_mesh({"expert": 2, "fsdp": 2, "tensor": 2})
   loaded, _ = load_hf_checkpoint(str(tmp_path), mesh=mesh)
+  assert loaded.config.moe_impl == "ragged"
   g = loaded.layers.mlp.gate_proj[...]
   assert g.sharding.mesh.shape == mesh.shape and g.sharding.spec[1:] == ("expert", "fsdp", "tensor")
   assert g.addressable_shards[0].data.shape == (2, 4, 32, 16)
@@ -313,7 +317,7 @@ def test_bf16_compute_close_to_fp32(name):
 
 def test_ragged_moe_equals_dense_moe():
   tokens, seg = _tokens(), _left_pad_segments()
-  dense = _model("tiny-moe")
+  dense = _model("tiny-moe", moe_impl="dense")
   ragged = _model("tiny-moe", moe_impl="ragged")
   run = nnx.jit(lambda m, x, s: m(x, segment_ids_bt=s))
   a, b = run(dense, tokens, seg), run(ragged, tokens, seg)
@@ -335,7 +339,7 @@ def test_moe_block_and_aux_loss_match_numpy(norm_topk):
   moe.router[...] = jnp.asarray(router)
   x = rng.randn(2, 5, 64).astype(np.float32)
   valid = np.array([[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
-  y, aux = moe(jnp.asarray(x), jnp.asarray(valid))
+  y, aux, _ = moe(jnp.asarray(x), jnp.asarray(valid))
   wg, wu, wd = (np.asarray(moe.gate_proj[...]), np.asarray(moe.up_proj[...]), np.asarray(moe.down_proj[...]))
   e, k = cfg.num_experts, cfg.num_experts_per_tok
   f_e, p_e, n = np.zeros(e), np.zeros(e), valid.sum()
@@ -355,7 +359,7 @@ def test_moe_block_and_aux_loss_match_numpy(norm_topk):
   np.testing.assert_allclose(float(aux), e * np.sum(f_e * p_e), rtol=1e-5)
   # perfectly balanced routing gives the minimum k (uniform probs: f_e = k/E, P_e = 1/E)
   moe.router[...] = jnp.zeros_like(moe.router[...])
-  _, aux_uniform = moe(jnp.asarray(x), jnp.asarray(valid))
+  _, aux_uniform, _ = moe(jnp.asarray(x), jnp.asarray(valid))
   np.testing.assert_allclose(float(aux_uniform), k, rtol=1e-5)
 
 
@@ -430,8 +434,8 @@ def _dot_count(model, tokens, seg):
     [
         ("tiny", {}),
         ("tiny-llama", {}),
-        ("tiny-moe", {}),
-        ("tiny-moe", dict(scan_layers=True, remat="block", moe_impl="ragged")),
+        ("tiny-moe", {"moe_impl": "dense"}),
+        ("tiny-moe", dict(scan_layers=True, remat="block")),
     ],
 )
 def test_causal_blocks_give_the_full_score_matrix_results(name, overrides):

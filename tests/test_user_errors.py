@@ -71,6 +71,12 @@ def _cases(tmp_path):
       ("eval file unusable", {"eval.path": f"junk=auto:{junk}"}, "config.eval.path: held-out set 'junk'"),
       ("empty data.path", {"data.source": "file", "data.path": ""}, "config.data.path: empty"),
       ("bad override", {"model.overrides.num_kv_heads": 3}, "config.model.overrides.num_heads"),
+      ("moe_impl", {"model.moe_impl": "megablox"}, "config.model.moe_impl: ModelConfig.moe_impl='megablox'"),
+      (
+          "hf moe_impl",
+          {"model.source": "hf", "model.path": str(_hf_folder(tmp_path)), "model.moe_impl": "x"},
+          "config.model.moe_impl",
+      ),
       (
           "hf config.json",
           {"model.source": "hf", "model.path": str(_hf_folder(tmp_path / "a", config="{not json"))},

@@ -39,6 +39,7 @@ def base_config() -> ConfigDict:
   c.model.scan_layers = False
   c.model.attention_impl = "auto"  # auto | xla | blockwise (auto: blockwise from 2,048 tokens on)
   c.model.attn_block_size = 512
+  c.model.moe_impl = "ragged"  # ragged | dense (MoE models only: the expert dispatch, for every model.source)
 
   c.tokenizer = ConfigDict()
   c.tokenizer.kind = "train_spm"  # train_spm | path (HF folder / tokenizer.json / .model / .gguf) | model
@@ -66,6 +67,7 @@ def base_config() -> ConfigDict:
   c.sampling.top_k = 0
   c.sampling.max_new_tokens = 16
   c.sampling.precision = "fp32"  # fp32 | bf16 | fp8 (simulated; MIPU's inference mismatch)
+  c.sampling.record_routes = False  # MoE: record the experts of every response token (router replay metrics)
   c.sampling.continuous = False  # True: continuous batching + live-length attention (minpro_jax/sampling/continuous.py)
 
   c.reward = ConfigDict()
@@ -93,6 +95,7 @@ def base_config() -> ConfigDict:
   c.loss.entropy_coef = 0.0
   c.loss.kl_coef = 0.0
   c.loss.router_aux_coef = 0.0
+  c.loss.router_replay = False  # MoE: the learner routes every response token to the sampler's experts
   c.loss.logprob_chunk_size = 256
 
   c.optimizer = ConfigDict()

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _ROPE_TYPES = ("default", "linear", "llama3")
-_REMAT = ("none", "block", "dots_saveable", "dots_with_no_batch_dims_saveable")
-_ATTENTION_IMPLS = ("auto", "xla", "blockwise")
+_REMAT = ("none", "block", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
+_ATTENTION_IMPLS = ("auto", "xla", "blockwise", "splash", "cudnn")
 _MOE_IMPLS = ("dense", "ragged")
 _ACT_QUANT = ("none", "fp8")
 
@@ -43,8 +43,9 @@ class ModelConfig:
     router_aux_loss_coef: the checkpoint's load-balancing loss weight (HF `router_aux_loss_coef`), kept for
       the `config.json` round trip; the model never reads it (the learner's weight is
       `minpro_jax.rl.learner.LossConfig.router_aux_coef`).
-    moe_impl: "dense" (every expert on every token, masked; exact and simple, for tests and tiny models) or
-      "ragged" (tokens sorted by expert and `jax.lax.ragged_dot`; compute proportional to top-k).
+    moe_impl: "ragged" (default: tokens sorted by expert and `jax.lax.ragged_dot`; compute proportional to
+      top-k) or "dense" (every expert on every token, masked; the simple reference the ragged path is tested
+      against).
     max_position_embeddings: longest sequence the RoPE tables are meant for (informational).
     architecture: "qwen3", "qwen3_moe" or "llama" (what `config.json` calls `model_type`).
     param_dtype: storage dtype of parameters ("float32" or "bfloat16").
@@ -52,12 +53,16 @@ class ModelConfig:
     remat: what the backward pass of each decoder block recomputes (`jax.checkpoint` policies): "none" (keep
       every activation), "block" (keep only the block's input, recompute the rest), "dots_saveable" (keep
       every matmul output, recompute the elementwise rest), "dots_with_no_batch_dims_saveable" (keep the
-      matmul outputs without batch dimensions: the projections, not attention's scores).
-    attention_impl: how attention runs without a KV cache (the learner, scoring): "xla" (`attention_core`:
-      [T, T] scores in causal query blocks), "blockwise" (`models.blockwise_attention`: FlashAttention's
-      online softmax with a recomputing backward, O(T · block) memory) or "auto" (blockwise from
-      AUTO_BLOCKWISE_MIN_TOKENS tokens on, xla below). The KV-cache paths (the sampler) are unchanged.
-    attn_block_size: query and key block of "blockwise" (an int >= 1; blocks are cut to the sequence).
+      matmul outputs without batch dimensions: the projections, not attention's scores), "offload" (those
+      projection outputs are moved to pinned host memory in the forward and back for the backward).
+    attention_impl: how attention runs over the tokens' own keys (the learner, scoring, the sampler's prefill;
+      `models.attention_dispatch`): "xla" ([T, T] scores in causal query blocks), "blockwise" (FlashAttention
+      in plain JAX with a recomputing backward, O(T · block) memory), "splash" (the Pallas TPU kernel; interpret
+      mode elsewhere), "cudnn" (cuDNN flash attention, GPU, bf16/fp16) or "auto" (splash on TPU, cudnn on GPU
+      for bf16/fp16, else blockwise from AUTO_BLOCKWISE_MIN_TOKENS tokens on and xla below). Decode steps
+      attend to the KV cache.
+    attn_block_size: query and key block of "blockwise" and "splash" (an int >= 1; splash rounds it up to a
+      multiple of 128; blocks are cut to the sequence).
     scan_layers: run the stacked layers with `nnx.scan` (fast compile for deep models) instead of a Python loop.
     stack_layers: True (default, what checkpoints and the learner use): every per-layer parameter has a
       leading `layers` axis. False: one separate `DecoderLayer` per layer (an `nnx.List`) and a per-layer
@@ -100,7 +105,7 @@ class ModelConfig:
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = True
   router_aux_loss_coef: float = 0.001
-  moe_impl: str = "dense"
+  moe_impl: str = "ragged"
   max_position_embeddings: int = 40960
   architecture: str = "qwen3"
   param_dtype: str = "float32"
@@ -297,7 +302,6 @@ PRESETS: dict[str, ModelConfig] = {
         norm_topk_prob=True,
         tie_embeddings=False,
         architecture="qwen3_moe",
-        moe_impl="ragged",
     ),
     "smollm2-135m": ModelConfig(
         vocab_size=49152,

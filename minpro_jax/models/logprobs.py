@@ -29,11 +29,13 @@ class TokenLogprobs(NamedTuple):
   """logp: [B, T] float32, logp[:, t] = log p(tokens[:, t] | tokens[:, <t]); column 0 is 0.
   entropy: [B, T] float32 entropy of the distribution that predicted token t (column 0 is 0), or None.
   router_aux_loss: scalar float32 MoE load-balancing loss of the forward pass (0 for dense models).
+  routes: [B, T, L, k] int16 experts the router itself chose per token and layer (MoE; also under replay), or None.
   """
 
   logp: jax.Array
   entropy: jax.Array | None
   router_aux_loss: jax.Array
+  routes: jax.Array | None = None
 
 
 def _chunk_forward(h_bcd, head_dv, y_bc, inv_t, return_entropy):
@@ -186,6 +188,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 256,
     return_entropy: bool = False,
+    routes_btlk: jax.Array | None = None,
 ) -> TokenLogprobs:
   """Teacher-forced log-probs of every token of `tokens_bt` under `model`.
 
@@ -198,6 +201,7 @@ def token_logprobs(
       log-probs are those of the distribution the tokens were sampled from.
     chunk_size: sequence chunk C of the vocabulary projection.
     return_entropy: also compute per-position entropy.
+    routes_btlk: optional [B, T, L, k] int experts to replay (MoE; `Transformer`), NO_ROUTE (-1) where not.
 
   Returns:
     `TokenLogprobs` with logp[:, t] = log p(tokens[:, t] | tokens[:, <t]) (column 0 is 0; values at
@@ -207,7 +211,7 @@ def token_logprobs(
     ValueError: temperature <= 0 or chunk_size <= 0 (`logprobs_from_hidden`), or inputs of the wrong shape
       (`Transformer.__call__`).
   """
-  out = model(tokens_bt, positions_bt, segment_ids_bt, return_hidden=True)
+  out = model(tokens_bt, positions_bt, segment_ids_bt, return_hidden=True, routes_btlk=routes_btlk)
   logp, ent = logprobs_from_hidden(
       out.out[:, :-1],
       model.head_weight(),
@@ -219,4 +223,4 @@ def token_logprobs(
   logp = jnp.pad(logp, ((0, 0), (1, 0)))
   if ent is not None:
     ent = jnp.pad(ent, ((0, 0), (1, 0)))
-  return TokenLogprobs(logp, ent, out.router_aux_loss)
+  return TokenLogprobs(logp, ent, out.router_aux_loss, out.routes)

@@ -29,22 +29,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from minpro_jax.models.attention_core import (
-    causal_block_attention,
-    causal_block_count,
     live_length_attention,
     masked_attention,
 )
-from minpro_jax.models.blockwise_attention import blockwise_attention
+from minpro_jax.models.attention_dispatch import cache_free_attention, resolve_attention_impl
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
+from minpro_jax.models.moe import MoE, init_param
 from minpro_jax.models.quant import maybe_quant_act
 from minpro_jax.models.rope import apply_rope, rope_tables
 from minpro_jax.runtime.multihost import settle
 from minpro_jax.runtime.sharding import DEFAULT_RULES, constrain, use_mesh
-
-
-def _init(stddev: float, axes: tuple[str | None, ...]):
-  return nnx.with_partitioning(nnx.initializers.normal(stddev), axes)
 
 
 @flax.struct.dataclass
@@ -98,11 +93,14 @@ class ModelOutput(NamedTuple):
     `return_hidden=True`.
   cache: the updated `KVCache`, or None when none was given.
   router_aux_loss: scalar float32 load-balancing loss averaged over MoE layers (0 for dense models).
+  routes: [B, T, L, k] int16 experts the router chose (its own top-k, also under replay) per token and layer
+    (MoE), or None (dense models).
   """
 
   out: jax.Array
   cache: KVCache | None
   router_aux_loss: jax.Array
+  routes: jax.Array | None = None
 
 
 class RMSNorm(nnx.Module):
@@ -129,22 +127,26 @@ class Attention(nnx.Module):
     self.config = c
     if c.fuse_qkv:  # the sampler's layout (`fuse_qkv_params`); split by KV head
       self.qkv_proj = nnx.Param(
-          _init(std, ("embed", "kv_heads", None, "head_dim"))(
+          init_param(std, ("embed", "kv_heads", None, "head_dim"))(
               rngs.params(), (c.hidden_size, c.num_kv_heads, c.num_heads // c.num_kv_heads + 2, c.head_dim), pd
           )
       )
     else:
       self.q_proj = nnx.Param(
-          _init(std, ("embed", "q_heads", "head_dim"))(rngs.params(), (c.hidden_size, c.num_heads, c.head_dim), pd)
+          init_param(std, ("embed", "q_heads", "head_dim"))(rngs.params(), (c.hidden_size, c.num_heads, c.head_dim), pd)
       )
       self.k_proj = nnx.Param(
-          _init(std, ("embed", "kv_heads", "head_dim"))(rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd)
+          init_param(std, ("embed", "kv_heads", "head_dim"))(
+              rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd
+          )
       )
       self.v_proj = nnx.Param(
-          _init(std, ("embed", "kv_heads", "head_dim"))(rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd)
+          init_param(std, ("embed", "kv_heads", "head_dim"))(
+              rngs.params(), (c.hidden_size, c.num_kv_heads, c.head_dim), pd
+          )
       )
     self.o_proj = nnx.Param(
-        _init(std, ("q_heads", "head_dim", "embed"))(rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), pd)
+        init_param(std, ("q_heads", "head_dim", "embed"))(rngs.params(), (c.num_heads, c.head_dim, c.hidden_size), pd)
     )
     if c.qk_norm:
       self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, pd, rngs=rngs)
@@ -195,12 +197,14 @@ class Attention(nnx.Module):
     k_new = jnp.transpose(k, (0, 2, 1, 3))  # [B, K, T, hd]
     v_new = jnp.transpose(v, (0, 2, 1, 3))
     hd_major = False
+    own_kv = (k_new, v_new)  # [B, K, T, hd]: what a cache-free forward or a prefill at slot 0 attends to
     if cache_kv is not None:
       k_cache, v_cache, layer = cache_kv
       hd_major = keys_head_dim_major(k_cache.dtype)
+      k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
+      own_kv = (k_new, v_new)
       if hd_major:
         k_new = jnp.swapaxes(k_new, 2, 3)  # [B, K, hd, T]
-      k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
       k_at = (0, 0, 0, cache_index) if hd_major else (0, 0, cache_index, 0)
       if jnp.ndim(cache_index) == 1:  # one slot per row (T = 1, per-layer cache): a scatter of B columns
         rows = jnp.arange(b)
@@ -227,20 +231,18 @@ class Attention(nnx.Module):
       )
       out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, hd)
       return dense(maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt), n_in=2), new_cache
-    if jnp.ndim(cache_index) == 1:
-      q_slot = cache_index[:, None, None] + jnp.arange(t)[None, :, None]  # [B, T, 1]
-      mask = jnp.arange(s)[None, None, :] <= q_slot  # [B, T, S] causal by slot
+    prefill = cache_kv is not None and isinstance(cache_index, int) and cache_index == 0
+    if cache_kv is None or (prefill and resolve_attention_impl(c, t) != "xla"):
+      # the tokens attend to their own keys (a prefill at slot 0 sees nothing else): attention_impl decides how
+      out = cache_free_attention(c, qg, *own_kv, q_segment_bt, kv_segment_bs[:, :t])
     else:
-      q_slot = (0 if cache_kv is None else cache_index) + jnp.arange(t)
-      mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
-    mask = mask & (q_segment_bt[:, :, None] == kv_segment_bs[:, None, :]) & (q_segment_bt[:, :, None] != 0)
-    blocks = causal_block_count(t, c.attn_causal_blocks)
-    if cache_kv is None and uses_blockwise_attention(c, t):  # O(T · block) memory, forward and backward
-      bs = c.attn_block_size
-      out = blockwise_attention(qg, k_all, v_all, q_segment_bt, kv_segment_bs, block_q=bs, block_k=bs, dtype=dt)
-    elif cache_kv is None and blocks > 1:  # query t is key slot t: skip the keys after each query block
-      out = causal_block_attention(qg, k_all, v_all, mask, blocks, dtype=dt)
-    else:
+      if jnp.ndim(cache_index) == 1:
+        q_slot = cache_index[:, None, None] + jnp.arange(t)[None, :, None]  # [B, T, 1]
+        mask = jnp.arange(s)[None, None, :] <= q_slot  # [B, T, S] causal by slot
+      else:
+        q_slot = cache_index + jnp.arange(t)
+        mask = (jnp.arange(s)[None, :] <= q_slot[:, None])[None]  # [1, T, S] causal by slot
+      mask = mask & (q_segment_bt[:, :, None] == kv_segment_bs[:, None, :]) & (q_segment_bt[:, :, None] != 0)
       out = masked_attention(qg, k_all, v_all, mask, keys_hd_major=hd_major, dtype=dt)
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, hd)
     y = dense(maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt), n_in=2)
@@ -254,9 +256,15 @@ class MLP(nnx.Module):
     c, pd = config, config.jnp_param_dtype
     self.dtype = c.jnp_dtype
     self.act_quant = c.act_quant
-    self.gate_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
-    self.up_proj = nnx.Param(_init(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd))
-    self.down_proj = nnx.Param(_init(0.02, ("mlp", "embed"))(rngs.params(), (c.intermediate_size, c.hidden_size), pd))
+    self.gate_proj = nnx.Param(
+        init_param(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd)
+    )
+    self.up_proj = nnx.Param(
+        init_param(0.02, ("embed", "mlp"))(rngs.params(), (c.hidden_size, c.intermediate_size), pd)
+    )
+    self.down_proj = nnx.Param(
+        init_param(0.02, ("mlp", "embed"))(rngs.params(), (c.intermediate_size, c.hidden_size), pd)
+    )
 
   def __call__(self, x_btd):
     dt = self.dtype
@@ -265,69 +273,6 @@ class MLP(nnx.Module):
     u = dense(x_btd, self.up_proj[...].astype(dt))
     h = constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "mlp"))
     return dense(maybe_quant_act(h, self.act_quant), self.down_proj[...].astype(dt))
-
-
-class MoE(nnx.Module):
-  """Qwen3-MoE sparse block: softmax router, top-k experts, optional renormalisation of the top-k weights.
-
-  The load-balancing loss is Switch/Qwen3-MoE's `E * sum_e f_e * P_e` over valid tokens, where f_e is the
-  fraction of top-k assignments that go to expert e (per k slot, summed as in HF) and P_e the mean router
-  probability.
-  """
-
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    c, pd = config, config.jnp_param_dtype
-    self.config = c
-    e, d, f = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    self.router = nnx.Param(_init(0.02, ("embed", None))(rngs.params(), (d, e), pd))
-    self.gate_proj = nnx.Param(_init(0.02, ("expert", "embed", "mlp"))(rngs.params(), (e, d, f), pd))
-    self.up_proj = nnx.Param(_init(0.02, ("expert", "embed", "mlp"))(rngs.params(), (e, d, f), pd))
-    self.down_proj = nnx.Param(_init(0.02, ("expert", "mlp", "embed"))(rngs.params(), (e, f, d), pd))
-
-  def __call__(self, x_btd, valid_bt):
-    c = self.config
-    dt = c.jnp_dtype
-    b, t, d = x_btd.shape
-    x_btd = maybe_quant_act(x_btd, c.act_quant)
-    router_logits = jnp.einsum("btd,de->bte", x_btd, self.router[...].astype(dt), preferred_element_type=jnp.float32)
-    probs = jax.nn.softmax(router_logits, axis=-1)
-    top_p, top_i = jax.lax.top_k(probs, c.num_experts_per_tok)  # [B, T, k]
-    if c.norm_topk_prob:
-      top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    top_p = top_p.astype(dt)
-    if c.moe_impl == "ragged":
-      y = self._ragged(x_btd.reshape(b * t, d), top_i.reshape(b * t, -1), top_p.reshape(b * t, -1)).reshape(b, t, d)
-    else:
-      combine = jnp.sum(jax.nn.one_hot(top_i, c.num_experts, dtype=dt) * top_p[..., None], axis=2)  # [B, T, E]
-      g = jnp.einsum("btd,edf->btef", x_btd, self.gate_proj[...].astype(dt))
-      u = jnp.einsum("btd,edf->btef", x_btd, self.up_proj[...].astype(dt))
-      h = maybe_quant_act(constrain(jax.nn.silu(g) * u, ("batch", "act_seq", "expert", "mlp")), c.act_quant)
-      y = jnp.einsum("btef,efd,bte->btd", h, self.down_proj[...].astype(dt), combine)
-    w = valid_bt.astype(jnp.float32)[..., None]
-    n = jnp.maximum(jnp.sum(w), 1.0)
-    assigned = jnp.sum(jax.nn.one_hot(top_i, c.num_experts, dtype=jnp.float32), axis=2)  # [B, T, E]
-    frac_tokens = jnp.sum(assigned * w, axis=(0, 1)) / n
-    mean_prob = jnp.sum(probs * w, axis=(0, 1)) / n
-    aux = c.num_experts * jnp.sum(frac_tokens * mean_prob)
-    return y, aux
-
-  def _ragged(self, x_nd, top_i, top_p):
-    """Sorted-by-expert grouped matmuls (`jax.lax.ragged_dot`): compute ~ N * k expert FFNs, not N * E."""
-    c = self.config
-    dt = c.jnp_dtype
-    n, k = top_i.shape
-    flat_e = top_i.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    token_of = order // k
-    xs = x_nd[token_of]
-    group_sizes = jnp.bincount(flat_e, length=c.num_experts).astype(jnp.int32)
-    g = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), group_sizes)
-    u = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), group_sizes)
-    ys = jax.lax.ragged_dot(
-        maybe_quant_act(jax.nn.silu(g) * u, c.act_quant), self.down_proj[...].astype(dt), group_sizes
-    )
-    ys = ys * top_p.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x_nd).at[token_of].add(ys)
 
 
 class DecoderLayer(nnx.Module):
@@ -341,15 +286,16 @@ class DecoderLayer(nnx.Module):
     self.is_moe = config.is_moe
     self.mlp = MoE(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
 
-  def __call__(self, x_btd, rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index, live_len=None):
+  def __call__(self, x_btd, rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index, live_len=None, routes=None):
+    """Returns (x [B, T, D], the updated cache or None, aux loss, the router's own [B, T, k] top-k (MoE) or None)."""
     h, new_kv = self.attn(self.input_norm(x_btd), rope, q_segment_bt, kv_segment_bs, cache_kv, cache_index, live_len)
     x_btd = x_btd + h
     if self.is_moe:
-      h, aux = self.mlp(self.post_attn_norm(x_btd), q_segment_bt != 0)
+      h, aux, used = self.mlp(self.post_attn_norm(x_btd), q_segment_bt != 0, routes)
     else:
-      h, aux = self.mlp(self.post_attn_norm(x_btd)), jnp.zeros((), jnp.float32)
+      h, aux, used = self.mlp(self.post_attn_norm(x_btd)), jnp.zeros((), jnp.float32), None
     x_btd = constrain(x_btd + h, ("batch", "act_seq", "act_embed"))
-    return x_btd, new_kv, aux
+    return x_btd, new_kv, aux, used
 
 
 @jax.custom_vjp
@@ -373,19 +319,13 @@ def _unstack_layers_bwd(_, grads):
 _unstack_layers.defvjp(_unstack_layers_fwd, _unstack_layers_bwd)
 
 
-AUTO_BLOCKWISE_MIN_TOKENS = 2048  # attention_impl="auto" switches to blockwise attention from this length on
 REMAT_POLICIES = {  # ModelConfig.remat -> jax.checkpoint policy (None: save nothing but the block's input)
     "block": None,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the projections' outputs go to host memory in the forward and come back for the backward
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
-
-
-def uses_blockwise_attention(config: ModelConfig, seq_len: int) -> bool:
-  """Whether a cache-free forward of `seq_len` tokens runs `blockwise_attention` (`ModelConfig.attention_impl`)."""
-  if config.attention_impl == "auto":
-    return seq_len >= AUTO_BLOCKWISE_MIN_TOKENS
-  return config.attention_impl == "blockwise"
 
 
 def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
@@ -407,7 +347,7 @@ class Transformer(nnx.Module):
     c = config
     self.config = c
     self.embed = nnx.Param(
-        _init(0.02, ("vocab", "embed"))(rngs.params(), (c.vocab_size, c.hidden_size), c.jnp_param_dtype)
+        init_param(0.02, ("vocab", "embed"))(rngs.params(), (c.vocab_size, c.hidden_size), c.jnp_param_dtype)
     )
 
     if c.stack_layers:
@@ -423,7 +363,7 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.jnp_param_dtype, rngs=rngs)
     if not c.tie_embeddings:
       self.lm_head = nnx.Param(
-          _init(0.02, ("embed", "vocab"))(rngs.params(), (c.hidden_size, c.vocab_size), c.jnp_param_dtype)
+          init_param(0.02, ("embed", "vocab"))(rngs.params(), (c.hidden_size, c.vocab_size), c.jnp_param_dtype)
       )
 
   def head_weight(self) -> jax.Array:
@@ -453,6 +393,7 @@ class Transformer(nnx.Module):
       return_hidden: bool = False,
       rope: tuple[jax.Array, jax.Array] | None = None,
       live_len: jax.Array | None = None,
+      routes_btlk: jax.Array | None = None,
   ) -> ModelOutput:
     """Runs the decoder on T new tokens.
 
@@ -474,11 +415,15 @@ class Transformer(nnx.Module):
         to the smallest `live_length_buckets` size >= live_len (`live_length_attention`), so a decode step
         costs what the longest live row needs; queries at slots >= live_len get undefined outputs.
 
+      routes_btlk: optional [B, T, L, k] int expert ids per token and layer (MoE only; router replay,
+        `models.moe`): a token whose k ids in a layer are NO_ROUTE (-1) is routed by the router's own top-k.
+
     Returns:
-      `ModelOutput(out, cache, router_aux_loss)`.
+      `ModelOutput(out, cache, router_aux_loss, routes)`.
 
     Raises:
-      ValueError: tokens are not [B, T], or shapes of positions / segment ids / cache disagree.
+      ValueError: tokens are not [B, T], or shapes of positions / segment ids / cache / routes disagree, or
+        routes for a dense model.
     """
     c = self.config
     if tokens_bt.ndim != 2:
@@ -493,6 +438,10 @@ class Transformer(nnx.Module):
       positions_bt = segment_positions(segment_ids_bt)
     if positions_bt.shape != (b, t):
       raise ValueError(f"positions_bt has shape {positions_bt.shape}, expected {(b, t)}")
+    if routes_btlk is not None:
+      want = (b, t, c.num_layers, c.num_experts_per_tok)
+      if not c.is_moe or routes_btlk.shape != want:
+        raise ValueError(f"routes_btlk has shape {routes_btlk.shape}; router replay needs a MoE and shape {want}")
     if cache is not None:
       if cache.segment_ids.shape[0] != b or cache.segment_ids.shape[1] < t:
         raise ValueError(f"cache of {cache.segment_ids.shape} (rows, slots) does not fit tokens of shape {(b, t)}")
@@ -519,51 +468,55 @@ class Transformer(nnx.Module):
     elif any(r.shape != (b, t, c.head_dim // 2) for r in rope):
       raise ValueError(f"rope tables have shapes {[r.shape for r in rope]}, expected 2 x {(b, t, c.head_dim // 2)}")
 
-    def run_layer(layer, x, kv):
-      return layer(x, rope, segment_ids_bt, kv_segment, kv, cache_index, live_len)
+    def run_layer(layer, x, kv, routes):
+      return layer(x, rope, segment_ids_bt, kv_segment, kv, cache_index, live_len, routes)
 
     if c.remat != "none":
       run_layer = nnx.remat(run_layer, prevent_cse=not c.scan_layers, policy=REMAT_POLICIES[c.remat])
 
+    # routes per layer: [L, B, T, k] for the scan, a list of [B, T, k] for the loops; None without replay
+    routes_l = None if routes_btlk is None else jnp.moveaxis(routes_btlk, 2, 0)
     if c.scan_layers:
       if cache is None:
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        def body(x, layer):
-          x, _, aux = run_layer(layer, x, None)
-          return x, aux
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0, 0))
+        def body(x, layer, routes):
+          x, _, aux, used = run_layer(layer, x, None, routes)
+          return x, aux, used
 
-        x, aux = body(x, self.layers)
+        x, aux, used_l = body(x, self.layers, routes_l)
         new_k = new_v = None
       else:
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-        def body(carry, layer, idx):
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0, 0))
+        def body(carry, layer, idx, routes):
           x, k, v = carry
-          x, (k, v), aux = run_layer(layer, x, (k, v, idx))
-          return (x, k, v), aux
+          x, (k, v), aux, used = run_layer(layer, x, (k, v, idx), routes)
+          return (x, k, v), aux, used
 
-        (x, new_k, new_v), aux = body((x, cache.k, cache.v), self.layers, jnp.arange(c.num_layers))
+        (x, new_k, new_v), aux, used_l = body((x, cache.k, cache.v), self.layers, jnp.arange(c.num_layers), routes_l)
     elif c.stack_layers:
       graphdef, state = nnx.split(self.layers)
       leaves, treedef = jax.tree.flatten(state)
       per_leaf = [_unstack_layers(a) for a in leaves]
-      auxes = []
+      auxes, used_l = [], []
       new_k, new_v = (None, None) if cache is None else (cache.k, cache.v)
       for i in range(c.num_layers):
         layer = nnx.merge(graphdef, jax.tree.unflatten(treedef, [layers[i] for layers in per_leaf]))
         kv = None if cache is None else (new_k, new_v, i)
-        x, kv, a = run_layer(layer, x, kv)
+        x, kv, a, used = run_layer(layer, x, kv, None if routes_l is None else routes_l[i])
         auxes.append(a)
+        used_l.append(used)
         if kv is not None:
           new_k, new_v = kv
       aux = jnp.stack(auxes)
     else:
-      auxes, ks, vs = [], [], []
+      auxes, ks, vs, used_l = [], [], [], []
       for i, layer in enumerate(self.layers):
         kv = None if cache is None else (cache.k[i], cache.v[i], None)
-        x, kv, a = run_layer(layer, x, kv)
+        x, kv, a, used = run_layer(layer, x, kv, None if routes_l is None else routes_l[i])
         auxes.append(a)
+        used_l.append(used)
         if kv is not None:
           ks.append(kv[0])
           vs.append(kv[1])
@@ -574,7 +527,10 @@ class Transformer(nnx.Module):
     new_cache = None if cache is None else KVCache(k=new_k, v=new_v, segment_ids=kv_segment)
     aux_loss = jnp.mean(aux) if c.is_moe else jnp.zeros((), jnp.float32)
     out = hidden if return_hidden else self.logits(hidden)
-    return ModelOutput(out, new_cache, aux_loss)
+    routes_used = None
+    if c.is_moe:
+      routes_used = jnp.moveaxis(used_l if c.scan_layers else jnp.stack(used_l), 0, 2)  # [B, T, L, k]
+    return ModelOutput(out, new_cache, aux_loss, routes_used)
 
 
 def init_model(config: ModelConfig, seed: int = 0, mesh: jax.sharding.Mesh | None = None, rules=None) -> Transformer:

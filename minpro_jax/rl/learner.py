@@ -38,15 +38,32 @@ NUM_POSITION_BINS = 8
 
 
 class ScoreInputs(NamedTuple):
-  """What scoring reads of a `RolloutBatch`: [N, L] int32 tokens, segment_ids and positions (device arrays)."""
+  """What scoring reads of a `RolloutBatch`: [N, L] int32 tokens, segment_ids and positions (device arrays), and
+  the [N, L, layers, k] routes to replay (or None)."""
 
   tokens: jax.Array
   segment_ids: jax.Array
   positions: jax.Array
+  routes: jax.Array | None = None
 
   @classmethod
-  def of(cls, batch: RolloutBatch) -> "ScoreInputs":
-    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields))
+  def of(cls, batch: RolloutBatch, replay: bool = False) -> "ScoreInputs":
+    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields[:-1]), _replayed_routes(batch, replay))
+
+
+def _replayed_routes(batch: RolloutBatch, replay: bool) -> jax.Array | None:
+  """The batch's routes as a device array when replaying them, else None.
+
+  Raises:
+    ValueError: replay without routes in the batch (the sampler records them with `record_routes=True`).
+  """
+  if not replay:
+    return None
+  if batch.routes is None:
+    raise ValueError(
+        "LossConfig.router_replay=True but the batch has no routes; sample it with Sampler(record_routes=True)"
+    )
+  return jnp.asarray(batch.routes)
 
 
 class UpdateInputs(NamedTuple):
@@ -59,13 +76,14 @@ class UpdateInputs(NamedTuple):
   behavior_logp: jax.Array
   learner_logp: jax.Array
   advantages: jax.Array
+  routes: jax.Array | None = None
 
   @classmethod
-  def of(cls, batch: RolloutBatch) -> "UpdateInputs":
-    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields))
+  def of(cls, batch: RolloutBatch, replay: bool = False) -> "UpdateInputs":
+    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields[:-1]), _replayed_routes(batch, replay))
 
   def score_inputs(self) -> ScoreInputs:
-    return ScoreInputs(self.tokens, self.segment_ids, self.positions)
+    return ScoreInputs(self.tokens, self.segment_ids, self.positions, self.routes)
 
 
 @flax.struct.dataclass
@@ -163,6 +181,8 @@ class LossConfig:
   temperature: the sampler's temperature; learner log-probs are scored under the same scaled distribution.
   entropy_coef: adds -coef * token-mean entropy. kl_coef: adds coef * the token-mean k3 ("low_var_kl" in verl)
     estimate of KL(pi_theta || mu) against the behavior policy mu, on mu's samples. router_aux_coef: weight of the MoE load-balancing loss (0 = off).
+  router_replay: MoE only: every forward of scoring and the update routes each response token to the experts the
+    sampler used (`RolloutBatch.routes`, `models.moe`); the gates stay the learner's own.
   """
 
   method: str = "minpro"
@@ -172,6 +192,7 @@ class LossConfig:
   kl_coef: float = 0.0
   router_aux_coef: float = 0.0
   logprob_chunk_size: int = 256
+  router_replay: bool = False
 
   @property
   def hparam_dict(self) -> dict[str, Any]:
@@ -267,34 +288,45 @@ class Learner:
     return nnx.merge(self.graphdef, params)
 
   # ----- scoring -----
-  def score(self, params, batch: RolloutBatch) -> np.ndarray:
+  def score(self, params, batch: RolloutBatch, *, return_routes: bool = False):
     """[N, L] float32 teacher-forced log-probs (sampler temperature) of `batch.tokens` under `params`, in
-    micro-batches (the log-prob of token t at index t; values off `response_mask` are not meaningful).
+    micro-batches (the log-prob of token t at index t; values off `response_mask` are not meaningful). With
+    `LossConfig.router_replay` the forward replays `batch.routes`.
+
+    Args:
+      return_routes: also return the [N, L, layers, k] int16 experts the learner's router chose (MoE; None for a
+        dense model), for the routing-mismatch metric.
 
     Raises:
-      ValueError: N not divisible by the micro-batch size.
+      ValueError: N not divisible by the micro-batch size; replay without routes in the batch.
     """
     n = batch.size
     mb = min(self.micro_batch_size, n)
     if n % mb:
       raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size {mb}")
-    return to_host(self._score(params, ScoreInputs.of(batch), mb))
+    logp, routes = to_host(self._score(params, ScoreInputs.of(batch, self.loss_cfg.router_replay), mb))
+    return (logp, routes) if return_routes else logp
 
   def _score_impl(self, params, arrays: ScoreInputs, mb):
+    """(logp [N, L], the router's own routes [N, L, layers, k] or None)."""
     model = self.model(params)
 
     def one(x: ScoreInputs):
-      return token_logprobs(
+      lp = token_logprobs(
           model,
           x.tokens,
           x.segment_ids,
           x.positions,
           temperature=self.loss_cfg.temperature,
           chunk_size=self.loss_cfg.logprob_chunk_size,
-      ).logp
+          routes_btlk=x.routes,
+      )
+      return lp.logp, lp.routes
 
     split = jax.tree.map(lambda a: a.reshape(-1, mb, *a.shape[1:]), arrays)
-    return jax.lax.map(one, split).reshape(arrays.tokens.shape)
+    logp, routes = jax.lax.map(one, split)
+    merge = lambda a: a.reshape(arrays.tokens.shape[0], *a.shape[2:])  # noqa: E731
+    return merge(logp), None if routes is None else merge(routes)
 
   # ----- update -----
   def update(self, state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict[str, Any]]:
@@ -316,7 +348,7 @@ class Learner:
     mb = min(self.micro_batch_size, m)
     if m % mb:
       raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
-    arrays = UpdateInputs.of(batch)
+    arrays = UpdateInputs.of(batch, self.loss_cfg.router_replay)
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
       self._update = jax.jit(
@@ -337,6 +369,7 @@ class Learner:
         temperature=lc.temperature,
         chunk_size=lc.logprob_chunk_size,
         return_entropy=need_entropy,
+        routes_btlk=micro.routes,
     )
     out = _call_policy_loss(lc, lp.logp, micro, prepared)
     mask = micro.response_mask.astype(jnp.float32)
@@ -358,7 +391,7 @@ class Learner:
 
     prepared = {}
     if self.objective.prepare is not None:  # inputs that are a function of the whole mini-batch's log-ratios
-      logp_all = self._score_impl(state.params, arrays.score_inputs(), mb)
+      logp_all = self._score_impl(state.params, arrays.score_inputs(), mb)[0]
       prepared = self.objective.prepare(
           jax.lax.stop_gradient(logp_all) - arrays.behavior_logp,
           arrays.advantages,

@@ -26,6 +26,7 @@ from typing import Any
 import flax.struct
 import numpy as np
 
+from minpro_jax.models.moe import NO_ROUTE
 from minpro_jax.sampling.batch import GenerationBatch
 
 _ROW_FIELDS = ("tokens", "segment_ids", "positions", "response_mask", "behavior_logp", "learner_logp")
@@ -54,6 +55,9 @@ class RolloutBatch:
     policy_version: [N] int64 number of optimizer updates of the parameters that sampled each row.
     response_lengths: [N] int32 response tokens including the stop token.
     truncated: [N] bool, True if generation hit max_new_tokens without a stop token.
+    routes: None, or [N, L, layers, k] int16 MoE experts that fed each token forward in the sampler (router
+      replay, `loss.router_replay`): set on response tokens the sampler fed forward, NO_ROUTE (-1) on prompt,
+      padding and the last response token.
 
   Raises (on construction, when every field is an array):
     ValueError: a field whose shape is not [N, L] / [N] (names the field).
@@ -71,10 +75,11 @@ class RolloutBatch:
   policy_version: np.ndarray
   response_lengths: np.ndarray
   truncated: np.ndarray
+  routes: np.ndarray | None = None
 
   def __post_init__(self):
     # pytree transforms rebuild the batch with placeholder leaves (None, sentinels): only arrays are checked
-    if not all(hasattr(getattr(self, f), "shape") for f in _FIELDS):
+    if not all(hasattr(getattr(self, f), "shape") for f in _ROW_FIELDS + _SAMPLE_FIELDS):
       return
     n, length = self.tokens.shape
     for name in _ROW_FIELDS[1:]:
@@ -83,6 +88,8 @@ class RolloutBatch:
     for name in _SAMPLE_FIELDS:
       if getattr(self, name).shape != (n,):
         raise ValueError(f"RolloutBatch.{name} has shape {getattr(self, name).shape}, expected {(n,)}")
+    if hasattr(self.routes, "shape") and (self.routes.ndim != 4 or self.routes.shape[:2] != (n, length)):
+      raise ValueError(f"RolloutBatch.routes has shape {self.routes.shape}, expected {(n, length)} + (layers, k)")
 
   @classmethod
   def from_generation(
@@ -121,6 +128,10 @@ class RolloutBatch:
     behavior_logp = np.concatenate([np.zeros((n, p), np.float32), gen.behavior_logp], axis=1)
     if learner_logp is None:
       learner_logp = np.zeros(tokens.shape, np.float32)
+    routes = None
+    if gen.routes is not None:
+      prompt_routes = np.full((n, p, *gen.routes.shape[2:]), NO_ROUTE, gen.routes.dtype)
+      routes = np.concatenate([prompt_routes, gen.routes], axis=1)
     return cls(
         tokens=tokens,
         segment_ids=real.astype(np.int32),
@@ -134,6 +145,7 @@ class RolloutBatch:
         policy_version=np.full(n, gen.policy_version, np.int64),
         response_lengths=gen.lengths,
         truncated=gen.truncated,
+        routes=routes,
     )
 
   @property
@@ -142,7 +154,7 @@ class RolloutBatch:
 
   def select(self, rows: np.ndarray | slice) -> "RolloutBatch":
     """The rows `rows` of every field, as a new batch."""
-    return RolloutBatch(**{f: getattr(self, f)[rows] for f in _FIELDS})
+    return RolloutBatch(**{f: None if getattr(self, f) is None else getattr(self, f)[rows] for f in _FIELDS})
 
   def split(self, num: int) -> list["RolloutBatch"]:
     """`num` equal consecutive mini-batches.
@@ -156,11 +168,12 @@ class RolloutBatch:
     return [self.select(slice(i * m, (i + 1) * m)) for i in range(num)]
 
   def to_dict(self) -> dict[str, np.ndarray]:
-    return {f: getattr(self, f) for f in _FIELDS}
+    """The fields that are set (routes only when recorded), for checkpoints."""
+    return {f: getattr(self, f) for f in _FIELDS if getattr(self, f) is not None}
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> "RolloutBatch":
-    return cls(**{f: np.asarray(d[f]) for f in _FIELDS})
+    return cls(**{f: np.asarray(d[f]) for f in _FIELDS if f in d})
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(RolloutBatch))

@@ -32,6 +32,8 @@ class GenerationBatch:
     policy_version: int, the parameter version (number of optimizer updates) that produced every row, -1 when
       the caller gave none.
     temperature: the temperature the log-probs are reported at (1.0 for greedy); pass it to `token_logprobs`.
+    routes: None, or [N, R, L, k] int16 MoE experts that fed each response token forward in each layer
+      (`Sampler(record_routes=True)`); NO_ROUTE (-1) where no forward ran (the last token, padding).
   """
 
   prompt_tokens: np.ndarray
@@ -46,6 +48,7 @@ class GenerationBatch:
   sample_index: np.ndarray
   policy_version: int
   temperature: float = 1.0
+  routes: np.ndarray | None = None
 
   def __len__(self) -> int:
     return int(self.response_tokens.shape[0])

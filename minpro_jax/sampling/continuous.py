@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from minpro_jax.models.moe import NO_ROUTE, ROUTE_DTYPE
 from minpro_jax.models.transformer import KVCache
 from minpro_jax.sampling.methods import SamplingParams, get_next_tokens
 
@@ -44,6 +45,7 @@ class ContinuousState(NamedTuple):
   cache: the `KVCache` of B rows x (P + R) slots.
   tokens / logp / entropy / mask: [N, R] outputs by request (pad id / 0 / 0 / False where not generated).
   stopped: [N] bool, the request emitted a stop id.
+  routes: None, or [N, R, L, k] int16 MoE experts that fed each response token forward (`LoopState.routes`).
   """
 
   step: jax.Array
@@ -59,11 +61,15 @@ class ContinuousState(NamedTuple):
   entropy: jax.Array
   mask: jax.Array
   stopped: jax.Array
+  routes: jax.Array | None = None
 
 
-def init_state(config, rows: int, num_requests: int, slots: int, max_new_tokens: int, pad_id: int) -> ContinuousState:
+def init_state(
+    config, rows: int, num_requests: int, slots: int, max_new_tokens: int, pad_id: int, record_routes: bool = False
+) -> ContinuousState:
   """Every decode row empty (done, request N); outputs [N, R] empty. Traceable."""
   shape = (num_requests, max_new_tokens)
+  route_shape = (*shape, config.num_layers, config.num_experts_per_tok)
   z = jnp.zeros((rows,), jnp.int32)
   return ContinuousState(
       step=z + 1,
@@ -79,6 +85,7 @@ def init_state(config, rows: int, num_requests: int, slots: int, max_new_tokens:
       entropy=jnp.zeros(shape, jnp.float32),
       mask=jnp.zeros(shape, bool),
       stopped=jnp.zeros((num_requests,), bool),
+      routes=jnp.full(route_shape, NO_ROUTE, ROUTE_DTYPE) if record_routes else None,
   )
 
 
@@ -185,8 +192,11 @@ def decode_step(s: ContinuousState, step_fn, sampling: SamplingParams, pad_id: i
   live = ~s.done
   slot = p_len + s.step - 1
   live_len = p_len + jnp.max(jnp.where(live, s.step, 1))
-  logits, cache = step_fn(s.cache, s.prev, slot, s.next_pos + s.step - 1, live_len)
+  logits, cache, *routes = step_fn(s.cache, s.prev, slot, s.next_pos + s.step - 1, live_len)
   s = s._replace(cache=cache)
+  if s.routes is not None:  # the experts that fed response index step - 1 forward
+    at = jnp.where(live, s.req, s.routes.shape[0])
+    s = s._replace(routes=s.routes.at[at, s.step - 1].set(routes[0].astype(ROUTE_DTYPE), mode="drop"))
   s, step, done, prev = record(s, logits, s.step, live, s.req, s.group, s.keys, sampling, pad_id, processor)
   return s._replace(step=step, done=done, prev=prev)
 
@@ -194,7 +204,8 @@ def decode_step(s: ContinuousState, step_fn, sampling: SamplingParams, pad_id: i
 def decode_until(st: ContinuousState, step_fn, need, sampling: SamplingParams, pad_id: int, p_len: int, processor=None):
   """Decode steps (one token per live row) until at least `need` rows are done or every row is.
 
-  step_fn(cache, tokens [B], slots [B], positions [B], live_len) -> (logits [B, V], cache).
+  step_fn(cache, tokens [B], slots [B], positions [B], live_len) -> (logits [B, V], cache), plus routes [B, L, k]
+  when the state records them.
   """
 
   def cond(s):

@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from minpro_jax.models.moe import NO_ROUTE, ROUTE_DTYPE
 from minpro_jax.sampling.methods import SamplingParams, get_next_tokens
 
 
@@ -27,6 +28,8 @@ class LoopState(NamedTuple):
   stopped: [B] bool, row emitted a stop id.
   keys: [B] per-row PRNG keys; the key of step i is fold_in(keys[b], i).
   model_carry: opaque state of `step_fn` (the KV cache and positions).
+  routes: None, or [B, R, L, k] int16 MoE experts per response token and layer (router replay): index i holds
+    the experts that fed response token i forward (the step that sampled index i + 1); NO_ROUTE (-1) elsewhere.
   """
 
   step: jax.Array
@@ -38,14 +41,22 @@ class LoopState(NamedTuple):
   stopped: jax.Array
   keys: jax.Array
   model_carry: Any
+  routes: jax.Array | None = None
 
 
 def init_loop_state(
-    row_keys: jax.Array, active_b: jax.Array, max_new_tokens: int, model_carry, pad_id: int = 0
+    row_keys: jax.Array,
+    active_b: jax.Array,
+    max_new_tokens: int,
+    model_carry,
+    pad_id: int = 0,
+    route_shape: tuple[int, int] | None = None,
 ) -> LoopState:
-  """An empty carry for B rows; rows with active_b False start done (batch-bucket padding)."""
+  """An empty carry for B rows; rows with active_b False start done (batch-bucket padding). `route_shape` (L, k)
+  records MoE routes (`LoopState.routes`)."""
   b = active_b.shape[0]
   shape = (b, max_new_tokens)
+  routes = None if route_shape is None else jnp.full((*shape, *route_shape), NO_ROUTE, ROUTE_DTYPE)
   return LoopState(
       step=jnp.zeros((), jnp.int32),
       tokens=jnp.full(shape, pad_id, jnp.int32),
@@ -56,6 +67,7 @@ def init_loop_state(
       stopped=jnp.zeros((b,), bool),
       keys=row_keys,
       model_carry=model_carry,
+      routes=routes,
   )
 
 
@@ -88,7 +100,8 @@ def decode_loop(step_fn: Callable, state: LoopState, sampling: SamplingParams, p
   """Runs `lax.while_loop` until every row is done or `max_new_tokens` indices are filled.
 
   `state` must already hold index 0 (sampled from the prefill logits). Each iteration feeds the token of
-  index step - 1 (pad for finished rows) to `step_fn` and samples index `step`.
+  index step - 1 (pad for finished rows) to `step_fn` and samples index `step`. With `state.routes`, `step_fn`
+  returns (logits, carry, routes [B, L, k]) and the routes of the rows still live are written at index step - 1.
   """
   r = sampling.max_new_tokens
 
@@ -97,7 +110,10 @@ def decode_loop(step_fn: Callable, state: LoopState, sampling: SamplingParams, p
 
   def body(s):
     prev = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)[:, 0]
-    logits, carry = step_fn(s.model_carry, prev, s.step)
+    logits, carry, *routes = step_fn(s.model_carry, prev, s.step)
+    if s.routes is not None:
+      fed = jnp.where(~s.done[:, None, None], routes[0], NO_ROUTE).astype(ROUTE_DTYPE)
+      s = s._replace(routes=jax.lax.dynamic_update_slice_in_dim(s.routes, fed[:, None], s.step - 1, axis=1))
     return sample_step(s._replace(model_carry=carry), logits, sampling, pad_id)
 
   return jax.lax.while_loop(cond, body, state)

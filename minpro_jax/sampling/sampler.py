@@ -140,9 +140,12 @@ class Sampler:
       int32) -> logits [B, V]` applied to the raw logits before every draw, in both samplers (group id: the
       row's `group_ids` entry cast to int32; 0 on the static sampler's padding rows). The behavior log-probs are those of the processed logits. For scripted stops (benchmarks), like a
       `transformers` LogitsProcessor. Must be hashable (it is a static part of the compiled functions).
+    record_routes: MoE only: return the experts every response token was routed to in every layer
+      (`GenerationBatch.routes`, for router replay in the learner).
 
   Raises:
-    ValueError: unknown precision, empty / unsorted buckets, decode_rows or refill_rows < 1.
+    ValueError: unknown precision, empty / unsorted buckets, decode_rows or refill_rows < 1, record_routes
+      for a dense model.
   """
 
   def __init__(
@@ -162,6 +165,7 @@ class Sampler:
       refill_rows: int | None = None,
       logits_processor=None,
       in_loop_refill: bool = True,
+      record_routes: bool = False,
   ):
     if precision not in PRECISIONS:
       raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}")
@@ -171,6 +175,9 @@ class Sampler:
         raise ValueError(f"{name} must be a non-empty strictly increasing tuple of positive ints, got {b}")
     if int(decode_rows) < 1 or (refill_rows is not None and int(refill_rows) < 1):
       raise ValueError(f"decode_rows ({decode_rows}) and refill_rows ({refill_rows}) must be >= 1")
+    if record_routes and not model_config.is_moe:
+      raise ValueError("record_routes=True needs a MoE model (router replay); this model has no experts")
+    self.record_routes = bool(record_routes)
     self.continuous = bool(continuous)
     self.in_loop_refill = bool(in_loop_refill)
     self.logits_processor = logits_processor
@@ -224,7 +231,8 @@ class Sampler:
       group = jnp.zeros((b,), jnp.int32) if row_group is None else row_group
       logits = self.logits_processor(logits, jnp.zeros((b,), jnp.int32), group)
     carry = (out.cache, positions[:, -1] + 1, jnp.zeros((b,), jnp.int32) if row_group is None else row_group)
-    st = init_loop_state(row_keys, active_b, sampling.max_new_tokens, carry, self.pad_id)
+    route_shape = (self.config.num_layers, self.config.num_experts_per_tok) if self.record_routes else None
+    st = init_loop_state(row_keys, active_b, sampling.max_new_tokens, carry, self.pad_id, route_shape)
     return sample_step(st, logits, sampling, self.pad_id)
 
   def _decode_impl(self, state, loop_state: LoopState, *, sampling: SamplingParams, cache_offset: int):
@@ -245,12 +253,13 @@ class Sampler:
       logits = out.out[:, 0]
       if self.logits_processor is not None:
         logits = self.logits_processor(logits, jnp.full(group.shape, step, jnp.int32), group)
-      return logits, (out.cache, next_pos, group)
+      routes = (out.routes[:, 0],) if self.record_routes else ()
+      return logits, (out.cache, next_pos, group), *routes
 
     return decode_loop(step_fn, loop_state, sampling, self.pad_id)
 
   def _c_init_impl(self, *, rows, num_requests, slots, max_new_tokens):
-    return cb.init_state(self.config, rows, num_requests, slots, max_new_tokens, self.pad_id)
+    return cb.init_state(self.config, rows, num_requests, slots, max_new_tokens, self.pad_id, self.record_routes)
 
   def _c_refill_impl(
       self, state, st, tokens_mp, segs_mp, rows_m, reqs_m, groups_m, keys_m, *, sampling: SamplingParams
@@ -290,7 +299,7 @@ class Sampler:
       out = model(
           tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, cache_index=slot_b, rope=rope, live_len=live_len
       )
-      return out.out[:, 0], out.cache
+      return out.out[:, 0], out.cache, *((out.routes[:, 0],) if self.record_routes else ())
 
     return step_fn
 
@@ -305,7 +314,9 @@ class Sampler:
     self.trace_count += 1
     model = nnx.merge(self._graphdef, state)
     n = requests[0].shape[0]
-    st = cb.init_state(self.config, rows, n, p_len + sampling.max_new_tokens, sampling.max_new_tokens, self.pad_id)
+    st = cb.init_state(
+        self.config, rows, n, p_len + sampling.max_new_tokens, sampling.max_new_tokens, self.pad_id, self.record_routes
+    )
     step_fn = self._c_step_fn(model, p_len + sampling.max_new_tokens)
 
     def prefill(tokens, positions, segs):
@@ -317,7 +328,7 @@ class Sampler:
     st = cb.decode_with_refills(
         st, step_fn, prefill, requests, refill, sampling, self.pad_id, p_len, hd_major, self.logits_processor
     )
-    return st.tokens, st.logp, st.entropy, st.mask, st.stopped
+    return st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes
 
   def _generate_continuous(self, state, tokens, segs, row_keys, row_group, n: int, sampling: SamplingParams):
     """The continuous-batching decode of the N request rows `tokens` / `segs` [N, P] -> outputs [N, R]."""
@@ -359,7 +370,7 @@ class Sampler:
       done = to_host(st.done)
       if not waiting and done.all():
         break
-    return to_host((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
+    return to_host((st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes))
 
   # ------------------------------------------------------------------------------------------- host side
   def _mesh_ctx(self):
@@ -477,13 +488,15 @@ class Sampler:
     state = self.prepare_params(params).state
     with self._mesh_ctx():
       if self.continuous:
-        tok, logp, ent, mask, stopped = self._generate_continuous(
+        tok, logp, ent, mask, stopped, routes = self._generate_continuous(
             state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling
         )
       else:
         st = settle(self._prefill(state, tokens, segs, row_keys, active, g_all.astype(np.int32), sampling=sampling))
         st = self._decode(state, st, sampling=sampling, cache_offset=p_len)
-        tok, logp, ent, mask, stopped = to_host((st.tokens, st.logp, st.entropy, st.mask, st.stopped))
+        tok, logp, ent, mask, stopped, routes = to_host(
+            (st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes)
+        )
     mask = mask[:n]
     return GenerationBatch(
         prompt_tokens=tokens[:n],
@@ -498,6 +511,7 @@ class Sampler:
         sample_index=row_sample,
         policy_version=version,
         temperature=sampling.logprob_temperature,
+        routes=None if routes is None else routes[:n],
     )
 
   def _check_prompts(self, prompts) -> list[list[int]]:
