@@ -108,15 +108,17 @@ class Trainer:
     for field in ("loss.router_replay", "sampling.record_routes"):
       if c[field.split(".")[0]][field.split(".")[1]] and not self.model.config.is_moe:
         raise ConfigError(f"config.{field}: routes exist only in MoE models; this model has no experts, unset it")
-    self.sampler = Sampler(
-        self.model.config,
+    sampler_kw = dict(
         precision=c.sampling.precision,
         continuous=c.sampling.continuous,
         mesh=self.mesh,
         pad_id=max(self.tokenizer.pad_id, 0),
         prompt_buckets=_prompt_buckets(c.data.max_prompt_tokens),
-        record_routes=bool(c.loss.router_replay or c.sampling.record_routes),
     )
+    record = bool(c.loss.router_replay or c.sampling.record_routes)
+    self.sampler = Sampler(self.model.config, record_routes=record, **sampler_kw)
+    # evaluation never needs routes (2 * layers * k bytes per token): its own sampler, the same compiled shapes
+    self.eval_sampler = Sampler(self.model.config, **sampler_kw) if record else self.sampler
     self.learner = Learner(
         self.model,
         run_config.loss_config(c),
@@ -186,14 +188,14 @@ class Trainer:
         stop_token_ids=self.sampling.stop_token_ids,
     )
     with use_mesh(self.mesh):
-      texts = self._decode(self.sampler.generate(params, ids, sp, seed, group_size=n))
+      texts = self._decode(self.eval_sampler.generate(params, ids, sp, seed, group_size=n))
     return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
   def evaluate(self, params, step: int, name: str) -> dict[str, Any]:
     """Held-out evaluation of `params` (`config.eval`); writes `workdir/eval/<name>.json|md`."""
     e = self.c.eval
     with use_mesh(self.mesh):
-      params = self.sampler.prepare_params(params)  # converted once for all of the evaluation's batches
+      params = self.eval_sampler.prepare_params(params)  # converted once for all of the evaluation's batches
     fn = lambda prompts, n, seed: self.generate_texts(params, prompts, n, seed)  # noqa: E731
     return evaluate(
         fn,

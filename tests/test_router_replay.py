@@ -233,7 +233,9 @@ def test_a_moe_run_with_replay_logs_the_mismatch_and_resumes_its_buffer(tmp_path
       },
   )
   moe = {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 16}
-  summary = Trainer.from_config(make_config(ov, model=moe)).run()
+  trainer = Trainer.from_config(make_config(ov, model=moe))
+  assert trainer.sampler.record_routes and not trainer.eval_sampler.record_routes  # evaluation records none
+  summary = trainer.run()
   recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   fracs = [r["sampler_learner/router_mismatch_frac"] for r in recs if "sampler_learner/router_mismatch_frac" in r]
   assert len(fracs) == 3 and all(0.0 <= f <= 1.0 for f in fracs) and max(fracs) > 0.0, fracs
