@@ -37,17 +37,18 @@ TOPOLOGIES = {
     "v6e-8": ("v6e:2x4", (2, 4, 1), 32.0),
     "v6e-16": ("v6e:4x4", (2, 4, 1), 32.0),
 }
-# (preset, tokens per sequence, slices to compile for)
+# (preset, tokens per sequence, slices to compile for[, the mesh axis all chips go on: fsdp by default])
 ROWS = [  # the MinPRO models first: the longest compiles, and the ones the paper's claims are about
     ("qwen3-8b", 22528, ("v5p-8", "v6e-16")),
     ("qwen3-30b-a3b", 22528, ("v5p-16", "v6e-16")),
     ("qwen3-14b", 22528, ("v5p-16", "v6e-16")),
     ("qwen3-4b", 9216, ("v5p-8", "v6e-8")),
     ("qwen3-1.7b", 9216, ("v5p-8", "v6e-8")),
+    ("qwen3-30b-a3b", 22528, ("v5p-16", "v6e-16"), "expert"),  # experts split over the chips, not their width
 ]
 
 
-def measure(preset: str, seq: int, slice_name: str) -> dict:
+def measure(preset: str, seq: int, slice_name: str, axis: str = "fsdp") -> dict:
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -63,11 +64,11 @@ def measure(preset: str, seq: int, slice_name: str) -> dict:
   name, per_host, hbm = TOPOLOGIES[slice_name]
   devices = tpu_topology_devices(name, per_host)
   n = len(devices)
-  mesh = make_mesh({"fsdp": n}, devices=devices)
+  mesh = make_mesh({axis: n}, devices=devices)
   cfg = get_preset(preset, param_dtype="float32", dtype="bfloat16", remat="block", scan_layers=True)
   graphdef, params = abstract_params(cfg, mesh)
   with use_mesh(mesh):
-    tokens = jax.ShapeDtypeStruct((n, seq), jnp.int32, sharding=NamedSharding(mesh, P("fsdp", None)))
+    tokens = jax.ShapeDtypeStruct((n, seq), jnp.int32, sharding=NamedSharding(mesh, P(axis, None)))
 
     def loss(p, tok):
       return jnp.sum(token_logprobs(nnx.merge(graphdef, p), tok, chunk_size=1024).logp)
@@ -89,7 +90,7 @@ def measure(preset: str, seq: int, slice_name: str) -> dict:
       "tokens_per_sequence": seq,
       "attention_impl": impl,
       "remat": cfg.remat,
-      "mesh": f"fsdp={n}",
+      "mesh": f"{axis}={n}",
       "params_b": round(cfg.num_params() / 1e9, 2),
       "argument_gib": round(m.argument_size_in_bytes / GIB, 2),
       "output_gib": round(m.output_size_in_bytes / GIB, 2),
@@ -114,16 +115,17 @@ def main(argv=None) -> dict:
   args = p.parse_args(argv)
   path = RESULTS_DIR / f"{args.name}.json"
   done = json.loads(path.read_text())["rows"] if path.exists() else []
-  have = {(r["model"], r["slice"]) for r in done}
+  have = {(r["model"], r["slice"], r["mesh"].split("=")[0]) for r in done}
   rows = list(done)
   only = set(filter(None, args.only.split(",")))
-  for preset, seq, slices in ROWS:
+  for preset, seq, slices, *axis in ROWS:
+    axis = axis[0] if axis else "fsdp"
     if only and preset not in only:
       continue
     for slice_name in slices:
-      if (preset, slice_name) in have:
+      if (preset, slice_name, axis) in have:
         continue
-      row = measure(preset, seq, slice_name)
+      row = measure(preset, seq, slice_name, axis)
       print(row, file=sys.stderr, flush=True)
       rows.append(row)
       write_result(args.name, _result(rows))  # after every row: an interrupted run keeps what it compiled
