@@ -36,7 +36,7 @@ def _devices(topology: str):
 
   if topology.startswith("cpu:"):
     return jax.devices("cpu")[: int(topology.split(":")[1])]
-  from minpro_jax.runtime.aot import tpu_topology_devices
+  from minpro_jax.aot.abstract import tpu_topology_devices
 
   return tpu_topology_devices(topology, tuple(int(x) for x in topology.split(":")[1].split("x")))
 
@@ -50,9 +50,9 @@ def measure(topology: str, layers: int, seq: int, impl: str, scan: bool = False)
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  from minpro_jax.aot.abstract import abstract_params
   from minpro_jax.models import get_preset
   from minpro_jax.models.logprobs import token_logprobs
-  from minpro_jax.runtime.aot import abstract_params
   from minpro_jax.runtime.sharding import MESH_AXES, use_mesh
 
   devices = _devices(topology)

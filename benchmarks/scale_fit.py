@@ -55,10 +55,10 @@ def measure(preset: str, seq: int, slice_name: str, axis: str = "fsdp") -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  from minpro_jax.aot.abstract import abstract_params, tpu_topology_devices
   from minpro_jax.models import get_preset
   from minpro_jax.models.attention_dispatch import resolve_attention_impl
   from minpro_jax.models.logprobs import token_logprobs
-  from minpro_jax.runtime.aot import abstract_params, tpu_topology_devices
   from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
   name, per_host, hbm = TOPOLOGIES[slice_name]

@@ -1,31 +1,36 @@
 #!/usr/bin/env bash
-# Sharding sweep: the same experiment once per mesh shape, each in its own workdir. DRY RUN BY DEFAULT: it prints
-# the commands; pass --run to execute them one after another.
+# Sharding sweep over mesh shapes. COMPILE-ONLY BY DEFAULT: one `python -m minpro_jax.aot` call compiles the
+# config's programs for every shape on a TPU topology (or cpu:N) on this machine, with no accelerator, and prints one
+# table (per-device memory, fits / does not fit, FLOPs, roofline estimate, collectives). --run trains once per shape
+# instead (each in its own workdir); --dry-run prints those training commands.
 #
-#   launch/sweep_sharding.sh                                   # print the commands (default shapes, local launcher)
+#   launch/sweep_sharding.sh                                   # compile the 8B paper config for v5p-8, 3 shapes
+#   TOPOLOGY=v5p-64 SHAPES="fsdp=-1 data=2,fsdp=-1" OUT=reports/8b_v5p64.json launch/sweep_sharding.sh
+#   TOPOLOGY=cpu:8 CONFIG=minpro_jax/configs/default.py SHAPES="data=8 fsdp=8" launch/sweep_sharding.sh
 #   SHAPES="fsdp=-1 data=2,fsdp=-1" EXTRA_ARGS="--config.total_steps=5" launch/sweep_sharding.sh --run
 #   LAUNCHER=tpu TPU_NAME=my-v5p ZONE=us-east5-a MODEL_PATH=/mnt/ckpt/Qwen3-8B-Base launch/sweep_sharding.sh --run
-#   CONFIG=minpro_jax/configs/default.py SHAPES="data=8 fsdp=8 data=2,fsdp=4" \
-#     EXTRA_ARGS="--config.total_steps=2" XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-#     launch/sweep_sharding.sh --run                           # the tiny config on 8 virtual CPU devices
 #
-# Environment: SHAPES (space-separated `--config.mesh.shape` values; axes data, fsdp, tensor, expert; one size may
-# be -1 = the remaining devices; default "fsdp=-1 data=2,fsdp=-1 fsdp=-1,tensor=2"); CONFIG (default
-# minpro_jax/configs/paper/qwen3_8b.py:minpro,2); WORKDIR_PREFIX (default runs/sweep; the workdir of shape "data=2,fsdp=-1"
-# is $WORKDIR_PREFIX/mesh_data2_fsdp-1); MODEL_PATH; EXTRA_ARGS (added to every run);
-# LAUNCHER: local (default: .venv/bin/python on this machine) | gpu (launch/gpu.sh, STEPS=run) | tpu
-# (launch/tpu_vm.sh, STEPS=run, on every worker; needs TPU_NAME and ZONE).
+# Environment: SHAPES (space-separated mesh shapes; axes data, fsdp, tensor, expert; one size may be -1 = the
+# remaining devices; default "fsdp=-1 data=2,fsdp=-1 fsdp=-1,tensor=2"); CONFIG (default
+# minpro_jax/configs/paper/qwen3_8b.py:minpro,2); EXTRA_ARGS (added to every command).
+# Compile-only: TOPOLOGY (default v5p-8; v4-N, v5e-N, v5p-N, v6e-N or cpu:N), PROGRAMS (default
+# update,score,prefill,decode), REMAT (space-separated remat policies; default the config's), OUT (JSON report; a
+# rerun keeps the rows it already has), DUMP_HLO (folder for the optimized HLO and shardings). See docs/aot.md.
+# --run / --dry-run: WORKDIR_PREFIX (default runs/sweep; the workdir of shape "data=2,fsdp=-1" is
+# $WORKDIR_PREFIX/mesh_data2_fsdp-1); MODEL_PATH; LAUNCHER: local (default: .venv/bin/python on this machine) | gpu
+# (launch/gpu.sh, STEPS=run) | tpu (launch/tpu_vm.sh, STEPS=run, on every worker; needs TPU_NAME and ZONE).
 # Each run writes metrics.jsonl / summary.json to its workdir; compare step times there. A failing shape (e.g. a
 # size that does not divide the device count or the heads) stops the sweep.
 set -euo pipefail
 
-DRY_RUN=1
+MODE=compile
 for arg in "$@"; do
   case "$arg" in
-    --run) DRY_RUN=0 ;;
-    --dry-run|-n) DRY_RUN=1 ;;
+    --run) MODE=run ;;
+    --dry-run|-n) MODE=dry-run ;;
+    --compile) MODE=compile ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0 ;;
-    *) echo "sweep_sharding.sh: unknown argument '$arg' (use --run or --dry-run; see --help)" >&2; exit 2 ;;
+    *) echo "sweep_sharding.sh: unknown argument '$arg' (use --run, --dry-run or --compile; see --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -58,9 +63,25 @@ case "$LAUNCHER" in
 esac
 read -r -a shapes <<< "$SHAPES"
 if [[ ${#shapes[@]} == 0 ]]; then echo "sweep_sharding.sh: SHAPES is empty" >&2; exit 2; fi
-echo "# sharding sweep: ${#shapes[@]} mesh shapes (${shapes[*]}); config $CONFIG; launcher $LAUNCHER"
-[[ "$DRY_RUN" == 1 ]] && echo "# dry run (default): commands are printed, not executed; pass --run to execute"
 cd "$REPO_ROOT"
+if [[ "$MODE" == compile ]]; then
+  TOPOLOGY="${TOPOLOGY:-v5p-8}"
+  echo "# compile-only sharding sweep: ${#shapes[@]} mesh shapes (${shapes[*]}); config $CONFIG; topology $TOPOLOGY"
+  cmd=(.venv/bin/python -m minpro_jax.aot "--config=$CONFIG" "--topology=$TOPOLOGY"
+       "--programs=${PROGRAMS:-update,score,prefill,decode}")
+  for shape in "${shapes[@]}"; do cmd+=("--mesh=$shape"); done
+  read -r -a remats <<< "${REMAT:-}"
+  for r in "${remats[@]}"; do cmd+=("--remat=$r"); done
+  [[ -n "${OUT:-}" ]] && cmd+=("--out=$OUT")
+  [[ -n "${DUMP_HLO:-}" ]] && cmd+=("--dump-hlo=$DUMP_HLO")
+  [[ -n "$MODEL_PATH" ]] && cmd+=("--config.model.path=$MODEL_PATH")
+  read -r -a extra <<< "$EXTRA_ARGS"
+  cmd+=("${extra[@]}")
+  show "${cmd[@]}"
+  exec "${cmd[@]}"
+fi
+echo "# sharding sweep: ${#shapes[@]} mesh shapes (${shapes[*]}); config $CONFIG; launcher $LAUNCHER"
+[[ "$MODE" == dry-run ]] && echo "# dry run: commands are printed, not executed; pass --run to execute"
 for shape in "${shapes[@]}"; do
   workdir="$(workdir_for "$shape")"
   args="--config.mesh.shape=$shape${EXTRA_ARGS:+ $EXTRA_ARGS}"
@@ -83,5 +104,5 @@ for shape in "${shapes[@]}"; do
       ;;
   esac
   show "${cmd[@]}"
-  if [[ "$DRY_RUN" == 0 ]]; then "${cmd[@]}"; fi
+  if [[ "$MODE" == run ]]; then "${cmd[@]}"; fi
 done

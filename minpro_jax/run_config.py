@@ -101,20 +101,27 @@ def validate_config(c, num_devices: int | None = None) -> None:
   _check_mesh(c, num_devices or len(jax.devices()))
 
 
-def _check_run(c) -> None:
-  _need(
-      bool(c.workdir),
-      "workdir",
-      "must not be empty (the run writes checkpoints, metrics and plots there); e.g. --config.workdir=runs/my_run",
-  )
-  _need(
-      not os.path.exists(c.workdir) or os.path.isdir(c.workdir),
-      "workdir",
-      f"{c.workdir!r} exists and is not a directory; choose another path",
-  )
-  for field, low in (("total_steps", 1), ("prompts_per_step", 1), ("group_size", 1), ("num_updates_per_step", 1)):
+def validate_shapes_config(c) -> None:
+  """The checks of `validate_config` that a compile-only run needs: batch and micro-batch sizes, the loss, the
+  optimizer, sampling and the fields every model source takes; no file, workdir or device is looked at.
+
+  Raises:
+    ConfigError: naming `config.<field>` and the fix.
+  """
+  for field, low in (("prompts_per_step", 1), ("group_size", 1), ("num_updates_per_step", 1)):
     _need(c[field] >= low, field, f"must be >= {low}, got {c[field]}")
-  _need(c.delay >= 0, "delay", f"must be >= 0 (0 = on-policy), got {c.delay}")
+  _check_batch_split(c)
+  _need(c.model.source in MODEL_SOURCES, "model.source", f"{c.model.source!r}; choose one of {MODEL_SOURCES}")
+  _need(c.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", f"must be >= 1, got {c.data.max_prompt_tokens}")
+  sampling_params(c, stop_token_ids=())
+  _need(
+      c.sampling.precision in PRECISIONS, "sampling.precision", f"{c.sampling.precision!r}; choose one of {PRECISIONS}"
+  )
+  loss_config(c)
+  _check_optimizer(c)
+
+
+def _check_batch_split(c) -> None:
   n = c.prompts_per_step * c.group_size
   _need(
       n % c.num_updates_per_step == 0,
@@ -132,6 +139,23 @@ def _check_run(c) -> None:
       "micro_batch_size",
       f"mini-batch of {mini} samples is not divisible by micro_batch_size={c.micro_batch_size}",
   )
+
+
+def _check_run(c) -> None:
+  _need(
+      bool(c.workdir),
+      "workdir",
+      "must not be empty (the run writes checkpoints, metrics and plots there); e.g. --config.workdir=runs/my_run",
+  )
+  _need(
+      not os.path.exists(c.workdir) or os.path.isdir(c.workdir),
+      "workdir",
+      f"{c.workdir!r} exists and is not a directory; choose another path",
+  )
+  for field, low in (("total_steps", 1), ("prompts_per_step", 1), ("group_size", 1), ("num_updates_per_step", 1)):
+    _need(c[field] >= low, field, f"must be >= {low}, got {c[field]}")
+  _need(c.delay >= 0, "delay", f"must be >= 0 (0 = on-policy), got {c.delay}")
+  _check_batch_split(c)
   for field in ("every", "keep"):
     low = 0 if field == "every" else 1
     _need(c.checkpoint[field] >= low, f"checkpoint.{field}", f"must be >= {low}, got {c.checkpoint[field]}")
@@ -181,10 +205,10 @@ def _check_model(c) -> None:
     field = f"model.overrides.{name}" if name in m.overrides else f"model.{name}" if name in m else "model.overrides"
     raise ConfigError(f"config.{field}: {e}") from e
   if m.source == "hf":
-    check_overrides_match(c, _hf_config(m.path))
+    check_overrides_match(c, hf_model_config(m.path))
 
 
-def _hf_config(path: str):
+def hf_model_config(path: str):
   """The `ModelConfig` of a Hugging Face folder's config.json. Raises FileFormatError naming the file."""
   cfg_path = os.path.join(path, "config.json")
   try:

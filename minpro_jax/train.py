@@ -43,7 +43,7 @@ def parse_config(argv: list[str]):
   fv = flags.FlagValues()
   try:
     holder = config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG, "Experiment config file.", flag_values=fv, lock_config=True
+        "config", DEFAULT_CONFIG, "Experiment config file.", flag_values=fv, lock_config=True, sys_argv=list(argv)
     )
     fv(argv)
     config = holder.value

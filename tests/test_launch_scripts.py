@@ -219,8 +219,8 @@ def test_gpu_dry_run():
   )
 
 
-def test_sweep_is_dry_by_default_and_separates_workdirs():
-  proc = _bash("sweep_sharding.sh", env={"EXTRA_ARGS": "--config.total_steps=2"})
+def test_sweep_dry_run_separates_workdirs():
+  proc = _bash("sweep_sharding.sh", "--dry-run", env={"EXTRA_ARGS": "--config.total_steps=2"})
   assert proc.returncode == 0, proc.stderr
   cmds = _commands(proc.stdout)
   shapes = ["fsdp=-1", "data=2,fsdp=-1", "fsdp=-1,tensor=2"]
@@ -235,7 +235,9 @@ def test_sweep_is_dry_by_default_and_separates_workdirs():
 
 def test_sweep_tpu_launcher_composes_tpu_vm(tmp_path):
   proc = _bash(
-      "sweep_sharding.sh", env={"LAUNCHER": "tpu", "SHAPES": "data=2,fsdp=-1", "TPU_NAME": "pod1", "ZONE": "z"}
+      "sweep_sharding.sh",
+      "--dry-run",
+      env={"LAUNCHER": "tpu", "SHAPES": "data=2,fsdp=-1", "TPU_NAME": "pod1", "ZONE": "z"},
   )
   assert proc.returncode == 0, proc.stderr
   (cmd,) = _commands(proc.stdout)
@@ -256,6 +258,21 @@ def test_sweep_tpu_launcher_composes_tpu_vm(tmp_path):
   assert "--config.workdir=runs/sweep/mesh_data2_fsdp-1 --config.mesh.shape=data=2,fsdp=-1" in train
 
 
+def test_sweep_is_compile_only_by_default_with_one_table_for_every_shape():
+  env = {
+      "TOPOLOGY": "cpu:8",
+      "CONFIG": "minpro_jax/configs/default.py",
+      "SHAPES": "data=8 fsdp=8",
+      "PROGRAMS": "score",
+      "EXTRA_ARGS": "--config.prompts_per_step=4 --config.group_size=2 --config.num_updates_per_step=1",
+  }
+  proc = _bash("sweep_sharding.sh", env=env)
+  assert proc.returncode == 0, proc.stderr
+  assert "minpro_jax.aot --config=minpro_jax/configs/default.py --topology=cpu:8 --programs=score" in proc.stdout
+  table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ") and "| score |" in ln]
+  assert [ln.split(" | ")[0] for ln in table] == ["| data=8", "| fsdp=8"]
+
+
 def test_sweep_rejects_bad_launcher():
-  proc = _bash("sweep_sharding.sh", env={"LAUNCHER": "slurm"})
+  proc = _bash("sweep_sharding.sh", "--dry-run", env={"LAUNCHER": "slurm"})
   assert proc.returncode == 2 and "LAUNCHER=slurm" in proc.stderr

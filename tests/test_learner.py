@@ -324,3 +324,16 @@ def test_learner_reports_lr_of_the_update_index(model_and_batch):
     lrs.append(float(m["lr"]))
   np.testing.assert_allclose(lrs, [0.0, 2.5e-4, 5e-4], atol=1e-10)
   assert int(state.opt_state[-1][0].count) == 3 if hasattr(state.opt_state[-1][0], "count") else True
+
+
+@pytest.mark.parametrize("remat", ["none", "block"])
+def test_scoring_with_scanned_layers_and_remat_gives_the_unrolled_log_probs(remat):
+  """The paper configs' layout (scan_layers=True, remat="block"): scoring in micro-batches once failed to trace
+  (its loop body used Variables of the enclosing jit's trace); found by compiling the paper config ahead of time."""
+  kw = dict(MODEL_KW, num_layers=2)
+  ref = init_model(get_preset("tiny", **kw), seed=0)
+  scanned = init_model(get_preset("tiny", **kw, scan_layers=True, remat=remat), seed=0)
+  batch = _batch(ref)
+  want = Learner(ref, LossConfig(), OptimizerConfig(), micro_batch_size=4).score(nnx.split(ref)[1], batch)
+  got = Learner(scanned, LossConfig(), OptimizerConfig(), micro_batch_size=4).score(nnx.split(scanned)[1], batch)
+  np.testing.assert_allclose(got[batch.response_mask], want[batch.response_mask], atol=1e-5)

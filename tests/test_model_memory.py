@@ -153,7 +153,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from minpro_jax.models import get_preset
 from minpro_jax.models.logprobs import token_logprobs
-from minpro_jax.runtime.aot import abstract_params, tpu_topology_devices
+from minpro_jax.aot.abstract import abstract_params, tpu_topology_devices
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
 mesh = make_mesh({"fsdp": 4}, devices=tpu_topology_devices("v5p:2x2x1", (2, 2, 1)))

@@ -261,7 +261,8 @@ class Learner:
     self.micro_batch_size = micro_batch_size
     self.mesh = mesh
     self._update = None  # jitted on first use, with the state's shardings as output shardings
-    self._score = jax.jit(self._score_impl, static_argnums=(2,))
+    # public for compile-only tools (`minpro_jax.aot` lowers it)
+    self.jitted_score = jax.jit(self._score_impl, static_argnums=(2,))
 
   # ----- state -----
   def init_state(self, params) -> TrainState:
@@ -304,16 +305,16 @@ class Learner:
     mb = min(self.micro_batch_size, n)
     if n % mb:
       raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size {mb}")
-    logp, routes = to_host(self._score(params, ScoreInputs.of(batch, self.loss_cfg.router_replay), mb))
+    logp, routes = to_host(self.jitted_score(params, ScoreInputs.of(batch, self.loss_cfg.router_replay), mb))
     return (logp, routes) if return_routes else logp
 
   def _score_impl(self, params, arrays: ScoreInputs, mb):
     """(logp [N, L], the router's own routes [N, L, layers, k] or None)."""
-    model = self.model(params)
 
     def one(x: ScoreInputs):
+      # fresh Variables inside the loop body: scanned layers cannot use Variables of the enclosing jit's trace
       lp = token_logprobs(
-          model,
+          nnx.merge(self.graphdef, params, copy=True),
           x.tokens,
           x.segment_ids,
           x.positions,
@@ -351,11 +352,14 @@ class Learner:
     arrays = UpdateInputs.of(batch, self.loss_cfg.router_replay)
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
-      self._update = jax.jit(
-          self._update_impl, donate_argnums=(0,), static_argnums=(2,), out_shardings=(shardings, None)
-      )
+      self._update = self.jitted_update(shardings)
     state, metrics = self._update(state, arrays, mb)
     return state, to_host(metrics)
+
+  def jitted_update(self, state_shardings):
+    """The jitted update `update` runs, `(state, UpdateInputs, micro_batch) -> (state, metrics)`: the state donated
+    and returned laid out as `state_shardings` (a `TrainState` of shardings). Compile-only tools lower it."""
+    return jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,), out_shardings=(state_shardings, None))
 
   def _micro_objective(self, params, micro: UpdateInputs, denom, num_tokens, num_rows, prepared):
     lc = self.loss_cfg

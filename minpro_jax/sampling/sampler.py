@@ -188,7 +188,8 @@ class Sampler:
     # the learner-layout config (what `params` look like after the precision cast) and the sampler's own
     # unrolled, per-layer config (what prefill / decode run)
     self._input_config = precision_config(model_config, precision, fp8_activations=fp8_activations)
-    self._per_layer_config = self._input_config.replace(stack_layers=False, scan_layers=False)
+    # no remat: inference keeps no activations for a backward, and a remat block cannot write the KV cache
+    self._per_layer_config = self._input_config.replace(stack_layers=False, scan_layers=False, remat="none")
     fuse = bool(fuse_qkv) and fused_qkv_keeps_sharding(self._input_config, mesh, rules)
     self.config = self._per_layer_config.replace(fuse_qkv=fuse)
     self.prompt_buckets = tuple(prompt_buckets)
@@ -202,9 +203,10 @@ class Sampler:
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
       self._graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))[0]
     self._abstract_leaves = _param_shapes(nnx.split(abstract_in)[1])
-    self._prepare = jax.jit(self._prepare_impl)
-    self._prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
-    self._decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
+    # the static sampler's jitted parts (public for compile-only tools: `minpro_jax.aot` lowers them)
+    self.jitted_prepare = jax.jit(self._prepare_impl)
+    self.jitted_prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
+    self.jitted_decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
     self._c_init = jax.jit(self._c_init_impl, static_argnames=("rows", "num_requests", "slots", "max_new_tokens"))
     self._c_refill = jax.jit(self._c_refill_impl, static_argnames=("sampling",), donate_argnums=(1,))
     self._c_all = jax.jit(self._c_all_impl, static_argnames=("sampling", "p_len", "rows", "refill"))
@@ -373,7 +375,8 @@ class Sampler:
     return to_host((st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes))
 
   # ------------------------------------------------------------------------------------------- host side
-  def _mesh_ctx(self):
+  def mesh_context(self):
+    """The context prefill / decode run in: `use_mesh(mesh, rules)`, or nothing without a mesh."""
     if self.mesh is None:
       return contextlib.nullcontext()
     from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
@@ -418,7 +421,7 @@ class Sampler:
       return params
     state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
     self._check_state(state)
-    return PreparedParams(settle(self._prepare(state)), self._signature)
+    return PreparedParams(settle(self.jitted_prepare(state)), self._signature)
 
   def generate(
       self,
@@ -486,14 +489,16 @@ class Sampler:
     active = np.arange(rows) < n
 
     state = self.prepare_params(params).state
-    with self._mesh_ctx():
+    with self.mesh_context():
       if self.continuous:
         tok, logp, ent, mask, stopped, routes = self._generate_continuous(
             state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling
         )
       else:
-        st = settle(self._prefill(state, tokens, segs, row_keys, active, g_all.astype(np.int32), sampling=sampling))
-        st = self._decode(state, st, sampling=sampling, cache_offset=p_len)
+        st = settle(
+            self.jitted_prefill(state, tokens, segs, row_keys, active, g_all.astype(np.int32), sampling=sampling)
+        )
+        st = self.jitted_decode(state, st, sampling=sampling, cache_offset=p_len)
         tok, logp, ent, mask, stopped, routes = to_host(
             (st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes)
         )

@@ -43,6 +43,7 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
   c.model.source = "hf"
   c.model.overrides = ConfigDict()  # the architecture is the checkpoint's own
   c.model.path = hf_path  # local folder with config.json + safetensors (Qwen/Qwen3-*-Base)
+  c.model.preset = preset  # the same architecture, for compile-only runs without the checkpoint (minpro_jax.aot)
   c.model.param_dtype = "float32"
   c.model.dtype = "bfloat16"
   c.model.remat = "block"

@@ -1,0 +1,144 @@
+"""Command line: compile a run config's programs for a TPU slice (or cpu:N) and report memory, FLOPs, collectives.
+
+  python -m minpro_jax.aot --config=<file[:arg]> --topology=v5p-64 --mesh=fsdp=-1 [--mesh=data=2,fsdp=-1 ...]
+      [--remat=block ...] [--config.<field>=<value> ...] [--programs=update,score,prefill,decode]
+      [--sampler-rows=N] [--out=reports/NAME.json] [--dump-hlo=DIR] [--fresh]
+
+Nothing runs on an accelerator: programs are lowered on abstract values and compiled for the slice's devices.
+TPU slices need libtpu: `make setup` unpacks it to .venv/libtpu, which this command finds by itself (or pip install
+"jax[tpu]"). `cpu:N` compiles for N virtual CPU devices (no libtpu; memory is reported, nothing "fits").
+Prints a Markdown table; `--out` also writes JSON, one record per row, and a run with an existing `--out` keeps
+the rows it already has for the same config (a long sweep resumes; `--fresh` starts over). Exit status: 0, or 2
+with one `error: ...` line for a mistake in the command (a field, a mesh, a topology), or 1 when a program
+failed to compile for another reason than memory (its row says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _prepare_environment(topology: str) -> None:
+  """Before JAX starts: N virtual CPU devices for cpu:N; libtpu importable (and shareable) for TPU slices."""
+  if topology.startswith("cpu:"):
+    n = topology.split(":", 1)[1]
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags and n.isdigit():
+      os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    return
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip is claimed
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    for where in (os.environ.get("MINPRO_LIBTPU_DIR"), os.path.join(_REPO, ".venv", "libtpu")):
+      if where and os.path.isdir(os.path.join(where, "libtpu")):
+        sys.path.insert(0, where)
+        break
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m minpro_jax.aot", description=__doc__.split("\n")[0])
+  p.add_argument("--topology", required=True, help="v4-8.., v5e-1..256, v5p-8.., v6e-1..256, or cpu:N")
+  p.add_argument("--mesh", action="append", default=[], help="mesh shape, e.g. fsdp=-1 or data=2,fsdp=-1 (repeat)")
+  p.add_argument(
+      "--remat", action="append", default=[], help="remat policy to compile with (repeat; default: the config's)"
+  )
+  p.add_argument("--programs", default="update,score,prefill,decode", help="comma-separated subset")
+  p.add_argument("--sampler-rows", type=int, default=None, help="rows of prefill/decode (default: the trainer's)")
+  p.add_argument("--out", default="", help="JSON report path (rows already there for this config are kept)")
+  p.add_argument("--dump-hlo", default="", help="folder for each program's optimized HLO and shardings")
+  p.add_argument("--fresh", action="store_true", help="ignore rows already in --out")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  config_args = [a for a in argv if a.startswith("--config")]
+  args = _parser().parse_args([a for a in argv if not a.startswith("--config")])
+  _prepare_environment(args.topology)
+
+  from minpro_jax.errors import UserError
+  from minpro_jax.train import DEFAULT_CONFIG, parse_config
+
+  try:
+    from minpro_jax.aot.sweep import machine_info, markdown, settled, sweep
+    from minpro_jax.aot.topologies import parse_slice
+
+    sl = parse_slice(args.topology)
+    name = next((a.split("=", 1)[1] for a in reversed(config_args) if a.startswith("--config=")), DEFAULT_CONFIG)
+    config = parse_config(["aot", f"--config={name}", *[a for a in config_args if not a.startswith("--config=")]])
+    meshes = args.mesh or [config.mesh.shape or "fsdp=-1"]
+    done = []
+    if args.out and os.path.exists(args.out) and not args.fresh:
+      with open(args.out) as f:
+        old = json.load(f)
+      if old.get("slice") == sl.name:
+        done = old.get("rows", [])
+    kept = [r for r in done if settled(r)]  # a row that failed is replaced by its retry
+
+    def save(row):
+      kept.append(row)
+      if args.out:
+        _write(args.out, sl, kept, machine_info())
+      print(f"# {row['mesh']} {row['remat']} {row['program']}: {_brief(row)}", file=sys.stderr, flush=True)
+
+    rows = sweep(
+        config,
+        sl,
+        meshes,
+        args.remat or None,
+        [p.strip() for p in args.programs.split(",") if p.strip()],
+        sampler_rows=args.sampler_rows,
+        dump_hlo=args.dump_hlo or None,
+        done=done,
+        on_row=save,
+        config_name=name,
+    )
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  fp = rows[0]["fingerprint"] if rows else None
+  shown = [r for r in kept if fp is None or r.get("fingerprint") == fp]
+  print(f"# {name} on {sl.name} ({sl.topology}, {sl.num_chips} chips, {sl.num_hosts} hosts); per device")
+  print(markdown(shown))
+  return 1 if any("error" in r and r.get("fits") is not False for r in rows) else 0
+
+
+def _brief(row) -> str:
+  if "error" in row:
+    return row["error"]
+  return f"total {row['total_bytes'] / 2**30:.2f} GiB, fits={row['fits']}, compile {row['compile_seconds']} s"
+
+
+def _write(path: str, sl, rows, machine) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  chip = sl.chip
+  report = {
+      "tool": "python -m minpro_jax.aot",
+      "slice": sl.name,
+      "topology": sl.topology,
+      "chips": sl.num_chips,
+      "hosts": sl.num_hosts,
+      "chip": {
+          "generation": chip.generation,
+          "hbm_bytes": chip.hbm_bytes,
+          "peak_bf16_flops": chip.peak_bf16_flops,
+          "hbm_bytes_per_s": chip.hbm_bytes_per_s,
+          "source": chip.source,
+      },
+      "machine": machine,
+      "rows": rows,
+  }
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(report, f, indent=1)
+  os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

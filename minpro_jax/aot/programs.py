@@ -1,0 +1,295 @@
+"""The run's four device programs, lowered on abstract values at a config's real shapes (nothing is allocated).
+
+  update   one learner update (`Learner.update`): micro-batch accumulation over a mini-batch of M rows, the
+           configured loss, AdamW; the `TrainState` donated, as the trainer runs it.
+  score    the learner's teacher-forced log-probs of a whole step's N rollouts (`Learner.score`).
+  prefill  the sampler's prompt pass with its KV cache (the static sampler's `_prefill`).
+  decode   the sampler's decode loop to `max_new_tokens` (its `_decode`, the cache donated).
+
+Shapes follow the trainer: N = prompts_per_step * group_size rollouts of L = data.max_prompt_tokens +
+sampling.max_new_tokens tokens, mini-batches of M = N / num_updates_per_step rows in micro-batches of
+`learner_micro_batch(c)`; the sampler's rows are N rounded up to a batch bucket (the trainer samples a step in
+one `generate` call) unless `sampler_rows` says otherwise. Batch inputs are replicated on the mesh, because the
+trainer passes host arrays; the model's activations are sharded inside by the logical-axis rules.
+
+The model's architecture is the config's: a scratch preset (vocabulary `tokenizer.vocab_size` for a trained
+sentencepiece tokenizer), a Hugging Face folder's config.json, or a GGUF file's metadata; a `model.source=hf` whose
+folder is absent uses `model.preset` (the paper configs name theirs), so no weights are needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from minpro_jax import run_config
+from minpro_jax.aot.abstract import abstract_params
+from minpro_jax.errors import ConfigError
+from minpro_jax.models.config import PRESETS, ModelConfig, get_preset
+from minpro_jax.models.transformer import Transformer
+from minpro_jax.rl.learner import Learner, ScoreInputs, TrainState, UpdateInputs
+from minpro_jax.runtime.sharding import use_mesh
+from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS, Sampler
+
+PROGRAMS = ("update", "score", "prefill", "decode")
+STOP_ID = 2  # a placeholder stop id: which id stops a row does not change any shape or buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShapes:
+  """The shapes one global step runs at (see the module docstring)."""
+
+  rollouts: int  # N
+  mini_batch: int  # M
+  micro_batch: int
+  prompt_len: int  # P
+  response_len: int  # R
+  sampler_rows: int
+
+  @property
+  def seq_len(self) -> int:
+    return self.prompt_len + self.response_len
+
+
+def run_shapes(c, sampler_rows: int | None = None) -> RunShapes:
+  """The `RunShapes` of config `c`; `sampler_rows` overrides the sampler's row count.
+
+  Raises:
+    ConfigError: sampler_rows < 1 (naming `--sampler-rows`).
+  """
+  n = c.prompts_per_step * c.group_size
+  if sampler_rows is None:
+    sampler_rows = next((b for b in DEFAULT_BATCH_BUCKETS if b >= n), -(-n // DEFAULT_BATCH_BUCKETS[-1]) * 512)
+  if sampler_rows < 1:
+    raise ConfigError(f"--sampler-rows={sampler_rows}: must be >= 1")
+  return RunShapes(
+      rollouts=n,
+      mini_batch=n // c.num_updates_per_step,
+      micro_batch=run_config.learner_micro_batch(c),
+      prompt_len=c.data.max_prompt_tokens,
+      response_len=c.sampling.max_new_tokens,
+      sampler_rows=int(sampler_rows),
+  )
+
+
+def model_config(c) -> tuple[ModelConfig, str]:
+  """(the `ModelConfig` config `c` trains, where its architecture came from).
+
+  Raises:
+    ConfigError: a checkpoint path that is absent with no preset to fall back on, naming `config.model.path`.
+    FileFormatError: a config.json or GGUF file that does not parse.
+  """
+  overrides = run_config.model_overrides(c)
+  m = c.model
+  if m.source == "hf":
+    if os.path.isfile(os.path.join(m.path, "config.json")):
+      return run_config.hf_model_config(m.path).replace(**overrides), f"{m.path}/config.json"
+    if m.preset == "tiny" or m.preset not in PRESETS:
+      raise ConfigError(
+          f"config.model.path: {m.path!r} has no config.json; point it at a Hugging Face folder, or set "
+          f"--config.model.preset to one of {sorted(PRESETS)} to compile that architecture"
+      )
+    return get_preset(m.preset, **overrides), f"preset {m.preset} ({m.path}/config.json not found)"
+  if m.source == "gguf":
+    from minpro_jax.models.gguf_io import gguf_config
+    from minpro_jax.run_setup import smollm2_gguf_path
+
+    path = m.path or smollm2_gguf_path()
+    return gguf_config(path, **overrides), path
+  vocab = c.tokenizer.vocab_size if c.tokenizer.kind == "train_spm" else _tokenizer_vocab(c)
+  return get_preset(m.preset, vocab_size=vocab, **dict(m.overrides), **overrides), f"preset {m.preset}"
+
+
+def _tokenizer_vocab(c) -> int:
+  from minpro_jax.run_setup import build_tokenizer
+
+  return build_tokenizer(c, []).vocab_size
+
+
+def check_mesh_fits_model(mesh_shape: dict[str, int], cfg: ModelConfig) -> None:
+  """The head and expert splits a mesh implies must divide the model's.
+
+  Raises:
+    ConfigError: naming `--mesh`, the axis and the model's count.
+  """
+  t, e = mesh_shape.get("tensor", 1), mesh_shape.get("expert", 1)
+  for what, count, size, axis in (
+      ("attention heads", cfg.num_heads, t, "tensor"),
+      ("KV heads", cfg.num_kv_heads, t, "tensor"),
+      ("experts", cfg.num_experts or e, e, "expert"),
+  ):
+    if count % size:
+      raise ConfigError(
+          f"--mesh: {axis}={size} does not divide the model's {count} {what}; choose a divisor of {count}"
+      )
+
+
+class Lowered(NamedTuple):
+  """A program ready to compile: `lower()` returns a `jax.stages.Lowered` (lowering is lazy, so the caller can
+  time it); `shapes` describes its main input."""
+
+  name: str
+  lower: Callable[[], Any]
+  shapes: str
+
+
+def _replicated(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+
+def _with_shardings(lowered, compiled) -> Any:
+  """The abstract outputs of a compiled program: shapes of `lowered`, shardings of `compiled`."""
+  return jax.tree.map(
+      lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s),
+      lowered.out_info,
+      compiled.output_shardings,
+  )
+
+
+class RunPrograms:
+  """Builds the run's programs for one model config on one mesh (the learner and sampler the trainer would).
+
+  Args:
+    c: the run config (`minpro_jax/configs/default.py` layout), validated by the caller.
+    cfg: its `ModelConfig` (`model_config(c)`, with any remat override applied).
+    mesh: the mesh to compile for (its devices may be abstract TPU devices).
+    shapes: `run_shapes(c)`.
+  """
+
+  def __init__(self, c, cfg: ModelConfig, mesh, shapes: RunShapes):
+    self.c, self.cfg, self.mesh, self.shapes = c, cfg, mesh, shapes
+    self.replay = bool(c.loss.router_replay)
+    self.record_routes = bool(c.loss.router_replay or c.sampling.record_routes) and cfg.is_moe
+    with use_mesh(mesh):
+      with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+      self.learner = Learner(
+          model,
+          run_config.loss_config(c),
+          run_config.optimizer_config(c),
+          micro_batch_size=shapes.micro_batch,
+          mesh=mesh,
+      )
+    self.graphdef, self.params = abstract_params(cfg, mesh)
+    self.sampling = run_config.sampling_params(c, (STOP_ID,))
+    self.sampler = Sampler(
+        cfg,
+        precision=c.sampling.precision,
+        prompt_buckets=(shapes.prompt_len,),
+        batch_buckets=(shapes.sampler_rows,),
+        mesh=mesh,
+        continuous=False,
+        record_routes=self.record_routes,
+    )
+    self._prepared = None
+    self._prefill_out = None
+
+  def programs(self, names=PROGRAMS) -> list[Lowered]:
+    s = self.shapes
+    table = {
+        "update": Lowered("update", self._lower_update, f"{s.mini_batch}x{s.seq_len} (micro-batch {s.micro_batch})"),
+        "score": Lowered("score", self._lower_score, f"{s.rollouts}x{s.seq_len} (micro-batch {s.micro_batch})"),
+        "prefill": Lowered("prefill", self._lower_prefill, f"{s.sampler_rows}x{s.prompt_len}"),
+        "decode": Lowered("decode", self._lower_decode, f"{s.sampler_rows}x{s.response_len} steps"),
+    }
+    return [table[n] for n in names]
+
+  def remember(self, name: str, lowered, compiled) -> None:
+    """Keeps what a compiled program tells later ones: the prefill's output layout is the decode's input."""
+    if name == "prefill":
+      self._prefill_out = _with_shardings(lowered, compiled)
+
+  # ------------------------------------------------------------------------------------------ learner
+  def _rows(self, n: int) -> dict[str, Any]:
+    """Abstract `UpdateInputs` fields of n rows (replicated, as the trainer passes host arrays)."""
+    shape, m = (n, self.shapes.seq_len), self.mesh
+    out = {
+        "tokens": _replicated(m, shape, jnp.int32),
+        "segment_ids": _replicated(m, shape, jnp.int32),
+        "positions": _replicated(m, shape, jnp.int32),
+        "response_mask": _replicated(m, shape, jnp.bool_),
+        "behavior_logp": _replicated(m, shape, jnp.float32),
+        "learner_logp": _replicated(m, shape, jnp.float32),
+        "advantages": _replicated(m, (n,), jnp.float32),
+        "routes": None,
+    }
+    if self.replay:
+      out["routes"] = _replicated(m, (*shape, self.cfg.num_layers, self.cfg.num_experts_per_tok), jnp.int16)
+    return out
+
+  def train_state(self) -> TrainState:
+    """The abstract `TrainState`: each optimizer leaf that mirrors a parameter (AdamW's moments) sharded like it,
+    as the trainer's eager `optimizer.init` on sharded parameters leaves them; other leaves replicated."""
+    by_path = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(self.params)[0]}
+    replicated = NamedSharding(self.mesh, P())
+
+    def place(path, x):
+      key = jax.tree_util.keystr(path)
+      twin = max((k for k in by_path if key.endswith(k)), key=len, default=None)
+      same = twin is not None and by_path[twin].shape == x.shape
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_path[twin].sharding if same else replicated)
+
+    opt_state = jax.tree_util.tree_map_with_path(place, jax.eval_shape(self.learner.optimizer.init, self.params))
+    scalar = _replicated(self.mesh, (), jnp.int32)
+    return TrainState(params=self.params, opt_state=opt_state, step=scalar, skipped=scalar)
+
+  def _lower_update(self):
+    state = self.train_state()
+    inputs = UpdateInputs(**self._rows(self.shapes.mini_batch))
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    with use_mesh(self.mesh):
+      return self.learner.jitted_update(shardings).lower(state, inputs, self.shapes.micro_batch)
+
+  def _lower_score(self):
+    rows = self._rows(self.shapes.rollouts)
+    inputs = ScoreInputs(*(rows[f] for f in ScoreInputs._fields))
+    mb = min(self.shapes.micro_batch, self.shapes.rollouts)
+    with use_mesh(self.mesh):
+      return self.learner.jitted_score.lower(self.params, inputs, mb)
+
+  # ------------------------------------------------------------------------------------------ sampler
+  def prepared_params(self):
+    """The abstract sampler parameters (precision cast, per-layer layout) as its `prepare_params` lays them out."""
+    if self._prepared is None:
+      with self.sampler.mesh_context():
+        lowered = self.sampler.jitted_prepare.lower(self.params)
+        self._prepared = _with_shardings(lowered, lowered.compile())
+    return self._prepared
+
+  def _prefill_args(self):
+    b, p, m = self.shapes.sampler_rows, self.shapes.prompt_len, self.mesh
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
+    return (
+        self.prepared_params(),
+        _replicated(m, (b, p), jnp.int32),
+        _replicated(m, (b, p), jnp.int32),
+        jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=NamedSharding(m, P())),
+        _replicated(m, (b,), jnp.bool_),
+        _replicated(m, (b,), jnp.int32),
+    )
+
+  def _lower_prefill(self):
+    args = self._prefill_args()
+    with self.sampler.mesh_context():
+      return self.sampler.jitted_prefill.lower(*args, sampling=self.sampling)
+
+  def _loop_state(self):
+    """The abstract decode-loop state the prefill hands to decode."""
+    if self._prefill_out is None:
+      lowered = self._lower_prefill()
+      self._prefill_out = _with_shardings(lowered, lowered.compile())
+    return self._prefill_out
+
+  def _lower_decode(self):
+    state, loop_state = self.prepared_params(), self._loop_state()
+    with self.sampler.mesh_context():
+      return self.sampler.jitted_decode.lower(
+          state, loop_state, sampling=self.sampling, cache_offset=self.shapes.prompt_len
+      )

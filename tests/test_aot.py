@@ -1,0 +1,276 @@
+"""Compile-only sweeps (`python -m minpro_jax.aot`): slices, meshes, the run's programs, memory, collectives."""
+
+import json
+import os
+
+import pytest
+
+from minpro_jax.aot import analysis
+from minpro_jax.aot.programs import check_mesh_fits_model, run_shapes
+from minpro_jax.aot.sweep import parse_mesh, sharding_table, sweep
+from minpro_jax.aot.topologies import parse_slice
+from minpro_jax.configs.default import get_config
+from minpro_jax.errors import ConfigError
+from minpro_jax.models.config import get_preset
+from tests.tpu_helpers import run_with_libtpu
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "aot_shardings_cpu8.txt")
+UPDATE_GOLDEN = os.environ.get("MINPRO_UPDATE_GOLDEN") == "1"
+
+
+def small_config(**fields):
+  """The default (tiny) config at small shapes: 8 prompts x 2 responses in one micro-batch, 16 + 8 tokens."""
+  c = get_config()
+  c.prompts_per_step, c.group_size, c.num_updates_per_step, c.micro_batch_size = 8, 2, 1, 16
+  c.sampling.max_new_tokens, c.data.max_prompt_tokens = 8, 16
+  for k, v in fields.items():
+    node = c
+    *parents, leaf = k.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = v
+  return c
+
+
+CPU8 = parse_slice("cpu:8")
+
+
+def _row(rows, mesh, program):
+  return next(r for r in rows if r["mesh"] == mesh and r["program"] == program)
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+  return sweep(small_config(), CPU8, ["data=8", "fsdp=8", "data=2,fsdp=4"], programs=["update", "score", "decode"])
+
+
+def test_the_tiny_config_compiles_on_every_mesh_with_positive_memory(tiny_rows):
+  assert {(r["mesh"], r["program"]) for r in tiny_rows} == {
+      (m, p) for m in ("data=8", "fsdp=8", "data=2,fsdp=4") for p in ("update", "score", "decode")
+  }
+  for r in tiny_rows:
+    assert "error" not in r, r
+    for field in ("argument_bytes", "output_bytes", "temp_bytes", "total_bytes"):
+      assert r[field] > 0, (field, r)
+    assert r["fits"] is None and r["hbm_fraction"] is None  # CPU devices: no HBM to fit
+    assert r["flops"] > 0 and r["chips"] == 8 and r["remat"] == "none"
+  # fsdp shards the parameters and the AdamW moments 8 ways; data replicates them
+  assert (
+      _row(tiny_rows, "fsdp=8", "update")["argument_bytes"] < _row(tiny_rows, "data=8", "update")["argument_bytes"] / 4
+  )
+
+
+def test_collectives_are_what_the_mesh_implies(tiny_rows):
+  """A pure data mesh gathers no parameters (only the gradient is all-reduced); fsdp all-gathers the parameter
+  shards for the forward and backward and reduces the gradients."""
+  data, fsdp = _row(tiny_rows, "data=8", "update")["collectives"], _row(tiny_rows, "fsdp=8", "update")["collectives"]
+  assert data["all-gather"]["count"] == 0
+  assert data["all-reduce"]["count"] > 0
+  assert fsdp["all-gather"]["count"] > 0 and fsdp["all-gather"]["bytes"] > 0
+  assert fsdp["reduce-scatter"]["count"] + fsdp["all-reduce"]["count"] > 0
+
+
+def test_temporaries_grow_with_the_batch():
+  rows = {
+      n: sweep(small_config(prompts_per_step=n, micro_batch_size=2 * n), CPU8, ["fsdp=8"], programs=["score"])[0][
+          "temp_bytes"
+      ]
+      for n in (8, 32)
+  }
+  assert rows[32] > rows[8] > 0
+
+
+def test_remat_choices_are_compiled_side_by_side():
+  rows = sweep(small_config(), CPU8, ["fsdp=8"], ["none", "block"], programs=["update"])
+  assert [r["remat"] for r in rows] == ["none", "block"]
+  assert rows[1]["flops"] == pytest.approx(rows[0]["flops"] * 4 / 3)  # block recomputes the forward
+
+
+def test_done_rows_are_not_compiled_again():
+  c = small_config()
+  first = sweep(c, CPU8, ["fsdp=8"], programs=["score"])
+  assert sweep(c, CPU8, ["fsdp=8"], programs=["score"], done=first) == []
+  assert len(sweep(c, CPU8, ["fsdp=8"], programs=["score"], done=first, sampler_rows=32)) == 1  # another key
+
+
+def _golden_text() -> str:
+  """Every input and output sharding of update and decode of the small config on cpu:8, data=2 x fsdp=4."""
+  import jax
+
+  from minpro_jax.aot.programs import RunPrograms, model_config
+  from minpro_jax.runtime.sharding import make_mesh
+
+  c = small_config()
+  mesh = make_mesh({"data": 2, "fsdp": 4}, devices=jax.devices()[:8])
+  progs = RunPrograms(c, model_config(c)[0], mesh, run_shapes(c))
+  lines = []
+  for prog in progs.programs(["update", "score", "prefill", "decode"]):
+    lowered = prog.lower()
+    compiled = lowered.compile()
+    progs.remember(prog.name, lowered, compiled)
+    for side, rows in sharding_table(lowered, compiled).items():
+      lines += [f"{prog.name} {side[:-1]} {path} {shape} {spec}" for path, shape, spec in rows]
+  return "\n".join(lines) + "\n"
+
+
+def test_shardings_match_the_golden_file():
+  """A change of any program's input or output layout shows up here (and in review as a diff of the golden
+  file). Regenerate after an intended change: MINPRO_UPDATE_GOLDEN=1 pytest tests/test_aot.py -k golden."""
+  got = _golden_text()
+  if UPDATE_GOLDEN:
+    os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
+    with open(GOLDEN, "w") as f:
+      f.write(got)
+  with open(GOLDEN) as f:
+    want = f.read()
+  assert got.splitlines() == want.splitlines()
+
+
+def test_collectives_parser_counts_ops_and_result_bytes():
+  hlo = "\n".join(
+      [
+          "  %all-gather.1 = bf16[64,384]{1,0:T(8,128)(2,1)} all-gather(%p), channel_id=2, dimensions={0}",
+          "  %ag-start = (f32[8,16]{1,0}, f32[32,16]{1,0}) all-gather-start(%q), dimensions={0}",
+          "  %ag-done = f32[32,16]{1,0} all-gather-done(%ag-start)",
+          "  %all-reduce.1 = (f32[10]{0}, s32[4]{0}) all-reduce(%a, %b), to_apply=%sum",
+          "  %rs = f32[4,4]{1,0} reduce-scatter(%c), dimensions={0}",
+          "  %a2a = bf16[4,1,128,16]{2,3,1,0} all-to-all(%d), dimensions={0}",
+          "  ROOT %cp = u32[]{:T(128)} collective-permute-start(%e), source_target_pairs={{0,1}}",
+          "  %fusion = f32[8]{0} fusion(%all-gather.1), kind=kLoop",
+      ]
+  )
+  got = analysis.collectives(hlo)
+  assert got["all-gather"] == {"count": 2, "bytes": 64 * 384 * 2 + 32 * 16 * 4}
+  assert got["all-reduce"] == {"count": 1, "bytes": 10 * 4 + 4 * 4}
+  assert got["reduce-scatter"] == {"count": 1, "bytes": 64}
+  assert got["all-to-all"] == {"count": 1, "bytes": 4 * 128 * 16 * 2}
+  assert got["collective-permute"] == {"count": 1, "bytes": 4}
+
+
+def test_model_flops_by_hand():
+  """tiny: d=64, hd=16, 4 q / 2 kv heads, ff=128, 2 layers, V=512. N_matmul = 2 * (64*16*12 + 3*64*128) + 64*512
+  = 106,496; attention 4 * 2 * 4 * 16 = 512 FLOPs per token per attended position."""
+  cfg = get_preset("tiny")
+  n, att = 106_496, 512
+  kw = dict(rows=2, prompt_len=3, response_len=5)
+  assert analysis.model_flops(cfg, "score", remat="none", **kw) == 16 * (2 * n + att * 4.5)
+  assert analysis.model_flops(cfg, "update", remat="none", **kw) == 3 * 16 * (2 * n + att * 4.5)
+  assert analysis.model_flops(cfg, "update", remat="block", **kw) == 4 * 16 * (2 * n + att * 4.5)
+  assert analysis.model_flops(cfg, "prefill", remat="none", **kw) == 6 * (2 * n + att * 2)
+  assert analysis.model_flops(cfg, "decode", remat="none", **kw) == 10 * (2 * n + att * 8)
+
+
+def test_slice_names():
+  s = parse_slice("v5p-64")
+  assert (s.num_chips, s.topology, s.chips_per_host, s.num_hosts) == (32, "v5p:2x4x4", (2, 2, 1), 8)
+  s = parse_slice("v6e-16")
+  assert (s.num_chips, s.topology, s.num_hosts, s.chip.hbm_bytes) == (16, "v6e:4x4", 2, 32 * 2**30)
+  s = parse_slice("v5e-4")
+  assert (s.num_chips, s.topology, s.chips_per_host, s.num_hosts) == (4, "v5e:2x2", (2, 2, 1), 1)
+  assert parse_slice("v4-8").topology == "v4:2x2x1"
+  assert parse_slice("cpu:8").num_chips == 8
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [("v7x-8", "not a slice name"), ("v5p-12", "no standard v5p slice"), ("cpu:0", "not a slice name"), ("tpu", "")],
+)
+def test_unknown_slices_name_the_flag(name, message):
+  with pytest.raises(ConfigError, match=f"--topology={name!r}|--topology={name}") as e:
+    parse_slice(name)
+  assert message in str(e.value)
+
+
+def test_meshes_that_do_not_divide_the_slice_or_the_heads_name_the_flag():
+  assert parse_mesh("data=2,fsdp=-1", 8) == {"data": 2, "fsdp": 4}
+  for spec in ("data=3", "data=3,fsdp=-1", "data=-1,fsdp=-1", "foo=8", "data=0,fsdp=-1"):
+    with pytest.raises(ConfigError, match="--mesh"):
+      parse_mesh(spec, 8)
+  with pytest.raises(ConfigError, match="--mesh: tensor=8 does not divide the model's 4 attention heads"):
+    check_mesh_fits_model({"tensor": 8}, get_preset("tiny"))
+  with pytest.raises(ConfigError, match="expert=3 does not divide the model's 8 experts"):
+    check_mesh_fits_model({"expert": 3}, get_preset("tiny-moe"))
+
+
+def test_a_program_that_does_not_fit_is_a_row_not_a_crash():
+  err = RuntimeError(
+      "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+      "Used 120.50G of 95.74G hbm. Exceeded hbm capacity by 24.76G."
+  )
+  row = analysis.does_not_fit(err)
+  assert row["fits"] is False and row["total_bytes"] == int(120.5 * 2**30)
+  assert analysis.does_not_fit(ValueError("shapes do not match")) is None
+
+
+def test_the_command_line_reports_and_resumes(tmp_path, capsys):
+  from minpro_jax.aot.__main__ import main
+
+  out = tmp_path / "r.json"
+  args = [
+      "--topology=cpu:8",
+      "--mesh=fsdp=-1",
+      "--programs=score",
+      f"--out={out}",
+      "--config.prompts_per_step=4",
+      "--config.group_size=2",
+      "--config.num_updates_per_step=1",
+      "--config.sampling.max_new_tokens=8",
+  ]
+  assert main(args) == 0
+  table = capsys.readouterr().out
+  assert "| fsdp=8 | none | score | 8x72 (micro-batch 8) |" in table
+  rep = json.loads(out.read_text())
+  assert rep["slice"] == "cpu:8" and len(rep["rows"]) == 1 and rep["machine"]["jax"]
+  mtime = out.stat().st_mtime_ns
+  assert main(args) == 0  # resumed: nothing compiled, nothing rewritten
+  assert out.stat().st_mtime_ns == mtime and "| fsdp=8 | none | score |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--topology=v9-8"], "--topology='v9-8': not a slice name"),
+        (["--topology=cpu:8", "--mesh=data=3"], "--mesh=data=3"),
+        (["--topology=cpu:8", "--programs=train"], "--programs=train: choose from update,score,prefill,decode"),
+        (["--topology=cpu:8", "--config.num_updates_per_step=3"], "config.num_updates_per_step"),
+        (["--topology=cpu:8", "--config.nonsense=1"], "config.nonsense"),
+        (["--topology=cpu:8", "--remat=sometimes"], "--remat=sometimes"),
+    ],
+)
+def test_command_line_mistakes_exit_2_naming_the_field(args, message, capsys):
+  from minpro_jax.aot.__main__ import main
+
+  assert main(args) == 2
+  assert message in capsys.readouterr().err
+
+
+def test_an_absent_checkpoint_falls_back_on_the_named_preset():
+  from minpro_jax.aot.programs import model_config
+  from minpro_jax.configs.paper import qwen3_8b
+
+  cfg, where = model_config(qwen3_8b.get_config())
+  assert (cfg.hidden_size, cfg.num_layers, cfg.remat, cfg.dtype) == (4096, 36, "block", "bfloat16")
+  assert where.startswith("preset qwen3-8b")
+  c = small_config(**{"model.source": "hf", "model.path": "/nonexistent"})
+  with pytest.raises(ConfigError, match="config.model.path: '/nonexistent' has no config.json"):
+    model_config(c)
+
+
+_TPU = """
+import json, subprocess, sys
+for topo in ("v5e-4", "v5p-8"):
+  out = f"/tmp/minpro_aot_test_{topo}.json"
+  cmd = [sys.executable, "-m", "minpro_jax.aot", f"--topology={topo}", "--mesh=fsdp=-1", "--programs=update,decode",
+         f"--out={out}", "--fresh"]
+  assert subprocess.run(cmd, capture_output=True).returncode == 0
+  for r in json.load(open(out))["rows"]:
+    print(f"RESULT topo={topo} program={r['program']} fits={r['fits']} total={r['total_bytes']} hbm={r['hbm_bytes']}")
+"""
+
+
+@pytest.mark.slow
+def test_the_tiny_config_fits_v5e_4_and_v5p_8():
+  rows = run_with_libtpu(_TPU, timeout=560)
+  assert {(r["topo"], r["program"]) for r in rows} == {(t, p) for t in ("v5e-4", "v5p-8") for p in ("update", "decode")}
+  for r in rows:
+    assert r["fits"] == "True" and 0 < int(r["total"]) < int(r["hbm"]), r
