@@ -43,17 +43,30 @@ ENTRIES = [
         "v5p-16",
         [f"--config={PAPER}/qwen3_30b_a3b.py", "--mesh=fsdp=-1", "--mesh=expert=8", "--programs=update"],
     ),
-    ("qwen3_1p7b_v5p-8", "v5p-8", [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", "--mesh=data=2,fsdp=-1"]),
-    ("qwen3_4b_v5p-8", "v5p-8", [*MIPU_4B, *MIPU_LEN, "--mesh=fsdp=-1", "--programs=update,score"]),
     ("qwen3_14b_v5p-16_learner", "v5p-16", [f"--config={PAPER}/qwen3_14b.py", "--mesh=fsdp=-1", "--programs=update"]),
+    ("qwen3_8b_v5p-16_learner", "v5p-16", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update"]),
     (
-        "qwen3_8b_v5p-16_learner",
-        "v5p-16",
-        [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--mesh=data=2,fsdp=-1", "--programs=update"],
+        "qwen3_30b_a3b_v5p-32_learner",
+        "v5p-32",
+        [f"--config={PAPER}/qwen3_30b_a3b.py", "--mesh=fsdp=-1", "--programs=update"],
+    ),
+    ("qwen3_4b_v5p-8", "v5p-8", [*MIPU_4B, *MIPU_LEN, "--mesh=fsdp=-1", *LEARNER]),
+    ("qwen3_1p7b_v5p-8", "v5p-8", [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", "--mesh=data=2,fsdp=-1", *LEARNER]),
+    ("qwen3_1p7b_v5p-8_sampler", "v5p-8", [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", *SAMPLER]),
+    # the paper configs' micro_batch_size=16 puts 4 (v5p-8) sequences on a chip at once: one per chip instead
+    (
+        "qwen3_8b_v5p-8_learner_mb4",
+        "v5p-8",
+        [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update", "--config.micro_batch_size=4"],
     ),
     ("qwen3_8b_v6e-16_learner", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update"]),
-    ("qwen3_1p7b_v6e-8", "v6e-8", [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", "--programs=update,score"]),
+    ("qwen3_1p7b_v6e-8", "v6e-8", [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", "--programs=update"]),
     ("qwen3_4b_v6e-8", "v6e-8", [*MIPU_4B, *MIPU_LEN, "--mesh=fsdp=-1", "--programs=update"]),
+    (
+        "qwen3_8b_v5p-16_learner_meshes",
+        "v5p-16",
+        [f"--config={PAPER}/qwen3_8b.py", "--mesh=data=2,fsdp=-1", "--mesh=fsdp=-1,tensor=2", "--programs=update"],
+    ),
     (
         "qwen3_30b_a3b_v6e-32_learner",
         "v6e-32",
@@ -75,6 +88,7 @@ def run(entries) -> int:
 
 def summary() -> str:
   sys.path.insert(0, str(REPO))
+  from minpro_jax.aot.analysis import does_not_fit
   from minpro_jax.aot.sweep import markdown
 
   parts = [
@@ -89,6 +103,10 @@ def summary() -> str:
       parts += ["", f"## {name}: not compiled yet"]
       continue
     rep = json.loads(path.read_text())
+    for row in rep["rows"]:  # rows written before the error parser knew a phrasing: read their sizes again
+      if row.get("fits") is False and "error" in row:
+        sizes = does_not_fit(RuntimeError(row["error"])) or {}
+        row.update({k: v for k, v in sizes.items() if k.endswith("_bytes") and k not in row})
     machine = rep.get("machine", {})
     parts += [
         "",

@@ -199,6 +199,12 @@ def test_a_program_that_does_not_fit_is_a_row_not_a_crash():
   )
   row = analysis.does_not_fit(err)
   assert row["fits"] is False and row["total_bytes"] == int(120.5 * 2**30)
+  err = RuntimeError(
+      "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+      "(156.05G) exceeds available HBM (95.74G)."
+  )
+  row = analysis.does_not_fit(err)
+  assert row["fits"] is False and row["temp_bytes"] == int(156.05 * 2**30) and "total_bytes" not in row
   assert analysis.does_not_fit(ValueError("shapes do not match")) is None
 
 

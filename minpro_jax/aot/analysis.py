@@ -152,6 +152,8 @@ def analyze(compiled, *, hbm_bytes: int, peak_flops: float, hbm_bandwidth: float
   return row
 
 
+# XLA:TPU's two phrasings: "Used 120.50G of 95.74G hbm" and "HLO temporaries (156.05G) exceeds available HBM"
+_TEMP_MESSAGE = re.compile(r"temporaries \(([\d.]+)([KMGT])i?B?\)")
 _HBM_MESSAGE = re.compile(r"[Uu]sed\s+([\d.]+)([KMGT]i?B?)\s+of\s+([\d.]+)([KMGT]i?B?)\s+hbm")
 
 
@@ -161,8 +163,11 @@ def does_not_fit(error: BaseException) -> dict[str, Any] | None:
   if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
     return None
   row: dict[str, Any] = {"fits": False, "error": text.strip().splitlines()[0][:300]}
+  scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
   m = _HBM_MESSAGE.search(text)
   if m:
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     row["total_bytes"] = int(float(m.group(1)) * scale[m.group(2)[0]])
+  m = _TEMP_MESSAGE.search(text)
+  if m:
+    row["temp_bytes"] = int(float(m.group(1)) * scale[m.group(2)])
   return row

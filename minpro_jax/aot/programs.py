@@ -66,7 +66,8 @@ def run_shapes(c, sampler_rows: int | None = None) -> RunShapes:
   """
   n = c.prompts_per_step * c.group_size
   if sampler_rows is None:
-    sampler_rows = next((b for b in DEFAULT_BATCH_BUCKETS if b >= n), -(-n // DEFAULT_BATCH_BUCKETS[-1]) * 512)
+    top = DEFAULT_BATCH_BUCKETS[-1]  # what `Sampler.generate` pads a call of n rows to
+    sampler_rows = next((b for b in DEFAULT_BATCH_BUCKETS if b >= n), -(-n // top) * top)
   if sampler_rows < 1:
     raise ConfigError(f"--sampler-rows={sampler_rows}: must be >= 1")
   return RunShapes(

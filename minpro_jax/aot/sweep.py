@@ -246,19 +246,9 @@ _COLUMNS = (
     ("temp GiB", lambda r: _gib(r.get("temp_bytes"))),
     ("total GiB", lambda r: _gib(r.get("total_bytes"))),
     ("HBM", lambda r: "" if r.get("hbm_fraction") is None else f"{100 * r['hbm_fraction']:.0f}%"),
-    (
-        "fits",
-        lambda r: {True: "fits", False: "does not fit", None: "?"}[r.get("fits")]
-        if "error" not in r or r.get("fits") is False
-        else "error",
-    ),
+    ("fits", lambda r: _fits(r)),
     ("TFLOP/dev", lambda r: "" if r.get("flops") is None else f"{r['flops'] / 1e12:.3g}"),
-    (
-        "roofline s",
-        lambda r: ""
-        if r.get("roofline_seconds") is None
-        else f"{r['roofline_seconds']:.3g} ({r['roofline_bound'][0]})",
-    ),
+    ("roofline s", lambda r: _roofline(r)),
     ("all-gather", lambda r: _coll(r, "all-gather")),
     ("reduce-scatter", lambda r: _coll(r, "reduce-scatter")),
     ("all-reduce", lambda r: _coll(r, "all-reduce")),
@@ -266,6 +256,19 @@ _COLUMNS = (
     ("permute", lambda r: _coll(r, "collective-permute")),
     ("compile s", lambda r: r.get("compile_seconds", "")),
 )
+
+
+def _fits(r) -> str:
+  if r.get("fits") is False:
+    return "does not fit"
+  if "error" in r:
+    return "error"
+  return "fits" if r.get("fits") else "?"
+
+
+def _roofline(r) -> str:
+  t = r.get("roofline_seconds")
+  return "" if t is None else f"{t:.3g} ({r['roofline_bound'][0]})"
 
 
 def _gib(b) -> str:

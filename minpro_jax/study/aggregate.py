@@ -1,0 +1,454 @@
+"""A study's numbers, from each run's `summary.json` and `metrics.jsonl` alone.
+
+The held-out curve of a run: the macro `eval/pass@1` (avg@n) of `metrics.jsonl` at each evaluation's policy step.
+The evaluation logged at global step s (after its updates) is the policy of s + 1 global steps; the one after the
+warm start is logged at step -1 (policy step 0) and the final one at total_steps, so an evaluation's policy step
+is min(step + 1, total_steps).
+
+With a delay d, no update happens before global step d, so every evaluation at policy steps 0..d is of the initial
+policy: repeated draws of the same number, whose spread is only the evaluation's sampling noise. The learning
+curve therefore starts at the initial evaluation and keeps the evaluations of updated policies only, on the
+x-axis "global steps with updates" = policy step - d (which aligns the delays of a grid that gives each delay the
+same number of update steps):
+
+  learning curve  [(0, initial)] + [(p - d, pass@1) for each evaluation at policy step p > d].
+
+Per run:
+  initial       the evaluation after the warm start (policy step 0);
+  best          the trainer's selected best evaluation (`summary.json` "best": the highest of all evaluations, the
+                initial one and its repeats before the first update included, so it is biased up by the maximum
+                of d / eval.every noise draws at delay d; also selected on the held-out set itself);
+  peak          the highest evaluation of an updated policy (the initial value when there is none): the
+                selected peak without the pre-update draws;
+  final         the evaluation after the last step;
+  auc           trapezoid area under the learning curve divided by its span: the time-averaged held-out pass@1
+                over the update steps;
+  largest_drop  the largest fall between consecutive points of the learning curve (0 when it never falls);
+  below_initial whether the learning curve ever falls below the initial value.
+
+Per cell (over its seeds): the mean and a 95 % t-interval of each figure (`mean_ci`), and how many seeds fell
+below their initial value. Paired differences (`paired_differences`): reference minus cell on the seeds both ran
+(the same seed gives the same tokenizer, warm start and initial evaluation), with the t-interval of the
+differences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from minpro_jax.study.grid import Run, short_names
+
+LEVEL = 0.95
+BOOTSTRAP_SEED = 0  # the bootstrap's resampling is seeded: the same files give the same summary
+METRICS = ("best", "peak", "final", "auc", "largest_drop", "initial")  # per cell
+PAIRED_METRICS = ("best", "peak", "final", "auc", "largest_drop")  # the initial value is the same on a shared seed
+EVAL_KEY = "eval/pass@1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  """The mean of n values and its confidence interval; `low`/`high` are None when n < 2 (no spread to estimate:
+  one seed says nothing about another, so no interval is given rather than a zero-width one)."""
+
+  mean: float
+  low: float | None
+  high: float | None
+  n: int
+  method: str
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def excludes(self, value: float = 0.0) -> bool:
+    """Whether the interval lies wholly above or below `value` (False without an interval)."""
+    return self.low is not None and (self.low > value or self.high < value)
+
+
+def mean_ci(values: Sequence[float], level: float = LEVEL, method: str = "t", seed: int = BOOTSTRAP_SEED) -> Interval:
+  """The mean of `values` and a two-sided `level` confidence interval for it.
+
+  method "t" (the default): mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard deviation (ddof 1).
+  Exact when seed-to-seed variation is normal, and honest about how little n = 3..5 seeds say: t_{0.975, 2} is
+  4.30, not 1.96. The bootstrap is not the default because at these n it is badly anti-conservative: three values
+  have only ten distinct resamples, and the percentile interval of resampled means is about sqrt((n-1)/n) * s /
+  sqrt(n) wide on each side times a normal quantile, e.g. [1, 2, 3, 4] gives BCa [1.5, 3.5] against the t-interval
+  [0.45, 4.55].
+  method "bootstrap": `scipy.stats.bootstrap`, BCa (bias- and skew-corrected, second-order accurate; better than
+  the percentile interval for the skewed figures here, e.g. a largest drop bounded below by 0), 9999 resamples with
+  `numpy.random.default_rng(seed)`, so the result is deterministic; meant for >= ~10 values.
+  Constant values give the zero-width interval [c, c] (their spread really is 0) with either method.
+
+  Args:
+    values: the n per-seed values (finite).
+    level: the confidence level, in (0, 1).
+    method: "t" or "bootstrap".
+    seed: the bootstrap's rng seed.
+
+  Returns:
+    An `Interval` (low = high = None when n == 1).
+
+  Raises:
+    ValueError: no values, a non-finite value, a level outside (0, 1), an unknown method.
+  """
+  x = np.asarray(values, np.float64).reshape(-1)
+  if x.size == 0:
+    raise ValueError("mean_ci: no values")
+  if not np.all(np.isfinite(x)):
+    raise ValueError(f"mean_ci: values must be finite, got {x.tolist()}")
+  if not 0 < level < 1:
+    raise ValueError(f"mean_ci: level must lie in (0, 1), got {level}")
+  if method not in ("t", "bootstrap"):
+    raise ValueError(f"mean_ci: method {method!r}; choose 't' or 'bootstrap'")
+  mean = float(x.mean())
+  if x.size == 1:
+    return Interval(mean, None, None, 1, method)
+  if np.all(x == x[0]):
+    return Interval(mean, mean, mean, int(x.size), method)
+  from scipy import stats
+
+  if method == "t":
+    half = float(stats.t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+    return Interval(mean, mean - half, mean + half, int(x.size), method)
+  res = stats.bootstrap((x,), np.mean, confidence_level=level, method="BCa", rng=np.random.default_rng(seed))
+  return Interval(mean, float(res.confidence_interval.low), float(res.confidence_interval.high), int(x.size), method)
+
+
+# ------------------------------------------------------------------------------------------------ one run
+def eval_curve(records: Sequence[Mapping[str, Any]], total_steps: int) -> list[tuple[int, float]]:
+  """The held-out pass@1 curve [(policy step, pass@1)] of a run's `metrics.jsonl` records, by step.
+
+  Raises:
+    ValueError: two evaluations of one policy step (a metrics file of two runs).
+  """
+  out: dict[int, float] = {}
+  for r in records:
+    v = r.get(EVAL_KEY)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+      continue
+    step = min(int(r["step"]) + 1, total_steps)
+    if step in out:
+      raise ValueError(f"metrics.jsonl: two evaluations at policy step {step}; the file mixes two runs")
+    out[step] = float(v)
+  return sorted(out.items())
+
+
+def curve_auc(curve: Sequence[tuple[int, float]]) -> float:
+  """Trapezoid area under `curve` divided by its step span (the value itself for one point).
+
+  Raises:
+    ValueError: an empty curve, or steps not strictly increasing.
+  """
+  if not curve:
+    raise ValueError("curve_auc: empty curve")
+  steps = np.asarray([s for s, _ in curve], np.float64)
+  ys = np.asarray([y for _, y in curve], np.float64)
+  if np.any(np.diff(steps) <= 0):
+    raise ValueError(f"curve_auc: steps must increase, got {steps.tolist()}")
+  if len(curve) == 1:
+    return float(ys[0])
+  return float(np.sum((ys[1:] + ys[:-1]) / 2 * np.diff(steps)) / (steps[-1] - steps[0]))
+
+
+def largest_drop(curve: Sequence[tuple[int, float]]) -> float:
+  """max over consecutive evaluations of (earlier - later), at least 0 (0 for a curve that never falls)."""
+  ys = [y for _, y in curve]
+  return max([0.0] + [a - b for a, b in zip(ys, ys[1:])])
+
+
+def falls_below(curve: Sequence[tuple[int, float]], initial: float) -> bool:
+  """Whether a point of `curve` after its first is strictly below `initial`."""
+  return any(y < initial for _, y in curve[1:])
+
+
+def learning_curve(curve: Sequence[tuple[int, float]], delay: int) -> list[tuple[int, float]]:
+  """[(0, initial)] + [(p - delay, y) for (p, y) in curve[1:] if p > delay]: the evaluations of updated policies,
+  from the initial one (`curve[0]`, policy step 0), on the axis "global steps with updates".
+
+  Raises:
+    ValueError: an empty curve, or one that does not start at policy step 0.
+  """
+  if not curve or curve[0][0] != 0:
+    raise ValueError(f"learning_curve: the curve must start at policy step 0, got {list(curve)[:1]}")
+  return [(0, curve[0][1])] + [(p - delay, y) for p, y in curve[1:] if p > delay]
+
+
+def run_metrics(summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """The per-run figures of the module docstring, from a finished run's `summary.json` and `metrics.jsonl`.
+
+  Returns:
+    {"initial", "best", "best_step", "peak", "final", "auc", "largest_drop", "below_initial", "delay",
+    "curve": [[policy step, pass@1]], "learning_curve": [[steps with updates, pass@1]]}.
+
+  Raises:
+    ValueError: the curve lacks the step-0 or the final evaluation, or it disagrees with `summary.json` (its
+      initial, final or best value): the two files are of different runs.
+  """
+  total = int(summary["config"]["total_steps"])
+  delay = int(summary["config"].get("delay", 0))
+  curve = eval_curve(records, total)
+  if not curve or curve[0][0] != 0 or curve[-1][0] != total:
+    raise ValueError(
+        f"metrics.jsonl: the held-out curve must run from policy step 0 to total_steps={total}, got steps "
+        f"{[s for s, _ in curve]}"
+    )
+  initial, final = summary["eval_after_sft"]["pass@1"], summary["eval_final"]["pass@1"]
+  best, best_step = summary["best"]["score"], summary["best"]["step"]
+  by_step = dict(curve)
+  for what, want, got in (
+      ("eval_after_sft", initial, curve[0][1]),
+      ("eval_final", final, curve[-1][1]),
+      ("best", best, by_step.get(best_step)),
+  ):
+    if got is None or not math.isclose(want, got, rel_tol=1e-9, abs_tol=1e-12):
+      raise ValueError(f"summary.json {what} pass@1 {want} differs from metrics.jsonl's {got}: files of two runs")
+  learning = learning_curve(curve, delay)
+  return {
+      "initial": float(initial),
+      "best": float(best),
+      "best_step": int(best_step),
+      "peak": max(y for _, y in learning[1:]) if len(learning) > 1 else float(initial),
+      "final": float(final),
+      "auc": curve_auc(learning),
+      "largest_drop": largest_drop(learning),
+      "below_initial": falls_below(learning, initial),
+      "delay": delay,
+      "curve": [[s, y] for s, y in curve],
+      "learning_curve": [[s, y] for s, y in learning],
+  }
+
+
+def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+  """(summary, metrics records) of a finished run, or None when `run_dir/summary.json` does not exist yet.
+
+  Raises:
+    ValueError: naming `run_dir` when a file is missing or not JSON.
+  """
+  path = os.path.join(run_dir, "summary.json")
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path) as f:
+      summary = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f if line.strip()]
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{run_dir}: cannot read its summary.json and metrics.jsonl ({type(e).__name__}: {e})") from e
+  return summary, records
+
+
+# ------------------------------------------------------------------------------------------------ cells
+def cell_label(cell: Sequence[tuple[str, Any]], drop: Sequence[str] = ()) -> str:
+  """ "method=grpo, delay=8" (short field names; fields in `drop` left out)."""
+  short = short_names([f for f, _ in cell])
+  return ", ".join(f"{short[f]}={v}" for f, v in cell if f not in drop)
+
+
+def _cells(runs: Sequence[Run]) -> dict[str, tuple[tuple[str, Any], ...]]:
+  return {r.cell_name: r.cell for r in runs}
+
+
+def cell_stats(
+    per_run: Mapping[str, Mapping[str, Any]], runs: Sequence[Run], method: str = "t"
+) -> list[dict[str, Any]]:
+  """Per cell (in run order): its seeds with results, those missing, each figure's `Interval` over the seeds, and
+  the count below their initial value.
+
+  Args:
+    per_run: run name -> `run_metrics` (finished runs only).
+    runs: every run of the study.
+    method: `mean_ci`'s method.
+  """
+  out = []
+  for name, cell in _cells(runs).items():
+    mine = [r for r in runs if r.cell_name == name]
+    done = [r for r in mine if r.name in per_run]
+    entry: dict[str, Any] = {
+        "cell": name,
+        "label": cell_label(cell),
+        "overrides": dict(cell),
+        "seeds": [r.seed for r in done],
+        "missing_seeds": [r.seed for r in mine if r.name not in per_run],
+        "metrics": {},
+    }
+    if done:
+      for m in METRICS:
+        entry["metrics"][m] = mean_ci([per_run[r.name][m] for r in done], method=method).to_json()
+      entry["below_initial"] = sum(bool(per_run[r.name]["below_initial"]) for r in done)
+    out.append(entry)
+  return out
+
+
+def _partner(cell: tuple[tuple[str, Any], ...], field: str, ref: Any, cells: Mapping[str, tuple]) -> str | None:
+  """The cell with `field` set to `ref` (or without `field`) and otherwise equal to `cell`."""
+  rest = {k: v for k, v in cell if k != field}
+  for name, other in cells.items():
+    d = dict(other)
+    if d.get(field, ref) == ref and {k: v for k, v in d.items() if k != field} == rest:
+      return name
+  return None
+
+
+def paired_differences(
+    per_run: Mapping[str, Mapping[str, Any]],
+    runs: Sequence[Run],
+    comparisons: Sequence[tuple[str, Any]],
+    method: str = "t",
+) -> list[dict[str, Any]]:
+  """For each (field, ref) and each cell whose `field` is set to a value other than `ref`: reference - cell per
+  seed (on the seeds both finished), and the `Interval` of those differences per figure.
+
+  The reference cell has the same overrides but `field` = `ref` (or `field` unset: e.g. the prefix ablation
+  `loss.prefix_statistic=mean` pairs with the MinPRO cell that leaves it at its default "min"). Cells without a
+  reference cell, or without a seed in common with it, are left out.
+
+  Returns:
+    [{"field", "reference", "reference_cell", "cell", "label", "seeds", "metrics": {figure: Interval json}}].
+  """
+  cells = _cells(runs)
+  by_cell_seed = {(r.cell_name, r.seed): r.name for r in runs}
+  out = []
+  for field, ref in comparisons:
+    for name, cell in cells.items():
+      d = dict(cell)
+      if field not in d or d[field] == ref:
+        continue
+      ref_name = _partner(cell, field, ref, cells)
+      if ref_name is None:
+        continue
+      seeds = [
+          s
+          for (c, s), run in by_cell_seed.items()
+          if c == name and run in per_run and by_cell_seed.get((ref_name, s)) in per_run
+      ]
+      if not seeds:
+        continue
+      metrics = {}
+      for m in PAIRED_METRICS:
+        diffs = [per_run[by_cell_seed[(ref_name, s)]][m] - per_run[by_cell_seed[(name, s)]][m] for s in seeds]
+        metrics[m] = mean_ci(diffs, method=method).to_json()
+      short = short_names([field])[field]
+      others = cell_label(cell, drop=(field,))
+      out.append(
+          {
+              "field": field,
+              "reference": ref,
+              "reference_cell": ref_name,
+              "cell": name,
+              "label": f"{short}: {ref} - {d[field]}" + (f" ({others})" if others else ""),
+              "seeds": seeds,
+              "metrics": metrics,
+          }
+      )
+  return out
+
+
+def aggregate(
+    study_dir: str,
+    runs: Sequence[Run],
+    comparisons: Sequence[tuple[str, Any]] = (),
+    method: str = "t",
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+  """The study's summary from the run directories `study_dir/<run.name>` (unfinished runs are listed, not used).
+
+  Returns:
+    {"level", "interval_method", "runs": {name: run_metrics}, "unfinished": [names], "cells": `cell_stats`,
+    "paired": `paired_differences`, **extra}.
+
+  Raises:
+    ValueError: naming the run whose summary.json and metrics.jsonl disagree (`run_metrics`).
+  """
+  per_run, unfinished = {}, []
+  for r in runs:
+    loaded = load_run(os.path.join(study_dir, r.name))
+    if loaded is None:
+      unfinished.append(r.name)
+      continue
+    try:
+      per_run[r.name] = run_metrics(*loaded)
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"{os.path.join(study_dir, r.name)}: {e}") from e
+  return {
+      **(extra or {}),
+      "level": LEVEL,
+      "interval_method": method,
+      "runs": per_run,
+      "unfinished": unfinished,
+      "cells": cell_stats(per_run, runs, method),
+      "paired": paired_differences(per_run, runs, comparisons, method),
+  }
+
+
+# ------------------------------------------------------------------------------------------------ markdown
+def _pct(iv: Mapping[str, Any] | None, signed: bool = False) -> str:
+  """ "26.4 [22.1, 30.7]" in percentage points; "26.4 (n=1)" without an interval."""
+  if not iv:
+    return "-"
+  f = "{:+.1f}" if signed else "{:.1f}"
+  m = f.format(100 * iv["mean"])
+  if iv["low"] is None:
+    return f"{m} (n=1)"
+  return f"{m} [{f.format(100 * iv['low'])}, {f.format(100 * iv['high'])}]"
+
+
+def to_markdown(result: Mapping[str, Any]) -> str:
+  """The summary as Markdown: the cell table and the paired differences (percentage points, 95 % intervals)."""
+  lvl = round(100 * result["level"])
+  lines = []
+  if result.get("description"):
+    lines += [result["description"], ""]
+  lines += [
+      f"Held-out pass@1 in %, mean over seeds [{lvl} % {result['interval_method']}-interval]. best: the trainer's "
+      "selection (pre-update evaluations included); peak: the best evaluation of an updated policy; AUC: "
+      "time-averaged over the update steps; drop: the largest fall between consecutive evaluations.",
+      "",
+      "| cell | seeds | initial | best | peak | final | AUC | largest drop | below initial |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for c in result["cells"]:
+    m = c["metrics"]
+    n = len(c["seeds"])
+    miss = f" (+{len(c['missing_seeds'])} unfinished)" if c["missing_seeds"] else ""
+    below = f"{c['below_initial']}/{n}" if n else "-"
+    lines.append(
+        f"| {c['label']} | {n}{miss} | "
+        + " | ".join(_pct(m.get(k)) for k in ("initial", "best", "peak", "final", "auc", "largest_drop"))
+        + f" | {below} |"
+    )
+  if result["paired"]:
+    lines += [
+        "",
+        f"Paired differences, reference - cell, on the seeds both ran (points; [{lvl} % interval]; * = the "
+        "interval excludes 0).",
+        "",
+        "| comparison | seeds | best | peak | final | AUC | largest drop |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in result["paired"]:
+      cols = []
+      for k in PAIRED_METRICS:
+        iv = p["metrics"][k]
+        star = " *" if Interval(**iv).excludes(0.0) else ""
+        cols.append(_pct(iv, signed=True) + star)
+      lines.append(f"| {p['label']} | {len(p['seeds'])} | " + " | ".join(cols) + " |")
+  if result["unfinished"]:
+    lines += ["", f"Unfinished runs ({len(result['unfinished'])}): " + ", ".join(result["unfinished"])]
+  return "\n".join(lines) + "\n"
+
+
+def write_summary(study_dir: str, result: Mapping[str, Any]) -> list[str]:
+  """Writes `study_dir/summary.json` and `study_dir/summary.md`; returns their paths."""
+  paths = [os.path.join(study_dir, "summary.json"), os.path.join(study_dir, "summary.md")]
+  for path, text in zip(paths, (json.dumps(result, indent=2) + "\n", to_markdown(result))):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  return paths

@@ -1,0 +1,525 @@
+"""Study grids: a Python file with `get_grid(arg=None) -> Grid`, expanded into named training runs.
+
+A grid names a base config (`path[:arg]`, as `--config=` takes it), overrides shared by every run (`fixed`), axes
+crossed in order (`axes`: field -> values), explicit extra cells (`cells`: override dicts, e.g. an ablation only at
+the largest delay) and the seeds. Each (cell, seed) is one run of `python -m minpro_jax.train` in its own workdir,
+named from its overrides: `loss.method=grpo,delay=8,seed=1` -> `method-grpo_delay-8_seed-1`.
+
+Runs are ordered seed-major (every cell at seed 0, then every cell at seed 1, ...), so a study stopped half way
+has whole seeds of the grid rather than all seeds of half the cells.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import importlib.util
+import itertools
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from minpro_jax.errors import UserError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Fields the runner sets itself: a grid that sets them would give two runs one workdir or one seed.
+RESERVED_FIELDS = ("workdir", "seed")
+_SCALAR = (bool, int, float, str)
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9.+=-]")
+
+
+class GridError(UserError, ValueError):
+  """A grid file is invalid; the message names the grid field (`grid.axes`, `grid.cells[2]`, ...) and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """What a grid file's `get_grid(arg)` returns.
+
+  Attributes:
+    base: the base config, `path[:arg]` as `--config=` takes it; a relative path is looked up in the current
+      directory, then in the repository root.
+    axes: dotted config field -> the values it takes; the cells are the product of the axes, first axis slowest.
+    seeds: the seeds every cell runs with (`--config.seed`).
+    fixed: dotted config field -> value, for every run (not part of the run names).
+    cells: explicit cells besides the product: each an override dict (every field of it named in the run name).
+    derived: optional function of a cell's overrides -> more overrides for that cell (not named), e.g.
+      `total_steps` from `delay`, so that every delay makes the same number of updates.
+    comparisons: (field, reference value) pairs: the aggregation reports, for every cell whose `field` is set to
+      another value, the paired difference reference - cell over the seeds both ran, the reference cell being the
+      same overrides with `field` set to the reference value (or absent from them).
+    panel: a field with one plot panel per value (e.g. "delay"); None = one panel.
+    description: one line for the study's summary.
+  """
+
+  base: str
+  axes: Mapping[str, Sequence[Any]] = dataclasses.field(default_factory=dict)
+  seeds: Sequence[int] = (0,)
+  fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  cells: Sequence[Mapping[str, Any]] = ()
+  derived: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+  comparisons: Sequence[tuple[str, Any]] = ()
+  panel: str | None = None
+  description: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One training run of a study.
+
+  Attributes:
+    name: the run's directory name under the study workdir, e.g. "method-grpo_delay-8_seed-1".
+    cell: the cell's named overrides, ((field, value), ...) in grid order (no seed).
+    seed: `config.seed`.
+    extra: the overrides of `Grid.derived` for the cell, ((field, value), ...) (not in the name).
+  """
+
+  name: str
+  cell: tuple[tuple[str, Any], ...]
+  seed: int
+  extra: tuple[tuple[str, Any], ...] = ()
+
+  @property
+  def label(self) -> str:
+    """The overrides as one readable line: "loss.method=grpo,delay=8,seed=1"."""
+    return ",".join(f"{k}={v}" for k, v in (*self.cell, ("seed", self.seed)))
+
+  @property
+  def cell_name(self) -> str:
+    """The name without its seed part: the same for every seed of a cell."""
+    return self.name.rsplit("_seed-", 1)[0]
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+        "name": self.name,
+        "cell": [list(kv) for kv in self.cell],
+        "seed": self.seed,
+        "extra": [list(kv) for kv in self.extra],
+    }
+
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]) -> "Run":
+    return cls(
+        name=d["name"],
+        cell=tuple((k, _tuplify(v)) for k, v in d["cell"]),
+        seed=int(d["seed"]),
+        extra=tuple((k, _tuplify(v)) for k, v in d.get("extra", ())),
+    )
+
+
+def _tuplify(v: Any) -> Any:
+  return tuple(v) if isinstance(v, list) else v
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def split_spec(spec: str) -> tuple[str, str | None]:
+  """ "path.py:arg" -> ("path.py", "arg"); "path.py" -> ("path.py", None)."""
+  path, sep, arg = spec.partition(":")
+  return path, (arg if sep else None)
+
+
+def resolve_path(path: str) -> str | None:
+  """`path` if it exists (absolute or from the current directory), else from the repository root, else None."""
+  for p in (path, os.path.join(REPO, path)):
+    if os.path.isfile(p):
+      return os.path.abspath(p)
+  return None
+
+
+def load_grid(spec: str) -> Grid:
+  """The `Grid` of `--grid=path[:arg]`: the file's `get_grid(arg)` (`get_grid()` without an arg).
+
+  Raises:
+    GridError: the file is missing or has no `get_grid`, or `get_grid` fails or returns no `Grid` (or dict of its
+      fields), or the grid is malformed (see `check_grid`).
+  """
+  path, arg = split_spec(spec)
+  found = resolve_path(path)
+  if found is None:
+    raise GridError(f"--grid={spec}: no such file {path!r} (from {os.getcwd()} or {REPO}); pass a grid .py file")
+  mod_spec = importlib.util.spec_from_file_location(f"minpro_study_grid_{abs(hash(found))}", found)
+  mod = importlib.util.module_from_spec(mod_spec)
+  try:
+    mod_spec.loader.exec_module(mod)
+  except Exception as e:  # noqa: BLE001 - a grid file that does not import is the user's file: name it
+    raise GridError(f"--grid={spec}: the file does not load ({type(e).__name__}: {e})") from e
+  if not callable(getattr(mod, "get_grid", None)):
+    raise GridError(f"--grid={spec}: the file has no get_grid(arg=None) function; define one returning a Grid")
+  try:
+    grid = mod.get_grid(arg) if arg is not None else mod.get_grid()
+  except (TypeError, ValueError) as e:
+    raise GridError(f"--grid={spec}: get_grid({arg!r}) failed: {e}") from e
+  if isinstance(grid, Mapping):
+    unknown = sorted(set(grid) - {f.name for f in dataclasses.fields(Grid)})
+    if unknown:
+      raise GridError(f"--grid={spec}: get_grid returned unknown keys {unknown}; a Grid has {_grid_fields()}")
+    grid = Grid(**grid)
+  if not isinstance(grid, Grid):
+    raise GridError(f"--grid={spec}: get_grid returned a {type(grid).__name__}; return a minpro_jax.study.grid.Grid")
+  check_grid(grid)
+  return grid
+
+
+def _grid_fields() -> list[str]:
+  return [f.name for f in dataclasses.fields(Grid)]
+
+
+def _check_value(where: str, field: str, value: Any, *, scalar: bool) -> None:
+  ok = isinstance(value, _SCALAR) or (
+      not scalar and isinstance(value, (tuple, list)) and all(isinstance(x, _SCALAR) for x in value)
+  )
+  if not ok:
+    kinds = "bool, int, float or str" + ("" if scalar else " (or a tuple of them)")
+    hint = "; to keep the base config's value, leave the field out" if value is None else ""
+    raise GridError(f"{where}: {field}={value!r} is of type {type(value).__name__}; a value must be a {kinds}{hint}")
+
+
+def check_grid(grid: Grid) -> None:
+  """Checks the grid's own structure (the fields against a config: `check_fields`).
+
+  Raises:
+    GridError: naming the grid field: no cells, a reserved field (workdir, seed), a field in both `fixed` and
+      `axes`, an empty axis, a value that is not a bool/int/float/str (tuples allowed in `fixed`), a repeated value
+      or seed, a cell repeated, a `comparisons` entry or `panel` naming a field of no cell.
+  """
+  if not isinstance(grid.base, str) or not grid.base:
+    raise GridError("grid.base: must be the base config path[:arg], e.g. 'minpro_jax/configs/default.py'")
+  if not isinstance(grid.axes, Mapping):
+    raise GridError(f"grid.axes: must be a dict field -> list of values, got a {type(grid.axes).__name__}")
+  seeds = list(grid.seeds)
+  if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+    raise GridError(f"grid.seeds: must be a non-empty list of ints, got {grid.seeds!r}")
+  if len(set(seeds)) != len(seeds):
+    raise GridError(f"grid.seeds: {seeds} repeats a seed; list each once")
+  for where, fields in (("grid.fixed", grid.fixed), ("grid.axes", grid.axes)):
+    for f in fields:
+      if f in RESERVED_FIELDS:
+        raise GridError(f"{where}: {f!r} is set by the runner (grid.seeds / --workdir); remove it from {where}")
+  both = sorted(set(grid.fixed) & set(grid.axes))
+  if both:
+    raise GridError(f"grid.axes: {both} are also in grid.fixed; keep each field in one of them")
+  for f, v in grid.fixed.items():
+    _check_value("grid.fixed", f, v, scalar=False)
+  for f, values in grid.axes.items():
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+      raise GridError(f"grid.axes: {f} must map to a non-empty list of values, got {values!r}")
+    for v in values:
+      _check_value("grid.axes", f, v, scalar=True)
+    if len(set(map(repr, values))) != len(values):
+      raise GridError(f"grid.axes: {f} lists a value twice ({list(values)}); list each once")
+  for i, cell in enumerate(grid.cells):
+    if not isinstance(cell, Mapping) or not cell:
+      raise GridError(f"grid.cells[{i}]: must be a non-empty dict field -> value, got {cell!r}")
+    for f, v in cell.items():
+      if f in RESERVED_FIELDS:
+        raise GridError(f"grid.cells[{i}]: {f!r} is set by the runner; remove it")
+      if f in grid.fixed:
+        raise GridError(f"grid.cells[{i}]: {f} is also in grid.fixed; keep each field in one of them")
+      _check_value(f"grid.cells[{i}]", f, v, scalar=True)
+  cells = grid_cells(grid)
+  if not cells:
+    raise GridError("grid: no cells; give grid.axes or grid.cells")
+  fields = {f for cell in cells for f, _ in cell}
+  for i, comp in enumerate(grid.comparisons):
+    if not (isinstance(comp, (tuple, list)) and len(comp) == 2 and isinstance(comp[0], str)):
+      raise GridError(f"grid.comparisons[{i}]: must be a (field, reference value) pair, got {comp!r}")
+    if comp[0] not in fields:
+      raise GridError(f"grid.comparisons[{i}]: {comp[0]!r} is no field of any cell; use one of {sorted(fields)}")
+  if grid.panel is not None and grid.panel not in fields:
+    raise GridError(f"grid.panel: {grid.panel!r} is no field of any cell; use one of {sorted(fields)} or None")
+
+
+def grid_cells(grid: Grid) -> list[tuple[tuple[str, Any], ...]]:
+  """The cells: the product of the axes (first axis slowest), then `grid.cells`, as ((field, value), ...).
+
+  Raises:
+    GridError: `grid.cells[i]` repeats a cell of the product or an earlier one.
+  """
+  out = []
+  if grid.axes:
+    fields = list(grid.axes)
+    out = [tuple(zip(fields, values)) for values in itertools.product(*(grid.axes[f] for f in fields))]
+  seen = {_cell_key(c): None for c in out}
+  for i, cell in enumerate(grid.cells):
+    c = tuple(cell.items())
+    if _cell_key(c) in seen:
+      raise GridError(f"grid.cells[{i}]: {dict(cell)} is already a cell of the grid; remove it")
+    seen[_cell_key(c)] = None
+    out.append(c)
+  return out
+
+
+def _cell_key(cell: tuple[tuple[str, Any], ...]) -> tuple:
+  return tuple(sorted((k, repr(v)) for k, v in cell))
+
+
+# ------------------------------------------------------------------------------------------------ naming
+def short_names(fields: Sequence[str]) -> dict[str, str]:
+  """field -> its name part: the last dotted component ("loss.method" -> "method"), or the whole dotted path
+  where two fields share their last component."""
+  last = [f.rsplit(".", 1)[-1] for f in fields]
+  return {f: (s if last.count(s) == 1 else f) for f, s in zip(fields, last)}
+
+
+def format_name_value(v: Any) -> str:
+  """A value as a directory-name part: `str`, with characters other than [A-Za-z0-9.+=-] as '~'."""
+  return _NAME_UNSAFE.sub("~", str(v))
+
+
+def expand(grid: Grid) -> list[Run]:
+  """The grid's runs, seed-major (every cell at seeds[0], then at seeds[1], ...).
+
+  Raises:
+    GridError: two runs would get the same directory name (values that differ only in characters a name
+      cannot hold), or `grid.derived` returns a field that is no str-keyed scalar/tuple or overlaps the cell.
+  """
+  cells = grid_cells(grid)
+  fields = list(dict.fromkeys(f for cell in cells for f, _ in cell))
+  short = short_names(fields)
+  order = {f: i for i, f in enumerate(fields)}
+  runs, names = [], {}
+  for seed in grid.seeds:
+    for cell in cells:
+      cell = tuple(sorted(cell, key=lambda kv: order[kv[0]]))
+      extra = _derived(grid, cell)
+      name = "_".join(f"{short[f]}-{format_name_value(v)}" for f, v in cell) + f"_seed-{seed}"
+      if name in names:
+        raise GridError(
+            f"grid: runs {names[name]} and {Run(name, cell, seed).label} would share the directory {name}; "
+            "make the values differ in letters, digits or . + = -"
+        )
+      names[name] = Run(name, cell, seed).label
+      runs.append(Run(name=name, cell=cell, seed=seed, extra=extra))
+  return runs
+
+
+def _derived(grid: Grid, cell: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+  if grid.derived is None:
+    return ()
+  out = grid.derived(dict(cell))
+  if not isinstance(out, Mapping):
+    raise GridError(f"grid.derived: must return a dict field -> value, returned {out!r} for {dict(cell)}")
+  for f, v in out.items():
+    if f in RESERVED_FIELDS or f in dict(cell) or f in grid.fixed:
+      raise GridError(f"grid.derived: returns {f!r} for {dict(cell)}, which the cell, grid.fixed or the runner sets")
+    _check_value("grid.derived", f, v, scalar=False)
+  return tuple(out.items())
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def format_cli_value(v: Any) -> str:
+  """A value as `--config.FIELD=` takes it (ml_collections): tuples as "(a,b,)", the rest as `str`."""
+  if isinstance(v, (tuple, list)):
+    return "(" + "".join(f"{format_cli_value(x)}," for x in v) + ")"
+  return str(v)
+
+
+def run_overrides(grid: Grid, run: Run, workdir: str) -> dict[str, Any]:
+  """Every `--config.FIELD` of `run`: fixed, then the cell, the derived fields, the seed and the workdir."""
+  return {**dict(grid.fixed), **dict(run.cell), **dict(run.extra), "seed": run.seed, "workdir": workdir}
+
+
+def train_argv(grid: Grid, run: Run, workdir: str, python: str = sys.executable) -> list[str]:
+  """The command of `run`: `python -m minpro_jax.train --config=<base> --config.FIELD=VALUE ...`.
+
+  `log.progress=False` is added unless the grid sets it (a progress bar in a log file is noise).
+  """
+  path, arg = split_spec(grid.base)
+  base = (resolve_path(path) or path) + (f":{arg}" if arg is not None else "")
+  ov = run_overrides(grid, run, workdir)
+  ov.setdefault("log.progress", False)
+  return [
+      python,
+      "-m",
+      "minpro_jax.train",
+      f"--config={base}",
+      *(f"--config.{k}={format_cli_value(v)}" for k, v in ov.items()),
+  ]
+
+
+@contextlib.contextmanager
+def _argv(argv: list[str]):
+  # ml_collections' config flag reads its overrides from sys.argv, whatever argv train.parse_config is given
+  saved = sys.argv
+  sys.argv = argv
+  try:
+    yield
+  finally:
+    sys.argv = saved
+
+
+def parse_run_config(argv: list[str]):
+  """The locked config the trainer will build from `argv` (a `train_argv`), parsed by `train.parse_config`.
+
+  Raises:
+    UserError: from `minpro_jax.train.parse_config` (an unknown field, a value that does not parse).
+  """
+  from minpro_jax.train import parse_config
+
+  args = [argv[0], *argv[3:]]  # drop "-m minpro_jax.train"
+  with _argv(args):
+    return parse_config(args)
+
+
+def _get(config, field: str) -> Any:
+  node = config
+  for part in field.split("."):
+    node = node[part]
+  return node
+
+
+def check_fields(grid: Grid, config) -> None:
+  """Checks every field the grid sets against the base config `config` (an ml_collections ConfigDict): it exists
+  and takes the value's type (ints are accepted for float fields, lists for tuple fields).
+
+  Raises:
+    GridError: naming the grid field (`grid.axes`, `grid.fixed`, `grid.cells[i]`), the config field and the fix.
+  """
+  import copy
+
+  probe = copy.deepcopy(config)
+  probe.lock()
+  sources = [
+      ("grid.fixed", list(grid.fixed.items())),
+      ("grid.axes", [(f, v) for f, vs in grid.axes.items() for v in vs]),
+  ]
+  sources += [(f"grid.cells[{i}]", list(cell.items())) for i, cell in enumerate(grid.cells)]
+  for where, items in sources:
+    for field, value in items:
+      *parents, leaf = field.split(".")
+      node = probe
+      try:
+        for i, p in enumerate(parents):
+          node = node[p]
+          if not hasattr(node, "keys"):
+            raise KeyError(".".join(parents[: i + 1]))
+        keys = list(node.keys())
+        if leaf not in keys:
+          raise KeyError(leaf)
+      except (KeyError, AttributeError):
+        near = difflib.get_close_matches(field, _all_fields(config), n=1)
+        hint = f"did you mean {near[0]}?" if near else f"see {split_spec(grid.base)[0]} for the fields"
+        raise GridError(f"{where}: {field}: the base config {grid.base} has no such field; {hint}") from None
+      if hasattr(node[leaf], "keys"):
+        raise GridError(f"{where}: {field} is a group of fields; set its fields ({field}.<name>) instead")
+      try:
+        node[leaf] = value
+      except TypeError:
+        want = node.get_type(leaf).__name__ if hasattr(node, "get_type") else type(node[leaf]).__name__
+        raise GridError(
+            f"{where}: {field}={value!r} is of type {type(value).__name__}, the config field takes type {want}; "
+            f"write the value as a {want}"
+        ) from None
+
+
+def _all_fields(config, prefix: str = "") -> list[str]:
+  out = []
+  for k in config.keys():
+    v = config[k]
+    path = f"{prefix}{k}"
+    out += _all_fields(v, path + ".") if hasattr(v, "keys") else [path]
+  return out
+
+
+def plan(
+    grid: Grid, study_dir: str, python: str = sys.executable, validate: bool = True
+) -> list[tuple[Run, list[str], Any]]:
+  """Every run of `grid` with its command and the config that command gives, checked before anything runs.
+
+  Args:
+    grid: the study's grid.
+    study_dir: the study workdir; run r trains in `study_dir/r.name`.
+    python: the interpreter of the commands.
+    validate: also check every run's config with the trainer's `run_config.validate_config` (in a child process:
+      `validate_in_subprocess`).
+
+  Returns:
+    [(run, argv, config)] in run order.
+
+  Raises:
+    GridError: a grid field the base config lacks or of the wrong type (`check_fields`); a value that does not
+      survive the command line; a run whose config the trainer would refuse (the trainer's message, prefixed by
+      the run's name).
+  """
+  path, _ = split_spec(grid.base)
+  if resolve_path(path) is None:
+    raise GridError(f"grid.base: no such config file {path!r} (from {os.getcwd()} or {REPO}); fix the path")
+  runs = expand(grid)
+  base_argv = [python, "-m", "minpro_jax.train", f"--config={resolve_path(path)}{grid.base[len(path):]}"]
+  try:
+    base = parse_run_config(base_argv)
+  except UserError as e:
+    raise GridError(f"grid.base: {e}") from e
+  check_fields(grid, base)
+  out = []
+  for run in runs:
+    workdir = os.path.join(study_dir, run.name)
+    argv = train_argv(grid, run, workdir, python)
+    try:
+      config = parse_run_config(argv)
+    except UserError as e:
+      raise GridError(f"run {run.name}: {e}") from e
+    for field, value in run_overrides(grid, run, workdir).items():
+      got = _get(config, field)
+      if _tuplify(got) != _tuplify(value) and not (isinstance(value, (int, float)) and got == value):
+        raise GridError(
+            f"run {run.name}: {field}={value!r} reads back from the command line as {got!r}; use a value "
+            "that --config.FIELD=VALUE keeps"
+        )
+    out.append((run, argv, config))
+  if validate:
+    errors = validate_in_subprocess([(run.name, argv) for run, argv, _ in out], python)
+    for run, _, _ in out:
+      if errors.get(run.name):
+        raise GridError(f"run {run.name}: {errors[run.name]}")
+  return out
+
+
+def validate_in_subprocess(named_argvs: Sequence[tuple[str, list[str]]], python: str = sys.executable) -> dict:
+  """{run name: the trainer's config error or None}: `run_config.validate_config` of each command's config, in
+  one child process (`python -m minpro_jax.study.grid`), so that the runner itself never imports JAX (it forks
+  the training processes, and a fork of a process with JAX's threads can deadlock).
+
+  Raises:
+    GridError: the child process failed (its last output line).
+  """
+  import json
+  import subprocess
+
+  payload = json.dumps([[n, list(a)] for n, a in named_argvs])
+  r = subprocess.run(
+      [python, "-m", "minpro_jax.study.grid"], input=payload, capture_output=True, text=True, env=_child_env()
+  )
+  if r.returncode != 0:
+    tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+    raise GridError(f"grid: validating the runs' configs failed ({tail})")
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _child_env() -> dict[str, str]:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  return env
+
+
+def _validate_main() -> None:
+  """The child of `validate_in_subprocess`: reads [[name, argv], ...] (JSON) on stdin, prints {name: error}."""
+  import json
+
+  from minpro_jax import run_config
+
+  out = {}
+  for name, argv in json.loads(sys.stdin.read()):
+    try:
+      run_config.validate_config(parse_run_config(argv))
+      out[name] = None
+    except UserError as e:
+      out[name] = str(e)
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  _validate_main()

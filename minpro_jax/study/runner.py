@@ -1,0 +1,348 @@
+"""Runs a study's training runs as subprocesses, several at once, and survives being stopped and restarted.
+
+A run is `python -m minpro_jax.train ...` in `<study>/<run>`; its output goes to `<study>/<run>/study.log`.
+A run whose `summary.json` exists (the trainer writes it last, after the final evaluation) for the same config is
+done and skipped; any other run is (re)launched, and the trainer resumes it from its newest checkpoint. A failed
+run is recorded and the others go on. SIGINT / SIGTERM stop launching runs and pass SIGTERM to the running ones,
+which checkpoint after their current step and exit; a second signal kills them.
+
+`<study>/study.json` stores the grid's expanded run list; a study workdir holding another grid's list is refused
+(`check_study`) unless forced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from minpro_jax.errors import UserError
+from minpro_jax.study.grid import Grid, Run
+
+STUDY_FILE = "study.json"
+RUN_LOG = "study.log"
+# config fields that do not change a finished run's result: a summary.json differing only in them is still done
+IGNORED_FIELDS = ("workdir", "log", "checkpoint")
+_STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
+
+
+class StudyError(UserError, RuntimeError):
+  """The study workdir does not fit the grid (another grid's runs); the message names it and the fix."""
+
+
+# ------------------------------------------------------------------------------------------------ study.json
+def study_record(grid_spec: str, grid: Grid, runs: Sequence[Run]) -> dict[str, Any]:
+  """What `study.json` stores: the grid spec, base config, fixed overrides and the expanded runs (JSON)."""
+  return json.loads(
+      json.dumps(
+          {
+              "grid": grid_spec,
+              "base": grid.base,
+              "description": grid.description,
+              "fixed": dict(grid.fixed),
+              "comparisons": [list(c) for c in grid.comparisons],
+              "panel": grid.panel,
+              "runs": [r.to_json() for r in runs],
+          }
+      )
+  )
+
+
+def read_study(study_dir: str) -> dict[str, Any] | None:
+  """`study_dir/study.json`, or None when there is none."""
+  path = os.path.join(study_dir, STUDY_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def study_differences(stored: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
+  """What differs between a stored `study.json` and this grid's record, one phrase each ([] = the same study)."""
+  out = []
+  if stored.get("base") != record["base"]:
+    out.append(f"base config {stored.get('base')!r} there, {record['base']!r} here")
+  f0, f1 = stored.get("fixed", {}), record["fixed"]
+  for k in sorted(set(f0) | set(f1)):
+    if f0.get(k) != f1.get(k):
+      out.append(f"fixed {k}: {f0.get(k, '(unset)')!r} there, {f1.get(k, '(unset)')!r} here")
+  r0 = {r["name"]: r for r in stored.get("runs", [])}
+  r1 = {r["name"]: r for r in record["runs"]}
+  only_there, only_here = [n for n in r0 if n not in r1], [n for n in r1 if n not in r0]
+  if only_there:
+    out.append(
+        f"{len(only_there)} run(s) only there ({', '.join(only_there[:3])}{', ...' if len(only_there) > 3 else ''})"
+    )
+  if only_here:
+    out.append(f"{len(only_here)} run(s) only here ({', '.join(only_here[:3])}{', ...' if len(only_here) > 3 else ''})")
+  changed = [n for n in r1 if n in r0 and r0[n] != r1[n]]
+  if changed:
+    out.append(f"run(s) with other overrides: {', '.join(changed[:3])}")
+  return out
+
+
+def check_study(study_dir: str, record: Mapping[str, Any], force: bool = False) -> None:
+  """Refuses a study workdir whose `study.json` holds another grid's runs (unless `force`).
+
+  Raises:
+    StudyError: naming the workdir, the stored grid and what differs.
+  """
+  stored = read_study(study_dir)
+  if stored is None or force:
+    return
+  diff = study_differences(stored, record)
+  if diff:
+    raise StudyError(
+        f"--workdir={study_dir}: it holds the study of --grid={stored.get('grid')} with other runs ("
+        + "; ".join(diff)
+        + "); use another --workdir, or pass --force to replace its study.json (finished runs whose config "
+        "changed are then relaunched, and the trainer refuses to resume a checkpoint of other settings)"
+    )
+
+
+def write_study(study_dir: str, record: Mapping[str, Any]) -> str:
+  """Writes `record` to `study_dir/study.json` (atomically); returns the path."""
+  os.makedirs(study_dir, exist_ok=True)
+  path = os.path.join(study_dir, STUDY_FILE)
+  tmp = path + f".tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=2)
+    f.write("\n")
+  os.replace(tmp, path)
+  return path
+
+
+# ------------------------------------------------------------------------------------------------ run status
+def _normalized(d: Mapping[str, Any]) -> dict[str, Any]:
+  return {k: v for k, v in json.loads(json.dumps(dict(d), default=str)).items() if k not in IGNORED_FIELDS}
+
+
+def config_differences(stored: Mapping[str, Any], want: Mapping[str, Any], prefix: str = "") -> list[str]:
+  """The dotted fields whose values differ between two config dicts (`IGNORED_FIELDS` left out at the top)."""
+  a, b = (_normalized(stored), _normalized(want)) if not prefix else (dict(stored), dict(want))
+  out = []
+  for k in sorted(set(a) | set(b)):
+    x, y = a.get(k), b.get(k)
+    if isinstance(x, dict) and isinstance(y, dict):
+      out += config_differences(x, y, f"{prefix}{k}.")
+    elif x != y:
+      out.append(f"{prefix}{k}")
+  return out
+
+
+def run_status(run_dir: str, config: Any = None) -> tuple[str, list[str]]:
+  """(status, differing fields) of a run's workdir. status: "done" (summary.json of the same config: skipped),
+  "stale" (summary.json of another config; the fields are listed), "partial" (started, not finished: the trainer
+  resumes it) or "new".
+
+  Args:
+    run_dir: the run's workdir.
+    config: the run's expected config (a ConfigDict or dict); None = any summary.json counts as done.
+  """
+  path = os.path.join(run_dir, "summary.json")
+  if os.path.isfile(path):
+    try:
+      with open(path) as f:
+        stored = json.load(f)["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+      return "partial", []  # unreadable: the trainer rewrites it when the run is resumed to its end
+    if config is None:
+      return "done", []
+    diff = config_differences(stored, config.to_dict() if hasattr(config, "to_dict") else config)
+    return ("stale", diff) if diff else ("done", [])
+  started = os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) or os.path.isdir(
+      os.path.join(run_dir, "checkpoints")
+  )
+  return ("partial" if started else "new"), []
+
+
+def check_not_stale(study_dir: str, status: Mapping[str, tuple[str, list[str]]]) -> None:
+  """Refuses to run when a run finished with another config: relaunching it would only repeat its final evaluation
+  (the trainer resumes its last checkpoint, and does not check every field, e.g. the learning rate).
+
+  Raises:
+    StudyError: naming the runs, the fields that differ and the fix (delete the run directories).
+  """
+  stale = {name: diff for name, (st, diff) in status.items() if st == "stale"}
+  if stale:
+    shown = "; ".join(f"{n} ({', '.join(d[:4])}{', ...' if len(d) > 4 else ''})" for n, d in list(stale.items())[:3])
+    raise StudyError(
+        f"--workdir={study_dir}: {len(stale)} run(s) finished with another config than the grid gives: {shown}"
+        f"{'; ...' if len(stale) > 3 else ''}. Delete those run directories to run them again with this grid, "
+        "or restore the grid they ran with"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ execution
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """One subprocess: `argv` run in the current directory, its output appended to `run_dir/study.log`."""
+
+  name: str
+  argv: Sequence[str]
+  run_dir: str
+
+
+@dataclasses.dataclass
+class Outcome:
+  """How a job ended: status "done" | "failed" | "stopped" | "not started", exit code, seconds, one-line reason."""
+
+  name: str
+  status: str
+  returncode: int | None = None
+  seconds: float = 0.0
+  message: str = ""
+
+
+def _load_prctl():
+  try:
+    return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+  except (OSError, AttributeError):
+    return None
+
+
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None  # resolved here, not in the forked child
+
+
+def _die_with_parent() -> None:
+  # the child gets SIGTERM if the runner dies (even by SIGKILL), so no orphan trains on unseen
+  _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _last_error(log_path: str) -> str:
+  """The log's last "error:" line, else its last non-empty line."""
+  try:
+    with open(log_path, errors="replace") as f:
+      lines = [ln.strip() for ln in f.readlines()[-200:] if ln.strip() and not ln.startswith("=== ")]
+  except OSError:
+    return ""
+  errs = [ln for ln in lines if ln.startswith("error:")]
+  return (errs or lines or [""])[-1][:400]
+
+
+def _now() -> str:
+  return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+class Executor:
+  """Runs jobs, at most `jobs` at once, until all ended or a signal stopped them.
+
+  Args:
+    jobs: the number of subprocesses at once (>= 1).
+    env: the subprocesses' environment (default: this process's).
+    log: called with each progress line (default: print to stdout).
+    study_log: a file that gets the same lines, timestamped (None = none).
+    poll_s: seconds between polls of the running subprocesses.
+  """
+
+  def __init__(
+      self,
+      jobs: int = 1,
+      env: Mapping[str, str] | None = None,
+      log: Callable[[str], None] | None = None,
+      study_log: str | None = None,
+      poll_s: float = 0.2,
+  ):
+    if jobs < 1:
+      raise StudyError(f"--jobs={jobs}: must be >= 1")
+    self.jobs, self.env, self.poll_s = jobs, dict(env) if env is not None else None, poll_s
+    self._log, self.study_log = log or (lambda s: print(s, flush=True)), study_log
+    self.stop_signal: int | None = None
+    self._signals = 0
+
+  def say(self, line: str) -> None:
+    self._log(line)
+    if self.study_log:
+      with open(self.study_log, "a") as f:
+        f.write(f"{_now()} {line}\n")
+
+  def _handler(self, signum, frame) -> None:
+    del frame
+    self._signals += 1
+    self.stop_signal = self.stop_signal or signum
+
+  def run(self, jobs: Sequence[Job]) -> list[Outcome]:
+    """Runs `jobs` in order; returns their outcomes in order ("not started" for those a signal kept back).
+
+    SIGINT / SIGTERM while it runs: no job starts any more and the running ones get SIGTERM (they checkpoint and
+    exit); a second signal SIGKILLs them. `stop_signal` then holds the first signal.
+    """
+    previous = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    pending = list(jobs)
+    active: dict[str, tuple[subprocess.Popen, Any, float, Job]] = {}
+    outcomes: dict[str, Outcome] = {}
+    forwarded = killed = False
+    try:
+      while pending or active:
+        if self.stop_signal is not None and not forwarded:
+          forwarded = True
+          self.say(f"signal {self.stop_signal}: stopping {len(active)} running run(s) (they checkpoint first)")
+          for p, *_ in active.values():
+            _send(p, signal.SIGTERM)
+        if self._signals >= 2 and not killed:
+          killed = True
+          self.say("second signal: killing the running runs")
+          for p, *_ in active.values():
+            _send(p, signal.SIGKILL)
+        while pending and len(active) < self.jobs and self.stop_signal is None:
+          job = pending.pop(0)
+          active[job.name] = self._start(job)
+        for name, (p, logf, t0, job) in list(active.items()):
+          rc = p.poll()
+          if rc is None:
+            continue
+          logf.write(f"=== {_now()} exit {rc} after {time.time() - t0:.0f} s\n")
+          logf.close()
+          del active[name]
+          outcomes[name] = self._outcome(job, rc, time.time() - t0, stopping=self.stop_signal is not None)
+          o = outcomes[name]
+          self.say(f"{o.status:8s} {name} (exit {rc}, {o.seconds:.0f} s){': ' + o.message if o.message else ''}")
+        if self.stop_signal is not None and not active:
+          break
+        time.sleep(self.poll_s)
+    finally:
+      for p, logf, _, _ in active.values():  # an exception in this loop: leave no child behind
+        _send(p, signal.SIGKILL)
+        p.wait()
+        logf.close()
+      for s, h in previous.items():
+        signal.signal(s, h)
+    return [outcomes.get(j.name) or Outcome(j.name, "not started") for j in jobs]
+
+  def _start(self, job: Job):
+    os.makedirs(job.run_dir, exist_ok=True)
+    logf = open(os.path.join(job.run_dir, RUN_LOG), "a")
+    logf.write(f"=== {_now()} launch: {shlex.join(job.argv)}\n")
+    logf.flush()
+    kw = {"preexec_fn": _die_with_parent} if _PRCTL is not None else {}
+    p = subprocess.Popen(
+        list(job.argv), stdout=logf, stderr=subprocess.STDOUT, env=self.env, start_new_session=True, **kw
+    )
+    self.say(f"launch   {job.name} (pid {p.pid})")
+    return p, logf, time.time(), job
+
+  def _outcome(self, job: Job, rc: int, seconds: float, stopping: bool) -> Outcome:
+    log = os.path.join(job.run_dir, RUN_LOG)
+    if rc == 0 and os.path.isfile(os.path.join(job.run_dir, "summary.json")):
+      return Outcome(job.name, "done", rc, seconds)
+    if stopping and rc in _STOPPED_CODES:
+      return Outcome(job.name, "stopped", rc, seconds, "checkpointed; a restart resumes it")
+    if rc == 0:
+      return Outcome(job.name, "failed", rc, seconds, f"exited 0 without writing summary.json; see {log}")
+    return Outcome(job.name, "failed", rc, seconds, f"{_last_error(log)} (see {log})")
+
+
+def _send(p: subprocess.Popen, sig: int) -> None:
+  try:
+    p.send_signal(sig)
+  except ProcessLookupError:
+    pass

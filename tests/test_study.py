@@ -1,0 +1,484 @@
+"""The study runner (minpro_jax/study/): intervals and per-run figures against hand computations, grid expansion
+and naming, the study.json guard, skip-finished logic, the executor's failures and signals, the dry run, the
+aggregation outputs; and (slow) the smoke grid end to end: dry run, a run stopped and restarted, aggregation."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from train_helpers import REPO, cli_env
+
+from minpro_jax.configs.studies import minpro_staleness
+from minpro_jax.study import __main__ as study_cli
+from minpro_jax.study import aggregate, grid, runner
+from minpro_jax.study.aggregate import Interval, curve_auc, eval_curve, falls_below, largest_drop, mean_ci
+from minpro_jax.study.grid import Grid, GridError, Run
+
+SMOKE = os.path.join(REPO, "minpro_jax", "configs", "studies", "smoke.py")
+STALENESS = os.path.join(REPO, "minpro_jax", "configs", "studies", "minpro_staleness.py")
+T_975 = {1: 12.706204736174698, 2: 4.302652729749462, 3: 3.182446305284263}  # Student-t quantiles (tables)
+
+
+# ------------------------------------------------------------------------------------------------ intervals
+def test_t_interval_matches_the_hand_computation():
+  iv = mean_ci([1.0, 2.0, 3.0, 4.0])
+  half = T_975[3] * math.sqrt(5 / 3) / 2  # s^2 = 5/3 (ddof 1), n = 4
+  assert iv.mean == 2.5 and iv.n == 4 and iv.method == "t"
+  np.testing.assert_allclose([iv.low, iv.high], [2.5 - half, 2.5 + half], rtol=1e-12)
+  np.testing.assert_allclose([iv.low, iv.high], [0.44573974, 4.55426026], rtol=1e-7)
+  iv3 = mean_ci([0.20, 0.25, 0.24])  # three seeds: t_{0.975, 2} = 4.30
+  s = np.std([0.20, 0.25, 0.24], ddof=1)
+  np.testing.assert_allclose(iv3.high - iv3.mean, T_975[2] * s / math.sqrt(3), rtol=1e-12)
+
+
+def test_one_value_has_no_interval_and_constant_values_a_zero_width_one():
+  for method in ("t", "bootstrap"):
+    one = mean_ci([0.3], method=method)
+    assert (one.mean, one.low, one.high, one.n) == (0.3, None, None, 1) and not one.excludes(0.0)
+    const = mean_ci([0.25, 0.25, 0.25], method=method)
+    assert (const.low, const.high) == (0.25, 0.25)
+
+
+def test_bootstrap_of_large_normal_data_is_close_to_the_analytic_interval_and_deterministic():
+  x = np.random.default_rng(7).normal(0.3, 0.05, size=400)
+  iv = mean_ci(x, method="bootstrap")
+  half = 1.959963984540054 * x.std(ddof=1) / math.sqrt(x.size)
+  assert iv.mean == pytest.approx(x.mean(), abs=1e-15)
+  assert iv.low == pytest.approx(x.mean() - half, abs=0.1 * half)
+  assert iv.high == pytest.approx(x.mean() + half, abs=0.1 * half)
+  assert mean_ci(x, method="bootstrap") == iv  # seeded: the same files give the same summary
+  # at n = 4 the bootstrap is far narrower than the t-interval (why t is the default)
+  b, t = mean_ci([1.0, 2.0, 3.0, 4.0], method="bootstrap"), mean_ci([1.0, 2.0, 3.0, 4.0])
+  assert t.high - t.low > 1.8 * (b.high - b.low)
+
+
+@pytest.mark.parametrize(
+    "values, kw, match",
+    [
+        ([], {}, "no values"),
+        ([0.1, float("nan")], {}, "finite"),
+        ([1, 2], {"method": "z"}, "method"),
+        ([1, 2], {"level": 1.0}, "level"),
+    ],
+)
+def test_mean_ci_refuses_bad_input(values, kw, match):
+  with pytest.raises(ValueError, match=match):
+    mean_ci(values, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ one run
+CURVE = [(0, 0.10), (10, 0.30), (20, 0.20), (40, 0.20)]
+
+
+def test_curve_figures_on_a_hand_made_curve():
+  assert curve_auc(CURVE) == pytest.approx((0.2 * 10 + 0.25 * 10 + 0.2 * 20) / 40)  # 0.2125
+  assert largest_drop(CURVE) == pytest.approx(0.10)
+  assert largest_drop([(0, 0.1), (5, 0.2), (10, 0.3)]) == 0.0
+  assert not falls_below(CURVE, 0.10) and falls_below(CURVE + [(50, 0.05)], 0.10)
+  assert curve_auc([(0, 0.4)]) == 0.4
+  with pytest.raises(ValueError, match="increase"):
+    curve_auc([(0, 0.1), (0, 0.2)])
+
+
+def _records(curve, total):
+  """metrics.jsonl records of a run with this held-out curve: step 0 logged as -1, step s as s - 1, the final as
+  total_steps; training records without evaluations in between."""
+  recs = []
+  for s, y in curve:
+    recs.append({"step": s - 1 if s < total else total, "eval/pass@1": y, "eval/avg_score": y})
+  recs.insert(1, {"step": 0, "reward/mean": 0.5})
+  return recs
+
+
+def _summary(curve, total, delay=0):
+  best = max(curve, key=lambda sy: (sy[1], -sy[0]))  # the first evaluation with the highest pass@1
+  return {
+      "config": {"total_steps": total, "delay": delay},
+      "eval_after_sft": {"pass@1": curve[0][1]},
+      "eval_final": {"pass@1": curve[-1][1]},
+      "best": {"score": best[1], "step": best[0]},
+  }
+
+
+def test_eval_curve_maps_logged_steps_to_policy_steps():
+  assert eval_curve(_records(CURVE, 40), 40) == CURVE
+  with pytest.raises(ValueError, match="two evaluations at policy step 10"):
+    eval_curve(_records(CURVE, 40) + [{"step": 9, "eval/pass@1": 0.3}], 40)
+
+
+def test_run_metrics_and_files_of_two_runs():
+  m = aggregate.run_metrics(_summary(CURVE, 40), _records(CURVE, 40))
+  assert m["initial"] == 0.10 and m["best"] == 0.30 and m["best_step"] == 10 and m["final"] == 0.20
+  assert m["peak"] == 0.30 and m["learning_curve"] == [list(p) for p in CURVE]  # delay 0: every evaluation
+  assert m["auc"] == pytest.approx(0.2125) and m["largest_drop"] == pytest.approx(0.1) and not m["below_initial"]
+  bad = _summary(CURVE, 40)
+  bad["eval_final"]["pass@1"] = 0.5
+  with pytest.raises(ValueError, match="eval_final pass@1 0.5 differs"):
+    aggregate.run_metrics(bad, _records(CURVE, 40))
+  with pytest.raises(ValueError, match="from policy step 0 to total_steps=40"):
+    aggregate.run_metrics(_summary(CURVE, 40), _records(CURVE[:-1], 40))
+
+
+# ------------------------------------------------------------------------------------------------ cells
+def _ablation_grid(seeds=(0, 1, 2)):
+  return Grid(
+      base="minpro_jax/configs/default.py",
+      axes={"loss.method": ["minpro", "grpo"], "delay": [0, 16]},
+      cells=[{"loss.method": "minpro", "delay": 16, "loss.prefix_statistic": "mean"}],
+      seeds=seeds,
+      comparisons=(("loss.method", "minpro"), ("loss.prefix_statistic", "min")),
+      panel="delay",
+  )
+
+
+def _metrics(best, final=None):
+  final = best if final is None else final
+  return {
+      "initial": 0.1,
+      "best": best,
+      "peak": best,
+      "final": final,
+      "auc": best,
+      "largest_drop": 0.0,
+      "below_initial": False,
+  }
+
+
+def test_paired_differences_on_the_same_seeds():
+  runs = grid.expand(_ablation_grid())
+  best = {  # (cell name, seed) -> best
+      ("method-minpro_delay-16", 0): 0.30,
+      ("method-minpro_delay-16", 1): 0.32,
+      ("method-minpro_delay-16", 2): 0.28,
+      ("method-grpo_delay-16", 0): 0.20,
+      ("method-grpo_delay-16", 1): 0.25,
+      ("method-grpo_delay-16", 2): 0.24,
+      ("method-minpro_delay-16_prefix_statistic-mean", 0): 0.29,
+      ("method-minpro_delay-16_prefix_statistic-mean", 1): 0.31,
+  }  # the prefix ablation lacks seed 2; the delay-0 cells have no result at all
+  per_run = {r.name: _metrics(best[(r.cell_name, r.seed)]) for r in runs if (r.cell_name, r.seed) in best}
+  paired = {p["cell"]: p for p in aggregate.paired_differences(per_run, runs, _ablation_grid().comparisons)}
+  assert set(paired) == {"method-grpo_delay-16", "method-minpro_delay-16_prefix_statistic-mean"}
+  g = paired["method-grpo_delay-16"]
+  assert g["reference_cell"] == "method-minpro_delay-16" and g["seeds"] == [0, 1, 2]
+  assert g["label"] == "method: minpro - grpo (delay=16)"
+  d = np.asarray([0.10, 0.07, 0.04])
+  half = T_975[2] * d.std(ddof=1) / math.sqrt(3)
+  got = g["metrics"]["best"]
+  np.testing.assert_allclose([got["mean"], got["low"], got["high"]], [d.mean(), d.mean() - half, d.mean() + half])
+  # three positive differences, yet 0.07 +- 0.0745 includes 0: with 3 seeds t_{0.975, 2} = 4.30 is wide
+  assert not Interval(**got).excludes(0.0) and Interval(**got).excludes(-0.01)
+  # the ablation pairs with the MinPRO cell that leaves prefix_statistic at its default, on the 2 seeds both ran
+  a = paired["method-minpro_delay-16_prefix_statistic-mean"]
+  assert a["reference_cell"] == "method-minpro_delay-16" and a["seeds"] == [0, 1]
+  np.testing.assert_allclose(a["metrics"]["best"]["mean"], 0.01)
+
+
+def test_cell_stats_one_seed_cell_has_no_interval():
+  runs = grid.expand(_ablation_grid(seeds=(0, 1)))
+  per_run = {r.name: _metrics(0.2 + 0.01 * r.seed) for r in runs if r.cell_name != "method-grpo_delay-0" or r.seed == 0}
+  cells = {c["cell"]: c for c in aggregate.cell_stats(per_run, runs)}
+  one = cells["method-grpo_delay-0"]
+  assert one["seeds"] == [0] and one["missing_seeds"] == [1]
+  assert one["metrics"]["best"]["low"] is None and one["metrics"]["best"]["high"] is None
+  two = cells["method-minpro_delay-0"]["metrics"]["best"]
+  np.testing.assert_allclose([two["mean"], two["high"] - two["mean"]], [0.205, T_975[1] * 0.01 / 2])  # s = .01/sqrt 2
+  md = aggregate.to_markdown(
+      {"level": 0.95, "interval_method": "t", "cells": list(cells.values()), "paired": [], "unfinished": []}
+  )
+  assert "| method=grpo, delay=0 | 1 (+1 unfinished) | 10.0 (n=1) | 20.0 (n=1) |" in md
+
+
+# ------------------------------------------------------------------------------------------------ grids
+def test_grid_expansion_names_and_order():
+  runs = grid.expand(_ablation_grid(seeds=(0, 1)))
+  assert [r.name for r in runs[:5]] == [
+      "method-minpro_delay-0_seed-0",
+      "method-minpro_delay-16_seed-0",
+      "method-grpo_delay-0_seed-0",
+      "method-grpo_delay-16_seed-0",
+      "method-minpro_delay-16_prefix_statistic-mean_seed-0",
+  ]  # seed-major: every cell at seed 0 first
+  assert runs[3].label == "loss.method=grpo,delay=16,seed=0" and runs[3].cell_name == "method-grpo_delay-16"
+  assert len(runs) == 10 and runs[5].seed == 1
+  assert Run.from_json(json.loads(json.dumps(runs[4].to_json()))) == runs[4]
+  assert grid.short_names(["a.lr", "b.lr", "delay"]) == {"a.lr": "a.lr", "b.lr": "b.lr", "delay": "delay"}
+
+
+def test_the_staleness_grid():
+  g = grid.load_grid(STALENESS)
+  runs = grid.expand(g)
+  assert len(runs) == 72 and len({r.name for r in runs}) == 72
+  cells = {r.cell_name for r in runs}
+  assert len(cells) == 24 and "method-minpro_delay-16_prefix_statistic-geomean" in cells
+  learn = minpro_staleness.LEARN_STEPS
+  assert {dict(r.extra)["total_steps"] - dict(r.cell)["delay"] for r in runs} == {learn}  # equal updates per delay
+  assert len(grid.expand(grid.load_grid(STALENESS + ":5"))) == 120
+  planned = grid.plan(g, "/tmp/study", validate=False)  # every value reads back from the command line
+  cfg = dict((r.name, c) for r, _, c in planned)["method-minpro_delay-16_prefix_statistic-prod_seed-2"]
+  assert (cfg.loss.prefix_statistic, cfg.delay, cfg.total_steps, cfg.seed) == ("prod", 16, learn + 16, 2)
+  assert cfg.num_updates_per_step == minpro_staleness.UPDATES_PER_STEP and cfg.data.task_config.min_terms == 3
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            {"axes": {"loss.methd": ["grpo"]}},
+            r"grid\.axes: loss\.methd: the base config .* no such field; did you mean loss\.method\?",
+        ),
+        ({"axes": {"delay": ["8"]}}, r"grid\.axes: delay='8' is of type str, the config field takes type int"),
+        (
+            {"fixed": {"optimizer.learning_rate": "3e-4"}},
+            r"grid\.fixed: optimizer\.learning_rate='3e-4' .* takes type float",
+        ),
+        ({"axes": {"seed": [0, 1]}}, r"grid\.axes: 'seed' is set by the runner"),
+        ({"axes": {"delay": [0, 0]}}, r"grid\.axes: delay lists a value twice"),
+        ({"axes": {"delay": [None]}}, r"delay=None .* leave the field out"),
+        ({"cells": [{"delay": 0}], "axes": {"delay": [0]}}, r"grid\.cells\[0\]: \{'delay': 0\} is already a cell"),
+        (
+            {"comparisons": (("loss.method", "minpro"),)},
+            r"grid\.comparisons\[0\]: 'loss.method' is no field of any cell",
+        ),
+        ({"axes": {"loss": ["x"]}}, r"grid\.axes: loss is a group of fields"),
+    ],
+)
+def test_grid_mistakes_name_the_field(change, match):
+  g = Grid(**{"base": "minpro_jax/configs/default.py", "axes": {"delay": [0, 2]}, **change})
+  with pytest.raises(GridError, match=match):
+    grid.check_grid(g)
+    grid.plan(g, "/tmp/study", validate=False)
+
+
+def test_a_grid_file_that_returns_no_grid(tmp_path):
+  p = tmp_path / "g.py"
+  p.write_text("def get_grid(arg=None):\n  return 3\n")
+  with pytest.raises(GridError, match="returned a int; return a minpro_jax.study.grid.Grid"):
+    grid.load_grid(str(p))
+  with pytest.raises(GridError, match="no such file"):
+    grid.load_grid(str(tmp_path / "missing.py"))
+
+
+# ------------------------------------------------------------------------------------------------ workdir
+def test_study_json_of_another_grid_is_refused_unless_forced(tmp_path):
+  g = grid.load_grid(SMOKE)
+  rec = runner.study_record(SMOKE, g, grid.expand(g))
+  runner.check_study(str(tmp_path), rec)  # nothing stored yet
+  runner.write_study(str(tmp_path), rec)
+  runner.check_study(str(tmp_path), rec)  # the same grid
+  g2 = grid.load_grid(SMOKE + ":2")
+  rec2 = runner.study_record(SMOKE + ":2", g2, grid.expand(g2))
+  with pytest.raises(
+      runner.StudyError, match=r"holds the study of --grid=.*smoke.py with other runs \(4 run\(s\) only here .*--force"
+  ):
+    runner.check_study(str(tmp_path), rec2)
+  runner.check_study(str(tmp_path), rec2, force=True)
+  rec3 = json.loads(json.dumps(rec))
+  rec3["fixed"]["total_steps"] = 9
+  with pytest.raises(runner.StudyError, match=r"fixed total_steps: 3 there, 9 here"):
+    runner.check_study(str(tmp_path), rec3)
+
+
+def test_run_status_of_fake_workdirs(tmp_path):
+  cfg = {"total_steps": 3, "workdir": "a", "log": {"progress": False}, "delay": 1, "optimizer": {"lr": 1e-4}}
+  assert runner.run_status(str(tmp_path / "nothing"), cfg) == ("new", [])
+  (tmp_path / "p").mkdir()
+  (tmp_path / "p" / "metrics.jsonl").write_text('{"step": -1}\n')
+  assert runner.run_status(str(tmp_path / "p"), cfg) == ("partial", [])
+  (tmp_path / "d").mkdir()
+  (tmp_path / "d" / "summary.json").write_text(json.dumps({"config": {**cfg, "workdir": "elsewhere", "log": {}}}))
+  assert runner.run_status(str(tmp_path / "d"), cfg) == ("done", [])  # workdir and log fields do not count
+  other = {**cfg, "total_steps": 6, "optimizer": {"lr": 3e-4}}
+  assert runner.run_status(str(tmp_path / "d"), other) == ("stale", ["optimizer.lr", "total_steps"])
+  with pytest.raises(
+      runner.StudyError, match=r"1 run\(s\) finished with another config .*: d \(optimizer\.lr, total_steps\)"
+  ):
+    runner.check_not_stale(str(tmp_path), {"d": runner.run_status(str(tmp_path / "d"), other)})
+  (tmp_path / "d" / "summary.json").write_text("{")
+  assert runner.run_status(str(tmp_path / "d"), cfg) == ("partial", [])
+
+
+def _job(tmp_path, name, code):
+  return runner.Job(name, [sys.executable, "-c", code], str(tmp_path / name))
+
+
+def _ok_job(tmp_path, name, sleep):
+  """A job that records when it ran in times.txt and writes a summary.json."""
+  d = str(tmp_path / name)
+  code = (
+      f"import json, os, time; t0 = time.time(); time.sleep({sleep}); "
+      f"open(os.path.join({d!r}, 'times.txt'), 'w').write(f'{{t0}} {{time.time()}}'); "
+      f"json.dump({{}}, open(os.path.join({d!r}, 'summary.json'), 'w'))"
+  )
+  return _job(tmp_path, name, code)
+
+
+def test_executor_runs_jobs_at_once_records_failures_and_goes_on(tmp_path):
+  lines = []
+  ex = runner.Executor(jobs=2, log=lines.append, study_log=str(tmp_path / "study.log"), poll_s=0.02)
+  fail = _job(tmp_path, "b", "import sys; print('error: config.x: bad; fix it'); sys.exit(2)")
+  out = ex.run([_ok_job(tmp_path, "a", 2.0), fail, _ok_job(tmp_path, "c", 0.1)])
+  assert [o.status for o in out] == ["done", "failed", "done"]
+  assert out[1].returncode == 2 and out[1].message.startswith("error: config.x: bad; fix it (see ")
+  a0, a1 = map(float, (tmp_path / "a" / "times.txt").read_text().split())
+  c0, _ = map(float, (tmp_path / "c" / "times.txt").read_text().split())
+  assert a0 < c0 < a1  # two at once: c took b's place while a was still running
+  log = (tmp_path / "b" / "study.log").read_text()
+  assert "=== " in log and "launch: " in log and "error: config.x: bad" in log and "exit 2" in log
+  assert "failed   b" in (tmp_path / "study.log").read_text()
+
+
+def test_executor_stops_children_on_sigterm(tmp_path):
+  child = (
+      "import signal, sys, time\n"
+      "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(128 + s))\n"
+      "print('started', flush=True)\n"
+      "time.sleep(30)\n"
+  )
+  ex = runner.Executor(jobs=1, log=lambda s: None, poll_s=0.02)
+  timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+  timer.start()
+  t0 = time.time()
+  out = ex.run([_job(tmp_path, "a", child), _job(tmp_path, "b", child)])
+  timer.cancel()
+  assert time.time() - t0 < 10 and ex.stop_signal == signal.SIGTERM
+  assert [o.status for o in out] == ["stopped", "not started"] and out[0].returncode == 143
+  assert not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+def test_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
+  wd = tmp_path / "study"
+  assert study_cli.main([f"--grid={SMOKE}:2", f"--workdir={wd}", "--dry-run"]) == 0
+  out = capsys.readouterr().out
+  assert "8 run(s), 8 selected" in out and out.count("\nnew      method-") == 8
+  assert "--config.loss.method=grpo --config.delay=1 --config.seed=1" in out
+  assert "8 new, 0 stale" in out and "dry run: nothing was written" in out and not wd.exists()
+  assert study_cli.main([f"--grid={SMOKE}", f"--workdir={wd}", "--dry-run", "--only=method-grpo"]) == 0
+  assert "2 selected" in capsys.readouterr().out
+  assert study_cli.main([f"--grid={SMOKE}", f"--workdir={wd}", "--dry-run", "--only=nope"]) == 2
+  assert "error: --only=nope: no run's name or label contains it" in capsys.readouterr().err
+
+
+def test_with_a_delay_only_evaluations_of_updated_policies_count():
+  # delay 10: policy steps 0..10 are the initial policy; 0.05 at step 5 and 0.12 at step 10 are evaluation noise
+  curve = [(0, 0.10), (5, 0.05), (10, 0.12), (20, 0.20), (30, 0.15), (40, 0.20)]
+  assert aggregate.learning_curve(curve, 10) == [(0, 0.10), (10, 0.20), (20, 0.15), (30, 0.20)]
+  m = aggregate.run_metrics(_summary(curve, 40, delay=10), _records(curve, 40))
+  assert m["best"] == 0.20 and m["best_step"] == 20 and m["peak"] == 0.20
+  assert m["auc"] == pytest.approx((0.15 * 10 + 0.175 * 10 + 0.175 * 10) / 30)
+  assert m["largest_drop"] == pytest.approx(0.05) and not m["below_initial"]  # not 0.10 -> 0.05, which is noise
+  m = aggregate.run_metrics(_summary(curve[:3], 10, delay=10), _records(curve[:3], 10))  # no update at all
+  assert (m["peak"], m["auc"], m["largest_drop"], m["below_initial"]) == (0.10, 0.10, 0.0, False)
+
+
+def _fake_run(study_dir, run, curve, total):
+  d = os.path.join(study_dir, run.name)
+  os.makedirs(d)
+  with open(os.path.join(d, "summary.json"), "w") as f:
+    json.dump(_summary(curve, total, delay=dict(run.cell)["delay"]), f)
+  with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in _records(curve, total))
+
+
+def test_aggregation_outputs_from_fake_run_files(tmp_path, capsys):
+  g = grid.load_grid(SMOKE + ":2")
+  runs = grid.expand(g)
+  study = str(tmp_path)
+  runner.write_study(study, runner.study_record(SMOKE + ":2", g, runs))
+  finals = {}
+  for i, r in enumerate(runs[:-1]):  # the last run is unfinished
+    finals[r.name] = 0.1 + 0.01 * i
+    _fake_run(study, r, [(0, 0.1), (2, 0.3 if r.seed else 0.05), (3, finals[r.name])], 3)
+  assert study_cli.main([f"--workdir={study}", "--aggregate-only"]) == 0
+  for name in ("summary.json", "summary.md", "curves.png", "bar_peak.png", "bar_final.png", "paired.png"):
+    assert os.path.getsize(os.path.join(study, name)) > 0, name
+  res = json.load(open(os.path.join(study, "summary.json")))
+  assert res["unfinished"] == [runs[-1].name]
+  cell = {c["cell"]: c for c in res["cells"]}["method-minpro_delay-0"]
+  mine = [finals[r.name] for r in runs if r.cell_name == "method-minpro_delay-0"]
+  assert cell["seeds"] == [0, 1] and cell["metrics"]["final"]["mean"] == pytest.approx(np.mean(mine))
+  assert cell["below_initial"] == 1  # seed 0 dips to 0.05 < 0.1
+  assert res["runs"][runs[0].name]["auc"] == pytest.approx((0.075 * 2 + (0.05 + 0.1) / 2) / 3)
+  d1 = res["runs"]["method-minpro_delay-1_seed-0"]  # delay 1: policy steps 2, 3 are 1, 2 steps with updates
+  assert d1["learning_curve"] == [[0, 0.1], [1, 0.05], [2, 0.11]]
+  assert d1["auc"] == pytest.approx((0.075 + 0.08) / 2)
+  md = open(os.path.join(study, "summary.md")).read()
+  assert "| method=minpro, delay=0 | 2 |" in md and "method: minpro - grpo (delay=0)" in md
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def _study(args):
+  return [sys.executable, "-m", "minpro_jax.study", f"--grid={SMOKE}", *args]
+
+
+def _checkpointed_unfinished(wd):
+  """Runs with a run checkpoint and no summary.json yet."""
+  return [
+      d.name
+      for d in wd.glob("method-*")
+      if not (d / "summary.json").exists() and any(c.name.isdigit() for c in d.glob("checkpoints/*"))
+  ]
+
+
+@pytest.mark.slow
+def test_smoke_grid_end_to_end_stopped_and_restarted(tmp_path):
+  """Dry run; a real run stopped by SIGTERM once its first run finished and its second checkpointed; a restart
+  that skips the finished run and resumes the stopped one; an aggregation whose numbers are the runs' files'."""
+  wd = tmp_path / "study"
+  kw = dict(cwd=tmp_path, env=cli_env(), text=True)  # the runs' SFT, tokenizer and compilation caches: tmp_path/cache
+  dry = subprocess.run(_study([f"--workdir={wd}", "--dry-run"]), capture_output=True, timeout=120, **kw)
+  assert dry.returncode == 0, dry.stderr[-2000:]
+  assert "4 new, 0 stale" in dry.stdout and not wd.exists()
+
+  proc = subprocess.Popen(_study([f"--workdir={wd}"]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+  try:
+    t0 = time.time()
+    while not (list(wd.glob("*/summary.json")) and _checkpointed_unfinished(wd)):
+      assert proc.poll() is None, proc.stdout.read()[-3000:]
+      assert time.time() - t0 < 400, "no run finished and another checkpointed in time"
+      time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+  assert "stopped by signal 15" in out
+  first_done = sorted(p.parent.name for p in wd.glob("*/summary.json"))
+  stopped = _checkpointed_unfinished(wd)
+  assert len(first_done) == 1 and len(stopped) == 1
+
+  again = subprocess.run(_study([f"--workdir={wd}"]), capture_output=True, timeout=400, **kw)
+  assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+  assert f"skip     {first_done[0]} (finished)" in again.stdout
+  assert (wd / first_done[0] / "study.log").read_text().count("launch: ") == 1  # never relaunched
+  log = (wd / stopped[0] / "study.log").read_text()
+  assert log.count("launch: ") == 2 and "resumed from global step" in log
+  runs = grid.expand(grid.load_grid(SMOKE))
+  assert sorted(p.parent.name for p in wd.glob("*/summary.json")) == sorted(r.name for r in runs)
+  res = json.loads((wd / "summary.json").read_text())
+  assert res["unfinished"] == [] and len(res["cells"]) == 4 and len(res["paired"]) == 2
+  for r in runs:
+    s = json.loads((wd / r.name / "summary.json").read_text())
+    got = res["runs"][r.name]
+    want = (s["best"]["score"], s["eval_final"]["pass@1"], s["eval_after_sft"]["pass@1"])
+    assert (got["best"], got["final"], got["initial"]) == want
+    assert [p[0] for p in got["curve"]] == [0, 2, 3]
+    assert [p[0] for p in got["learning_curve"]] == ([0, 2, 3] if dict(r.cell)["delay"] == 0 else [0, 1, 2])
+    cell = {c["cell"]: c for c in res["cells"]}[r.cell_name]
+    assert cell["metrics"]["final"]["mean"] == s["eval_final"]["pass@1"] and cell["metrics"]["final"]["low"] is None
+  for name in ("summary.md", "curves.png", "bar_peak.png", "paired.png"):
+    assert (wd / name).stat().st_size > 0
+  # the aggregation alone, from the run files and study.json only
+  cmd = [sys.executable, "-m", "minpro_jax.study", f"--workdir={wd}", "--aggregate-only"]
+  only = subprocess.run(cmd, capture_output=True, timeout=60, **kw)
+  assert only.returncode == 0, only.stderr[-2000:]
+  assert json.loads((wd / "summary.json").read_text()) == res
