@@ -11,7 +11,6 @@ has whole seeds of the grid rather than all seeds of half the cells.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -340,17 +339,6 @@ def train_argv(grid: Grid, run: Run, workdir: str, python: str = sys.executable)
   ]
 
 
-@contextlib.contextmanager
-def _argv(argv: list[str]):
-  # ml_collections' config flag reads its overrides from sys.argv, whatever argv train.parse_config is given
-  saved = sys.argv
-  sys.argv = argv
-  try:
-    yield
-  finally:
-    sys.argv = saved
-
-
 def parse_run_config(argv: list[str]):
   """The locked config the trainer will build from `argv` (a `train_argv`), parsed by `train.parse_config`.
 
@@ -359,9 +347,7 @@ def parse_run_config(argv: list[str]):
   """
   from minpro_jax.train import parse_config
 
-  args = [argv[0], *argv[3:]]  # drop "-m minpro_jax.train"
-  with _argv(args):
-    return parse_config(args)
+  return parse_config([argv[0], *argv[3:]])  # without "-m minpro_jax.train"
 
 
 def _get(config, field: str) -> Any:
