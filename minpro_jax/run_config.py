@@ -71,19 +71,14 @@ def validate_config(c, num_devices: int | None = None) -> None:
     ConfigError: naming `config.<field>` and the fix.
   """
   _check_run(c)
+  validate_shapes_config(c)
   _check_model(c)
   _check_data(c)
-  sampling_params(c, stop_token_ids=())
   _need(
       c.sampling.temperature > 0,
       "sampling.temperature",
       "must be > 0 for RL (the learner scores the sampled tokens under the temperature-scaled distribution)",
   )
-  _need(
-      c.sampling.precision in PRECISIONS, "sampling.precision", f"{c.sampling.precision!r}; choose one of {PRECISIONS}"
-  )
-  loss_config(c)
-  _check_optimizer(c)
   _need(c.advantage_mode in ADVANTAGE_MODES, "advantage_mode", f"{c.advantage_mode!r}; choose one of {ADVANTAGE_MODES}")
   _need(c.reward.mode in REWARD_MODES, "reward.mode", f"{c.reward.mode!r}; choose one of {REWARD_MODES}")
   r = c.reward
@@ -108,11 +103,9 @@ def validate_shapes_config(c) -> None:
   Raises:
     ConfigError: naming `config.<field>` and the fix.
   """
-  for field, low in (("prompts_per_step", 1), ("group_size", 1), ("num_updates_per_step", 1)):
-    _need(c[field] >= low, field, f"must be >= {low}, got {c[field]}")
   _check_batch_split(c)
   _need(c.model.source in MODEL_SOURCES, "model.source", f"{c.model.source!r}; choose one of {MODEL_SOURCES}")
-  _need(c.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", f"must be >= 1, got {c.data.max_prompt_tokens}")
+  _need(c.data.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {c.data.max_prompt_tokens}")
   sampling_params(c, stop_token_ids=())
   _need(
       c.sampling.precision in PRECISIONS, "sampling.precision", f"{c.sampling.precision!r}; choose one of {PRECISIONS}"
@@ -122,6 +115,8 @@ def validate_shapes_config(c) -> None:
 
 
 def _check_batch_split(c) -> None:
+  for field in ("prompts_per_step", "group_size", "num_updates_per_step"):
+    _need(c[field] >= 1, field, f"must be >= 1, got {c[field]}")
   n = c.prompts_per_step * c.group_size
   _need(
       n % c.num_updates_per_step == 0,
@@ -152,10 +147,8 @@ def _check_run(c) -> None:
       "workdir",
       f"{c.workdir!r} exists and is not a directory; choose another path",
   )
-  for field, low in (("total_steps", 1), ("prompts_per_step", 1), ("group_size", 1), ("num_updates_per_step", 1)):
-    _need(c[field] >= low, field, f"must be >= {low}, got {c[field]}")
+  _need(c.total_steps >= 1, "total_steps", f"must be >= 1, got {c.total_steps}")
   _need(c.delay >= 0, "delay", f"must be >= 0 (0 = on-policy), got {c.delay}")
-  _check_batch_split(c)
   for field in ("every", "keep"):
     low = 0 if field == "every" else 1
     _need(c.checkpoint[field] >= low, f"checkpoint.{field}", f"must be >= {low}, got {c.checkpoint[field]}")
@@ -165,8 +158,7 @@ _MODEL_FIELD = re.compile(r"ModelConfig\.(\w+)")
 
 
 def _check_model(c) -> None:
-  m = c.model
-  _need(m.source in MODEL_SOURCES, "model.source", f"{m.source!r}; choose one of {MODEL_SOURCES}")
+  m = c.model  # m.source: checked by validate_shapes_config
   if m.source == "hf":
     _need(
         bool(m.path) and os.path.isdir(m.path),
@@ -258,7 +250,6 @@ def _check_data(c) -> None:
     source.validate(d)
   _need(d.template in TEMPLATES, "data.template", f"{d.template!r}; choose one of {TEMPLATES}")
   _need(d.num_epochs > 0, "data.num_epochs", f"must be > 0, got {d.num_epochs}")
-  _need(d.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {d.max_prompt_tokens}")
 
 
 MAX_LEARNING_RATE = 1.0  # AdamW moves each parameter by about lr per update: above 1 nothing survives
@@ -337,24 +328,32 @@ def learner_micro_batch(c) -> int:
   return min(c.micro_batch_size, c.prompts_per_step * c.group_size // c.num_updates_per_step)
 
 
+def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int]:
+  """`shape` ({axis: size}, one size may be -1) with the -1 replaced by the remaining devices.
+
+  Raises:
+    ValueError: an unknown axis, a size < 1 other than one -1, or sizes that do not divide (with a -1) or multiply
+      to (without) `num_devices`; the message names neither the flag nor the field (the caller adds it).
+  """
+  unknown = set(shape) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"unknown axes {sorted(unknown)}; mesh axes are {MESH_AXES}")
+  fill = [a for a, v in shape.items() if v == -1]
+  if len(fill) > 1 or not all(v > 0 or v == -1 for v in shape.values()):
+    raise ValueError("sizes must be positive, with at most one -1 (= the remaining devices)")
+  prod = math.prod(v for v in shape.values() if v > 0)
+  if num_devices % prod if fill else prod != num_devices:
+    raise ValueError(f"does not divide the {num_devices} available devices")
+  return {a: num_devices // prod if v == -1 else v for a, v in shape.items()}
+
+
 def _check_mesh(c, num_devices: int) -> None:
   shape = parse_mesh_shape(c.mesh.shape)
-  if not shape:
-    return
-  unknown = set(shape) - set(MESH_AXES)
-  _need(not unknown, "mesh.shape", f"unknown axes {sorted(unknown)}; mesh axes are {MESH_AXES}")
-  fill = [a for a, v in shape.items() if v == -1]
-  _need(
-      len(fill) <= 1 and all(v > 0 or v == -1 for v in shape.values()),
-      "mesh.shape",
-      f"{c.mesh.shape!r}: sizes must be positive, with at most one -1 (= the remaining devices)",
-  )
-  prod = math.prod(v for v in shape.values() if v > 0)
-  _need(
-      num_devices % prod == 0 if fill else prod == num_devices,
-      "mesh.shape",
-      f"{c.mesh.shape!r} does not divide the {num_devices} available devices",
-  )
+  if shape:
+    try:
+      resolve_mesh_shape(shape, num_devices)
+    except ValueError as e:
+      raise ConfigError(f"config.mesh.shape: {c.mesh.shape!r}: {e}") from e
 
 
 def check_mipu_problem_count(c, num_problems: int) -> None:

@@ -38,22 +38,15 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
   from minpro_jax.runtime.sharding import MESH_AXES
 
   try:
-    shape = run_config.parse_mesh_shape(spec) or {}
-  except (ValueError, ConfigError) as e:
+    shape = run_config.parse_mesh_shape(spec)
+  except ValueError as e:  # a ConfigError naming config.mesh.shape, or int() refusing a size
     raise ConfigError(f"--mesh={spec}: {e}") from e
-  unknown = sorted(set(shape) - set(MESH_AXES))
-  if not shape or unknown:
+  if not shape:
     raise ConfigError(f"--mesh={spec}: write axis=size pairs over {MESH_AXES} (one size may be -1), e.g. fsdp=-1")
-  fixed = 1
-  for v in shape.values():
-    fixed *= v if v > 0 else 1
-  fill = [k for k, v in shape.items() if v == -1]
-  bad = [k for k, v in shape.items() if v < 1 and v != -1]
-  if bad or len(fill) > 1 or num_devices % fixed or (not fill and fixed != num_devices):
-    raise ConfigError(
-        f"--mesh={spec}: sizes must be >= 1 (one may be -1) and multiply to the slice's {num_devices} devices"
-    )
-  return {k: (num_devices // fixed if v == -1 else v) for k, v in shape.items()}
+  try:
+    return run_config.resolve_mesh_shape(shape, num_devices)
+  except ValueError as e:
+    raise ConfigError(f"--mesh={spec}: {e}") from e
 
 
 def _sharding_str(s) -> str:
