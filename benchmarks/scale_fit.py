@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import sys
 import time
@@ -30,13 +29,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from model_step import RESULTS_DIR, machine_info, write_result  # noqa: E402
 
 GIB = 2**30
-# name -> (topology string, chips per host bounds, HBM GiB per chip); HBM from Google Cloud's TPU pages.
-TOPOLOGIES = {
-    "v5p-8": ("v5p:2x2x1", (2, 2, 1), 95.0),
-    "v5p-16": ("v5p:2x2x2", (2, 2, 1), 95.0),
-    "v6e-8": ("v6e:2x4", (2, 4, 1), 32.0),
-    "v6e-16": ("v6e:4x4", (2, 4, 1), 32.0),
-}
 # (preset, tokens per sequence, slices to compile for[, the mesh axis all chips go on: fsdp by default])
 ROWS = [  # the MinPRO models first: the longest compiles, and the ones the paper's claims are about
     ("qwen3-8b", 22528, ("v5p-8", "v6e-16")),
@@ -55,14 +47,16 @@ def measure(preset: str, seq: int, slice_name: str, axis: str = "fsdp") -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from minpro_jax.aot.abstract import abstract_params, tpu_topology_devices
+  from minpro_jax.aot.abstract import abstract_params
+  from minpro_jax.aot.topologies import parse_slice
   from minpro_jax.models import get_preset
   from minpro_jax.models.attention_dispatch import resolve_attention_impl
   from minpro_jax.models.logprobs import token_logprobs
   from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
-  name, per_host, hbm = TOPOLOGIES[slice_name]
-  devices = tpu_topology_devices(name, per_host)
+  sl = parse_slice(slice_name)
+  hbm = sl.chip.hbm_bytes / GIB
+  devices = sl.devices()
   n = len(devices)
   mesh = make_mesh({axis: n}, devices=devices)
   cfg = get_preset(preset, param_dtype="float32", dtype="bfloat16", remat="block", scan_layers=True)
@@ -84,9 +78,9 @@ def measure(preset: str, seq: int, slice_name: str, axis: str = "fsdp") -> dict:
   return {
       "model": preset,
       "slice": slice_name,
-      "topology": name,
+      "topology": sl.topology,
       "chips": n,
-      "hosts": math.prod(d // p for d, p in zip(_dims(name), per_host)),
+      "hosts": sl.num_hosts,
       "tokens_per_sequence": seq,
       "attention_impl": impl,
       "remat": cfg.remat,
@@ -101,11 +95,6 @@ def measure(preset: str, seq: int, slice_name: str, axis: str = "fsdp") -> dict:
       "fits": total <= hbm * GIB,
       "compile_seconds": round(seconds, 1),
   }
-
-
-def _dims(topology: str) -> tuple[int, ...]:
-  dims = tuple(int(x) for x in topology.split(":")[1].split("x"))
-  return dims + (1,) * (3 - len(dims))
 
 
 def main(argv=None) -> dict:

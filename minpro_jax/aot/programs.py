@@ -33,7 +33,6 @@ from minpro_jax import run_config
 from minpro_jax.aot.abstract import abstract_params
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.config import PRESETS, ModelConfig, get_preset
-from minpro_jax.models.transformer import Transformer
 from minpro_jax.rl.learner import Learner, ScoreInputs, TrainState, UpdateInputs
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS, Sampler
@@ -168,17 +167,14 @@ class RunPrograms:
     self.c, self.cfg, self.mesh, self.shapes = c, cfg, mesh, shapes
     self.replay = bool(c.loss.router_replay)
     self.record_routes = bool(c.loss.router_replay or c.sampling.record_routes) and cfg.is_moe
-    with use_mesh(mesh):
-      with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-      self.learner = Learner(
-          model,
-          run_config.loss_config(c),
-          run_config.optimizer_config(c),
-          micro_batch_size=shapes.micro_batch,
-          mesh=mesh,
-      )
-    self.graphdef, self.params = abstract_params(cfg, mesh)
+    graphdef, self.params = abstract_params(cfg, mesh)
+    self.learner = Learner(
+        nnx.merge(graphdef, self.params),
+        run_config.loss_config(c),
+        run_config.optimizer_config(c),
+        micro_batch_size=shapes.micro_batch,
+        mesh=mesh,
+    )
     self.sampling = run_config.sampling_params(c, (STOP_ID,))
     self.sampler = Sampler(
         cfg,

@@ -95,23 +95,16 @@ class Slice:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={self.num_chips} (python -m minpro_jax.aot does)"
         )
       return cpus[: self.num_chips]
-    from jax.experimental import topologies
+    from minpro_jax.aot.abstract import tpu_topology_devices
 
     try:
-      desc = topologies.get_topology_desc(
-          platform="tpu",
-          topology_name=self.topology,
-          chip_config_name="default",
-          chips_per_host_bounds=self.chips_per_host,
-          num_slices=1,
-      )
+      return tpu_topology_devices(self.topology, self.chips_per_host)
     except Exception as e:  # noqa: BLE001 - libtpu missing or refusing the shape: say which
       raise ConfigError(
           f"--topology={self.name}: cannot describe TPU topology {self.topology} ({type(e).__name__}: "
           f"{str(e).splitlines()[0] if str(e) else ''}); TPU compiles need libtpu: `make setup` unpacks it to "
           ".venv/libtpu, or pip install 'jax[tpu]'"
       ) from e
-    return list(desc.devices)
 
 
 def parse_slice(name: str) -> Slice:
