@@ -88,7 +88,6 @@ def run(entries) -> int:
 
 def summary() -> str:
   sys.path.insert(0, str(REPO))
-  from minpro_jax.aot.analysis import does_not_fit
   from minpro_jax.aot.sweep import markdown
 
   parts = [
@@ -103,10 +102,6 @@ def summary() -> str:
       parts += ["", f"## {name}: not compiled yet"]
       continue
     rep = json.loads(path.read_text())
-    for row in rep["rows"]:  # rows written before the error parser knew a phrasing: read their sizes again
-      if row.get("fits") is False and "error" in row:
-        sizes = does_not_fit(RuntimeError(row["error"])) or {}
-        row.update({k: v for k, v in sizes.items() if k.endswith("_bytes") and k not in row})
     machine = rep.get("machine", {})
     parts += [
         "",
