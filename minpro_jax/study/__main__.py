@@ -11,7 +11,7 @@ command after a stop skips the finished runs and resumes the others.
   --only=S          run only the runs whose name or label contains S (the aggregation still covers every run).
   --force           accept a workdir whose study.json holds another grid's runs (and replace it).
   --compilation-cache=DIR  JAX's persistent compilation cache for the runs (default cache/jax_compilation, beside
-                    the SFT cache; '' = none): a grid's runs share most programs (a tiny run: 70 s -> 14 s).
+                    the SFT cache; '' = none): a grid's runs share most programs.
 
 Exit status: 0 when every selected run is done, 1 when some failed, 2 for a mistake in the flags, the grid or the
 workdir (one line `error: ...`), 128 + the signal when stopped by SIGINT / SIGTERM.

@@ -74,16 +74,12 @@ class Interval:
 def mean_ci(values: Sequence[float], level: float = LEVEL, method: str = "t", seed: int = BOOTSTRAP_SEED) -> Interval:
   """The mean of `values` and a two-sided `level` confidence interval for it.
 
-  method "t" (the default): mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard deviation (ddof 1).
-  Exact when seed-to-seed variation is normal, and honest about how little n = 3..5 seeds say: t_{0.975, 2} is
-  4.30, not 1.96. The bootstrap is not the default because at these n it is badly anti-conservative: three values
-  have only ten distinct resamples, and the percentile interval of resampled means is about sqrt((n-1)/n) * s /
-  sqrt(n) wide on each side times a normal quantile, e.g. [1, 2, 3, 4] gives BCa [1.5, 3.5] against the t-interval
-  [0.45, 4.55].
-  method "bootstrap": `scipy.stats.bootstrap`, BCa (bias- and skew-corrected, second-order accurate; better than
-  the percentile interval for the skewed figures here, e.g. a largest drop bounded below by 0), 9999 resamples with
-  `numpy.random.default_rng(seed)`, so the result is deterministic; meant for >= ~10 values.
-  Constant values give the zero-width interval [c, c] (their spread really is 0) with either method.
+  method "t" (the default): mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard deviation (ddof 1);
+  exact when seed-to-seed variation is normal. The default, because at n = 3..5 seeds the bootstrap is
+  anti-conservative (three values have only ten distinct resamples).
+  method "bootstrap": `scipy.stats.bootstrap`, BCa, 9999 resamples with `numpy.random.default_rng(seed)`
+  (deterministic); meant for >= ~10 values.
+  Constant values give the zero-width interval [c, c] with either method.
 
   Args:
     values: the n per-seed values (finite).
@@ -153,7 +149,7 @@ def curve_auc(curve: Sequence[tuple[int, float]]) -> float:
     raise ValueError(f"curve_auc: steps must increase, got {steps.tolist()}")
   if len(curve) == 1:
     return float(ys[0])
-  return float(np.sum((ys[1:] + ys[:-1]) / 2 * np.diff(steps)) / (steps[-1] - steps[0]))
+  return float(np.trapezoid(ys, steps) / (steps[-1] - steps[0]))
 
 
 def largest_drop(curve: Sequence[tuple[int, float]]) -> float:
