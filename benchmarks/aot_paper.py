@@ -60,8 +60,12 @@ ENTRIES = [
         [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update", "--config.micro_batch_size=4"],
     ),
     ("qwen3_8b_v6e-16_learner", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update"]),
-    ("qwen3_1p7b_v6e-8", "v6e-8", [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", "--programs=update"]),
-    ("qwen3_4b_v6e-8", "v6e-8", [*MIPU_4B, *MIPU_LEN, "--mesh=fsdp=-1", "--programs=update"]),
+    (
+        "qwen3_1p7b_v6e-8",
+        "v6e-8",
+        [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", "--mesh=data=2,fsdp=-1", "--programs=update"],
+    ),
+    ("qwen3_4b_v6e-8", "v6e-8", [*MIPU_4B, *MIPU_LEN, "--mesh=fsdp=-1", "--mesh=data=2,fsdp=-1", "--programs=update"]),
     (
         "qwen3_8b_v5p-16_learner_meshes",
         "v5p-16",
