@@ -28,6 +28,7 @@ from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
 from minpro_jax.models.hf_io import config_from_hf
 from minpro_jax.models.quant import PRECISIONS
+from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import ADVANTAGE_MODES
 from minpro_jax.rl.learner import LossConfig, OptimizerConfig
 from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
@@ -306,6 +307,31 @@ def _check_mipu(c) -> None:
   m = c.mipu
   if not m.rollback:
     return
+  _need(m.mode in mipu.MODES, "mipu.mode", f"must be one of {mipu.MODES}, got {m.mode!r}")
+  if m.mode == "random":
+    _need(
+        (m.random_rate is None) != (not m.match_rate_of),
+        "mipu.random_rate",
+        "mode=random needs exactly one of mipu.random_rate (a probability) and mipu.match_rate_of (a finished run's "
+        f"workdir); got random_rate={m.random_rate!r}, match_rate_of={m.match_rate_of!r}",
+    )
+    _need(
+        m.random_rate is None or 0.0 <= m.random_rate <= 1.0,
+        "mipu.random_rate",
+        f"must lie in [0, 1], got {m.random_rate}",
+    )
+    _need(not m.ground_truth, "mipu.ground_truth", "needs mode=gap (random rollbacks sample nothing to compare)")
+    if m.match_rate_of:
+      try:
+        mipu.reference_rollback_rate(m.match_rate_of)
+      except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return
+  _need(
+      m.random_rate is None and not m.match_rate_of,
+      "mipu.random_rate",
+      "is for mode=random; unset it or set mipu.mode=random",
+  )
   _need(math.isfinite(m.gap_tolerance), "mipu.gap_tolerance", f"must be a finite number, got {m.gap_tolerance}")
   _need(m.val_prompts >= 1, "mipu.val_prompts", f"must be >= 1, got {m.val_prompts}")
   _need(
@@ -394,14 +420,15 @@ def sampling_params(c, stop_token_ids) -> SamplingParams:
 
 # config.loss fields that are not objective hyper-parameters
 _LOSS_TERMS = ("method", "entropy_coef", "kl_coef", "router_aux_coef", "logprob_chunk_size", "router_replay")
-_COMMON_HPARAMS = ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis")
+_COMMON_HPARAMS = ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis", "rollout_mis_bounds")
 
 
 def loss_config(c) -> LossConfig:
   """The learner's `LossConfig` of `config.loss`, its hyper-parameters checked by the objectives themselves.
 
   Every `config.loss` field named like a hyper-parameter of some registered objective is passed to the configured
-  method when set (None = the method's default, `minpro_jax.rl.objectives`); `tis_cap` only with `rollout_is`.
+  method when set (None = the method's default, `minpro_jax.rl.objectives`); `tis_cap` only with `rollout_is`,
+  `rollout_mis_bounds` only with `rollout_mis`.
 
   Raises:
     ConfigError: `config.loss.method` is not registered; a field is set that the method does not take; a value the
@@ -414,10 +441,17 @@ def loss_config(c) -> LossConfig:
     raise ConfigError(f"config.loss.method: {e}") from e
   method_fields = sorted({k for o in OBJECTIVES.values() for k in o.defaults} & set(l.keys()))
   hp: dict[str, Any] = {}
-  for name in ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis", *method_fields):
+  _need(
+      l.rollout_mis_bounds is None or l.rollout_mis is not None,
+      "loss.rollout_mis_bounds",
+      "is set but loss.rollout_mis is not; set loss.rollout_mis=token|sequence|geometric or unset the bounds",
+  )
+  for name in (*_COMMON_HPARAMS, *method_fields):
     value = l[name]
     if value is None or (name == "tis_cap" and l.rollout_is is None):
       continue
+    if name == "rollout_mis_bounds":
+      value = _mis_bounds(value)
     if name not in _COMMON_HPARAMS and name not in objective.defaults:
       takes = sorted(o.name for o in OBJECTIVES.values() if name in o.defaults)
       raise ConfigError(
@@ -441,6 +475,12 @@ def loss_config(c) -> LossConfig:
       logprob_chunk_size=int(l.logprob_chunk_size),
       router_replay=bool(l.router_replay),
   )
+
+
+def _mis_bounds(value) -> tuple[float, float]:
+  ok = isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
+  _need(ok, "loss.rollout_mis_bounds", f"must be two numbers (low, high), e.g. (0.5, 2.0); got {value!r}")
+  return float(value[0]), float(value[1])
 
 
 def _probe_policy_loss(method: str, hparams: dict[str, Any]) -> None:

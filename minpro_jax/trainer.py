@@ -9,9 +9,9 @@ One global step s:
   4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), split
      it into `num_updates_per_step` mini-batches and take one optimizer update on each; the staleness this gives
      is derived in `minpro_jax.rl.rollout`;
-  5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.rl.mipu`): sample validation prompts with the updated
+  5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.mipu_step`): sample validation prompts with the updated
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
-     counters) when T_post < -gap_tolerance.
+     counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
 
 Randomness is a pure function of (seed, global step), and checkpoints hold parameters, optimizer state, the data
 iterator state, the waiting rollout batches and the `RunProgress`, so a run killed at any point and re-run with the
@@ -40,10 +40,12 @@ from minpro_jax.data.rewards import overlong_penalty
 from minpro_jax.errors import CheckpointError, ConfigError, TrainingError
 from minpro_jax.evaluation import evaluate, grade_split
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
+from minpro_jax.mipu_step import MipuStep
+from minpro_jax.mipu_step import summary as mipu_summary
 from minpro_jax.models.moe import route_mismatch
 from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import group_advantages
-from minpro_jax.rl.aggregation import inference_gap_t_post, mismatch_metrics
+from minpro_jax.rl.aggregation import mismatch_metrics
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 from minpro_jax.run_setup import RunParts, setup_run
@@ -64,6 +66,7 @@ class RunProgress:
     sft_eval: the macro scores of the evaluation after the warm start, None until it ran.
     sft_info: what the warm start did (`run_setup.warm_start`).
     mipu_checks / mipu_rollbacks: MIPU Step-2 tests run / updates rolled back.
+    mipu_ground_truth: [T_post, J(mu') - J(pi')] of each check with `mipu.ground_truth` (`minpro_jax.mipu_step`).
   """
 
   best_score: float | None = None
@@ -72,6 +75,7 @@ class RunProgress:
   sft_info: dict[str, Any] = dataclasses.field(default_factory=dict)
   mipu_checks: int = 0
   mipu_rollbacks: int = 0
+  mipu_ground_truth: list[list[float]] = dataclasses.field(default_factory=list)
 
   def improves(self, score: float | None) -> bool:
     """Whether `score` beats the best so far (the first evaluation always does; ties keep the earlier one)."""
@@ -108,7 +112,7 @@ class Trainer:
     for field in ("loss.router_replay", "sampling.record_routes"):
       if c[field.split(".")[0]][field.split(".")[1]] and not self.model.config.is_moe:
         raise ConfigError(f"config.{field}: routes exist only in MoE models; this model has no experts, unset it")
-    sampler_kw = dict(
+    sampler_kw = self.sampler_kw = dict(
         precision=c.sampling.precision,
         continuous=c.sampling.continuous,
         mesh=self.mesh,
@@ -126,6 +130,7 @@ class Trainer:
         micro_batch_size=run_config.learner_micro_batch(c),
         mesh=self.mesh,
     )
+    self.mipu_step = MipuStep(self) if c.mipu.rollback else None
     self._stop_signal: int | None = None
 
   @classmethod
@@ -137,9 +142,9 @@ class Trainer:
   def _step_seed(self, step: int, salt: int) -> int:
     return int(np.random.SeedSequence([self.c.seed, step, salt]).generate_state(1)[0])
 
-  def _generate(self, params, problems, sampling: SamplingParams, seed: int, group_size: int, **kw):
+  def _generate(self, params, problems, sampling: SamplingParams, seed: int, group_size: int, sampler=None, **kw):
     with use_mesh(self.mesh):
-      return self.sampler.generate(
+      return (sampler or self.sampler).generate(
           params, [self.prompt_ids[p.id] for p in problems], sampling, seed, group_size=group_size, **kw
       )
 
@@ -153,18 +158,9 @@ class Trainer:
       (the `RolloutBatch` with rewards, advantages and learner log-probs; the response texts; the grading stats,
       with the seconds spent grading under "seconds").
     """
-    c = self.c
     t0 = time.time()
-    texts = self._decode(gen)
-    golds = [p.answer for p in problems for _ in range(group_size)]
-    rewards, gstats = grade_split(
-        texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)
-    )
-    if c.reward.overlong_buffer:  # DAPO's soft overlong penalty on top of the grader's score (case B32)
-      max_len, buf, f = c.sampling.max_new_tokens, c.reward.overlong_buffer, c.reward.overlong_factor
-      rewards = [r + overlong_penalty(int(n), max_len, buf, f) for r, n in zip(rewards, gen.lengths)]
-    rewards = np.asarray(rewards, np.float32)
-    adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=c.advantage_mode))
+    texts, rewards, gstats = self.grade(gen, problems, group_size)
+    adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=self.c.advantage_mode))
     batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=adv.astype(np.float32))
     gstats = {**gstats, "seconds": time.time() - t0}
     with use_mesh(self.mesh):
@@ -176,6 +172,20 @@ class Trainer:
         texts,
         gstats,
     )
+
+  def grade(self, gen, problems, group_size: int) -> tuple[list[str], np.ndarray, dict[str, Any]]:
+    """The response texts of `gen` (prompt-major rows of `problems`), their [N] float32 rewards and the grading
+    stats."""
+    c = self.c
+    texts = self._decode(gen)
+    golds = [p.answer for p in problems for _ in range(group_size)]
+    rewards, gstats = grade_split(
+        texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)
+    )
+    if c.reward.overlong_buffer:  # DAPO's soft overlong penalty on top of the grader's score (case B32)
+      max_len, buf, f = c.sampling.max_new_tokens, c.reward.overlong_buffer, c.reward.overlong_factor
+      rewards = [r + overlong_penalty(int(n), max_len, buf, f) for r, n in zip(rewards, gen.lengths)]
+    return texts, np.asarray(rewards, np.float32), gstats
 
   def generate_texts(self, params, prompts: list[str], n: int, seed: int) -> list[list[str]]:
     """`evaluation.evaluate`'s generate_fn: n decoded responses per prompt text (`config.eval` sampling)."""
@@ -253,37 +263,6 @@ class Trainer:
       metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
     return batch, metrics
 
-  def check_inference_gap(self, state, step: int) -> mipu.GapCheck:
-    """MIPU Step 2 (arXiv 2606.29526) at `state.params` (just updated): sample validation prompts with the
-    sampler, score them with the learner, and test T_post >= -config.mipu.gap_tolerance.
-
-    Args:
-      state: the `TrainState` after the step's updates (read only; the caller rolls back).
-      step: global step (seeds the validation draw and its sampling, so a resumed run decides the same).
-
-    Returns:
-      A `mipu.GapCheck` (t_post in advantage units, the verdict, the validation reward mean and count).
-    """
-    m = self.c.mipu
-    idx = mipu.validation_indices(len(self.train_problems), m.val_prompts, self._step_seed(step, 3))
-    problems = [self.train_problems[i] for i in idx]
-    gen = self._generate(
-        state.params,
-        problems,
-        self.sampling,
-        self._step_seed(step, 4),
-        m.val_group_size,
-        policy_version=int(state.step),
-    )
-    batch, _, _ = self._rollout(state, gen, problems, m.val_group_size)
-    t_post = float(inference_gap_t_post(batch.learner_logp, batch.behavior_logp, batch.advantages, batch.response_mask))
-    return mipu.GapCheck(
-        t_post=t_post,
-        accepted=mipu.accept_update(t_post, float(m.gap_tolerance)),
-        reward_mean=float(batch.rewards.mean()),
-        num_samples=batch.size,
-    )
-
   def learn_step(self, state, batch: RolloutBatch) -> tuple[Any, dict[str, Any]]:
     """Step 4: one optimizer update per mini-batch of a released batch."""
     t0 = time.time()
@@ -303,21 +282,6 @@ class Trainer:
         "throughput/learn_tokens_per_s": float(batch.segment_ids.sum()) / max(dt, 1e-9),
     }
     return state, {**metrics, **_combine_update_metrics(ups)}
-
-  def mipu_step(self, state, before, step: int, progress: RunProgress) -> tuple[Any, dict[str, Any]]:
-    """Step 5: the Step-2 test of the step's updates; returns the state kept (`before` on a rollback)."""
-    t0 = time.time()
-    check = self.check_inference_gap(state, step)
-    progress.mipu_checks += 1
-    progress.mipu_rollbacks += int(not check.accepted)
-    metrics = {
-        "mipu/t_post": check.t_post,
-        "mipu/accepted": int(check.accepted),
-        "mipu/val_reward": check.reward_mean,
-        "mipu/rollbacks_total": progress.mipu_rollbacks,
-        "time/mipu": time.time() - t0,
-    }
-    return (state if check.accepted else before), metrics
 
   # ------------------------------------------------------------------ evaluation and checkpoints
   def _eval_and_keep_best(self, params, policy_step: int, name: str, progress: RunProgress) -> dict[str, Any]:
@@ -491,7 +455,7 @@ class Trainer:
         "best": {"score": progress.best_score, "step": progress.best_step},
         "policy_version": int(state.step),
         "skipped_updates": int(state.skipped),
-        "mipu": {"checks": progress.mipu_checks, "rollbacks": progress.mipu_rollbacks},
+        "mipu": mipu_summary(progress),
         "eval_problems": {k: len(v) for k, v in self.eval_sets.items()},
         "eval_samples_per_problem": self.c.eval.n,
         "setup_seconds": self.parts.setup_seconds,

@@ -337,3 +337,43 @@ def test_scoring_with_scanned_layers_and_remat_gives_the_unrolled_log_probs(rema
   want = Learner(ref, LossConfig(), OptimizerConfig(), micro_batch_size=4).score(nnx.split(ref)[1], batch)
   got = Learner(scanned, LossConfig(), OptimizerConfig(), micro_batch_size=4).score(nnx.split(scanned)[1], batch)
   np.testing.assert_allclose(got[batch.response_mask], want[batch.response_mask], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------- MIPU Step 1 wiring
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_tis_weights_the_update_by_learner_over_sampler_capped(model_and_batch, level):
+  """MIPU Step 1 (arXiv 2606.29526; TIS): with `rollout_is`, the GRPO update at theta = theta_k is
+  -grad (1/N) sum_t A_i w_t logp_t, w_t = min(pi_k / mu, 2) from the batch's learner_logp (pi_k, = the current
+  log-probs here, so the PPO ratio is 1 and unclipped) and behavior_logp (mu, the sampler's). Dropping either
+  input, or the cap, changes the update: each is checked against the same hand formula."""
+  model, batch = model_and_batch
+  rng = np.random.default_rng(7)
+  mask = batch.response_mask
+  mu = np.where(mask, batch.learner_logp + rng.normal(0, 0.8, mask.shape), 0.0).astype(np.float32)
+  batch = batch.replace(behavior_logp=mu)
+  d = np.where(mask, batch.learner_logp - mu, 0.0).astype(np.float64)
+  log_w = d if level == "token" else np.broadcast_to(d.sum(1, keepdims=True), d.shape)
+  w = np.where(mask, np.exp(np.minimum(log_w, np.log(2.0))), 0.0)
+  assert 0 < (w[mask] == 2.0).mean() < 1, "some tokens must hit the cap, some not"
+  n_tok = mask.sum()
+  coef = jnp.asarray(batch.advantages[:, None] * w / n_tok, jnp.float32)
+  _, params = nnx.split(model)
+  graphdef = nnx.graphdef(model)
+
+  def surrogate(p):
+    lp = token_logprobs(nnx.merge(graphdef, p), *map(jnp.asarray, (batch.tokens, batch.segment_ids, batch.positions)))
+    return jnp.sum(coef * lp.logp)  # minus the loss: the SGD step direction
+
+  want = jax.tree.map(np.asarray, jax.grad(surrogate)(params))
+  cfg = LossConfig(method="grpo", hparams=(("rollout_is", level), ("tis_cap", 2.0)))
+  got, metrics, _ = _sgd_delta(model, cfg, batch, mb=8)
+  assert _max_abs(want) > 1e-3
+  assert _max_abs_diff(got, want) <= 1e-5 * _max_abs(want)
+  np.testing.assert_allclose(float(metrics["loss"]), -float(np.sum(batch.advantages[:, None] * w) / n_tok), rtol=1e-5)
+  # without the correction, or with behavior_logp as the PPO reference, the update is different
+  plain, _, _ = _sgd_delta(model, LossConfig(method="grpo"), batch, mb=8)
+  assert _max_abs_diff(plain, want) > 1e-2 * _max_abs(want)
+  uncapped, _, _ = _sgd_delta(
+      model, LossConfig(method="grpo", hparams=(("rollout_is", level), ("tis_cap", 1e9))), batch, mb=8
+  )
+  assert _max_abs_diff(uncapped, want) > 1e-2 * _max_abs(want)

@@ -12,6 +12,7 @@ import pytest
 from train_helpers import make_config, tiny_overrides
 
 from minpro_jax import run_config
+from minpro_jax.configs.mipu_variants import VARIANTS
 from minpro_jax.rl import mipu
 
 
@@ -70,6 +71,94 @@ def test_config_validation_names_mipu_fields(tmp_path):
       run_config.validate_config(c)
 
 
+def test_t_post_standard_error_by_hand_and_equal_groups():
+  # groups 0: terms (1, 3), 1: (2, no tokens), 2: (-1, 5); T = 10 / 5 = 2
+  terms = np.array([1.0, 3.0, 2.0, 0.0, -1.0, 5.0])
+  has = np.array([True, True, True, False, True, True])
+  gid = np.array([0, 0, 1, 1, 2, 2])
+  s_g, n_g = np.array([4.0, 2.0, 4.0]), np.array([2.0, 1.0, 2.0])
+  want = math.sqrt(3 / 2 * np.sum((s_g - 2.0 * n_g) ** 2)) / 5.0
+  assert mipu.t_post_standard_error(terms, has, gid) == pytest.approx(want, rel=1e-12)
+  # equal groups: the standard deviation of the group means over sqrt(G)
+  rng = np.random.default_rng(0)
+  t = rng.normal(size=24)
+  g = np.repeat(np.arange(6), 4)
+  means = t.reshape(6, 4).mean(1)
+  se = mipu.t_post_standard_error(t, np.ones(24, bool), g)
+  assert se == pytest.approx(means.std(ddof=1) / math.sqrt(6), rel=1e-12)
+  assert math.isnan(mipu.t_post_standard_error(t[:4], np.ones(4, bool), g[:4]))  # one group: no spread to measure
+  with pytest.raises(ValueError, match="must be"):
+    mipu.t_post_standard_error(t, np.ones(23, bool), g)
+
+
+def test_t_post_standard_error_is_calibrated():
+  """Over many validation draws with a shared group effect, the mean estimated SE matches the spread of T_post."""
+  rng = np.random.default_rng(1)
+  num_groups, size = 8, 4
+  g = np.repeat(np.arange(num_groups), size)
+  t_post, ses = [], []
+  for _ in range(3000):
+    terms = np.repeat(rng.normal(0, 1.0, num_groups), size) + rng.normal(0, 0.5, num_groups * size)
+    t_post.append(terms.mean())
+    ses.append(mipu.t_post_standard_error(terms, np.ones_like(terms, bool), g))
+  assert np.mean(ses) == pytest.approx(np.std(t_post), rel=0.06)
+  assert np.std(t_post) > 1.5 * 0.5 / math.sqrt(num_groups * size)  # ignoring the groups would understate it
+
+
+def test_random_rollback_rate_and_purity():
+  for rate in (0.0, 0.3, 1.0):
+    draws = [mipu.random_rollback(11, s, rate) for s in range(4000)]
+    assert abs(np.mean(draws) - rate) <= 4 * math.sqrt(rate * (1 - rate) / 4000)
+  assert [mipu.random_rollback(11, s, 0.5) for s in range(64)] == [mipu.random_rollback(11, s, 0.5) for s in range(64)]
+  assert [mipu.random_rollback(11, s, 0.5) for s in range(64)] != [mipu.random_rollback(12, s, 0.5) for s in range(64)]
+  with pytest.raises(ValueError, match="random_rate must lie in"):
+    mipu.random_rollback(0, 0, 1.5)
+
+
+def test_reference_rollback_rate(tmp_path):
+  (tmp_path / "summary.json").write_text(json.dumps({"mipu": {"checks": 8, "rollbacks": 3}}))
+  assert mipu.reference_rollback_rate(str(tmp_path)) == 3 / 8
+  assert mipu.reference_rollback_rate(str(tmp_path / "summary.json")) == 3 / 8
+  with pytest.raises(ValueError, match="no summary.json"):
+    mipu.reference_rollback_rate(str(tmp_path / "nope"))
+  (tmp_path / "summary.json").write_text(json.dumps({"mipu": {"checks": 0, "rollbacks": 0}}))
+  with pytest.raises(ValueError, match="made no MIPU check"):
+    mipu.reference_rollback_rate(str(tmp_path))
+
+
+def test_ground_truth_agreement_by_hand():
+  got = mipu.ground_truth_agreement([0.1, -0.2, 0.3, -0.1], [0.2, -0.1, -0.1, 0.0])
+  assert got["checks"] == 4 and got["sign_agreement"] == 0.5
+  assert got["pearson_r"] == pytest.approx(np.corrcoef([0.1, -0.2, 0.3, -0.1], [0.2, -0.1, -0.1, 0.0])[0, 1])
+  assert mipu.ground_truth_agreement([0.1, 0.2], [0.1, 0.2])["pearson_r"] is None
+  assert mipu.ground_truth_agreement([], []) == {"checks": 0, "sign_agreement": None, "pearson_r": None}
+
+
+def test_config_validation_of_modes_and_mis_bounds(tmp_path):
+  on = {"mipu.rollback": True}
+  for extra, msg in (
+      ({"mipu.mode": "coin"}, "mipu.mode: must be one of"),
+      ({"mipu.mode": "random"}, "mipu.random_rate: mode=random needs exactly one of"),
+      ({"mipu.mode": "random", "mipu.random_rate": 0.2, "mipu.match_rate_of": str(tmp_path)}, "exactly one of"),
+      ({"mipu.mode": "random", "mipu.random_rate": 1.5}, "mipu.random_rate: must lie in"),
+      ({"mipu.mode": "random", "mipu.match_rate_of": str(tmp_path / "x")}, "match_rate_of=.*no summary.json"),
+      ({"mipu.mode": "random", "mipu.random_rate": 0.2, "mipu.ground_truth": True}, "mipu.ground_truth: needs"),
+      ({"mipu.random_rate": 0.2}, "mipu.random_rate: is for mode=random"),
+  ):
+    c = make_config(tiny_overrides(tmp_path, **on, **extra))
+    with pytest.raises(run_config.ConfigError, match=msg):
+      run_config.validate_config(c)
+  for extra, msg in (
+      ({"loss.rollout_mis_bounds": (0.5, 2.0)}, "rollout_mis_bounds: is set but loss.rollout_mis is not"),
+      ({"loss.rollout_mis": "token", "loss.rollout_mis_bounds": (2.0, 0.5)}, "0 < low <= high"),
+      ({"loss.rollout_mis": "token", "loss.rollout_mis_bounds": (1.0,)}, "must be two numbers"),
+  ):
+    with pytest.raises(run_config.ConfigError, match=msg):
+      run_config.loss_config(make_config(tiny_overrides(tmp_path, **extra)))
+  c = make_config(tiny_overrides(tmp_path, **{"loss.rollout_mis": "geometric", "loss.rollout_mis_bounds": (0.8, 1.25)}))
+  assert dict(run_config.loss_config(c).hparams) == {"rollout_mis": "geometric", "rollout_mis_bounds": (0.8, 1.25)}
+
+
 def _coin_grade(texts, golds, **kwargs):
   """Reward 0/1 from a checksum of the text: mixed rewards inside groups even for an untrained tiny model, so
   the advantages in T_post are not all zero."""
@@ -95,6 +184,8 @@ def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
   assert [r["policy_version"] for r in recs] == [0, 0, 0]
   assert [r.get("mipu/accepted") for r in recs] == [None, 0, 0] and recs[2]["mipu/rollbacks_total"] == 2
   assert int(tr.final_state.step) == 0
+  # the rejected batch is dropped, not learned again: each step learns a different batch at the same parameters
+  assert recs[1]["learn/loss"] != recs[2]["learn/loss"]
   from flax import nnx
 
   from minpro_jax.run_setup import build_model, build_tokenizer, train_and_eval_problems, warm_start
@@ -135,3 +226,90 @@ def test_trainer_t_post_nonzero_with_fp8_sampler(tmp_path, monkeypatch):
   assert all(1e-7 < abs(t) < 0.5 for t in t_post), t_post
   assert [r["mipu/accepted"] for r in recs[1:]] == [int(t >= 0) for t in t_post]
   assert summary["mipu"]["rollbacks"] == sum(t < 0 for t in t_post)
+
+
+def test_trainer_random_rollback_matches_a_reference_rate_and_samples_nothing(tmp_path, monkeypatch):
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  ref = tmp_path / "reference"
+  ref.mkdir()
+  (ref / "summary.json").write_text(json.dumps({"mipu": {"checks": 4, "rollbacks": 2}}))
+  ov = {"mipu.rollback": True, "mipu.mode": "random", "mipu.match_rate_of": str(ref)}
+  tr, summary, recs = _run(tmp_path, "random", **ov)
+  want = [not mipu.random_rollback(tr.c.seed, r["step"], 0.5) for r in recs[1:]]
+  assert [bool(r["mipu/accepted"]) for r in recs[1:]] == want
+  assert summary["mipu"] == {"checks": 2, "rollbacks": want.count(False)}
+  assert not any("mipu/t_post" in r for r in recs)  # nothing sampled for the decision
+  # the policy version counts the kept updates (2 per step)
+  assert summary["policy_version"] == 2 * sum(want)
+
+
+@pytest.mark.slow
+def test_step2_under_fp8_direct_t_post_ground_truth_and_bitwise_restore(tmp_path, monkeypatch):
+  """One Step-2 check under an fp8 sampler, driven by hand: T_post equals the formula on the recorded mu' log-probs
+  and the learner's pi' log-probs of the same tokens, recomputed here by teacher forcing; J(mu') - J(pi') is
+  logged; a rejection returns the snapshot, bit-equal to the parameters and optimizer state before the update."""
+  from flax import nnx
+
+  from minpro_jax.models.logprobs import token_logprobs
+  from minpro_jax.trainer import RunProgress, Trainer
+
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  ov = {"mipu.rollback": True, "mipu.ground_truth": True, "mipu.gap_tolerance": -1e9, "sampling.precision": "fp8"}
+  tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, **ov)))
+  state = tr.learner.init_state(nnx.split(tr.model)[1])
+  batch, _ = tr.sample_step(state, 0)
+  before = mipu.snapshot(state)
+  want_before = jax.tree.map(np.asarray, (before.params, before.opt_state))
+  state, _ = tr.learn_step(state, batch)
+  assert int(state.step) == tr.c.num_updates_per_step
+  updated = jax.tree.map(np.asarray, state.params)
+
+  captured = {}
+  orig = tr._rollout
+
+  def spy(st, gen, problems, group_size):
+    out = orig(st, gen, problems, group_size)
+    captured["batch"] = out[0]
+    return out
+
+  monkeypatch.setattr(tr, "_rollout", spy)
+  progress = RunProgress()
+  kept, metrics = tr.mipu_step(state, before, 0, progress)
+  vb = captured["batch"]
+  model = nnx.merge(nnx.graphdef(tr.model), jax.tree.map(jnp.asarray, updated))
+  pi = np.asarray(token_logprobs(model, *map(jnp.asarray, (vb.tokens, vb.segment_ids, vb.positions))).logp)
+  mask = vb.response_mask
+  assert np.abs(np.where(mask, pi - vb.behavior_logp, 0.0)).max() > 1e-4  # mu' != pi': the fp8 sampler differs
+  rho = np.exp(np.where(mask, pi - vb.behavior_logp, 0.0).sum(1) / mask.sum(1))
+  assert metrics["mipu/t_post"] == pytest.approx(-np.mean(rho * vb.advantages), abs=1e-5)
+  assert np.isfinite(metrics["mipu/t_post_se"]) and metrics["mipu/t_post_se"] > 0
+  assert metrics["mipu/j_gap"] == pytest.approx(metrics["mipu/val_reward"] - metrics["mipu/j_learner"])
+  assert progress.mipu_ground_truth == [[metrics["mipu/t_post"], metrics["mipu/j_gap"]]]
+  assert metrics["mipu/accepted"] == 0 and progress.mipu_rollbacks == 1
+  assert kept is before and int(kept.step) == 0
+  for a, b in zip(jax.tree.leaves(want_before), jax.tree.leaves((kept.params, kept.opt_state))):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_is_a_valid_config_on_cpu_and_at_paper_scale(tmp_path, variant):
+  from minpro_jax.configs import mipu as mipu_cfg
+  from minpro_jax.configs.paper import mipu_qwen3_1p7b, mipu_qwen3_4b
+
+  c = mipu_cfg.get_config(variant)
+  assert c.sampling.precision == "fp8" and c.loss.method == "grpo"
+  assert (c.loss.rollout_is == "token") == (variant in ("tis", "mipu", "random"))
+  assert c.mipu.rollback == (variant in ("step2", "mipu", "random"))
+  c.workdir = str(tmp_path / "run")
+  if variant == "random":  # its rate must be given: the error says how
+    with pytest.raises(run_config.ConfigError, match="mipu.random_rate"):
+      run_config.validate_config(c)
+    c.mipu.random_rate = 0.3
+  run_config.validate_config(c)
+  run_config.loss_config(c)
+  for module in (mipu_qwen3_1p7b, mipu_qwen3_4b):
+    p = module.get_config(variant)
+    assert p.sampling.precision == "fp8" and p.delay == 0 and p.workdir.endswith(variant)
+    run_config.validate_shapes_config(p)
+  with pytest.raises(ValueError, match="choose one of"):
+    mipu_cfg.get_config("ppo")

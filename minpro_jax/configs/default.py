@@ -92,6 +92,7 @@ def base_config() -> ConfigDict:
   c.loss.rollout_is = _unset(str)  # token | sequence: TIS against the sampler (MIPU step 1: token, cap 2)
   c.loss.tis_cap = 2.0
   c.loss.rollout_mis = _unset(str)  # token | sequence | geometric
+  c.loss.rollout_mis_bounds = _unset(tuple)  # (low, high) kept ratio range of rollout_mis (default (0.5, 2.0))
   c.loss.entropy_coef = 0.0
   c.loss.kl_coef = 0.0
   c.loss.router_aux_coef = 0.0
@@ -127,6 +128,10 @@ def base_config() -> ConfigDict:
   c.mipu.gap_tolerance = 1e-4  # c in "accept iff T_post >= -c" (the paper sweeps 0, +1e-4, -1e-4)
   c.mipu.val_prompts = 8  # fresh training prompts per check (a pure function of seed and step)
   c.mipu.val_group_size = 4  # samples per validation prompt (group-normalised advantages need >= 2)
+  c.mipu.mode = "gap"  # gap: the T_post test | random: roll back with probability random_rate (the ablation)
+  c.mipu.random_rate = _unset(float)  # mode=random: the rollback probability; unset = the rate of match_rate_of
+  c.mipu.match_rate_of = ""  # mode=random: a finished run's workdir; its rollbacks / checks is the rate
+  c.mipu.ground_truth = False  # gap: also sample the validation prompts at fp32 and log J(mu') - J(pi')
 
   c.eval = ConfigDict()
   c.eval.every = 10  # global steps; 0 = only at start and end

@@ -195,16 +195,15 @@ def mismatch_metrics(logp: jax.Array, behavior_logp: jax.Array, response_mask: j
   }
 
 
-def inference_gap_t_post(
+def inference_gap_terms(
     logp_train: jax.Array,
     logp_sampler: jax.Array,
     advantages: jax.Array,
     response_mask: jax.Array,
-) -> jax.Array:
-  """MIPU step-2 statistic T_post = -mean_i( exp(masked_mean_t(logp_train - logp_sampler)) * A_i ).
-
-  Source: MIPU (arXiv 2606.29526, project page, Step 2). Accept the update
-  iff T_post >= -c.
+) -> tuple[jax.Array, jax.Array]:
+  """Per-response terms of MIPU's T_post: `(-rho_i * A_i, has_i)`, rho_i = exp(masked_mean_t(logp_train -
+  logp_sampler)), the mean log-ratio clamped to +-20 before exp; a response without a valid token has term 0 and
+  has_i False.
 
   Args:
     logp_train: [B, T] float, trainer log-probs at the new weights of tokens sampled by the engine.
@@ -212,10 +211,7 @@ def inference_gap_t_post(
     advantages: [B] float per-response advantage (group-centred).
     response_mask: [B, T] bool/0-1.
 
-  Returns a float32 scalar; responses without any valid token are excluded from the mean. The mean
-  log-ratio is clamped to +-20 before exp.
-
-  Raises: ValueError on bad shapes.
+  Returns ([B] float32, [B] bool). Raises: ValueError on bad shapes.
   """
   _check_bt("logp_train", logp_train)
   _check_bt("logp_sampler", logp_sampler, logp_train.shape)
@@ -228,5 +224,21 @@ def inference_gap_t_post(
   has = count > 0
   mean_delta = jnp.sum(delta, axis=1) / jnp.maximum(count, 1.0)
   rho = jnp.exp(jnp.clip(mean_delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-  adv = jnp.where(has, advantages.astype(jnp.float32), 0.0)
-  return -jnp.sum(jnp.where(has, rho * adv, 0.0)) / jnp.maximum(jnp.sum(has), 1).astype(jnp.float32)
+  return jnp.where(has, -rho * advantages.astype(jnp.float32), 0.0), has
+
+
+def inference_gap_t_post(
+    logp_train: jax.Array,
+    logp_sampler: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+) -> jax.Array:
+  """MIPU step-2 statistic T_post = -mean_i( exp(masked_mean_t(logp_train - logp_sampler)) * A_i ).
+
+  Source: MIPU (arXiv 2606.29526, project page, Step 2). Accept the update iff T_post >= -c. Arguments as
+  `inference_gap_terms`; responses without any valid token are excluded from the mean.
+
+  Returns a float32 scalar. Raises: ValueError on bad shapes.
+  """
+  terms, has = inference_gap_terms(logp_train, logp_sampler, advantages, response_mask)
+  return jnp.sum(terms) / jnp.maximum(jnp.sum(has), 1).astype(jnp.float32)

@@ -19,31 +19,116 @@ Assumptions where the paper's project page is silent:
     pure function of (seed, global step) so a resumed run makes the same decisions;
   * the validation advantages use the run's `advantage_mode` (group-normalised, as the training batch);
   * a rollback restores the optimizer state too, and the rejected batch is not re-used.
+
+Also here: T_post's standard error over validation groups, the random-rollback ablation (`mode="random"`: roll back
+with probability p, a pure function of seed and step, p set or matched to a reference run) and the ground-truth
+check of T_post (`ground_truth_agreement`: the sign agreement and correlation of T_post with a directly sampled
+J(mu') - J(pi')).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, NamedTuple
+import pathlib
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+MODES = ("gap", "random")  # the T_post test (the paper's Step 2) | rollback at random (its ablation)
+_RANDOM_SALT = 0x4D495055  # "MIPU": keeps the rollback draws apart from every other draw of (seed, step)
 
 
 class GapCheck(NamedTuple):
   """Result of one Step-2 acceptance test.
 
   t_post: float, the T_post statistic (in advantage units: a mean of ratio x advantage).
+  t_post_se: float, its standard error over validation groups (`t_post_standard_error`).
   accepted: bool, t_post >= -gap_tolerance (a non-finite t_post is rejected).
-  reward_mean: float, mean reward of the validation samples.
+  reward_mean: float, mean reward of the validation samples (J(mu') estimated).
   num_samples: int, validation responses scored.
   """
 
   t_post: float
+  t_post_se: float
   accepted: bool
   reward_mean: float
   num_samples: int
+
+
+def t_post_standard_error(terms: np.ndarray, has: np.ndarray, group_ids: np.ndarray) -> float:
+  """Standard error of T_post = sum(terms) / sum(has), with the validation groups as the sampling units.
+
+  The responses of one prompt share its advantage normalisation, so groups (not responses) are independent: the
+  cluster (linearised ratio-estimator) variance G / (G - 1) * sum_g (S_g - T n_g)^2 / (sum_g n_g)^2, S_g and n_g
+  the group's sum of terms and count of responses with tokens. With equal group sizes this is the standard
+  deviation of the group means (ddof 1) over sqrt(G).
+
+  Args:
+    terms: [B] float, `aggregation.inference_gap_terms`' first output.
+    has: [B] bool, its second output.
+    group_ids: [B] int, the prompt group of each response.
+
+  Returns nan with fewer than 2 groups holding a response. Raises ValueError on mismatched shapes.
+  """
+  terms, has, group_ids = np.asarray(terms, np.float64), np.asarray(has, bool), np.asarray(group_ids)
+  if not terms.shape == has.shape == group_ids.shape or terms.ndim != 1:
+    raise ValueError(f"terms, has, group_ids must be [B] arrays; got {terms.shape}, {has.shape}, {group_ids.shape}")
+  _, g = np.unique(group_ids[has], return_inverse=True)
+  if g.size == 0 or g.max() < 1:
+    return math.nan
+  s_g = np.bincount(g, weights=terms[has])
+  n_g = np.bincount(g).astype(np.float64)
+  t = s_g.sum() / n_g.sum()
+  num_groups = len(s_g)
+  return float(math.sqrt(num_groups / (num_groups - 1) * np.sum((s_g - t * n_g) ** 2)) / n_g.sum())
+
+
+def random_rollback(seed: int, step: int, rate: float) -> bool:
+  """The random-rollback ablation's decision at global `step`: True (roll back) with probability `rate`, a pure
+  function of (seed, step), so a resumed run decides the same. Raises ValueError unless 0 <= rate <= 1."""
+  if not 0.0 <= rate <= 1.0:
+    raise ValueError(f"config.mipu.random_rate must lie in [0, 1], got {rate}")
+  return bool(np.random.default_rng([seed, step, _RANDOM_SALT]).random() < rate)
+
+
+def reference_rollback_rate(path: str) -> float:
+  """The measured rollback rate (rollbacks / checks) of a finished run: `path` is its workdir or its summary.json.
+
+  Raises:
+    ValueError: no summary.json there, or it records no MIPU check.
+  """
+  p = pathlib.Path(path)
+  p = p / "summary.json" if p.is_dir() else p
+  if not p.is_file():
+    raise ValueError(f"config.mipu.match_rate_of={path!r}: no summary.json there; give a finished run's workdir")
+  m = json.loads(p.read_text()).get("mipu", {})
+  if not m.get("checks"):
+    raise ValueError(f"config.mipu.match_rate_of={path!r}: that run made no MIPU check (mipu.rollback was off)")
+  return m["rollbacks"] / m["checks"]
+
+
+def ground_truth_agreement(t_post: Sequence[float], j_gap: Sequence[float]) -> dict[str, Any]:
+  """How well T_post tracks the post-update gap it estimates, over a run's checks.
+
+  Args:
+    t_post: the checks' T_post values.
+    j_gap: the same checks' J(mu') - J(pi'), measured by sampling the validation prompts from both policies.
+
+  Returns {"checks", "sign_agreement" (fraction of checks whose signs agree, a zero agreeing only with a zero),
+  "pearson_r" (None below 3 checks or when either series is constant)}.
+  """
+  t, j = np.asarray(t_post, np.float64), np.asarray(j_gap, np.float64)
+  if t.shape != j.shape:
+    raise ValueError(f"t_post and j_gap differ in length: {t.shape} vs {j.shape}")
+  out: dict[str, Any] = {"checks": int(t.size), "sign_agreement": None, "pearson_r": None}
+  if t.size:
+    out["sign_agreement"] = float(np.mean(np.sign(t) == np.sign(j)))
+  if t.size >= 3 and t.std() > 0 and j.std() > 0:
+    out["pearson_r"] = float(np.corrcoef(t, j)[0, 1])
+  return out
 
 
 def accept_update(t_post: float, gap_tolerance: float) -> bool:

@@ -1,0 +1,13 @@
+# Qwen3-1.7B on DAPO-Math-17K with an FP8 sampler, as in the MIPU paper (TPU/GPU). The variant is the config argument:
+#
+#   python -m minpro_jax.train --config=minpro_jax/configs/paper/mipu_qwen3_1p7b.py:mipu --config.model.path=/ckpt/Qwen3-1.7B
+#   ... :grpo | tis | mis | mis_sequence | mis_geometric | lr_decay | step2 | mipu | random
+#
+# Values not known from the paper are marked ASSUMPTION in minpro_jax/configs/paper/mipu_common.py.
+"""Qwen3-1.7B MIPU paper-scale config."""
+
+from minpro_jax.configs.paper.mipu_common import mipu_paper_config
+
+
+def get_config(arg=None):
+  return mipu_paper_config("qwen3-1.7b", "checkpoints/Qwen3-1.7B", arg)

@@ -1,0 +1,104 @@
+"""MIPU Step 2 in the trainer (arXiv 2606.29526; the math is `minpro_jax.rl.mipu`): after a global step's updates,
+decide whether to keep them, and roll back to the snapshot taken before them when not.
+
+`config.mipu.mode`:
+  * "gap" (the paper): sample `val_prompts` x `val_group_size` validation responses with the updated parameters at
+    the sampler's precision (mu'), score the same tokens with the learner (pi'), and keep the updates iff
+    T_post >= -gap_tolerance. T_post's standard error over the validation groups is logged beside it. With
+    `mipu.ground_truth`, the same prompts are also sampled from pi' (a learner-precision sampler, the same seed, so
+    the two draws share their randomness) and J(mu') - J(pi') = the difference of the two reward means is logged:
+    the quantity T_post estimates, measured directly (possible here because the learner policy can be sampled).
+  * "random" (the paper's random-rollback ablation): roll back with probability `random_rate`, or the rollback rate
+    measured in the finished run `match_rate_of`; the decision is a pure function of (seed, step) and nothing is
+    sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from minpro_jax.rl import mipu
+from minpro_jax.rl.aggregation import inference_gap_terms
+from minpro_jax.sampling import Sampler
+
+LEARNER_PRECISION = "fp32"  # the sampler precision whose log-probs are the learner's (rho = 1 at equal weights)
+
+
+class MipuStep:
+  """Step 5 of the trainer's global step (`Trainer` builds one when `config.mipu.rollback` is on).
+
+  Args:
+    trainer: the `minpro_jax.trainer.Trainer` whose sampler, learner, problems and seeds it uses.
+
+  Raises:
+    ValueError: `mode="random"` whose rate cannot be resolved (`mipu.reference_rollback_rate`).
+  """
+
+  def __init__(self, trainer):
+    self.trainer = trainer
+    m = self.cfg = trainer.c.mipu
+    self.rate = None
+    if m.mode == "random":
+      self.rate = float(m.random_rate) if m.random_rate is not None else mipu.reference_rollback_rate(m.match_rate_of)
+    self.truth_sampler = None
+    if m.ground_truth and m.mode == "gap":
+      self.truth_sampler = Sampler(trainer.model.config, **{**trainer.sampler_kw, "precision": LEARNER_PRECISION})
+
+  def check(self, state, step: int) -> tuple[mipu.GapCheck, dict[str, Any]]:
+    """The T_post test of `state.params` (just updated; read only). Returns the check and its metrics."""
+    tr, m = self.trainer, self.cfg
+    idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(step, 3))
+    problems = [tr.train_problems[i] for i in idx]
+    seed = tr._step_seed(step, 4)
+    gen = tr._generate(state.params, problems, tr.sampling, seed, m.val_group_size, policy_version=int(state.step))
+    batch, _, _ = tr._rollout(state, gen, problems, m.val_group_size)
+    terms, has = inference_gap_terms(batch.learner_logp, batch.behavior_logp, batch.advantages, batch.response_mask)
+    terms, has = np.asarray(terms), np.asarray(has)
+    t_post = float(terms.sum() / max(has.sum(), 1))
+    check = mipu.GapCheck(
+        t_post=t_post,
+        t_post_se=mipu.t_post_standard_error(terms, has, batch.group_ids),
+        accepted=mipu.accept_update(t_post, float(m.gap_tolerance)),
+        reward_mean=float(batch.rewards.mean()),
+        num_samples=batch.size,
+    )
+    metrics = {"mipu/t_post": check.t_post, "mipu/t_post_se": check.t_post_se, "mipu/val_reward": check.reward_mean}
+    if self.truth_sampler is not None:
+      truth = tr._generate(state.params, problems, tr.sampling, seed, m.val_group_size, sampler=self.truth_sampler)
+      j_pi = float(tr.grade(truth, problems, m.val_group_size)[1].mean())
+      metrics.update({"mipu/j_learner": j_pi, "mipu/j_gap": check.reward_mean - j_pi})
+    return check, metrics
+
+  def __call__(self, state, before, step: int, progress) -> tuple[Any, dict[str, Any]]:
+    """Decides on the step's updates; returns the state kept (`before`, the snapshot, on a rollback) and the
+    metrics. Counts the check and the rollback in `progress` (a `RunProgress`)."""
+    t0 = time.time()
+    if self.rate is not None:
+      accepted, metrics = not mipu.random_rollback(self.trainer.c.seed, step, self.rate), {}
+    else:
+      check, metrics = self.check(state, step)
+      accepted = check.accepted
+      if "mipu/j_gap" in metrics:
+        progress.mipu_ground_truth.append([check.t_post, metrics["mipu/j_gap"]])
+    progress.mipu_checks += 1
+    progress.mipu_rollbacks += int(not accepted)
+    metrics.update(
+        {
+            "mipu/accepted": int(accepted),
+            "mipu/rollbacks_total": progress.mipu_rollbacks,
+            "time/mipu": time.time() - t0,
+        }
+    )
+    return (state if accepted else before), metrics
+
+
+def summary(progress) -> dict[str, Any]:
+  """The run summary's "mipu" entry: checks, rollbacks, and with ground truth logged, T_post's agreement with it."""
+  out: dict[str, Any] = {"checks": progress.mipu_checks, "rollbacks": progress.mipu_rollbacks}
+  if progress.mipu_ground_truth:
+    t_post, j_gap = zip(*progress.mipu_ground_truth)
+    out["ground_truth"] = mipu.ground_truth_agreement(t_post, j_gap)
+  return out
