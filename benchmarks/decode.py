@@ -191,29 +191,33 @@ def bench_model(preset: str, batches, new_tokens: int, prompt_len: int = 16, rep
   )
 
 
+def mismatch(model, cfg, state, prompts, *, max_new_tokens: int = 32, group_size: int = 2, **sampler_kw) -> dict:
+  """Sampler-vs-learner mismatch on the sampled response tokens at temperature 1: d = learner (fp32 `model`)
+  logp - sampler logp; mean |d|, K3 = mean(exp(d) - 1 - d) (KL(mu||pi)), max |d|. `sampler_kw` go to `Sampler`."""
+  p_len = max(len(p) for p in prompts)
+  b = Sampler(cfg, prompt_buckets=(max(16, p_len),), **sampler_kw).generate(
+      state, prompts, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens), seed=0, group_size=group_size
+  )
+  la = RolloutBatch.from_generation(b, rewards=np.zeros(len(b)), advantages=np.zeros(len(b)))
+  lp = np.asarray(
+      token_logprobs(model, jnp.asarray(la.tokens), jnp.asarray(la.segment_ids), jnp.asarray(la.positions)).logp
+  )
+  m = la.response_mask
+  delta = lp[m] - la.behavior_logp[m]
+  return dict(
+      tokens=int(m.sum()),
+      mean_abs_dlogp=float(np.mean(np.abs(delta))),
+      k3=float(np.mean(np.exp(delta) - 1 - delta)),
+      max_abs_dlogp=float(np.max(np.abs(delta))),
+  )
+
+
 def mismatch_tiny():
   cfg = get_preset("tiny")
   model = init_model(cfg, seed=3)
   state = nnx.split(model)[1]
   prompts = np.random.RandomState(1).randint(1, cfg.vocab_size, (16, 12)).tolist()
-  res = {}
-  for precision in ("bf16", "fp8"):
-    b = Sampler(cfg, precision=precision, prompt_buckets=(16,)).generate(
-        state, prompts, SamplingParams(temperature=1.0, max_new_tokens=32), seed=0, group_size=2
-    )
-    la = RolloutBatch.from_generation(b, rewards=np.zeros(len(b)), advantages=np.zeros(len(b)))
-    lp = np.asarray(
-        token_logprobs(model, jnp.asarray(la.tokens), jnp.asarray(la.segment_ids), jnp.asarray(la.positions)).logp
-    )
-    m = la.response_mask
-    delta = lp[m] - la.behavior_logp[m]
-    res[precision] = dict(
-        tokens=int(m.sum()),
-        mean_abs_dlogp=float(np.mean(np.abs(delta))),
-        k3=float(np.mean(np.exp(delta) - 1 - delta)),
-        max_abs_dlogp=float(np.max(np.abs(delta))),
-    )
-  return res
+  return {precision: mismatch(model, cfg, state, prompts, precision=precision) for precision in ("bf16", "fp8")}
 
 
 def main():

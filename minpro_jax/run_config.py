@@ -27,7 +27,7 @@ from minpro_jax.data.tokenizers import CHAT_TEMPLATES
 from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
 from minpro_jax.models.hf_io import config_from_hf
-from minpro_jax.models.quant import PRECISIONS
+from minpro_jax.models.quant import FP8_ACTIVATIONS, FP8_FORMATS, FP8_WEIGHT_SCALES, PRECISIONS
 from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import ADVANTAGE_MODES
 from minpro_jax.rl.learner import LossConfig, OptimizerConfig
@@ -41,6 +41,12 @@ MODEL_SOURCES = ("scratch", "hf", "gguf")  # how run_setup builds the model
 TOKENIZER_KINDS = ("train_spm", "path", "model")  # how run_setup builds the tokenizer
 REWARD_MODES = ("math", "integer")  # minpro_jax.data.rewards.math_reward's modes
 SCHEDULES = ("constant", "cosine", "linear")  # minpro_jax.rl.learner.make_schedule's schedules
+# config.sampling.fp8_* field, choices, default (the sampler's FP8 options, minpro_jax.models.quant)
+FP8_OPTIONS = (
+    ("fp8_weight_scale", FP8_WEIGHT_SCALES, "tensor"),
+    ("fp8_format", tuple(FP8_FORMATS), "e4m3"),
+    ("fp8_activations", FP8_ACTIVATIONS, "token"),
+)
 
 
 def _need(cond: bool, field: str, msg: str) -> None:
@@ -111,8 +117,28 @@ def validate_shapes_config(c) -> None:
   _need(
       c.sampling.precision in PRECISIONS, "sampling.precision", f"{c.sampling.precision!r}; choose one of {PRECISIONS}"
   )
+  sampler_fp8_options(c)
   loss_config(c)
   _check_optimizer(c)
+
+
+def sampler_fp8_options(c) -> dict[str, str]:
+  """The `Sampler` keyword arguments of `config.sampling.fp8_*` (defaults where a config lacks them).
+
+  Raises:
+    ConfigError: a value outside its choices, or one changed from its default while sampling.precision is not fp8.
+  """
+  out = {}
+  for field, choices, default in FP8_OPTIONS:
+    value = c.sampling.get(field, default)
+    _need(value in choices, f"sampling.{field}", f"{value!r}; choose one of {choices}")
+    _need(
+        value == default or c.sampling.precision == "fp8",
+        f"sampling.{field}",
+        f"{value!r} needs sampling.precision='fp8' (got {c.sampling.precision!r}); set it or unset this field",
+    )
+    out[field] = value
+  return out
 
 
 def _check_batch_split(c) -> None:

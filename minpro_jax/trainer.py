@@ -114,6 +114,7 @@ class Trainer:
         raise ConfigError(f"config.{field}: routes exist only in MoE models; this model has no experts, unset it")
     sampler_kw = self.sampler_kw = dict(
         precision=c.sampling.precision,
+        **run_config.sampler_fp8_options(c),
         continuous=c.sampling.continuous,
         mesh=self.mesh,
         pad_id=max(self.tokenizer.pad_id, 0),

@@ -179,6 +179,7 @@ class RunPrograms:
     self.sampler = Sampler(
         cfg,
         precision=c.sampling.precision,
+        **run_config.sampler_fp8_options(c),
         prompt_buckets=(shapes.prompt_len,),
         batch_buckets=(shapes.sampler_rows,),
         mesh=mesh,

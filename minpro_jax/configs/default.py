@@ -67,6 +67,10 @@ def base_config() -> ConfigDict:
   c.sampling.top_k = 0
   c.sampling.max_new_tokens = 16
   c.sampling.precision = "fp32"  # fp32 | bf16 | fp8 (simulated; MIPU's inference mismatch)
+  # with precision=fp8 only (minpro_jax/models/quant.py): weight scales, FP8 format, activation scales
+  c.sampling.fp8_weight_scale = "tensor"  # tensor | channel | block128 (128x128 tiles, DeepSeek-V3 / vLLM block FP8)
+  c.sampling.fp8_format = "e4m3"  # e4m3 (max 448) | e5m2 (max 57344)
+  c.sampling.fp8_activations = "token"  # token | tensor | none (dynamic scales)
   c.sampling.record_routes = False  # MoE: record the experts of every response token (router replay metrics)
   c.sampling.continuous = False  # True: continuous batching + live-length attention (minpro_jax/sampling/continuous.py)
 

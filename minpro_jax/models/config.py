@@ -16,7 +16,7 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 _REMAT = ("none", "block", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
 _ATTENTION_IMPLS = ("auto", "xla", "blockwise", "splash", "cudnn")
 _MOE_IMPLS = ("dense", "ragged")
-_ACT_QUANT = ("none", "fp8")
+_ACT_QUANT = ("none", "fp8", "e4m3_tensor", "e5m2_token", "e5m2_tensor")  # models.quant.ACT_QUANT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,8 @@ class ModelConfig:
       rows, which nothing reads, differ). 1, or T < 128, scores the full T x T
       matrix. The KV-cache path (the sampler) always scores all cache slots.
     act_quant: "none", or "fp8" to fake-quantize every matmul input of attention and MLP/experts to e4m3
-      (dynamic per-token scale; `minpro_jax.models.quant`). Used by the sampler's simulated FP8 mode.
+      (dynamic per-token scale; `minpro_jax.models.quant`); "e4m3_tensor", "e5m2_token", "e5m2_tensor" for
+      that format and a per-token or per-tensor scale. Used by the sampler's simulated FP8 mode.
 
   Raises:
     ValueError: on construction (and `replace`), naming the field: a size <= 0, num_heads not a multiple of

@@ -47,7 +47,14 @@ from flax import nnx
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.inference_layout import fuse_qkv_params, fused_qkv_keeps_sharding, unstack_layer_params
-from minpro_jax.models.quant import PRECISIONS, precision_config, prepare_inference_params
+from minpro_jax.models.quant import (
+    FP8_FORMATS,
+    FP8_WEIGHT_SCALES,
+    PRECISIONS,
+    act_quant_mode,
+    precision_config,
+    prepare_inference_params,
+)
 from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, Transformer, keys_head_dim_major
 from minpro_jax.runtime.multihost import settle, to_host
@@ -67,7 +74,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
 
 def _signature_diff(got: tuple, want: tuple) -> str:
   """Which part of two `PreparedParams.signature`s differs, e.g. "precision ('bf16', this Sampler: 'fp32')"."""
-  names = ("precision", "fp8_activations", "fuse_qkv")
+  names = ("precision", "fp8_activations", "fp8_weight_scale", "fp8_format", "fuse_qkv")
   for name, a, b in zip(names, got, want):
     if a != b:
       return f"{name} ({a!r}, this Sampler: {b!r})"
@@ -97,7 +104,8 @@ class PreparedParams:
 
   Attributes:
     state: the converted `nnx.State` (per-layer layout, the sampler's precision).
-    signature: (precision, fp8_activations, fuse_qkv, ModelConfig) of the Sampler that made it;
+    signature: (precision, fp8_activations, fp8_weight_scale, fp8_format, fuse_qkv, ModelConfig) of the Sampler
+      that made it;
       `generate` of a Sampler with another signature rejects it.
   """
 
@@ -110,16 +118,21 @@ class Sampler:
 
   Args:
     model_config: the `ModelConfig` of the policy (the learner's; the sampler derives its own precision).
-    precision: "fp32", "bf16" (params and compute in bfloat16) or "fp8" (simulated e4m3 weights of every
-      dense layer except embedding / LM head, per-tensor scale amax / 448, plus dynamic e4m3 activations
-      when `fp8_activations`; compute in fp32). Independent of the learner's precision.
+    precision: "fp32", "bf16" (params and compute in bfloat16) or "fp8" (simulated FP8 weights of every
+      dense layer except embedding / LM head, by default e4m3 with a per-tensor scale amax / 448, plus dynamic
+      FP8 activations per `fp8_activations`; compute in fp32). Independent of the learner's precision.
     prompt_buckets: increasing prompt lengths P that prompts are left-padded to (one compile per bucket).
     batch_buckets: increasing row counts the batch is padded to; beyond the largest, multiples of it.
     mesh: optional device mesh; prefill/decode then run under `use_mesh(mesh, rules)` so activations and
       the cache follow the logical-axis rules.
     rules: logical-axis rules for `mesh` (default `DEFAULT_RULES`).
     pad_id: token id used for padding (never attended to or scored).
-    fp8_activations: with precision "fp8", also fake-quantize matmul inputs (per token, dynamic scale).
+    fp8_activations: with precision "fp8", how matmul inputs are fake-quantized (dynamic scale): "token" or
+      True (one scale per token), "tensor" (one per matmul input of the whole batch), "none" or False.
+    fp8_weight_scale: with precision "fp8", the weight scales: "tensor" (per layer and tensor), "channel" (per
+      output channel) or "block128" (per 128 x 128 tile; `models.quant.fake_quant_weights`).
+    fp8_format: with precision "fp8", "e4m3" (float8_e4m3fn, max 448) or "e5m2" (max 57344), for weights and
+      activations.
     fuse_qkv: run attention's q/k/v projections as one matmul (`ModelConfig.fuse_qkv`; the conversion
       happens in `prepare_params`, after the FP8 rounding). Same tokens and log-probs up to the matmul's
       summation order. Ignored (no fusion) on a mesh whose head split does not divide the KV-head count,
@@ -144,7 +157,7 @@ class Sampler:
       (`GenerationBatch.routes`, for router replay in the learner).
 
   Raises:
-    ValueError: unknown precision, empty / unsorted buckets, decode_rows or refill_rows < 1, record_routes
+    ValueError: unknown precision or fp8 option, empty / unsorted buckets, decode_rows or refill_rows < 1, record_routes
       for a dense model.
   """
 
@@ -158,7 +171,9 @@ class Sampler:
       mesh: jax.sharding.Mesh | None = None,
       rules=None,
       pad_id: int = 0,
-      fp8_activations: bool = True,
+      fp8_activations: bool | str = True,
+      fp8_weight_scale: str = "tensor",
+      fp8_format: str = "e4m3",
       fuse_qkv: bool = True,
       continuous: bool = True,
       decode_rows: int = 64,
@@ -169,6 +184,13 @@ class Sampler:
   ):
     if precision not in PRECISIONS:
       raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}")
+    if fp8_weight_scale not in FP8_WEIGHT_SCALES or fp8_format not in FP8_FORMATS:
+      raise ValueError(
+          f"fp8_weight_scale={fp8_weight_scale!r}, fp8_format={fp8_format!r}; choose from {FP8_WEIGHT_SCALES} "
+          f"and {tuple(FP8_FORMATS)}"
+      )
+    act_quant_mode(fp8_activations, fp8_format)  # raises on an unknown value
+    fp8_act = ("token" if fp8_activations else "none") if isinstance(fp8_activations, bool) else fp8_activations
     for name, b in (("prompt_buckets", prompt_buckets), ("batch_buckets", batch_buckets)):
       b = tuple(b)
       if not b or any(x <= 0 for x in b) or list(b) != sorted(set(b)):
@@ -185,9 +207,10 @@ class Sampler:
     self.refill_rows = None if refill_rows is None else int(refill_rows)
     self.model_config = model_config
     self.precision = precision
+    self.fp8_weight_scale, self.fp8_format = fp8_weight_scale, fp8_format
     # the learner-layout config (what `params` look like after the precision cast) and the sampler's own
     # unrolled, per-layer config (what prefill / decode run)
-    self._input_config = precision_config(model_config, precision, fp8_activations=fp8_activations)
+    self._input_config = precision_config(model_config, precision, fp8_activations=fp8_act, fp8_format=fp8_format)
     # no remat: inference keeps no activations for a backward, and a remat block cannot write the KV cache
     self._per_layer_config = self._input_config.replace(stack_layers=False, scan_layers=False, remat="none")
     fuse = bool(fuse_qkv) and fused_qkv_keeps_sharding(self._input_config, mesh, rules)
@@ -197,7 +220,7 @@ class Sampler:
     self.mesh = mesh
     self.rules = rules
     self.pad_id = int(pad_id)
-    self._signature = (precision, bool(fp8_activations), fuse, model_config)
+    self._signature = (precision, fp8_act, fp8_weight_scale, fp8_format, fuse, model_config)
     self.trace_count = 0  # incremented each time prefill or decode is traced (tests assert no recompiles)
     with nnx.use_eager_sharding(False):
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
@@ -214,7 +237,9 @@ class Sampler:
 
   # ----------------------------------------------------------------------------------------- jitted parts
   def _prepare_impl(self, state):
-    state = prepare_inference_params(state, self.precision, self._input_config)
+    state = prepare_inference_params(
+        state, self.precision, self._input_config, weight_scale=self.fp8_weight_scale, fmt=self.fp8_format
+    )
     if self._input_config.stack_layers:
       state = unstack_layer_params(state, self._input_config)
     return fuse_qkv_params(state, self._per_layer_config) if self.config.fuse_qkv else state
