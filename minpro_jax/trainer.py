@@ -7,8 +7,9 @@ One global step s:
      log-probs, for the mismatch metrics and TIS/MIS);
   3. grade the responses and compute group advantages (by explicit group ids);
   4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), split
-     it into `num_updates_per_step` mini-batches and take one optimizer update on each; the staleness this gives
-     is derived in `minpro_jax.rl.rollout`;
+     it into `num_updates_per_step` mini-batches and take one optimizer update on each (at the learning rate times
+     the LR-decay multiplier, `minpro_jax.rl.lr_decay`); the staleness this gives is derived in
+     `minpro_jax.rl.rollout`;
   5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.rl.mipu`): sample validation prompts with the updated
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance.
@@ -41,7 +42,7 @@ from minpro_jax.errors import CheckpointError, ConfigError, TrainingError
 from minpro_jax.evaluation import evaluate, grade_split
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
 from minpro_jax.models.moe import route_mismatch
-from minpro_jax.rl import mipu
+from minpro_jax.rl import lr_decay, mipu
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.aggregation import inference_gap_t_post, mismatch_metrics
 from minpro_jax.rl.learner import Learner, staleness
@@ -64,6 +65,7 @@ class RunProgress:
     sft_eval: the macro scores of the evaluation after the warm start, None until it ran.
     sft_info: what the warm start did (`run_setup.warm_start`).
     mipu_checks / mipu_rollbacks: MIPU Step-2 tests run / updates rolled back.
+    lr_decay: the length-surge trigger's `lr_decay.SurgeState` (as JSON).
   """
 
   best_score: float | None = None
@@ -72,6 +74,7 @@ class RunProgress:
   sft_info: dict[str, Any] = dataclasses.field(default_factory=dict)
   mipu_checks: int = 0
   mipu_rollbacks: int = 0
+  lr_decay: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def improves(self, score: float | None) -> bool:
     """Whether `score` beats the best so far (the first evaluation always does; ties keep the earlier one)."""
@@ -126,6 +129,7 @@ class Trainer:
         micro_batch_size=run_config.learner_micro_batch(c),
         mesh=self.mesh,
     )
+    self.lr_decay = run_config.lr_decay_config(c)  # None when off
     self._stop_signal: int | None = None
 
   @classmethod
@@ -284,14 +288,14 @@ class Trainer:
         num_samples=batch.size,
     )
 
-  def learn_step(self, state, batch: RolloutBatch) -> tuple[Any, dict[str, Any]]:
-    """Step 4: one optimizer update per mini-batch of a released batch."""
+  def learn_step(self, state, batch: RolloutBatch, lr_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
+    """Step 4: one optimizer update per mini-batch of a released batch, at `lr_scale` x the scheduled rate."""
     t0 = time.time()
     ups, stale = [], []
     for mini in batch.split(self.c.num_updates_per_step):
       stale.append(staleness(int(state.step), mini.policy_version))
       with use_mesh(self.mesh):
-        state, m = self.learner.update(state, mini)
+        state, m = self.learner.update(state, mini, lr_scale)
       ups.append(m)
     stale = np.concatenate(stale)
     dt = time.time() - t0
@@ -438,13 +442,19 @@ class Trainer:
       batch, metrics = self.sample_step(state, step)
       buffer.push(step, batch)
       released = buffer.pop(step)
+      surge = lr_decay.SurgeState.from_json(progress.lr_decay)
+      lr_scale = lr_decay.multiplier(surge, self.lr_decay) if self.lr_decay else 1.0
       if released is not None:
         before = mipu.snapshot(state) if c.mipu.rollback else None
-        state, learn_metrics = self.learn_step(state, released)
+        state, learn_metrics = self.learn_step(state, released, lr_scale)
         metrics.update(learn_metrics)
         if before is not None:
           state, mipu_metrics = self.mipu_step(state, before, step, progress)
           metrics.update(mipu_metrics)
+      if self.lr_decay:  # this step's length moves the trigger for the next steps
+        surge, lr_metrics = lr_decay.observe(surge, metrics["response/length_mean"], lr_scale, self.lr_decay)
+        progress.lr_decay = surge.to_json()
+        metrics.update(lr_metrics)
       metrics.update(policy_version=int(state.step), skipped_updates_total=int(state.skipped))
       metrics["buffer/waiting"] = len(buffer)
       if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < c.total_steps:
