@@ -31,11 +31,19 @@ from minpro_jax.models.quant import FP8_ACTIVATIONS, FP8_FORMATS, FP8_WEIGHT_SCA
 from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import ADVANTAGE_MODES
 from minpro_jax.rl.learner import LossConfig, OptimizerConfig
+from minpro_jax.rl.lr_decay import LrDecayConfig
 from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
 from minpro_jax.runtime.sharding import MESH_AXES
 from minpro_jax.sampling import SamplingParams
 
-__all__ = ["ConfigError", "validate_config", "check_mipu_problem_count", "loss_config", "optimizer_config"]
+__all__ = [
+    "ConfigError",
+    "validate_config",
+    "check_mipu_problem_count",
+    "loss_config",
+    "optimizer_config",
+    "lr_decay_config",
+]
 
 MODEL_SOURCES = ("scratch", "hf", "gguf")  # how run_setup builds the model
 TOKENIZER_KINDS = ("train_spm", "path", "model")  # how run_setup builds the tokenizer
@@ -286,6 +294,7 @@ def _check_optimizer(c) -> None:
   o = c.optimizer
   _need(o.schedule in SCHEDULES, "optimizer.schedule", f"{o.schedule!r}; choose one of {SCHEDULES}")
   optimizer_config(c)
+  lr_decay_config(c)
   _need(
       o.learning_rate <= MAX_LEARNING_RATE,
       "optimizer.learning_rate",
@@ -538,6 +547,32 @@ def optimizer_config(c) -> OptimizerConfig:
   except ValueError as e:
     hit = re.search(r"OptimizerConfig\.(\w+)", str(e))
     raise ConfigError(f"config.optimizer.{hit.group(1) if hit else ''}: {e}") from e
+
+
+LR_DECAY_FIELDS = {  # config.optimizer.<key> -> LrDecayConfig.<value>
+    "lr_decay_baseline_steps": "baseline_steps",
+    "lr_decay_surge_ratio": "surge_ratio",
+    "lr_decay_period_factor": "period_factor",
+    "lr_decay_factor": "factor",
+    "lr_decay_min_ratio": "min_ratio",
+}
+
+
+def lr_decay_config(c) -> LrDecayConfig | None:
+  """The `LrDecayConfig` of `config.optimizer.lr_decay_*`, None when `lr_decay_on_length_surge` is off (the fields
+  are checked either way).
+
+  Raises:
+    ConfigError: naming the `config.optimizer.lr_decay_*` field `LrDecayConfig` refuses, and its range.
+  """
+  o = c.optimizer
+  try:
+    cfg = LrDecayConfig(**{attr: o[key] for key, attr in LR_DECAY_FIELDS.items()})
+  except ValueError as e:
+    hit = re.search(r"LrDecayConfig\.(\w+)", str(e))
+    key = next((k for k, a in LR_DECAY_FIELDS.items() if hit and a == hit.group(1)), "lr_decay_*")
+    raise ConfigError(f"config.optimizer.{key}: {e}") from e
+  return cfg if o.lr_decay_on_length_surge else None
 
 
 # ---------------------------------------------------------------------------------------------- resume check

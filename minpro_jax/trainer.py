@@ -7,8 +7,9 @@ One global step s:
      log-probs, for the mismatch metrics and TIS/MIS);
   3. grade the responses and compute group advantages (by explicit group ids);
   4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), split
-     it into `num_updates_per_step` mini-batches and take one optimizer update on each; the staleness this gives
-     is derived in `minpro_jax.rl.rollout`;
+     it into `num_updates_per_step` mini-batches and take one optimizer update on each (at the learning rate times
+     the LR-decay multiplier, `minpro_jax.rl.lr_decay`); the staleness this gives is derived in
+     `minpro_jax.rl.rollout`;
   5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.mipu_step`): sample validation prompts with the updated
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
@@ -43,7 +44,7 @@ from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
 from minpro_jax.mipu_step import MipuStep
 from minpro_jax.mipu_step import summary as mipu_summary
 from minpro_jax.models.moe import route_mismatch
-from minpro_jax.rl import mipu
+from minpro_jax.rl import lr_decay, mipu
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.aggregation import mismatch_metrics
 from minpro_jax.rl.learner import Learner, staleness
@@ -67,6 +68,7 @@ class RunProgress:
     sft_info: what the warm start did (`run_setup.warm_start`).
     mipu_checks / mipu_rollbacks: MIPU Step-2 tests run / updates rolled back.
     mipu_ground_truth: [T_post, J(mu') - J(pi')] of each check with `mipu.ground_truth` (`minpro_jax.mipu_step`).
+    lr_decay: the length-surge trigger's `lr_decay.SurgeState` (as JSON).
   """
 
   best_score: float | None = None
@@ -76,6 +78,7 @@ class RunProgress:
   mipu_checks: int = 0
   mipu_rollbacks: int = 0
   mipu_ground_truth: list[list[float]] = dataclasses.field(default_factory=list)
+  lr_decay: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def improves(self, score: float | None) -> bool:
     """Whether `score` beats the best so far (the first evaluation always does; ties keep the earlier one)."""
@@ -132,6 +135,7 @@ class Trainer:
         mesh=self.mesh,
     )
     self.mipu_step = MipuStep(self) if c.mipu.rollback else None
+    self.lr_decay = run_config.lr_decay_config(c)  # None when off
     self._stop_signal: int | None = None
 
   @classmethod
@@ -264,14 +268,14 @@ class Trainer:
       metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
     return batch, metrics
 
-  def learn_step(self, state, batch: RolloutBatch) -> tuple[Any, dict[str, Any]]:
-    """Step 4: one optimizer update per mini-batch of a released batch."""
+  def learn_step(self, state, batch: RolloutBatch, lr_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
+    """Step 4: one optimizer update per mini-batch of a released batch, at `lr_scale` x the scheduled rate."""
     t0 = time.time()
     ups, stale = [], []
     for mini in batch.split(self.c.num_updates_per_step):
       stale.append(staleness(int(state.step), mini.policy_version))
       with use_mesh(self.mesh):
-        state, m = self.learner.update(state, mini)
+        state, m = self.learner.update(state, mini, lr_scale)
       ups.append(m)
     stale = np.concatenate(stale)
     dt = time.time() - t0
@@ -403,13 +407,19 @@ class Trainer:
       batch, metrics = self.sample_step(state, step)
       buffer.push(step, batch)
       released = buffer.pop(step)
+      surge = lr_decay.SurgeState.from_json(progress.lr_decay)
+      lr_scale = lr_decay.multiplier(surge, self.lr_decay) if self.lr_decay else 1.0
       if released is not None:
         before = mipu.snapshot(state) if c.mipu.rollback else None
-        state, learn_metrics = self.learn_step(state, released)
+        state, learn_metrics = self.learn_step(state, released, lr_scale)
         metrics.update(learn_metrics)
         if before is not None:
           state, mipu_metrics = self.mipu_step(state, before, step, progress)
           metrics.update(mipu_metrics)
+      if self.lr_decay:  # this step's length moves the trigger for the next steps
+        surge, lr_metrics = lr_decay.observe(surge, metrics["response/length_mean"], lr_scale, self.lr_decay)
+        progress.lr_decay = surge.to_json()
+        metrics.update(lr_metrics)
       metrics.update(policy_version=int(state.step), skipped_updates_total=int(state.skipped))
       metrics["buffer/waiting"] = len(buffer)
       if c.eval.every and (step + 1) % c.eval.every == 0 and step + 1 < c.total_steps:

@@ -300,6 +300,7 @@ def test_every_variant_is_a_valid_config_on_cpu_and_at_paper_scale(tmp_path, var
   assert c.sampling.precision == "fp8" and c.loss.method == "grpo"
   assert (c.loss.rollout_is == "token") == (variant in ("tis", "mipu", "random"))
   assert c.mipu.rollback == (variant in ("step2", "mipu", "random"))
+  assert (run_config.lr_decay_config(c) is not None) == (variant == "lr_decay")
   c.workdir = str(tmp_path / "run")
   if variant == "random":  # its rate must be given: the error says how
     with pytest.raises(run_config.ConfigError, match="mipu.random_rate"):

@@ -243,7 +243,8 @@ class RunPrograms:
     inputs = UpdateInputs(**self._rows(self.shapes.mini_batch))
     shardings = jax.tree.map(lambda x: x.sharding, state)
     with use_mesh(self.mesh):
-      return self.learner.jitted_update(shardings).lower(state, inputs, self.shapes.micro_batch)
+      lr_scale = _replicated(self.mesh, (), jnp.float32)
+      return self.learner.jitted_update(shardings).lower(state, inputs, self.shapes.micro_batch, lr_scale)
 
   def _lower_score(self):
     rows = self._rows(self.shapes.rollouts)

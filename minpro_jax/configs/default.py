@@ -112,6 +112,15 @@ def base_config() -> ConfigDict:
   c.optimizer.weight_decay = 0.0
   c.optimizer.max_grad_norm = 1.0
   c.optimizer.b2 = 0.999
+  # LR decay on a response-length surge (arXiv 2602.01826, the LR-decay baseline of MIPU; minpro_jax/rl/lr_decay.py):
+  # once a step's mean response length exceeds surge_ratio x the mean of the first baseline_steps steps (step T),
+  # the rate is multiplied by decay_factor every int(period_factor * T) global steps, down to min_ratio of it.
+  c.optimizer.lr_decay_on_length_surge = False
+  c.optimizer.lr_decay_baseline_steps = 50
+  c.optimizer.lr_decay_surge_ratio = 3.0
+  c.optimizer.lr_decay_period_factor = 1.8
+  c.optimizer.lr_decay_factor = 0.5
+  c.optimizer.lr_decay_min_ratio = 0.1
 
   c.sft = ConfigDict()
   c.sft.enabled = True

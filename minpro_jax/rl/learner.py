@@ -330,13 +330,16 @@ class Learner:
     return merge(logp), None if routes is None else merge(routes)
 
   # ----- update -----
-  def update(self, state: TrainState, batch: RolloutBatch) -> tuple[TrainState, dict[str, Any]]:
+  def update(self, state: TrainState, batch: RolloutBatch, lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
     """One optimizer update on a mini-batch (donates `state`).
 
     Args:
       state: current `TrainState` (invalid after the call).
       batch: the mini-batch of M samples (reads tokens, segment_ids, positions, response_mask,
         behavior_logp, learner_logp and advantages).
+      lr_scale: multiplies the scheduled learning rate of this update (a traced scalar: a new value does not
+        recompile; `minpro_jax.rl.lr_decay`). AdamW's step, weight decay included, is linear in the rate and its
+        moments do not depend on it, so scaling the update is the update at the scaled rate.
 
     Returns:
       (new state, metrics dict of numpy scalars / arrays). If the loss or gradient is not finite the update
@@ -353,12 +356,12 @@ class Learner:
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
       self._update = self.jitted_update(shardings)
-    state, metrics = self._update(state, arrays, mb)
+    state, metrics = self._update(state, arrays, mb, np.asarray(lr_scale, np.float32))
     return state, to_host(metrics)
 
   def jitted_update(self, state_shardings):
-    """The jitted update `update` runs, `(state, UpdateInputs, micro_batch) -> (state, metrics)`: the state donated
-    and returned laid out as `state_shardings` (a `TrainState` of shardings). Compile-only tools lower it."""
+    """The jitted update `update` runs, `(state, UpdateInputs, micro_batch, lr_scale) -> (state, metrics)`: the state
+    donated and returned laid out as `state_shardings` (a `TrainState` of shardings). Compile-only tools lower it."""
     return jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,), out_shardings=(state_shardings, None))
 
   def _micro_objective(self, params, micro: UpdateInputs, denom, num_tokens, num_rows, prepared):
@@ -387,7 +390,7 @@ class Learner:
       total = total + lc.router_aux_coef * lp.router_aux_loss * micro.tokens.shape[0] / num_rows
     return total, (out, lp)
 
-  def _update_impl(self, state: TrainState, arrays: UpdateInputs, mb):
+  def _update_impl(self, state: TrainState, arrays: UpdateInputs, mb, lr_scale):
     lc = self.loss_cfg
     m = arrays.tokens.shape[0]
     mask = arrays.response_mask
@@ -444,6 +447,7 @@ class Learner:
     grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     safe_grads = jax.tree.map(lambda g: jnp.where(grads_finite, g, 0.0), grads)
     updates, new_opt = self.optimizer.update(safe_grads, state.opt_state, state.params)
+    updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
     new_params = optax.apply_updates(state.params, updates)
     # an update that makes the parameters or the optimizer state non-finite is skipped too
     finite = grads_finite & _all_finite(new_params) & _all_finite(new_opt)
@@ -461,7 +465,7 @@ class Learner:
         {
             "loss": loss,
             "grad_norm": grad_norm,
-            "lr": self.schedule(state.step),
+            "lr": self.schedule(state.step) * lr_scale,
             "update_skipped": ~finite,
             "learner_behavior/abs_log_ratio_mean": jnp.sum(jnp.abs(delta)) / num_tokens,
             "weight_by_position_bin": wsum / jnp.maximum(wcnt, 1.0),
