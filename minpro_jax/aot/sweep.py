@@ -55,15 +55,16 @@ def _sharding_str(s) -> str:
 
 
 def sharding_table(lowered, compiled) -> dict[str, list[list[str]]]:
-  """{"inputs": [[path, shape, spec], ...], "outputs": [...]}: the golden-dump view of a program's layout."""
+  """{"inputs": [[path, shape, spec], ...], "outputs": [...]}: the golden-dump view of a program's layout. An input
+  the program does not read (XLA prunes it; its sharding is None) has the spec "unused"."""
   import jax
 
   def rows(info, shardings):
-    leaves = jax.tree_util.tree_flatten_with_path(info)[0]
-    flat = jax.tree.leaves(shardings)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(info)
+    flat = treedef.flatten_up_to(shardings)  # pairs by position in the tree, None (pruned) included
     return [
-        [jax.tree_util.keystr(path), f"{x.dtype}{list(x.shape)}", _sharding_str(s)]
-        for (path, x), s in zip(leaves, flat)
+        [jax.tree_util.keystr(path), f"{x.dtype}{list(x.shape)}", "unused" if s is None else _sharding_str(s)]
+        for (path, x), s in zip(leaves, flat, strict=True)
     ]
 
   args_info = lowered.args_info[0]
