@@ -138,9 +138,10 @@ def _ablation_grid(seeds=(0, 1, 2)):
   )
 
 
-def _metrics(best, final=None):
+def _metrics(best, final=None, warm_start=(0.5, 0.1)):
   final = best if final is None else final
   return {
+      "warm_start": list(warm_start),
       "initial": 0.1,
       "best": best,
       "peak": best,
@@ -179,6 +180,29 @@ def test_paired_differences_on_the_same_seeds():
   a = paired["method-minpro_delay-16_prefix_statistic-mean"]
   assert a["reference_cell"] == "method-minpro_delay-16" and a["seeds"] == [0, 1]
   np.testing.assert_allclose(a["metrics"]["best"]["mean"], 0.01)
+
+
+def test_runs_of_one_seed_from_different_warm_starts_are_not_paired():
+  """A grid continued on another CPU type: seed 1 of the grpo cell started from another SFT result."""
+  runs = grid.expand(_ablation_grid())
+  per_run = {}
+  for r in runs:
+    if r.cell_name in ("method-minpro_delay-16", "method-grpo_delay-16"):
+      other = r.cell_name == "method-grpo_delay-16" and r.seed == 1
+      per_run[r.name] = _metrics(
+          0.3 - 0.1 * (r.cell_name == "method-grpo_delay-16"), warm_start=(0.56, 0.12) if other else (0.62, 0.08)
+      )
+  (g,) = [
+      p
+      for p in aggregate.paired_differences(per_run, runs, _ablation_grid().comparisons)
+      if p["cell"] == "method-grpo_delay-16"
+  ]
+  assert g["seeds"] == [0, 2] and g["unpaired_seeds"] == [1]
+  md = aggregate.to_markdown({"level": 0.95, "interval_method": "t", "cells": [], "paired": [g], "unfinished": []})
+  assert "| method: minpro - grpo (delay=16) | 2 (+1) |" in md
+  summary = _summary(CURVE, 40)
+  summary["sft"] = {"final_loss": 0.62}
+  assert aggregate.run_metrics(summary, _records(CURVE, 40))["warm_start"] == [0.62, 0.10]
 
 
 def test_cell_stats_one_seed_cell_has_no_interval():

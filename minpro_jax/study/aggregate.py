@@ -28,8 +28,10 @@ Per run:
 
 Per cell (over its seeds): the mean and a 95 % t-interval of each figure (`mean_ci`), and how many seeds fell
 below their initial value. Paired differences (`paired_differences`): reference minus cell on the seeds both ran
-(the same seed gives the same tokenizer, warm start and initial evaluation), with the t-interval of the
-differences.
+from the same warm start, with the t-interval of the differences. The same seed gives the same tokenizer, warm
+start and initial evaluation on one CPU type, but not across CPU types (XLA:CPU's code differs between Intel and
+AMD machines), so a grid continued on another machine has, for one seed, runs from different warm starts: those
+pairs are not paired (`warm_start`: the SFT's final loss and the initial evaluation) and are counted apart.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ def run_metrics(summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
       raise ValueError(f"summary.json {what} pass@1 {want} differs from metrics.jsonl's {got}: files of two runs")
   learning = learning_curve(curve, delay)
   return {
+      "warm_start": warm_start(summary),
       "initial": float(initial),
       "best": float(best),
       "best_step": int(best_step),
@@ -218,6 +221,12 @@ def run_metrics(summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
       "curve": [[s, y] for s, y in curve],
       "learning_curve": [[s, y] for s, y in learning],
   }
+
+
+def warm_start(summary: Mapping[str, Any]) -> list[Any]:
+  """What identifies a run's starting policy: [the SFT's final loss (None without SFT), the initial evaluation's
+  pass@1]. Two runs of one seed start from the same policy iff these agree (the file does not store the weights)."""
+  return [summary.get("sft", {}).get("final_loss"), summary["eval_after_sft"]["pass@1"]]
 
 
 def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
@@ -298,14 +307,15 @@ def paired_differences(
     method: str = "t",
 ) -> list[dict[str, Any]]:
   """For each (field, ref) and each cell whose `field` is set to a value other than `ref`: reference - cell per
-  seed (on the seeds both finished), and the `Interval` of those differences per figure.
+  seed (on the seeds both finished from the same warm start), and the `Interval` of those differences per figure.
 
   The reference cell has the same overrides but `field` = `ref` (or `field` unset: e.g. the prefix ablation
   `loss.prefix_statistic=mean` pairs with the MinPRO cell that leaves it at its default "min"). Cells without a
   reference cell, or without a seed in common with it, are left out.
 
   Returns:
-    [{"field", "reference", "reference_cell", "cell", "label", "seeds", "metrics": {figure: Interval json}}].
+    [{"field", "reference", "reference_cell", "cell", "label", "seeds", "unpaired_seeds" (both finished, different
+    warm starts), "metrics": {figure: Interval json}}].
   """
   cells = _cells(runs)
   by_cell_seed = {(r.cell_name, r.seed): r.name for r in runs}
@@ -318,11 +328,14 @@ def paired_differences(
       ref_name = _partner(cell, field, ref, cells)
       if ref_name is None:
         continue
-      seeds = [
+      both = [
           s
           for (c, s), run in by_cell_seed.items()
           if c == name and run in per_run and by_cell_seed.get((ref_name, s)) in per_run
       ]
+      start = {s: [per_run[by_cell_seed[(c, s)]]["warm_start"] for c in (name, ref_name)] for s in both}
+      same = lambda s: start[s][0] == start[s][1]  # noqa: E731
+      seeds = [s for s in both if same(s)]
       if not seeds:
         continue
       metrics = {}
@@ -339,6 +352,7 @@ def paired_differences(
               "cell": name,
               "label": f"{short}: {ref} - {d[field]}" + (f" ({others})" if others else ""),
               "seeds": seeds,
+              "unpaired_seeds": [s for s in both if not same(s)],
               "metrics": metrics,
           }
       )
@@ -421,8 +435,8 @@ def to_markdown(result: Mapping[str, Any]) -> str:
   if result["paired"]:
     lines += [
         "",
-        f"Paired differences, reference - cell, on the seeds both ran (points; [{lvl} % interval]; * = the "
-        "interval excludes 0).",
+        f"Paired differences, reference - cell, on the seeds both ran from the same warm start (points; [{lvl} % "
+        "interval]; * = the interval excludes 0; +k: seeds both ran from different warm starts, left out).",
         "",
         "| comparison | seeds | best | peak | final | AUC | largest drop |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -433,7 +447,8 @@ def to_markdown(result: Mapping[str, Any]) -> str:
         iv = p["metrics"][k]
         star = " *" if Interval(**iv).excludes(0.0) else ""
         cols.append(_pct(iv, signed=True) + star)
-      lines.append(f"| {p['label']} | {len(p['seeds'])} | " + " | ".join(cols) + " |")
+      unpaired = f" (+{len(p['unpaired_seeds'])})" if p.get("unpaired_seeds") else ""
+      lines.append(f"| {p['label']} | {len(p['seeds'])}{unpaired} | " + " | ".join(cols) + " |")
   if result["unfinished"]:
     lines += ["", f"Unfinished runs ({len(result['unfinished'])}): " + ", ".join(result["unfinished"])]
   return "\n".join(lines) + "\n"
