@@ -101,7 +101,7 @@ else git clone -q $(sq "$REPO_URL") $(sq "$REMOTE_DIR"); fi; git -C $(sq "$REMOT
   local tarball="${TMPDIR:-/tmp}/minpro_jax_src.tar.gz"
   echo "# pack $REPO_ROOT (git ls-files: tracked + untracked-not-ignored) into $tarball"
   if [[ "$DRY_RUN" == 0 ]]; then
-    (cd "$REPO_ROOT" && git ls-files -z --cached --others --exclude-standard \
+    (cd "$REPO_ROOT" && git ls-files -z --cached --others --exclude-standard -- . ':!runs' \
       | tar czf "$tarball" --ignore-failed-read --null -T -)
   fi
   run gcloud compute tpus tpu-vm scp "$tarball" "$TPU_NAME:minpro_jax_src.tar.gz" --zone "$ZONE" \

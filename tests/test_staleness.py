@@ -99,10 +99,10 @@ def paper_run(tmp_path_factory):
     sampled.append((step, copy.deepcopy(batch)))
     return batch, m
 
-  def learn_step(state, batch):
+  def learn_step(state, batch, lr_scale=1.0):
     now = tr.learner.score(state.params, batch)
     consumed.append((int(state.step), batch, np.asarray(now)))
-    return orig_learn(state, batch)
+    return orig_learn(state, batch, lr_scale)
 
   tr.sample_step, tr.learn_step = sample_step, learn_step
   summary = tr.run()
