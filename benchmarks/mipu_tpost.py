@@ -11,6 +11,8 @@ mismatch signal is: below ~2 the accept / reject decision is a coin flip), the g
 prompts and seed sampled at fp32; paired, so the two draws share their randomness) and the token K3 mismatch.
 
 Run:  .venv/bin/python benchmarks/mipu_tpost.py [--draws 8] [--sizes 8x4,32x4,64x8,128x8] [--precisions fp8,bf16]
+          [--setting default|mipu_study] [--out PATH]
+`--setting mipu_study`: the MIPU study's setting (`configs/studies/mipu.py`, seed 1, its fp8 options).
 Writes benchmarks/results/mipu_tpost.json. The SFT warm start is cached under cache/ (the first run trains it).
 """
 
@@ -37,31 +39,40 @@ from minpro_jax.trainer import Trainer  # noqa: E402
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "mipu_tpost.json")
 
 
-def measure(precision: str, sizes: list[tuple[int, int]], draws: int, workdir: str) -> list[dict]:
+def study_setting(c, precision: str):
+  """The MIPU study's setting (`configs/studies/mipu.py`: its fixed fields, seed 1, its fp8 options)."""
+  from minpro_jax.configs.studies import mipu as study
+
+  g = study.get_grid()
+  fields = {**g.fixed, "seed": 1}
+  if precision == "fp8":
+    fields.update(study.FP8)
+  for field, value in fields.items():
+    *groups, name = field.split(".")
+    node = c
+    for grp in groups:
+      node = node[grp]
+    node[name] = value
+  return c
+
+
+def measure(precision: str, sizes: list[tuple[int, int]], draws: int, workdir: str, setting: str) -> list[dict]:
   c = get_config()
-  c.workdir = workdir
   c.sampling.precision = precision
+  if setting == "mipu_study":
+    c = study_setting(c, precision)
+  c.workdir = workdir
   c.mipu.rollback, c.mipu.ground_truth = True, True
   c.mipu.val_prompts, c.mipu.val_group_size = max(p for p, _ in sizes), max(g for _, g in sizes)
   tr = Trainer.from_config(c)
   state = tr.learner.init_state(nnx.split(tr.model)[1])
   rows = []
-  captured = {}
-  orig = tr._rollout
-
-  def spy(st, gen, problems, group_size):
-    out = orig(st, gen, problems, group_size)
-    captured["batch"] = out[0]
-    return out
-
-  tr._rollout = spy
   for prompts, group in sizes:
     c.mipu.val_prompts, c.mipu.val_group_size = prompts, group
     t_post, se, j_gap, k3 = [], [], [], []
     t0 = time.time()
     for d in range(draws):
-      _, m = tr.mipu_step.check(state, 10_000 + d)
-      vb = captured["batch"]
+      _, m, vb = tr.mipu_step.check(state, 10_000 + d)
       mm = mismatch_metrics(vb.learner_logp, vb.behavior_logp, vb.response_mask)
       t_post.append(m["mipu/t_post"])
       se.append(m["mipu/t_post_se"])
@@ -94,18 +105,20 @@ def main(argv=None) -> None:
   ap.add_argument("--draws", type=int, default=8)
   ap.add_argument("--sizes", default="8x4,32x4,64x8,128x8")
   ap.add_argument("--precisions", default="fp8,bf16")
+  ap.add_argument("--setting", choices=("default", "mipu_study"), default="default")
   ap.add_argument("--out", default=OUT)
   a = ap.parse_args(argv)
   sizes = [tuple(int(x) for x in s.split("x")) for s in a.sizes.split(",")]
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for precision in a.precisions.split(","):
-      rows += measure(precision, sizes, a.draws, os.path.join(tmp, precision))
+      rows += measure(precision, sizes, a.draws, os.path.join(tmp, precision), a.setting)
   cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
   out = {
       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
       "cpu": cpu or platform.processor(),
-      "config": "minpro_jax/configs/default.py at the SFT warm start (no RL update), fp32 learner",
+      "config": f"setting {a.setting} at the SFT warm start (no RL update), fp32 learner",
+      "setting": a.setting,
       "rows": rows,
   }
   os.makedirs(os.path.dirname(a.out), exist_ok=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from minpro_jax import run_config
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
 from minpro_jax.sampling import Sampler
@@ -41,14 +42,16 @@ class MipuStep:
     self.trainer = trainer
     m = self.cfg = trainer.c.mipu
     self.rate = None
+    self.last_batch = None  # the validation batch of the last gap check (for inspection)
     if m.mode == "random":
-      self.rate = float(m.random_rate) if m.random_rate is not None else mipu.reference_rollback_rate(m.match_rate_of)
+      self.rate = run_config.random_rollback_rate(trainer.c)
     self.truth_sampler = None
     if m.ground_truth and m.mode == "gap":
       self.truth_sampler = Sampler(trainer.model.config, **{**trainer.sampler_kw, "precision": LEARNER_PRECISION})
 
-  def check(self, state, step: int) -> tuple[mipu.GapCheck, dict[str, Any]]:
-    """The T_post test of `state.params` (just updated; read only). Returns the check and its metrics."""
+  def check(self, state, step: int) -> tuple[mipu.GapCheck, dict[str, Any], Any]:
+    """The T_post test of `state.params` (just updated; read only). Returns the check, its metrics and the
+    validation batch (a `RolloutBatch`: the sampler's mu' and the learner's pi' log-probs of its tokens)."""
     tr, m = self.trainer, self.cfg
     idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(step, 3))
     problems = [tr.train_problems[i] for i in idx]
@@ -70,7 +73,7 @@ class MipuStep:
       truth = tr._generate(state.params, problems, tr.sampling, seed, m.val_group_size, sampler=self.truth_sampler)
       j_pi = float(tr.grade(truth, problems, m.val_group_size)[1].mean())
       metrics.update({"mipu/j_learner": j_pi, "mipu/j_gap": check.reward_mean - j_pi})
-    return check, metrics
+    return check, metrics, batch
 
   def __call__(self, state, before, step: int, progress) -> tuple[Any, dict[str, Any]]:
     """Decides on the step's updates; returns the state kept (`before`, the snapshot, on a rollback) and the
@@ -79,7 +82,7 @@ class MipuStep:
     if self.rate is not None:
       accepted, metrics = not mipu.random_rollback(self.trainer.c.seed, step, self.rate), {}
     else:
-      check, metrics = self.check(state, step)
+      check, metrics, self.last_batch = self.check(state, step)
       accepted = check.accepted
       if "mipu/j_gap" in metrics:
         progress.mipu_ground_truth.append([check.t_post, metrics["mipu/j_gap"]])

@@ -338,6 +338,27 @@ def eval_files(c) -> list[tuple[str, str, str]]:
   return out
 
 
+def random_rollback_rate(c) -> float:
+  """mipu.mode=random's rollback probability: `mipu.random_rate`, or the measured rate of the finished run
+  `mipu.match_rate_of`. A relative `match_rate_of` is looked up from the current directory, then next to this run's
+  workdir (a sibling run of a study: `variant-mipu_seed-1`).
+
+  Raises:
+    ConfigError: naming mipu.match_rate_of: no summary.json there, or that run made no MIPU check.
+  """
+  m = c.mipu
+  if m.random_rate is not None:
+    return float(m.random_rate)
+  path = m.match_rate_of
+  sibling = os.path.join(os.path.dirname(os.path.abspath(c.workdir)), path)
+  if not os.path.isabs(path) and not os.path.exists(path) and os.path.exists(sibling):
+    path = sibling
+  try:
+    return mipu.reference_rollback_rate(path)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+
+
 def _check_mipu(c) -> None:
   m = c.mipu
   if not m.rollback:
@@ -356,12 +377,7 @@ def _check_mipu(c) -> None:
         f"must lie in [0, 1], got {m.random_rate}",
     )
     _need(not m.ground_truth, "mipu.ground_truth", "needs mode=gap (random rollbacks sample nothing to compare)")
-    if m.match_rate_of:
-      try:
-        mipu.reference_rollback_rate(m.match_rate_of)
-      except ValueError as e:
-        raise ConfigError(str(e)) from e
-    return
+    return  # the reference run is read when the run starts (`random_rollback_rate`): in a study it runs first
   _need(
       m.random_rate is None and not m.match_rate_of,
       "mipu.random_rate",

@@ -3,6 +3,7 @@ rollback (reject-all keeps the warm-start parameters; accept-all equals a run wi
 
 import json
 import math
+import os
 import zlib
 
 import jax
@@ -141,13 +142,30 @@ def test_config_validation_of_modes_and_mis_bounds(tmp_path):
       ({"mipu.mode": "random"}, "mipu.random_rate: mode=random needs exactly one of"),
       ({"mipu.mode": "random", "mipu.random_rate": 0.2, "mipu.match_rate_of": str(tmp_path)}, "exactly one of"),
       ({"mipu.mode": "random", "mipu.random_rate": 1.5}, "mipu.random_rate: must lie in"),
-      ({"mipu.mode": "random", "mipu.match_rate_of": str(tmp_path / "x")}, "match_rate_of=.*no summary.json"),
       ({"mipu.mode": "random", "mipu.random_rate": 0.2, "mipu.ground_truth": True}, "mipu.ground_truth: needs"),
       ({"mipu.random_rate": 0.2}, "mipu.random_rate: is for mode=random"),
   ):
     c = make_config(tiny_overrides(tmp_path, **on, **extra))
     with pytest.raises(run_config.ConfigError, match=msg):
       run_config.validate_config(c)
+  # the reference run is read at the start (in a study it runs just before): from the current directory, then
+  # next to the run's workdir
+  rnd = {"mipu.mode": "random", "mipu.match_rate_of": "x"}
+  c = make_config(tiny_overrides(tmp_path, **on, **rnd))
+  run_config.validate_config(c)
+  with pytest.raises(run_config.ConfigError, match="match_rate_of='x': no summary.json"):
+    run_config.random_rollback_rate(c)
+  sibling = os.path.join(os.path.dirname(os.path.abspath(c.workdir)), "x")
+  os.makedirs(sibling)
+  with open(os.path.join(sibling, "summary.json"), "w") as f:
+    json.dump({"mipu": {"checks": 5, "rollbacks": 2}}, f)
+  assert run_config.random_rollback_rate(c) == 0.4
+  assert (
+      run_config.random_rollback_rate(
+          make_config(tiny_overrides(tmp_path, **on, **{"mipu.mode": "random", "mipu.random_rate": 0.3}))
+      )
+      == 0.3
+  )
   for extra, msg in (
       ({"loss.rollout_mis_bounds": (0.5, 2.0)}, "rollout_mis_bounds: is set but loss.rollout_mis is not"),
       ({"loss.rollout_mis": "token", "loss.rollout_mis_bounds": (2.0, 0.5)}, "0 < low <= high"),
@@ -264,18 +282,9 @@ def test_step2_under_fp8_direct_t_post_ground_truth_and_bitwise_restore(tmp_path
   assert int(state.step) == tr.c.num_updates_per_step
   updated = jax.tree.map(np.asarray, state.params)
 
-  captured = {}
-  orig = tr._rollout
-
-  def spy(st, gen, problems, group_size):
-    out = orig(st, gen, problems, group_size)
-    captured["batch"] = out[0]
-    return out
-
-  monkeypatch.setattr(tr, "_rollout", spy)
   progress = RunProgress()
   kept, metrics = tr.mipu_step(state, before, 0, progress)
-  vb = captured["batch"]
+  vb = tr.mipu_step.last_batch
   model = nnx.merge(nnx.graphdef(tr.model), jax.tree.map(jnp.asarray, updated))
   pi = np.asarray(token_logprobs(model, *map(jnp.asarray, (vb.tokens, vb.segment_ids, vb.positions))).logp)
   mask = vb.response_mask

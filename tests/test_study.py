@@ -23,6 +23,7 @@ from minpro_jax.study.grid import Grid, GridError, Run
 
 SMOKE = os.path.join(REPO, "minpro_jax", "configs", "studies", "smoke.py")
 STALENESS = os.path.join(REPO, "minpro_jax", "configs", "studies", "minpro_staleness.py")
+MIPU_GRID = os.path.join(REPO, "minpro_jax", "configs", "studies", "mipu.py")
 T_975 = {1: 12.706204736174698, 2: 4.302652729749462, 3: 3.182446305284263}  # Student-t quantiles (tables)
 
 
@@ -82,6 +83,8 @@ def test_curve_figures_on_a_hand_made_curve():
   assert largest_drop(CURVE) == pytest.approx(0.10)
   assert largest_drop([(0, 0.1), (5, 0.2), (10, 0.3)]) == 0.0
   assert not falls_below(CURVE, 0.10) and falls_below(CURVE + [(50, 0.05)], 0.10)
+  assert aggregate.fall_rate(CURVE) == pytest.approx(1 / 3)  # 0.3 -> 0.2 falls; 0.2 -> 0.2 does not
+  assert aggregate.fall_rate([(0, 0.1)]) == 0.0
   assert curve_auc([(0, 0.4)]) == 0.4
   with pytest.raises(ValueError, match="increase"):
     curve_auc([(0, 0.1), (0, 0.2)])
@@ -118,6 +121,14 @@ def test_run_metrics_and_files_of_two_runs():
   assert m["initial"] == 0.10 and m["best"] == 0.30 and m["best_step"] == 10 and m["final"] == 0.20
   assert m["peak"] == 0.30 and m["learning_curve"] == [list(p) for p in CURVE]  # delay 0: every evaluation
   assert m["auc"] == pytest.approx(0.2125) and m["largest_drop"] == pytest.approx(0.1) and not m["below_initial"]
+  assert m["fall_rate"] == pytest.approx(1 / 3) and m["rollback_rate"] is None and m["k3_mean"] is None
+  # a MIPU run: its rollback share from summary.json, K3 averaged over the steps that log it, rollbacks per check
+  mipu_summary = {**_summary(CURVE, 40), "mipu": {"checks": 4, "rollbacks": 1}}
+  recs = _records(CURVE, 40)
+  recs[1].update({"sampler_learner/mismatch_k3": 2e-5, "mipu/accepted": 1})
+  recs.insert(2, {"step": 1, "sampler_learner/mismatch_k3": 4e-5, "mipu/accepted": 0})
+  m = aggregate.run_metrics(mipu_summary, recs)
+  assert m["rollback_rate"] == 0.25 and m["k3_mean"] == pytest.approx(3e-5) and m["rollbacks"] == [[0, 0], [1, 1]]
   bad = _summary(CURVE, 40)
   bad["eval_final"]["pass@1"] = 0.5
   with pytest.raises(ValueError, match="eval_final pass@1 0.5 differs"):
@@ -148,6 +159,7 @@ def _metrics(best, final=None, warm_start=(0.5, 0.1)):
       "final": final,
       "auc": best,
       "largest_drop": 0.0,
+      "fall_rate": 0.0,
       "below_initial": False,
   }
 
@@ -275,6 +287,71 @@ def test_the_staleness_grid():
     ],
 )
 def test_grid_mistakes_name_the_field(change, match):
+  g = Grid(**{"base": "minpro_jax/configs/default.py", "axes": {"delay": [0, 2]}, **change})
+  with pytest.raises(GridError, match=match):
+    grid.check_grid(g)
+    grid.plan(g, "/tmp/study", validate=False)
+
+
+def test_variants_are_a_named_first_axis_whose_overrides_reach_the_command():
+  g = Grid(
+      base="minpro_jax/configs/default.py",
+      variants={"plain": {}, "tis": {"loss.rollout_is": "token", "loss.tis_cap": 2.0}},
+      axes={"delay": [0, 2]},
+      cells=[{"variant": "tis", "delay": 8}],
+      seeds=(3,),
+      derived=lambda cell: {"total_steps": 10 + cell["seed"]} if cell["variant"] == "tis" else {},
+      comparisons=(("variant", "plain"),),
+  )
+  grid.check_grid(g)
+  runs = grid.expand(g)
+  assert [dict(r.extra) for r in runs] == [{}, {}, {"total_steps": 13}, {"total_steps": 13}, {"total_steps": 13}]
+  assert [r.name for r in runs] == [
+      "variant-plain_delay-0_seed-3",
+      "variant-plain_delay-2_seed-3",
+      "variant-tis_delay-0_seed-3",
+      "variant-tis_delay-2_seed-3",
+      "variant-tis_delay-8_seed-3",
+  ]
+  cfg = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
+  assert (cfg["variant-tis_delay-8_seed-3"].loss.rollout_is, cfg["variant-tis_delay-8_seed-3"].delay) == ("token", 8)
+  assert cfg["variant-plain_delay-2_seed-3"].loss.rollout_is is None
+  argv = grid.train_argv(g, runs[2], "/tmp/w")
+  assert "--config.loss.rollout_is=token" in argv and not any("variant" in a for a in argv)
+  # study.json records the variants: changing one is another study
+  rec = runner.study_record("g.py", g, runs)
+  rec2 = json.loads(json.dumps(rec))
+  rec2["variants"]["tis"]["loss.tis_cap"] = 3.0
+  assert runner.study_differences(rec, rec2) == [
+      "variant tis: {'loss.rollout_is': 'token', 'loss.tis_cap': 2.0} there, "
+      "{'loss.rollout_is': 'token', 'loss.tis_cap': 3.0} here"
+  ]
+
+
+def test_the_mipu_grid():
+  g = grid.load_grid(MIPU_GRID)
+  planned = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
+  assert len(planned) == 24 and list(planned)[:2] == ["variant-fp32_seed-1", "variant-grpo_seed-1"]
+  fp32, tis, rnd = (planned[f"variant-{v}_seed-2"] for v in ("fp32", "tis", "random"))
+  assert fp32.sampling.precision == "fp32" and fp32.loss.rollout_is is None and not fp32.mipu.rollback
+  assert (tis.sampling.precision, tis.sampling.fp8_activations, tis.loss.rollout_is) == ("fp8", "tensor", "token")
+  assert (rnd.mipu.mode, rnd.mipu.match_rate_of, rnd.loss.method) == ("random", "variant-mipu_seed-2", "grpo")
+  names = list(planned)
+  assert names.index("variant-mipu_seed-2") < names.index("variant-random_seed-2")  # its rate exists by then
+  assert planned["variant-lr-decay_seed-1"].optimizer.lr_decay_on_length_surge
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"variants": {"a": {"loss.rollout_iz": "token"}}}, r"grid\.variants\['a'\]: loss\.rollout_iz: .*did you mean"),
+        ({"variants": {"a b": {}}}, r"grid\.variants\['a b'\]: a variant name must be"),
+        ({"variants": {"a": {"delay": 2}}}, r"grid\.variants\['a'\]: delay is also in grid\.fixed or grid\.axes"),
+        ({"variants": {"a": {"seed": 2}}}, r"'seed' is set by the runner"),
+        ({"variants": {"a": {}}, "cells": [{"variant": "b"}]}, r"grid\.cells\[0\]: variant 'b' is none of"),
+    ],
+)
+def test_variant_mistakes_name_the_variant(change, match):
   g = Grid(**{"base": "minpro_jax/configs/default.py", "axes": {"delay": [0, 2]}, **change})
   with pytest.raises(GridError, match=match):
     grid.check_grid(g)

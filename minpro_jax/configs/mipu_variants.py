@@ -14,25 +14,38 @@ Every variant samples at `sampling.precision = "fp8"` (MIPU's setting); the call
 
 from __future__ import annotations
 
+from typing import Any
+
 VARIANTS = ("grpo", "tis", "mis", "mis_sequence", "mis_geometric", "lr_decay", "step2", "mipu", "random")
 MIS_BOUNDS = (0.5, 2.0)  # the usual mask (verl / slime); MIPU does not state its MIS threshold
 
 
-def apply_variant(c, variant: str):
-  """Sets `c`'s fields for `variant` (one of `VARIANTS`) and returns `c`. Raises ValueError naming the choices."""
+def variant_overrides(variant: str) -> dict[str, Any]:
+  """The dotted config fields `variant` (one of `VARIANTS`) sets -> their values (a study grid's variant).
+
+  Raises:
+    ValueError: an unknown variant, naming the choices.
+  """
   if variant not in VARIANTS:
     raise ValueError(f"MIPU variant {variant!r}; choose one of {VARIANTS}")
-  c.sampling.precision = "fp8"
-  c.loss.method = "grpo"
+  out: dict[str, Any] = {"sampling.precision": "fp8", "loss.method": "grpo"}
   if variant in ("tis", "mipu", "random"):
-    c.loss.rollout_is, c.loss.tis_cap = "token", 2.0
+    out.update({"loss.rollout_is": "token", "loss.tis_cap": 2.0})
   if variant.startswith("mis"):
-    c.loss.rollout_mis = {"mis": "token", "mis_sequence": "sequence", "mis_geometric": "geometric"}[variant]
-    c.loss.rollout_mis_bounds = MIS_BOUNDS
+    level = {"mis": "token", "mis_sequence": "sequence", "mis_geometric": "geometric"}[variant]
+    out.update({"loss.rollout_mis": level, "loss.rollout_mis_bounds": MIS_BOUNDS})
   if variant in ("step2", "mipu", "random"):
-    c.mipu.rollback = True
+    out["mipu.rollback"] = True
   if variant == "random":
-    c.mipu.mode = "random"
+    out["mipu.mode"] = "random"
   if variant == "lr_decay":
-    c.optimizer.lr_decay_on_length_surge = True
+    out["optimizer.lr_decay_on_length_surge"] = True
+  return out
+
+
+def apply_variant(c, variant: str):
+  """Sets `c`'s fields for `variant` (one of `VARIANTS`) and returns `c`. Raises ValueError naming the choices."""
+  for field, value in variant_overrides(variant).items():
+    group, name = field.split(".")
+    c[group][name] = value
   return c

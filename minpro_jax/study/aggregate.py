@@ -24,7 +24,13 @@ Per run:
   auc           trapezoid area under the learning curve divided by its span: the time-averaged held-out pass@1
                 over the update steps;
   largest_drop  the largest fall between consecutive points of the learning curve (0 when it never falls);
+  fall_rate     the fraction of consecutive points of the learning curve where it falls (MIPU's "monotonic"
+                claim: how often held-out J(mu) falls from one evaluation to the next);
   below_initial whether the learning curve ever falls below the initial value.
+Where the runs log them (MIPU):
+  rollback_rate the rolled-back share of the Step-2 checks (`summary.json` "mipu"); None without checks;
+  k3_mean       the mean over steps of the sampler-learner K3 (`sampler_learner/mismatch_k3`);
+  rollbacks     [[global step, 1 if rolled back]] per check (`mipu/accepted`), for the rate over steps.
 
 Per cell (over its seeds): the mean and a 95 % t-interval of each figure (`mean_ci`), and how many seeds fell
 below their initial value. Paired differences (`paired_differences`): reference minus cell on the seeds both ran
@@ -49,8 +55,10 @@ from minpro_jax.study.grid import Run, short_names
 
 LEVEL = 0.95
 BOOTSTRAP_SEED = 0  # the bootstrap's resampling is seeded: the same files give the same summary
-METRICS = ("best", "peak", "final", "auc", "largest_drop", "initial")  # per cell
+METRICS = ("best", "peak", "final", "auc", "largest_drop", "fall_rate", "initial")  # per cell
 PAIRED_METRICS = ("best", "peak", "final", "auc", "largest_drop")  # the initial value is the same on a shared seed
+OPTIONAL_METRICS = ("rollback_rate", "k3_mean")  # per cell where every finished run of it has them
+K3_KEY = "sampler_learner/mismatch_k3"
 EVAL_KEY = "eval/pass@1"
 
 
@@ -160,6 +168,12 @@ def largest_drop(curve: Sequence[tuple[int, float]]) -> float:
   return max([0.0] + [a - b for a, b in zip(ys, ys[1:])])
 
 
+def fall_rate(curve: Sequence[tuple[int, float]]) -> float:
+  """The fraction of consecutive points of `curve` where it strictly falls (0 for fewer than two points)."""
+  ys = [y for _, y in curve]
+  return sum(b < a for a, b in zip(ys, ys[1:])) / (len(ys) - 1) if len(ys) > 1 else 0.0
+
+
 def falls_below(curve: Sequence[tuple[int, float]], initial: float) -> bool:
   """Whether a point of `curve` after its first is strictly below `initial`."""
   return any(y < initial for _, y in curve[1:])
@@ -181,8 +195,9 @@ def run_metrics(summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
   """The per-run figures of the module docstring, from a finished run's `summary.json` and `metrics.jsonl`.
 
   Returns:
-    {"initial", "best", "best_step", "peak", "final", "auc", "largest_drop", "below_initial", "delay",
-    "curve": [[policy step, pass@1]], "learning_curve": [[steps with updates, pass@1]]}.
+    {"initial", "best", "best_step", "peak", "final", "auc", "largest_drop", "fall_rate", "below_initial",
+    "delay", "rollback_rate", "k3_mean", "rollbacks", "curve": [[policy step, pass@1]],
+    "learning_curve": [[steps with updates, pass@1]]} (rollback_rate / k3_mean None where not logged).
 
   Raises:
     ValueError: the curve lacks the step-0 or the final evaluation, or it disagrees with `summary.json` (its
@@ -207,6 +222,8 @@ def run_metrics(summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
     if got is None or not math.isclose(want, got, rel_tol=1e-9, abs_tol=1e-12):
       raise ValueError(f"summary.json {what} pass@1 {want} differs from metrics.jsonl's {got}: files of two runs")
   learning = learning_curve(curve, delay)
+  checks = summary.get("mipu", {}).get("checks") or 0
+  k3 = [float(r[K3_KEY]) for r in records if r.get(K3_KEY) is not None]
   return {
       "warm_start": warm_start(summary),
       "initial": float(initial),
@@ -216,8 +233,12 @@ def run_metrics(summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
       "final": float(final),
       "auc": curve_auc(learning),
       "largest_drop": largest_drop(learning),
+      "fall_rate": fall_rate(learning),
       "below_initial": falls_below(learning, initial),
       "delay": delay,
+      "rollback_rate": summary["mipu"]["rollbacks"] / checks if checks else None,
+      "k3_mean": float(np.mean(k3)) if k3 else None,
+      "rollbacks": [[int(r["step"]), int(not r["mipu/accepted"])] for r in records if "mipu/accepted" in r],
       "curve": [[s, y] for s, y in curve],
       "learning_curve": [[s, y] for s, y in learning],
   }
@@ -285,6 +306,10 @@ def cell_stats(
     if done:
       for m in METRICS:
         entry["metrics"][m] = mean_ci([per_run[r.name][m] for r in done], method=method).to_json()
+      for m in OPTIONAL_METRICS:
+        values = [per_run[r.name].get(m) for r in done]
+        if all(v is not None for v in values):
+          entry["metrics"][m] = mean_ci(values, method=method).to_json()
       entry["below_initial"] = sum(bool(per_run[r.name]["below_initial"]) for r in done)
     out.append(entry)
   return out
@@ -417,10 +442,11 @@ def to_markdown(result: Mapping[str, Any]) -> str:
   lines += [
       f"Held-out pass@1 in %, mean over seeds [{lvl} % {result['interval_method']}-interval]. best: the trainer's "
       "selection (pre-update evaluations included); peak: the best evaluation of an updated policy; AUC: "
-      "time-averaged over the update steps; drop: the largest fall between consecutive evaluations.",
+      "time-averaged over the update steps; drop: the largest fall between consecutive evaluations; falls: the "
+      "share of consecutive evaluations that fall.",
       "",
-      "| cell | seeds | initial | best | peak | final | AUC | largest drop | below initial |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "| cell | seeds | initial | best | peak | final | AUC | largest drop | falls | below initial |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for c in result["cells"]:
     m = c["metrics"]
@@ -429,9 +455,22 @@ def to_markdown(result: Mapping[str, Any]) -> str:
     below = f"{c['below_initial']}/{n}" if n else "-"
     lines.append(
         f"| {c['label']} | {n}{miss} | "
-        + " | ".join(_pct(m.get(k)) for k in ("initial", "best", "peak", "final", "auc", "largest_drop"))
+        + " | ".join(_pct(m.get(k)) for k in ("initial", "best", "peak", "final", "auc", "largest_drop", "fall_rate"))
         + f" | {below} |"
     )
+  mipu_cells = [c for c in result["cells"] if any(k in c["metrics"] for k in OPTIONAL_METRICS)]
+  if any("rollback_rate" in c["metrics"] for c in mipu_cells):
+    lines += [
+        "",
+        f"Sampler-learner mismatch and Step-2 rollbacks (mean over seeds [{lvl} % interval]).",
+        "",
+        "| cell | K3 (mean over steps) | rollback rate, % |",
+        "|---|---:|---:|",
+    ]
+    for c in mipu_cells:
+      k3, rate = c["metrics"].get("k3_mean"), c["metrics"].get("rollback_rate")
+      k3_text = "-" if not k3 else f"{k3['mean']:.2e}"
+      lines.append(f"| {c['label']} | {k3_text} | {_pct(rate)} |")
   if result["paired"]:
     lines += [
         "",

@@ -1,8 +1,9 @@
 """Study grids: a Python file with `get_grid(arg=None) -> Grid`, expanded into named training runs.
 
 A grid names a base config (`path[:arg]`, as `--config=` takes it), overrides shared by every run (`fixed`), axes
-crossed in order (`axes`: field -> values), explicit extra cells (`cells`: override dicts, e.g. an ablation only at
-the largest delay) and the seeds. Each (cell, seed) is one run of `python -m minpro_jax.train` in its own workdir,
+crossed in order (`axes`: field -> values), named sets of overrides (`variants`: a method that sets several fields,
+crossed as the first axis, "variant"), explicit extra cells (`cells`: override dicts, e.g. an ablation only at the
+largest delay) and the seeds. Each (cell, seed) is one run of `python -m minpro_jax.train` in its own workdir,
 named from its overrides: `loss.method=grpo,delay=8,seed=1` -> `method-grpo_delay-8_seed-1`.
 
 Runs are ordered seed-major (every cell at seed 0, then every cell at seed 1, ...), so a study stopped half way
@@ -26,6 +27,7 @@ from minpro_jax.errors import UserError
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Fields the runner sets itself: a grid that sets them would give two runs one workdir or one seed.
 RESERVED_FIELDS = ("workdir", "seed")
+VARIANT = "variant"  # the cell field that names one of `Grid.variants`
 _SCALAR = (bool, int, float, str)
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9.+=-]")
 
@@ -44,9 +46,14 @@ class Grid:
     axes: dotted config field -> the values it takes; the cells are the product of the axes, first axis slowest.
     seeds: the seeds every cell runs with (`--config.seed`).
     fixed: dotted config field -> value, for every run (not part of the run names).
-    cells: explicit cells besides the product: each an override dict (every field of it named in the run name).
-    derived: optional function of a cell's overrides -> more overrides for that cell (not named), e.g.
-      `total_steps` from `delay`, so that every delay makes the same number of updates.
+    variants: optional variant name -> its overrides (field -> value): the cells gain a first axis "variant" over
+      these names (`variant-<name>` in the run names; `comparisons` and `panel` may name it); a run gets its
+      variant's overrides, not named. For methods that are several fields at once (MIPU's Step 1 + Step 2).
+    cells: explicit cells besides the product: each an override dict (every field of it named in the run name);
+      with `variants`, a cell may set "variant" to one of their names.
+    derived: optional function of a run's cell overrides plus its "seed" -> more overrides for that run (not
+      named), e.g. `total_steps` from `delay`, so that every delay makes the same number of updates, or the
+      sibling run a run reads (`mipu.match_rate_of`).
     comparisons: (field, reference value) pairs: the aggregation reports, for every cell whose `field` is set to
       another value, the paired difference reference - cell over the seeds both ran, the reference cell being the
       same overrides with `field` set to the reference value (or absent from them).
@@ -58,6 +65,7 @@ class Grid:
   axes: Mapping[str, Sequence[Any]] = dataclasses.field(default_factory=dict)
   seeds: Sequence[int] = (0,)
   fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   cells: Sequence[Mapping[str, Any]] = ()
   derived: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
   comparisons: Sequence[tuple[str, Any]] = ()
@@ -202,6 +210,7 @@ def check_grid(grid: Grid) -> None:
     raise GridError(f"grid.axes: {both} are also in grid.fixed; keep each field in one of them")
   for f, v in grid.fixed.items():
     _check_value("grid.fixed", f, v, scalar=False)
+  _check_variants(grid)
   for f, values in grid.axes.items():
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
       raise GridError(f"grid.axes: {f} must map to a non-empty list of values, got {values!r}")
@@ -217,6 +226,8 @@ def check_grid(grid: Grid) -> None:
         raise GridError(f"grid.cells[{i}]: {f!r} is set by the runner; remove it")
       if f in grid.fixed:
         raise GridError(f"grid.cells[{i}]: {f} is also in grid.fixed; keep each field in one of them")
+      if f == VARIANT and grid.variants and v not in grid.variants:
+        raise GridError(f"grid.cells[{i}]: variant {v!r} is none of grid.variants {list(grid.variants)}")
       _check_value(f"grid.cells[{i}]", f, v, scalar=True)
   cells = grid_cells(grid)
   if not cells:
@@ -231,6 +242,30 @@ def check_grid(grid: Grid) -> None:
     raise GridError(f"grid.panel: {grid.panel!r} is no field of any cell; use one of {sorted(fields)} or None")
 
 
+def _check_variants(grid: Grid) -> None:
+  if not isinstance(grid.variants, Mapping):
+    raise GridError(f"grid.variants: must be a dict name -> overrides, got a {type(grid.variants).__name__}")
+  if grid.variants and VARIANT in grid.axes:
+    raise GridError(f"grid.axes: {VARIANT!r} is the axis of grid.variants; rename the axis or drop grid.variants")
+  for name, overrides in grid.variants.items():
+    where = f"grid.variants[{name!r}]"
+    if not isinstance(name, str) or not name or format_name_value(name) != name:
+      raise GridError(f"{where}: a variant name must be a non-empty string of [A-Za-z0-9.+=-]")
+    if not isinstance(overrides, Mapping):
+      raise GridError(f"{where}: must be a dict field -> value ({{}} for none), got {overrides!r}")
+    for f, v in overrides.items():
+      if f in RESERVED_FIELDS or f == VARIANT:
+        raise GridError(f"{where}: {f!r} is set by the runner; remove it")
+      if f in grid.fixed or f in grid.axes:
+        raise GridError(f"{where}: {f} is also in grid.fixed or grid.axes; keep each field in one place")
+      _check_value(where, f, v, scalar=False)
+
+
+def variant_overrides(grid: Grid, cell: Mapping[str, Any]) -> dict[str, Any]:
+  """The overrides a cell's variant sets ({} when the grid has no variants or the cell names none)."""
+  return dict(grid.variants[cell[VARIANT]]) if grid.variants and VARIANT in cell else {}
+
+
 def grid_cells(grid: Grid) -> list[tuple[tuple[str, Any], ...]]:
   """The cells: the product of the axes (first axis slowest), then `grid.cells`, as ((field, value), ...).
 
@@ -238,9 +273,10 @@ def grid_cells(grid: Grid) -> list[tuple[tuple[str, Any], ...]]:
     GridError: `grid.cells[i]` repeats a cell of the product or an earlier one.
   """
   out = []
-  if grid.axes:
-    fields = list(grid.axes)
-    out = [tuple(zip(fields, values)) for values in itertools.product(*(grid.axes[f] for f in fields))]
+  axes = {VARIANT: list(grid.variants), **grid.axes} if grid.variants else dict(grid.axes)
+  if axes:
+    fields = list(axes)
+    out = [tuple(zip(fields, values)) for values in itertools.product(*(axes[f] for f in fields))]
   seen = {_cell_key(c): None for c in out}
   for i, cell in enumerate(grid.cells):
     c = tuple(cell.items())
@@ -283,7 +319,7 @@ def expand(grid: Grid) -> list[Run]:
   for seed in grid.seeds:
     for cell in cells:
       cell = tuple(sorted(cell, key=lambda kv: order[kv[0]]))
-      extra = _derived(grid, cell)
+      extra = _derived(grid, cell, seed)
       name = "_".join(f"{short[f]}-{format_name_value(v)}" for f, v in cell) + f"_seed-{seed}"
       if name in names:
         raise GridError(
@@ -295,15 +331,18 @@ def expand(grid: Grid) -> list[Run]:
   return runs
 
 
-def _derived(grid: Grid, cell: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+def _derived(grid: Grid, cell: tuple[tuple[str, Any], ...], seed: int) -> tuple[tuple[str, Any], ...]:
   if grid.derived is None:
     return ()
-  out = grid.derived(dict(cell))
+  out = grid.derived({**dict(cell), "seed": seed})
+  variant = variant_overrides(grid, dict(cell))
   if not isinstance(out, Mapping):
     raise GridError(f"grid.derived: must return a dict field -> value, returned {out!r} for {dict(cell)}")
   for f, v in out.items():
-    if f in RESERVED_FIELDS or f in dict(cell) or f in grid.fixed:
-      raise GridError(f"grid.derived: returns {f!r} for {dict(cell)}, which the cell, grid.fixed or the runner sets")
+    if f in RESERVED_FIELDS or f in dict(cell) or f in grid.fixed or f in variant:
+      raise GridError(
+          f"grid.derived: returns {f!r} for {dict(cell)}, which the cell, its variant, grid.fixed or the runner sets"
+      )
     _check_value("grid.derived", f, v, scalar=False)
   return tuple(out.items())
 
@@ -317,8 +356,13 @@ def format_cli_value(v: Any) -> str:
 
 
 def run_overrides(grid: Grid, run: Run, workdir: str) -> dict[str, Any]:
-  """Every `--config.FIELD` of `run`: fixed, then the cell, the derived fields, the seed and the workdir."""
-  return {**dict(grid.fixed), **dict(run.cell), **dict(run.extra), "seed": run.seed, "workdir": workdir}
+  """Every `--config.FIELD` of `run`: fixed, then the variant's, the cell's, the derived fields, the seed and the
+  workdir (the cell's "variant" is no config field: its overrides stand for it)."""
+  cell = dict(run.cell)
+  variant = variant_overrides(grid, cell)
+  if grid.variants:
+    cell.pop(VARIANT, None)
+  return {**dict(grid.fixed), **variant, **cell, **dict(run.extra), "seed": run.seed, "workdir": workdir}
 
 
 def train_argv(grid: Grid, run: Run, workdir: str, python: str = sys.executable) -> list[str]:
@@ -372,7 +416,9 @@ def check_fields(grid: Grid, config) -> None:
       ("grid.fixed", list(grid.fixed.items())),
       ("grid.axes", [(f, v) for f, vs in grid.axes.items() for v in vs]),
   ]
-  sources += [(f"grid.cells[{i}]", list(cell.items())) for i, cell in enumerate(grid.cells)]
+  sources += [(f"grid.variants[{n!r}]", list(ov.items())) for n, ov in grid.variants.items()]
+  skip = VARIANT if grid.variants else None
+  sources += [(f"grid.cells[{i}]", [kv for kv in cell.items() if kv[0] != skip]) for i, cell in enumerate(grid.cells)]
   for where, items in sources:
     for field, value in items:
       *parents, leaf = field.split(".")

@@ -49,6 +49,7 @@ def study_record(grid_spec: str, grid: Grid, runs: Sequence[Run]) -> dict[str, A
               "base": grid.base,
               "description": grid.description,
               "fixed": dict(grid.fixed),
+              "variants": {k: dict(v) for k, v in grid.variants.items()},
               "comparisons": [list(c) for c in grid.comparisons],
               "panel": grid.panel,
               "runs": [r.to_json() for r in runs],
@@ -75,6 +76,10 @@ def study_differences(stored: Mapping[str, Any], record: Mapping[str, Any]) -> l
   for k in sorted(set(f0) | set(f1)):
     if f0.get(k) != f1.get(k):
       out.append(f"fixed {k}: {f0.get(k, '(unset)')!r} there, {f1.get(k, '(unset)')!r} here")
+  v0, v1 = stored.get("variants", {}), record.get("variants", {})
+  for k in sorted(set(v0) | set(v1)):
+    if v0.get(k) != v1.get(k):
+      out.append(f"variant {k}: {v0.get(k, '(none)')!r} there, {v1.get(k, '(none)')!r} here")
   r0 = {r["name"]: r for r in stored.get("runs", [])}
   r1 = {r["name"]: r for r in record["runs"]}
   only_there, only_here = [n for n in r0 if n not in r1], [n for n in r1 if n not in r0]
