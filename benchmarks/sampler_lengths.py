@@ -258,7 +258,14 @@ def main():
   ap.add_argument("--no-hf", action="store_true", help="skip transformers (our samplers only)")
   ap.add_argument("--per-row", type=int, default=None, help="requests per decode row (both shapes)")
   ap.add_argument("--name", default=None, help="result file name under benchmarks/results/ (sampler_lengths*)")
+  ap.add_argument(
+      "--parts", default="lengths,trainer_like,step_vs_position", help="which measurements (comma list; default all)"
+  )
   args = ap.parse_args()
+  parts = set(args.parts.split(","))
+  unknown = parts - {"lengths", "trainer_like", "step_vs_position"}
+  if unknown:
+    ap.error(f"--parts: unknown {sorted(unknown)}; choose from lengths, trainer_like, step_vs_position")
   import torch
 
   torch.set_num_threads(os.cpu_count() or 1)
@@ -273,11 +280,13 @@ def main():
     plan = (("tiny", 256, 8, 3), ("smollm2-135m", 64, 4, 2))
   else:
     plan = (("tiny", 128, 4, 2), ("smollm2-135m", 32, 2, 1))
-  for preset, max_len, per_row, reps in plan:
+  for preset, max_len, per_row, reps in plan if "lengths" in parts else ():
     per_row = args.per_row or per_row
     result["models"].append(bench_lengths(preset, (16, 64), max_len, per_row, reps, hf_on=not args.no_hf))
-  result["trainer_like_tiny"] = trainer_like()
-  result["step_vs_position_tiny"] = step_vs_position()
+  if "trainer_like" in parts:
+    result["trainer_like_tiny"] = trainer_like()
+  if "step_vs_position" in parts:
+    result["step_vs_position_tiny"] = step_vs_position()
   result["load_average_end"] = os.getloadavg()
   text = json.dumps(result, indent=1)
   print(text)

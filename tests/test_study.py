@@ -387,6 +387,14 @@ def test_study_json_of_another_grid_is_refused_unless_forced(tmp_path):
     runner.check_study(str(tmp_path), rec3)
 
 
+def test_one_runner_per_study_workdir(tmp_path):
+  held = runner.lock_study(str(tmp_path))
+  with pytest.raises(runner.StudyError, match=rf"another study runner \(pid {os.getpid()}\) is using it"):
+    runner.lock_study(str(tmp_path))
+  held.close()  # the runner exits
+  runner.lock_study(str(tmp_path)).close()
+
+
 def test_run_status_of_fake_workdirs(tmp_path):
   cfg = {"total_steps": 3, "workdir": "a", "log": {"progress": False}, "delay": 1, "optimizer": {"lr": 1e-4}}
   assert runner.run_status(str(tmp_path / "nothing"), cfg) == ("new", [])

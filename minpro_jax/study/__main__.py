@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
       return _dry_run(args, selected, status, len(planned))
     if args.jobs < 1:
       raise runner.StudyError(f"--jobs={args.jobs}: must be >= 1")
+    lock = runner.lock_study(study_dir)  # noqa: F841 - held until this process exits
     runner.check_not_stale(study_dir, status)
     runner.write_study(study_dir, record)
   except UserError as e:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import fcntl
 import json
 import os
 import shlex
@@ -112,6 +113,34 @@ def check_study(study_dir: str, record: Mapping[str, Any], force: bool = False) 
         + "); use another --workdir, or pass --force to replace its study.json (finished runs whose config "
         "changed are then relaunched, and the trainer refuses to resume a checkpoint of other settings)"
     )
+
+
+LOCK_FILE = ".runner.lock"
+
+
+def lock_study(study_dir: str):
+  """Takes the study workdir's runner lock (an exclusive `flock` on `study_dir/.runner.lock`, released when this
+  process exits), so that two runners never train one run at once; returns the open lock file (keep it).
+
+  Raises:
+    StudyError: another runner holds it (its pid named): wait for it to stop, or stop it first.
+  """
+  os.makedirs(study_dir, exist_ok=True)
+  f = open(os.path.join(study_dir, LOCK_FILE), "a+")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    f.seek(0)
+    holder = f.read().strip() or "?"
+    f.close()
+    raise StudyError(
+        f"--workdir={study_dir}: another study runner (pid {holder}) is using it; wait until it has stopped "
+        "(after a signal it first lets its runs checkpoint), then run this again"
+    ) from None
+  f.truncate(0)
+  f.write(str(os.getpid()))
+  f.flush()
+  return f
 
 
 def write_study(study_dir: str, record: Mapping[str, Any]) -> str:
