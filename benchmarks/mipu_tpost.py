@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flax import nnx  # noqa: E402
 
+from minpro_jax.configs import set_fields  # noqa: E402
 from minpro_jax.configs.default import get_config  # noqa: E402
 from minpro_jax.rl.aggregation import mismatch_metrics  # noqa: E402
 from minpro_jax.trainer import Trainer  # noqa: E402
@@ -47,13 +48,7 @@ def study_setting(c, precision: str):
   fields = {**g.fixed, "seed": 1}
   if precision == "fp8":
     fields.update(study.FP8)
-  for field, value in fields.items():
-    *groups, name = field.split(".")
-    node = c
-    for grp in groups:
-      node = node[grp]
-    node[name] = value
-  return c
+  return set_fields(c, fields)
 
 
 def measure(precision: str, sizes: list[tuple[int, int]], draws: int, workdir: str, setting: str) -> list[dict]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fcntl
 import hashlib
 import logging
 import os
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minpro_jax import run_config
+from minpro_jax import pidlock, run_config
 from minpro_jax.checkpoint import RunCheckpointer
 from minpro_jax.data import encode_prompts, format_prompt, load_file, train_sentencepiece
 from minpro_jax.data.records import MathProblem
@@ -174,22 +173,13 @@ def lock_workdir(workdir: str):
   Raises:
     ConfigError: naming `config.workdir` and the process that holds it.
   """
-  f = open(os.path.join(workdir, ".lock"), "a+")
   try:
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError:
-    f.seek(0)
-    holder = f.read().strip() or "unknown"
-    f.close()
+    return pidlock.acquire(os.path.join(workdir, ".lock"))
+  except pidlock.HeldError as e:
     raise ConfigError(
-        f"config.workdir: {workdir} is in use by another run (pid {holder}); wait for it to finish, stop it, or "
+        f"config.workdir: {workdir} is in use by another run (pid {e.holder}); wait for it to finish, stop it, or "
         "use another --config.workdir"
     ) from None
-  f.seek(0)
-  f.truncate()
-  f.write(str(os.getpid()))
-  f.flush()
-  return f
 
 
 def check_gradable(c, train: list[MathProblem], eval_sets: dict[str, list[MathProblem]]) -> None:

@@ -9,6 +9,7 @@ from minpro_jax.aot import analysis
 from minpro_jax.aot.programs import check_mesh_fits_model, run_shapes
 from minpro_jax.aot.sweep import parse_mesh, sharding_table, sweep
 from minpro_jax.aot.topologies import parse_slice
+from minpro_jax.configs import set_fields
 from minpro_jax.configs.default import get_config
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.config import get_preset
@@ -23,13 +24,7 @@ def small_config(**fields):
   c = get_config()
   c.prompts_per_step, c.group_size, c.num_updates_per_step, c.micro_batch_size = 8, 2, 1, 16
   c.sampling.max_new_tokens, c.data.max_prompt_tokens = 8, 16
-  for k, v in fields.items():
-    node = c
-    *parents, leaf = k.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = v
-  return c
+  return set_fields(c, fields)
 
 
 CPU8 = parse_slice("cpu:8")

@@ -6,6 +6,8 @@ import importlib.util
 import os
 import sys
 
+from minpro_jax.configs import set_fields
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "minpro_jax", "configs", "default.py")
 
@@ -59,13 +61,7 @@ def load_default_config():
 
 def make_config(overrides: dict, model: dict | None = None):
   """minpro_jax/configs/default.py with `overrides` ({"a.b": value}) and the tiny model applied."""
-  c = load_default_config()
-  for k, v in overrides.items():
-    node = c
-    *parents, leaf = k.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = v
+  c = set_fields(load_default_config(), overrides)
   c.model.overrides = dict(TINY_MODEL, **(model or {}))
   return c
 

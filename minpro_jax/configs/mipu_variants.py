@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from minpro_jax.configs import set_fields
+
 VARIANTS = ("grpo", "tis", "mis", "mis_sequence", "mis_geometric", "lr_decay", "step2", "mipu", "random")
 MIS_BOUNDS = (0.5, 2.0)  # the usual mask (verl / slime); MIPU does not state its MIS threshold
 
@@ -45,7 +47,4 @@ def variant_overrides(variant: str) -> dict[str, Any]:
 
 def apply_variant(c, variant: str):
   """Sets `c`'s fields for `variant` (one of `VARIANTS`) and returns `c`. Raises ValueError naming the choices."""
-  for field, value in variant_overrides(variant).items():
-    group, name = field.split(".")
-    c[group][name] = value
-  return c
+  return set_fields(c, variant_overrides(variant))

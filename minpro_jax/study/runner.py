@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
-import fcntl
 import json
 import os
 import shlex
@@ -26,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from minpro_jax import pidlock
 from minpro_jax.errors import UserError
 from minpro_jax.study.grid import Grid, Run
 
@@ -126,21 +126,13 @@ def lock_study(study_dir: str):
     StudyError: another runner holds it (its pid named): wait for it to stop, or stop it first.
   """
   os.makedirs(study_dir, exist_ok=True)
-  f = open(os.path.join(study_dir, LOCK_FILE), "a+")
   try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError:
-    f.seek(0)
-    holder = f.read().strip() or "?"
-    f.close()
+    return pidlock.acquire(os.path.join(study_dir, LOCK_FILE))
+  except pidlock.HeldError as e:
     raise StudyError(
-        f"--workdir={study_dir}: another study runner (pid {holder}) is using it; wait until it has stopped "
+        f"--workdir={study_dir}: another study runner (pid {e.holder}) is using it; wait until it has stopped "
         "(after a signal it first lets its runs checkpoint), then run this again"
     ) from None
-  f.truncate(0)
-  f.write(str(os.getpid()))
-  f.flush()
-  return f
 
 
 def write_study(study_dir: str, record: Mapping[str, Any]) -> str:
