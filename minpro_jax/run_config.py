@@ -607,6 +607,7 @@ RESUME_KEYS = (
     "sampling.top_p",
     "sampling.top_k",
     "sampling.precision",
+    *(f"sampling.{field}" for field, _, _ in FP8_OPTIONS),
     "sampling.max_new_tokens",
     "advantage_mode",
     "reward",
@@ -615,6 +616,9 @@ RESUME_KEYS = (
     "eval.num_problems",
     "eval.path",
 )
+
+# Keys added to RESUME_KEYS after checkpoints existed: a stored fingerprint without one ran with this value.
+RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS}
 
 
 def _mipu_equivalent(now: Any, stored: Any) -> bool:
@@ -637,8 +641,10 @@ def resume_fingerprint(c) -> dict[str, Any]:
   out = {}
   for key in RESUME_KEYS:
     node = c
-    for part in key.split("."):
+    *parents, leaf = key.split(".")
+    for part in parents:
       node = node[part]
+    node = node.get(leaf, RESUME_DEFAULTS[key]) if key in RESUME_DEFAULTS else node[leaf]
     out[key] = node.to_dict() if hasattr(node, "to_dict") else node
   paths = [p for _, _, p in eval_files(c)]
   if c.data.source == "file":
@@ -670,6 +676,7 @@ def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
   checkpoint in `workdir` was written with (`stored`, its `resume_fingerprint`)."""
   if not stored:
     return
+  stored = {**RESUME_DEFAULTS, **stored}
   now = resume_fingerprint(c)
   diff = [
       f

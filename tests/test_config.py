@@ -105,6 +105,15 @@ def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
   # the response length is part of the experiment
   with pytest.raises(ConfigError, match="sampling.max_new_tokens"):
     check_resume(make_config({**ok, "sampling.max_new_tokens": 4}), stored, "runs/x")
+  # the fp8 options change mu: part of it; a checkpoint from before they existed ran with their defaults
+  fp8 = {**ok, "sampling.precision": "fp8"}
+  stored8 = resume_fingerprint(make_config(fp8))
+  with pytest.raises(ConfigError, match=r"sampling\.fp8_format"):
+    check_resume(make_config({**fp8, "sampling.fp8_format": "e5m2"}), stored8, "runs/x")
+  old = {k: v for k, v in stored8.items() if not k.startswith("sampling.fp8_")}
+  check_resume(make_config(fp8), old, "runs/x")
+  with pytest.raises(ConfigError, match=r"sampling\.fp8_activations"):
+    check_resume(make_config({**fp8, "sampling.fp8_activations": "none"}), old, "runs/x")
 
 
 def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(tmp_path, ok):
