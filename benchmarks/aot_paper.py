@@ -7,9 +7,10 @@ number of times, and `--only` picks entries by substring. `--summary` writes ben
 
 Settings: MinPRO (arXiv 2601.22718) through its paper configs (minpro_jax/configs/paper/qwen3_*.py: 256 prompts x
 16 responses per step, 16 updates per step, 2,048 + 20,480 tokens, micro-batches of 16, fp32 parameters, bf16
-compute, remat block, scanned layers; delay 2). MIPU (arXiv 2606.29526) trains Qwen3-1.7B/4B; its paper configs
-do not exist yet, so its rows reuse the Qwen3-8B config with the model preset swapped and 1,024 + 8,192 tokens
-(its maximum length is not stated: an assumption). The sampler rows use 64 decode rows (the continuous
+compute, remat block, scanned layers; delay 2). MIPU (arXiv 2606.29526) trains Qwen3-1.7B/4B; its rows were
+compiled before its paper configs (configs/paper/mipu_qwen3_*.py) existed, so they reuse the Qwen3-8B config with
+the model preset swapped and 1,024 + 8,192 tokens (its maximum length is not stated: an assumption), which keeps
+them comparable with each other. The sampler rows use 64 decode rows (the continuous
 sampler's default), because a whole step's 4,096 rows of 22,528-token KV cache cannot fit any slice (the
 `*_batch` entry shows it).
 

@@ -261,8 +261,11 @@ def main():
   ap.add_argument(
       "--parts", default="lengths,trainer_like,step_vs_position", help="which measurements (comma list; default all)"
   )
+  ap.add_argument("--presets", default="tiny,smollm2-135m", help="model shapes of the lengths part (comma list)")
+  ap.add_argument("--batches", default="16,64", help="decode batches of the lengths part (comma list)")
   args = ap.parse_args()
   parts = set(args.parts.split(","))
+  presets, batches = args.presets.split(","), tuple(int(b) for b in args.batches.split(","))
   unknown = parts - {"lengths", "trainer_like", "step_vs_position"}
   if unknown:
     ap.error(f"--parts: unknown {sorted(unknown)}; choose from lengths, trainer_like, step_vs_position")
@@ -281,8 +284,10 @@ def main():
   else:
     plan = (("tiny", 128, 4, 2), ("smollm2-135m", 32, 2, 1))
   for preset, max_len, per_row, reps in plan if "lengths" in parts else ():
+    if preset not in presets:
+      continue
     per_row = args.per_row or per_row
-    result["models"].append(bench_lengths(preset, (16, 64), max_len, per_row, reps, hf_on=not args.no_hf))
+    result["models"].append(bench_lengths(preset, batches, max_len, per_row, reps, hf_on=not args.no_hf))
   if "trainer_like" in parts:
     result["trainer_like_tiny"] = trainer_like()
   if "step_vs_position" in parts:

@@ -88,9 +88,9 @@ def test_rows_stopping_at_step_zero_and_more_rows_than_prompts(state, static, co
   _assert_same(s.generate(state, PROMPTS[:3], sp, group_size=1), static.generate(state, PROMPTS[:3], sp))
 
 
-def test_static_is_selectable_and_the_trainer_default_is_static_until_measured(cont, static):
+def test_static_is_selectable_and_continuous_is_the_trainer_default(cont, static):
   assert cont.continuous and not static.continuous and Sampler(CFG).continuous and Sampler(CFG).in_loop_refill
-  assert get_config().sampling.continuous is False  # the trainer switches once the default run is measured with it
+  assert get_config().sampling.continuous is True  # sampling.continuous=False keeps the static sampler (A/B)
   with pytest.raises(ValueError, match="decode_rows"):
     Sampler(CFG, decode_rows=0)
 

@@ -72,7 +72,7 @@ def base_config() -> ConfigDict:
   c.sampling.fp8_format = "e4m3"  # e4m3 (max 448) | e5m2 (max 57344)
   c.sampling.fp8_activations = "token"  # token | tensor | none (dynamic scales)
   c.sampling.record_routes = False  # MoE: record the experts of every response token (router replay metrics)
-  c.sampling.continuous = False  # True: continuous batching + live-length attention (minpro_jax/sampling/continuous.py)
+  c.sampling.continuous = True  # continuous batching + live-length attention (sampling/continuous.py); False: static
 
   c.reward = ConfigDict()
   c.reward.mode = "integer"  # integer | math

@@ -37,7 +37,8 @@ below their initial value. Paired differences (`paired_differences`): reference 
 from the same warm start, with the t-interval of the differences. The same seed gives the same tokenizer, warm
 start and initial evaluation on one CPU type, but not across CPU types (XLA:CPU's code differs between Intel and
 AMD machines), so a grid continued on another machine has, for one seed, runs from different warm starts: those
-pairs are not paired (`warm_start`: the SFT's final loss and the initial evaluation) and are counted apart.
+pairs are not paired (`warm_start`: the SFT's final loss, or the initial evaluation without SFT) and are counted
+apart.
 """
 
 from __future__ import annotations
@@ -245,9 +246,12 @@ def run_metrics(summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
 
 
 def warm_start(summary: Mapping[str, Any]) -> list[Any]:
-  """What identifies a run's starting policy: [the SFT's final loss (None without SFT), the initial evaluation's
-  pass@1]. Two runs of one seed start from the same policy iff these agree (the file does not store the weights)."""
-  return [summary.get("sft", {}).get("final_loss"), summary["eval_after_sft"]["pass@1"]]
+  """What identifies a run's starting policy: [the SFT's final loss], or [None, the initial evaluation's pass@1]
+  for a run without SFT. Two runs of one seed start from the same policy iff these agree (the file does not store
+  the weights). The SFT loss alone where there is one: runs whose samplers differ (an fp8 and an fp32 sampler)
+  evaluate the same starting policy differently."""
+  loss = summary.get("sft", {}).get("final_loss")
+  return [loss] if loss is not None else [None, summary["eval_after_sft"]["pass@1"]]
 
 
 def load_run(run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
