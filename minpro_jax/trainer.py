@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from minpro_jax import run_config
+from minpro_jax import resume_check, run_config
 from minpro_jax.checkpoint import buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, format_prompt
 from minpro_jax.data.rewards import overlong_penalty
@@ -302,7 +302,7 @@ class Trainer:
     meta = {
         "global_step": step,
         "data": self.loader.get_state(),
-        "config": run_config.resume_fingerprint(self.c),
+        "config": resume_check.resume_fingerprint(self.c),
         "progress": progress.to_json(),
         "process_count": multihost.process_count(),
     }
@@ -313,7 +313,7 @@ class Trainer:
     first global step to run)."""
 
     def check(meta):
-      run_config.check_resume(self.c, meta.get("config"), self.workdir)
+      resume_check.check_resume(self.c, meta.get("config"), self.workdir)
       saved_count = meta.get("process_count", 1)
       if saved_count != multihost.process_count():
         raise CheckpointError(

@@ -90,7 +90,7 @@ def test_cli_unknown_field_fails(tmp_path, ok):
 
 
 def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
-  from minpro_jax.run_config import check_resume, resume_fingerprint
+  from minpro_jax.resume_check import check_resume, resume_fingerprint
 
   stored = resume_fingerprint(make_config(ok))
   check_resume(make_config(ok), stored, "runs/x")  # same config: fine
@@ -191,7 +191,7 @@ def test_heldout_prompts_longer_than_max_prompt_tokens_are_skipped_not_fed_to_th
 
 
 def test_the_eval_fields_that_choose_the_heldout_prompts_are_part_of_the_resume_check(ok):
-  from minpro_jax.run_config import check_resume, resume_fingerprint
+  from minpro_jax.resume_check import check_resume, resume_fingerprint
 
   stored = resume_fingerprint(make_config(ok))
   for field, value in (("eval.seed", 1), ("eval.num_problems", 3), ("eval.path", "x=auto:/y.jsonl")):

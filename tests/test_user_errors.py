@@ -18,7 +18,7 @@ from train_helpers import cli_args, cli_env, make_config, tiny_overrides
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset
 from minpro_jax.models.hf_io import config_to_hf
-from minpro_jax.run_config import check_resume, resume_fingerprint
+from minpro_jax.resume_check import check_resume, resume_fingerprint
 from minpro_jax.run_setup import lock_workdir, writable_workdir
 
 _TINY_PRESET = {

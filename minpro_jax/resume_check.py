@@ -1,0 +1,111 @@
+"""The resume check: the config fields that define an experiment, stored in every run checkpoint and compared when
+a run resumes, so that a workdir never mixes two experiments (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from typing import Any
+
+from minpro_jax.errors import ConfigError
+from minpro_jax.run_config import FP8_OPTIONS, eval_files
+
+# Fields a run checkpoint is only valid for: resuming with other values would silently change the experiment.
+RESUME_KEYS = (
+    "seed",
+    "tokenizer",
+    "prompts_per_step",
+    "group_size",
+    "num_updates_per_step",
+    "delay",
+    "loss",
+    "model",
+    "data",
+    "sampling.temperature",
+    "sampling.top_p",
+    "sampling.top_k",
+    "sampling.precision",
+    *(f"sampling.{field}" for field, _, _ in FP8_OPTIONS),
+    "sampling.max_new_tokens",
+    "advantage_mode",
+    "reward",
+    "mipu",
+    "eval.seed",  # the held-out prompts are removed from training, so the eval fields that choose them count
+    "eval.num_problems",
+    "eval.path",
+)
+
+# Keys added to RESUME_KEYS after checkpoints existed: a stored fingerprint without one ran with this value.
+RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS}
+
+
+def _mipu_equivalent(now: Any, stored: Any) -> bool:
+  """The mipu settings change the experiment only when rollback is on."""
+  off = lambda v: not (v or {}).get("rollback", False)  # noqa: E731
+  return now == stored or (off(now) and off(stored))
+
+
+def _differing_fields(key: str, now: Any, stored: Any) -> list[str]:
+  """`key`, or `key.field` for each differing field when the values are dicts (absent = empty)."""
+  if isinstance(now, dict) or isinstance(stored, dict):
+    now, stored = now if isinstance(now, dict) else {}, stored if isinstance(stored, dict) else {}
+    return [f"{key}.{k}" for k in sorted(set(now) | set(stored)) if now.get(k) != stored.get(k)]
+  return [key]
+
+
+def resume_fingerprint(c) -> dict[str, Any]:
+  """The values of `RESUME_KEYS` as plain JSON (stored in each run checkpoint), plus "files": the sha256 of every
+  data, held-out and tokenizer file the run reads, so an edited file is seen even when its name did not change."""
+  out = {}
+  for key in RESUME_KEYS:
+    node = c
+    *parents, leaf = key.split(".")
+    for part in parents:
+      node = node[part]
+    node = node.get(leaf, RESUME_DEFAULTS[key]) if key in RESUME_DEFAULTS else node[leaf]
+    out[key] = node.to_dict() if hasattr(node, "to_dict") else node
+  paths = [p for _, _, p in eval_files(c)]
+  if c.data.source == "file":
+    paths.append(c.data.path)
+  if c.tokenizer.kind == "path":
+    paths.append(c.tokenizer.path)
+  out["files"] = {p: _file_sha256(os.path.abspath(p), *_stat(p)) for p in sorted(set(paths)) if os.path.isfile(p)}
+  return json.loads(json.dumps(out, default=str))
+
+
+def _stat(path: str) -> tuple[int, int]:
+  st = os.stat(path)
+  return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+  """sha256 of a file's content; cached by (path, size, mtime) because every checkpoint stores it."""
+  del size, mtime_ns
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      h.update(block)
+  return h.hexdigest()
+
+
+def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
+  """Raises ConfigError naming `config.workdir` and each differing field when the config differs from the one the
+  checkpoint in `workdir` was written with (`stored`, its `resume_fingerprint`)."""
+  if not stored:
+    return
+  stored = {**RESUME_DEFAULTS, **stored}
+  now = resume_fingerprint(c)
+  diff = [
+      f
+      for k in sorted(set(now) | set(stored))
+      if now.get(k) != stored.get(k) and not (k == "mipu" and _mipu_equivalent(now.get(k), stored.get(k)))
+      for f in _differing_fields(k, now.get(k), stored.get(k))
+  ]
+  if diff:
+    raise ConfigError(
+        f"config.workdir: {workdir} holds a checkpoint of a run with different {', '.join(diff)}; resuming would "
+        "mix two experiments. Use a new --config.workdir (or delete the old one)"
+    )
