@@ -143,7 +143,7 @@ def base_config() -> ConfigDict:
   c.mipu.val_group_size = 4  # samples per validation prompt (group-normalised advantages need >= 2)
   c.mipu.mode = "gap"  # gap: the T_post test | random: roll back with probability random_rate (the ablation)
   c.mipu.random_rate = _unset(float)  # mode=random: the rollback probability; unset = the rate of match_rate_of
-  c.mipu.match_rate_of = ""  # mode=random: a finished run's workdir; its rollbacks / checks is the rate
+  c.mipu.match_rate_of = ""  # mode=random: a finished run's workdir (or a sibling of this one); its rollback rate
   c.mipu.ground_truth = False  # gap: also sample the validation prompts at fp32 and log J(mu') - J(pi')
 
   c.eval = ConfigDict()
