@@ -5,7 +5,7 @@ that owns it (imported, never copied), and a failure is a `ConfigError` whose me
 `config.<field>:` and says how to fix it. Where a part validates its own settings (`SamplingParams`, the
 objectives' hyper-parameters, `ModelConfig`), the config is handed to it and its error is renamed to the config
 field. `loss_config`, `optimizer_config` and `sampling_params` build the typed configs the learner and the
-sampler take; `resume_fingerprint` / `check_resume` keep a workdir to one experiment.
+sampler take. The resume check (one workdir, one experiment) is `minpro_jax/resume_check.py`.
 """
 
 from __future__ import annotations
