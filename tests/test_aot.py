@@ -7,7 +7,7 @@ import pytest
 
 from minpro_jax.aot import analysis
 from minpro_jax.aot.programs import check_mesh_fits_model, run_shapes
-from minpro_jax.aot.sweep import parse_mesh, sharding_table, sweep
+from minpro_jax.aot.sweep import fingerprint, parse_mesh, sharding_table, sweep
 from minpro_jax.aot.topologies import parse_slice
 from minpro_jax.configs import set_fields
 from minpro_jax.configs.default import get_config
@@ -86,6 +86,34 @@ def test_done_rows_are_not_compiled_again():
   first = sweep(c, CPU8, ["fsdp=8"], programs=["score"])
   assert sweep(c, CPU8, ["fsdp=8"], programs=["score"], done=first) == []
   assert len(sweep(c, CPU8, ["fsdp=8"], programs=["score"], done=first, sampler_rows=32)) == 1  # another key
+
+
+def test_fingerprint_follows_the_fields_that_shape_programs(monkeypatch):
+  from minpro_jax.configs import default
+
+  fp = fingerprint(small_config())
+  assert fingerprint(small_config(workdir="/elsewhere", seed=7, total_steps=3)) == fp  # bookkeeping
+  assert fingerprint(set_fields(small_config(), {"data.path": "other.jsonl", "eval.every": 3})) == fp
+  assert fingerprint(small_config(micro_batch_size=4)) != fp
+  assert fingerprint(set_fields(small_config(), {"data.max_prompt_tokens": 32})) != fp
+  assert fingerprint(set_fields(small_config(), {"loss.tis_cap": 9.0})) != fp
+
+  def with_new_field(make):  # a field added to the config later, at its default
+    def made():
+      c = make()
+      with c.unlocked():
+        c.loss.new_knob = 0.5
+      return c
+
+    return made
+
+  grown = with_new_field(small_config)()
+  assert fingerprint(grown) != fp  # unknown to the defaults: counted
+  monkeypatch.setattr(default, "base_config", with_new_field(default.base_config))
+  assert fingerprint(grown) == fp  # at the default of the grown defaults: not counted
+  with grown.unlocked():
+    grown.loss.new_knob = 0.25
+  assert fingerprint(grown) != fp
 
 
 def _golden_text() -> str:

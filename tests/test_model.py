@@ -5,6 +5,7 @@ Runs on the 8 virtual CPU devices of conftest.py, fp32 with highest matmul preci
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -327,6 +328,37 @@ def test_ragged_moe_equals_dense_moe():
   gb = nnx.jit(nnx.grad(_loss))(ragged, tokens, seg)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5, rtol=1e-5)
+
+
+MOE_LAYOUTS = [{"fsdp": 8}, {"expert": 4, "data": 2}, {"expert": 2, "fsdp": 2, "tensor": 2}, {"tensor": 2, "data": 4}]
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS, ids=["-".join(f"{k}{v}" for k, v in l.items()) for l in MOE_LAYOUTS])
+def test_sharded_ragged_moe_gradients_equal_single_device(layout):
+  """The per-device routing (tokens sorted on their own device, experts split over `expert`, their width over
+  `tensor`) gives the single-device loss and every parameter's gradient."""
+  tokens, seg = _tokens(), _left_pad_segments()
+  want_loss, want = nnx.jit(nnx.value_and_grad(_loss))(_model("tiny-moe"), tokens, seg)
+  mesh = make_mesh(layout)
+  with use_mesh(mesh):
+    got_loss, got = nnx.jit(nnx.value_and_grad(_loss))(_model("tiny-moe", mesh=mesh), tokens, seg)
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+  for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5, rtol=1e-5)
+
+
+def test_sharded_ragged_moe_sorts_each_devices_tokens_only():
+  """On fsdp=8 every sort in the compiled forward is over one device's N/8 * k assignments: a sort over the whole
+  batch's N * k (what a global argsort partitions to) would hold every token's k copies on every chip."""
+  b, t = 8, 16
+  cfg = get_preset("tiny-moe")
+  tokens, seg = _tokens(b=b, t=t), _left_pad_segments(b=b, t=t)
+  mesh = make_mesh({"fsdp": 8})
+  with use_mesh(mesh):
+    hlo = nnx.jit(lambda m, x, s: m(x, segment_ids_bt=s).out).lower(_model("tiny-moe", mesh=mesh), tokens, seg)
+    hlo = hlo.compile().as_text()
+  sizes = {int(n) for n in re.findall(r"= \(s32\[(\d+)\][^)]*\) sort\(", hlo)}
+  assert sizes == {b * t // 8 * cfg.num_experts_per_tok}, sizes
 
 
 @pytest.mark.parametrize("norm_topk", [True, False])

@@ -19,10 +19,37 @@ from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_dispatch import resolve_attention_impl
 from minpro_jax.runtime.sharding import make_mesh
 
+# Top-level config sections that never shape a compiled program (the run's bookkeeping); of `data`, only the
+# prompt length does. `mesh` is each row's own.
+_BOOKKEEPING = ("workdir", "seed", "total_steps", "delay", "log", "checkpoint", "eval", "reward", "sft", "mipu", "mesh")
+_DATA_SHAPES = ("data.max_prompt_tokens",)
+
 
 def fingerprint(c) -> str:
-  """12 hex digits of the sha256 of the config's JSON: rows of the same config (and overrides) share it."""
-  return hashlib.sha256(c.to_json_best_effort(sort_keys=True).encode()).hexdigest()[:12]
+  """12 hex digits naming what a config compiles to; rows of an earlier sweep are reused when it is equal.
+
+  It is the sha256 of the config fields that shape the programs, taken where they differ from
+  `configs.default.base_config()`: a field added to the config later, at a default that keeps what earlier runs
+  did, leaves it unchanged, and so do the run's bookkeeping fields (workdir, seed, steps, evaluation, logging,
+  checkpoints, data source). A change of code is not in it: `--fresh` compiles again.
+  """
+  from minpro_jax.configs.default import base_config
+
+  def flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+      key = f"{prefix}{k}"
+      out.update(flat(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+  def shapes_programs(key: str) -> bool:
+    top = key.split(".", 1)[0]
+    return key in _DATA_SHAPES if top == "data" else top not in _BOOKKEEPING
+
+  now = flat(json.loads(c.to_json_best_effort()))
+  default = flat(json.loads(base_config().to_json_best_effort()))
+  kept = {k: v for k, v in now.items() if shapes_programs(k) and (k not in default or default[k] != v)}
+  return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def canonical_mesh(shape: dict[str, int]) -> str:

@@ -10,13 +10,17 @@ the router still gets gradients, also for an expert that the learner's own top-k
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.quant import maybe_quant_act
-from minpro_jax.runtime.sharding import constrain
+from minpro_jax.runtime.sharding import constrain, logical_to_spec
 
 NO_ROUTE = -1  # in a routes array: this token is not replayed (prompt, padding, a token never fed forward)
 ROUTE_DTYPE = jnp.int16  # compact: expert ids < 32,768
@@ -105,19 +109,72 @@ class MoE(nnx.Module):
     return y, aux, own_i.astype(ROUTE_DTYPE)
 
   def _ragged(self, x_nd, top_i, top_p):
-    """Sorted-by-expert grouped matmuls (`jax.lax.ragged_dot`): compute ~ N * k expert FFNs, not N * E."""
-    c = self.config
-    dt = c.jnp_dtype
-    n, k = top_i.shape
-    flat_e = top_i.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    token_of = order // k
-    xs = x_nd[token_of]
-    group_sizes = jnp.bincount(flat_e, length=c.num_experts).astype(jnp.int32)
-    g = jax.lax.ragged_dot(xs, self.gate_proj[...].astype(dt), group_sizes)
-    u = jax.lax.ragged_dot(xs, self.up_proj[...].astype(dt), group_sizes)
-    ys = jax.lax.ragged_dot(
-        maybe_quant_act(jax.nn.silu(g) * u, c.act_quant), self.down_proj[...].astype(dt), group_sizes
-    )
-    ys = ys * top_p.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x_nd).at[token_of].add(ys)
+    """Sorted-by-expert grouped matmuls (`jax.lax.ragged_dot`): compute ~ N * k expert FFNs, not N * E.
+
+    Under a mesh the routing runs per device (`jax.shard_map`): each device sorts its own tokens, so no
+    device ever holds the whole batch's N * k sorted token copies (a global sort would gather them onto every
+    chip). Weights arrive gathered over fsdp (as FSDP gathers a dense layer's), split over the mesh's expert
+    axis (each device runs its own experts on the tokens of its expert group, gathered over that axis, and the
+    outputs are reduce-scattered back) and over tensor on their FFN width (the partial sums are added up).
+    """
+    dt = self.config.jnp_dtype
+    weights = (self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or AxisType.Manual in mesh.axis_types:
+      return _route(x_nd, top_i, top_p, *weights, self.config)
+    return _route_sharded(mesh, x_nd, top_i, top_p, weights, self.config)
+
+
+def _route(x_nd, top_i, top_p, gate_edf, up_edf, down_efd, c: ModelConfig, expert_offset=0):
+  """Tokens [N, D] through the experts [E_local, ...] numbered from `expert_offset` (the others give 0)."""
+  n, k = top_i.shape
+  num_local = gate_edf.shape[0]
+  local_e = top_i.reshape(-1) - expert_offset
+  here = (local_e >= 0) & (local_e < num_local)
+  flat_e = jnp.where(here, local_e, num_local)  # another device's experts sort last, into no group
+  order = jnp.argsort(flat_e, stable=True)
+  token_of = order // k
+  xs = x_nd[token_of]
+  group_sizes = jnp.bincount(flat_e, length=num_local + 1)[:num_local].astype(jnp.int32)
+  g = jax.lax.ragged_dot(xs, gate_edf, group_sizes)
+  u = jax.lax.ragged_dot(xs, up_edf, group_sizes)
+  ys = jax.lax.ragged_dot(maybe_quant_act(jax.nn.silu(g) * u, c.act_quant), down_efd, group_sizes)
+  weight = jnp.where(here, top_p.reshape(-1), jnp.zeros((), top_p.dtype))[order]
+  ys = ys * weight[:, None]
+  return jnp.zeros_like(x_nd).at[token_of].add(ys)
+
+
+def _mesh_axes(mesh, logical: str, size: int, exclude=()) -> tuple[str, ...]:
+  """The mesh axes (of size > 1) a logical axis resolves to, if their product divides `size`; else ()."""
+  entry = logical_to_spec((logical,))[0]
+  names = tuple(
+      a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in mesh.axis_names and a not in exclude
+  )
+  names = tuple(a for a in names if mesh.shape[a] > 1)
+  return names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
+def _route_sharded(mesh, x_nd, top_i, top_p, weights, c: ModelConfig):
+  gate_edf = weights[0]
+  e, _, f = gate_edf.shape
+  expert = _mesh_axes(mesh, "expert", e)
+  tensor = _mesh_axes(mesh, "mlp", f, exclude=expert)
+  batch = _mesh_axes(mesh, "batch", x_nd.shape[0], exclude=tensor)
+  gathered = tuple(a for a in expert if a in batch)  # token-split axes that also split the experts
+  num_local = e // math.prod(mesh.shape[a] for a in expert) if expert else e
+
+  def per_device(x, ti, tp, gate, up, down):
+    if gathered:
+      x, ti, tp = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (x, ti, tp))
+    offset = jax.lax.axis_index(expert) * num_local if expert else 0
+    y = _route(x, ti, tp, gate, up, down, c, expert_offset=offset)
+    if gathered:
+      y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
+    reduced = tuple(a for a in (*expert, *tensor) if a not in gathered)
+    return jax.lax.psum(y, reduced) if reduced else y
+
+  tokens = P(batch or None, None)
+  w_in, w_out = P(expert or None, None, tensor or None), P(expert or None, tensor or None, None)
+  return jax.shard_map(per_device, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out), out_specs=tokens)(
+      x_nd, top_i, top_p, *weights
+  )
