@@ -120,11 +120,12 @@ def _names(spec, dim: int) -> tuple[str, ...]:
 
 @pytest.mark.parametrize(
     "b, kh, batch_axes, head_axes",
-    [(4, 2, ("data", "fsdp", "expert"), ("tensor",)), (2, 1, (), ())],
+    [(4, 2, ("data", "fsdp"), ("tensor",)), (2, 1, (), ())],
     ids=["sharded", "indivisible_replicated"],
 )
 def test_mesh_equals_single_device(b, kh, batch_axes, head_axes):
-  """8 CPU devices, data=2, tensor=2, fsdp=2: B=4 splits over data x fsdp (x expert=1) and K=2 over tensor; B=2 and
+  """8 CPU devices, data=2, tensor=2, fsdp=2: B=4 splits over data x fsdp (expert, of size 1, is left out) and K=2
+  over tensor; B=2 and
   K=1 divide neither and stay replicated."""
   assert len(jax.devices()) == 8, "tests/conftest.py sets --xla_force_host_platform_device_count=8"
   t = 37

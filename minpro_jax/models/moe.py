@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.quant import maybe_quant_act
-from minpro_jax.runtime.sharding import constrain, logical_to_spec
+from minpro_jax.runtime import sharding
+from minpro_jax.runtime.sharding import constrain
 
 NO_ROUTE = -1  # in a routes array: this token is not replayed (prompt, padding, a token never fed forward)
 ROUTE_DTYPE = jnp.int16  # compact: expert ids < 32,768
@@ -127,7 +128,7 @@ class MoE(nnx.Module):
 
 def _route(x_nd, top_i, top_p, gate_edf, up_edf, down_efd, c: ModelConfig, expert_offset=0):
   """Tokens [N, D] through the experts [E_local, ...] numbered from `expert_offset` (the others give 0)."""
-  n, k = top_i.shape
+  k = top_i.shape[1]
   num_local = gate_edf.shape[0]
   local_e = top_i.reshape(-1) - expert_offset
   here = (local_e >= 0) & (local_e < num_local)
@@ -144,22 +145,15 @@ def _route(x_nd, top_i, top_p, gate_edf, up_edf, down_efd, c: ModelConfig, exper
   return jnp.zeros_like(x_nd).at[token_of].add(ys)
 
 
-def _mesh_axes(mesh, logical: str, size: int, exclude=()) -> tuple[str, ...]:
-  """The mesh axes (of size > 1) a logical axis resolves to, if their product divides `size`; else ()."""
-  entry = logical_to_spec((logical,))[0]
-  names = tuple(
-      a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in mesh.axis_names and a not in exclude
-  )
-  names = tuple(a for a in names if mesh.shape[a] > 1)
-  return names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
-
-
 def _route_sharded(mesh, x_nd, top_i, top_p, weights, c: ModelConfig):
+  """`_route` per device of `mesh`: tokens [N, D] (N split over the "batch" axes), top_i / top_p [N, k], weights
+  (gate [E, D, F], up [E, D, F], down [E, F, D]) split over "expert" on E and over "mlp" on F. Returns [N, D]
+  split like the tokens, equal to the single-device `_route` (tests/test_model.py checks values and gradients)."""
   gate_edf = weights[0]
   e, _, f = gate_edf.shape
-  expert = _mesh_axes(mesh, "expert", e)
-  tensor = _mesh_axes(mesh, "mlp", f, exclude=expert)
-  batch = _mesh_axes(mesh, "batch", x_nd.shape[0], exclude=tensor)
+  expert = sharding.mesh_axes(mesh, "expert", e)
+  tensor = sharding.mesh_axes(mesh, "mlp", f, exclude=expert)
+  batch = sharding.mesh_axes(mesh, "batch", x_nd.shape[0], exclude=tensor)
   gathered = tuple(a for a in expert if a in batch)  # token-split axes that also split the experts
   num_local = e // math.prod(mesh.shape[a] for a in expert) if expert else e
 

@@ -120,7 +120,8 @@ def splash_attention(
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and not mesh.empty and AxisType.Manual not in mesh.axis_types:
-    batch_axes, head_axes = _mesh_axes(mesh, b, kh)
+    head_axes = sharding.mesh_axes(mesh, "act_kv_heads", kh) or None
+    batch_axes = sharding.mesh_axes(mesh, "batch", b, exclude=head_axes or ()) or None
     per_device = jax.shard_map(
         per_device,
         mesh=mesh,
@@ -136,26 +137,6 @@ def splash_attention(
     )
   out = per_device(q, k, v, q_seg, kv_seg)
   return out[:, :, :, :t].astype(dtype)
-
-
-def _mesh_axes(mesh, batch: int, kv_heads: int) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
-  """The mesh axes the batch and KV-head dimensions split over: those of the logical axes "batch" and
-  "act_kv_heads" that exist in the mesh, a mesh axis both name kept on the KV heads (the later dimension, as in
-  `sharding.constrain`), and None for a dimension the product of its axes' sizes does not divide."""
-
-  def axes(logical: str, exclude: tuple[str, ...]) -> tuple[str, ...]:
-    entry = sharding.logical_to_spec((logical,))[0]
-    names = entry if isinstance(entry, tuple) else (entry,)
-    return tuple(a for a in names if a is not None and a in mesh.axis_names and a not in exclude)
-
-  def divisible(names: tuple[str, ...], size: int) -> tuple[str, ...] | None:
-    if not names or size % math.prod(mesh.shape[a] for a in names):
-      return None
-    return names
-
-  head_axes = axes("act_kv_heads", ())
-  batch_axes = axes("batch", head_axes)
-  return divisible(batch_axes, batch), divisible(head_axes, kv_heads)
 
 
 def _splash(q, k, v, q_seg, kv_seg, block: int, interpret: bool) -> jax.Array:

@@ -107,6 +107,28 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules=None) -> P:
   return P(*[table.get(a) if a is not None else None for a in logical_axes])
 
 
+def mesh_axes(mesh, logical: str, size: int, exclude: Sequence[str] = ()) -> tuple[str, ...]:
+  """The axes of `mesh` a logical axis splits over in a `jax.shard_map` spec.
+
+  Args:
+    mesh: the (abstract) mesh.
+    logical: a logical axis name, resolved with the active rules (`use_mesh`).
+    size: the length of the dimension it names.
+    exclude: mesh axes already claimed by another dimension of the same array.
+
+  Returns:
+    The mesh axes (of size > 1, less `exclude`) the rules map `logical` to; () when there are none or the
+    product of their sizes does not divide `size` (the dimension then stays whole on every device).
+  """
+  entry = logical_to_spec((logical,))[0]
+  names = tuple(
+      a
+      for a in (entry if isinstance(entry, tuple) else (entry,))
+      if a in mesh.axis_names and a not in exclude and mesh.shape[a] > 1
+  )
+  return names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
 def _active_rules():
   return core_spmd.get_logical_axis_rules() or ()
 
