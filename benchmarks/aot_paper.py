@@ -49,16 +49,21 @@ ENTRIES = [
     (
         "qwen3_30b_a3b_v5p-32_learner",
         "v5p-32",
-        [f"--config={PAPER}/qwen3_30b_a3b.py", "--mesh=fsdp=-1", "--programs=update"],
+        [f"--config={PAPER}/qwen3_30b_a3b.py", "--mesh=fsdp=-1", "--mesh=expert=2,fsdp=-1", "--programs=update"],
     ),
     ("qwen3_4b_v5p-8", "v5p-8", [*MIPU_4B, *MIPU_LEN, "--mesh=fsdp=-1", *LEARNER]),
     ("qwen3_1p7b_v5p-8", "v5p-8", [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", "--mesh=data=2,fsdp=-1", *LEARNER]),
     ("qwen3_1p7b_v5p-8_sampler", "v5p-8", [*MIPU_1P7B, *MIPU_LEN, "--mesh=fsdp=-1", *SAMPLER]),
-    # the paper configs' micro_batch_size=16 puts 4 (v5p-8) sequences on a chip at once: one per chip instead
+    # the paper configs' micro_batch_size=16 puts 4 (v5p-8) or 2 (v5p-16) sequences on a chip at once: one per chip
     (
         "qwen3_8b_v5p-8_learner_mb4",
         "v5p-8",
         [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update", "--config.micro_batch_size=4"],
+    ),
+    (
+        "qwen3_30b_a3b_v5p-16_learner_mb8",
+        "v5p-16",
+        [f"--config={PAPER}/qwen3_30b_a3b.py", "--mesh=fsdp=-1", "--programs=update", "--config.micro_batch_size=8"],
     ),
     ("qwen3_8b_v6e-16_learner", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update"]),
     (
