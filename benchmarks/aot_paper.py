@@ -113,15 +113,17 @@ def summary() -> str:
       continue
     rep = json.loads(path.read_text())
     machine = rep.get("machine", {})
+    # a file keeps the rows of earlier configs (the tool resumes by fingerprint): show the newest config's only
+    rows = [r for r in rep["rows"] if r.get("fingerprint") == rep["rows"][-1].get("fingerprint")] if rep["rows"] else []
     parts += [
         "",
         f"## {name}",
         "",
         f"`python -m minpro_jax.aot --topology={topology} {' '.join(args)}` ({rep['topology']}, {rep['chips']} chips,"
-        f" {rep['hosts']} hosts; {rep['rows'][0]['model'] if rep['rows'] else ''}; compiled {machine.get('date')} on"
+        f" {rep['hosts']} hosts; {rows[0]['model'] if rows else ''}; compiled {machine.get('date')} on"
         f" {machine.get('cpu')}, jax {machine.get('jax')})",
         "",
-        markdown(rep["rows"]),
+        markdown(rows),
     ]
   return "\n".join(parts) + "\n"
 
