@@ -164,6 +164,29 @@ def test_signal_timeout_counted(monkeypatch):
   assert time.perf_counter() - t0 < 2.0 and st["timeout"] == 1
 
 
+def test_timeout_survives_a_swallowed_first_alarm(monkeypatch):
+  """A VerifyTimeout raised inside a gc callback is swallowed (seen in CI, 2026-12-02, on `100000000!`): the alarm
+  must fire again rather than let the verification run on."""
+  import minpro_jax.data.rewards as R
+
+  def stubborn(pred, gold, mode):
+    t0 = time.perf_counter()
+    try:
+      while True:
+        pass
+    except R.VerifyTimeout:
+      pass  # swallowed, as Python does with an exception raised in a gc callback
+    while time.perf_counter() - t0 < 3.0:
+      pass
+    return True
+
+  monkeypatch.setattr(R, "_equivalent", stubborn)
+  st = collections.Counter()
+  t0 = time.perf_counter()
+  assert math_reward("\\boxed{1}", "1", timeout_s=0.2, stats=st) == 0.0
+  assert st["timeout"] == 1 and time.perf_counter() - t0 < 2.0
+
+
 def test_grade_batch():
   rewards, stats = grade(["\\boxed{1}", "\\boxed{2}", "none", "\\boxed{\\frac{1}{2"], ["1", "1", "1", "0.5"])
   assert rewards == [1.0, 0.0, 0.0, 0.0]

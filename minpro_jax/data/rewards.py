@@ -228,7 +228,9 @@ def _time_limit(seconds: float | None):
     raise VerifyTimeout(f"verification exceeded {seconds} s")
 
   old = signal.signal(signal.SIGALRM, handler)
-  signal.setitimer(signal.ITIMER_REAL, seconds)
+  # The handler runs in whichever Python frame is current; when that is a gc callback (JAX registers one), the
+  # exception is swallowed as "unraisable". The interval re-raises every 50 ms until one reaches the caller.
+  signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
   try:
     yield
   finally:
