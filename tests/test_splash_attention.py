@@ -125,8 +125,7 @@ def _names(spec, dim: int) -> tuple[str, ...]:
 )
 def test_mesh_equals_single_device(b, kh, batch_axes, head_axes):
   """8 CPU devices, data=2, tensor=2, fsdp=2: B=4 splits over data x fsdp (expert, of size 1, is left out) and K=2
-  over tensor; B=2 and
-  K=1 divide neither and stay replicated."""
+  over tensor; B=2 and K=1 divide neither and stay replicated."""
   assert len(jax.devices()) == 8, "tests/conftest.py sets --xla_force_host_platform_device_count=8"
   t = 37
   seg = jnp.asarray(_segments("packed", b, t))

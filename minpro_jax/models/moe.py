@@ -20,8 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.quant import maybe_quant_act
-from minpro_jax.runtime import sharding
-from minpro_jax.runtime.sharding import constrain
+from minpro_jax.runtime.sharding import constrain, mesh_axes
 
 NO_ROUTE = -1  # in a routes array: this token is not replayed (prompt, padding, a token never fed forward)
 ROUTE_DTYPE = jnp.int16  # compact: expert ids < 32,768
@@ -151,9 +150,9 @@ def _route_sharded(mesh, x_nd, top_i, top_p, weights, c: ModelConfig):
   split like the tokens, equal to the single-device `_route` (tests/test_model.py checks values and gradients)."""
   gate_edf = weights[0]
   e, _, f = gate_edf.shape
-  expert = sharding.mesh_axes(mesh, "expert", e)
-  tensor = sharding.mesh_axes(mesh, "mlp", f, exclude=expert)
-  batch = sharding.mesh_axes(mesh, "batch", x_nd.shape[0], exclude=tensor)
+  expert = mesh_axes(mesh, "expert", e)
+  tensor = mesh_axes(mesh, "mlp", f, exclude=expert)
+  batch = mesh_axes(mesh, "batch", x_nd.shape[0], exclude=tensor)
   gathered = tuple(a for a in expert if a in batch)  # token-split axes that also split the experts
   num_local = e // math.prod(mesh.shape[a] for a in expert) if expert else e
 
