@@ -254,6 +254,8 @@ class Trainer:
         "reward/timeouts": gstats["timeout"],
         "response/length_mean": float(gen.lengths.mean()),
         "response/length_max": int(gen.lengths.max()),
+        # deciles of this step's lengths: `python -m minpro_jax.aot --budget --lengths=metrics.jsonl` draws from them
+        "response/length_quantiles": np.quantile(gen.lengths, np.linspace(0, 1, 11)).round(1).tolist(),
         "response/truncated_frac": float(gen.truncated.mean()),
         "response/entropy": float((gen.entropy * gen.response_mask).sum() / n_tok),
         "advantage/zero_frac": float((batch.advantages == 0).mean()),

@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  if "--budget" in argv:  # one global step's time and its bound (minpro_jax/aot/budget.py)
+    from minpro_jax.aot.budget import main as budget_main
+
+    return budget_main(argv)
   config_args = [a for a in argv if a.startswith("--config")]
   args = _parser().parse_args([a for a in argv if not a.startswith("--config")])
   _prepare_environment(args.topology)

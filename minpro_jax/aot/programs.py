@@ -186,6 +186,16 @@ class RunPrograms:
         continuous=False,
         record_routes=self.record_routes,
     )
+    # the sampler the trainer builds: continuous or static per `sampling.continuous`, its default decode rows
+    self.trainer_sampler = Sampler(
+        cfg,
+        precision=c.sampling.precision,
+        **run_config.sampler_fp8_options(c),
+        prompt_buckets=(shapes.prompt_len,),
+        mesh=mesh,
+        continuous=c.sampling.continuous,
+        record_routes=self.record_routes,
+    )
     self._prepared = None
     self._prefill_out = None
 
@@ -273,6 +283,28 @@ class RunPrograms:
         _replicated(m, (b,), jnp.bool_),
         _replicated(m, (b,), jnp.int32),
     )
+
+  def lower_prepare(self):
+    """`Sampler.prepare_params` on the learner's parameters: the once-per-version transfer from the learner's layout
+    and dtype to the sampler's."""
+    with self.sampler.mesh_context():
+      return self.sampler.jitted_prepare.lower(self.params)
+
+  def lower_continuous(self, num_requests: int, sampling=None):
+    """The continuous sampler's whole call (`Sampler._c_all`, the program the trainer runs) on `num_requests`
+    prompts of the prompt bucket, with the decode rows and refill size `Sampler.continuous_rows` gives."""
+    s, m, p, n = self.trainer_sampler, self.mesh, self.shapes.prompt_len, int(num_requests)
+    rows, refill = s.continuous_rows(n)
+    requests = (
+        _replicated(m, (n, p), jnp.int32),
+        _replicated(m, (n, p), jnp.int32),
+        _replicated(m, (n,), jnp.int32),
+        _replicated(m, (n, 2), jnp.uint32),
+    )
+    with s.mesh_context():
+      return s._c_all.lower(
+          self.prepared_params(), requests, sampling=sampling or self.sampling, p_len=p, rows=rows, refill=refill
+      )
 
   def _lower_prefill(self):
     args = self._prefill_args()

@@ -5,7 +5,7 @@ CPU devices, for tests and machines without libtpu). TPU devices come from `jax.
 describes every host of a slice, so a 64-chip, 16-host v5p compiles here like a 4-chip one; it needs libtpu
 (`pip install "jax[tpu]"`, or `make setup`, which unpacks it to `.venv/libtpu`).
 
-Chip figures (peak dense bf16 FLOP/s, HBM capacity and bandwidth per chip) are Google Cloud's published ones:
+Chip figures (peak dense bf16 FLOP/s, HBM capacity and bandwidth, ICI bandwidth per chip) are Google Cloud's published ones:
 https://cloud.google.com/tpu/docs/v4, .../v5e, .../v5p, .../v6e (read 2026-12-01). The HBM capacity is the
 documented one; the runtime keeps a little of it for itself, so a program within a few hundred MiB of it may
 still not load.
@@ -34,13 +34,17 @@ class Chip:
   chips_per_host: tuple[int, int, int]  # of a full host
   dims: int  # 3 (3D torus) or 2
   source: str
+  # bytes/s one chip receives over ICI with every link busy: half the documented bidirectional per-chip figure
+  ici_bytes_per_s: float = 0.0
 
 
+# ICI: the documented per-chip interconnect figures (v4 2,400 Gbps, v5e 1,600 Gbps, v5p 4,800 Gbps = 1,200 GB/s
+# bidirectional, v6e 800 GB/s bidirectional), as bytes/s received by one chip.
 CHIPS = {
-    "v4": Chip("v4", 32 * GIB, 275e12, 1228e9, 2, (2, 2, 1), 3, "https://cloud.google.com/tpu/docs/v4"),
-    "v5e": Chip("v5e", 16 * GIB, 197e12, 819e9, 1, (2, 4, 1), 2, "https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip("v5p", 95 * GIB, 459e12, 2765e9, 2, (2, 2, 1), 3, "https://cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip("v6e", 32 * GIB, 918e12, 1640e9, 1, (2, 4, 1), 2, "https://cloud.google.com/tpu/docs/v6e"),
+    "v4": Chip("v4", 32 * GIB, 275e12, 1228e9, 2, (2, 2, 1), 3, "https://cloud.google.com/tpu/docs/v4", 300e9),
+    "v5e": Chip("v5e", 16 * GIB, 197e12, 819e9, 1, (2, 4, 1), 2, "https://cloud.google.com/tpu/docs/v5e", 200e9),
+    "v5p": Chip("v5p", 95 * GIB, 459e12, 2765e9, 2, (2, 2, 1), 3, "https://cloud.google.com/tpu/docs/v5p", 600e9),
+    "v6e": Chip("v6e", 32 * GIB, 918e12, 1640e9, 1, (2, 4, 1), 2, "https://cloud.google.com/tpu/docs/v6e", 400e9),
 }
 # The standard slice shapes by chip count (Google Cloud's tables); 2D for v5e / v6e, 3D for v4 / v5p.
 SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}

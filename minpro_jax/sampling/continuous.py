@@ -218,6 +218,17 @@ def decode_until(st: ContinuousState, step_fn, need, sampling: SamplingParams, p
   return jax.lax.while_loop(cond, body, st)
 
 
+def refill_rule(n_done, waiting, refill_rows: int, minimum=jnp.minimum):
+  """The in-loop refill policy of `decode_with_refills`: (refill now?, how many rows).
+
+  An iteration refills when requests wait and at least min(refill_rows, waiting) decode rows are done; it then
+  fills min(done rows, refill_rows, waiting) of them. Works on traced int32 scalars and, with `minimum=min`, on
+  Python ints (`minpro_jax.aot.schedule` simulates the sampler's schedule with the same rule).
+  """
+  go = (waiting > 0) & (n_done >= minimum(refill_rows, waiting))
+  return go, minimum(minimum(n_done, refill_rows), waiting)
+
+
 def decode_with_refills(
     st: ContinuousState,
     step_fn,
@@ -247,8 +258,7 @@ def decode_with_refills(
 
   def refill_branch(c):
     s, nxt = c
-    waiting = n - nxt
-    count = jnp.minimum(jnp.minimum(jnp.sum(s.done.astype(jnp.int32)), m), waiting)
+    _, count = refill_rule(jnp.sum(s.done.astype(jnp.int32)), n - nxt, m)
     order = jnp.argsort(~s.done, stable=True)[:m].astype(jnp.int32)  # done rows first
     slot_ok = jnp.arange(m) < count
     rows = jnp.where(slot_ok, order, b)
@@ -280,9 +290,7 @@ def decode_with_refills(
 
   def body(c):
     s, nxt = c
-    waiting = n - nxt
-    n_done = jnp.sum(s.done.astype(jnp.int32))
-    go = (waiting > 0) & (n_done >= jnp.minimum(m, waiting))
+    go, _ = refill_rule(jnp.sum(s.done.astype(jnp.int32)), n - nxt, m)
     return jax.lax.cond(go, refill_branch, step_branch, c)
 
   return jax.lax.while_loop(cond, body, (st, jnp.zeros((), jnp.int32)))[0]

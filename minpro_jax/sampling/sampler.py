@@ -360,8 +360,7 @@ class Sampler:
   def _generate_continuous(self, state, tokens, segs, row_keys, row_group, n: int, sampling: SamplingParams):
     """The continuous-batching decode of the N request rows `tokens` / `segs` [N, P] -> outputs [N, R]."""
     p_len = tokens.shape[1]
-    rows = min(_bucket(self.decode_rows, self.batch_buckets) or self.decode_rows, _bucket(n, self.batch_buckets) or n)
-    refill_at = self.refill_rows or max(1, rows // 8)
+    rows, refill_at = self.continuous_rows(n)
     keys = (
         np.asarray(jax.random.key_data(row_keys))
         if jnp.issubdtype(row_keys.dtype, jax.dtypes.prng_key)
@@ -370,7 +369,7 @@ class Sampler:
     keys = keys.astype(np.uint32)
     if self.in_loop_refill:
       requests = (tokens, segs, row_group.astype(np.int32), keys)
-      out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=min(refill_at, rows))
+      out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at)
       return to_host(out)
     st = settle(
         self._c_init(
@@ -398,6 +397,14 @@ class Sampler:
       if not waiting and done.all():
         break
     return to_host((st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes))
+
+  def continuous_rows(self, num_requests: int) -> tuple[int, int]:
+    """(decode rows, rows per refill) the continuous sampler runs a call of `num_requests` rows on: `decode_rows`
+    rounded up to a batch bucket but never more than the call's own bucket, and `refill_rows` (default rows // 8)
+    capped at the rows."""
+    n = int(num_requests)
+    rows = min(_bucket(self.decode_rows, self.batch_buckets) or self.decode_rows, _bucket(n, self.batch_buckets) or n)
+    return rows, min(self.refill_rows or max(1, rows // 8), rows)
 
   # ------------------------------------------------------------------------------------------- host side
   def mesh_context(self):

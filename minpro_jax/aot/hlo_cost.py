@@ -1,0 +1,681 @@
+"""Per-loop-iteration cost of a compiled program, read from its optimized HLO text.
+
+XLA's `cost_analysis()` counts a while loop's body once whatever its trip count, and the collectives it lists are
+static counts. This module walks the HLO's call graph instead: every `while` is a loop node whose body cost is
+multiplied by its trip count (XLA's `known_trip_count` annotation, the count read off a counted loop's condition
+and step, or a count the caller supplies for data-dependent loops such as the sampler's decode loop), every `conditional` a node whose branches are weighted (by the caller, or
+the most expensive branch), so nested loops (decode steps x layers, micro-batches x layers x log-prob chunks) scale
+by the product of their trip counts.
+
+Per computation (its own instructions, fused computations included, nested loops excluded):
+- FLOPs: 2 x |result| x |contracted dims| of every `dot`, and of the `convolution`s XLA:TPU rewrites dots into
+  (custom calls such as Pallas kernels are opaque: 0; the caller may add an analytic count);
+- HBM bytes: for every top-level instruction that touches memory, its operands read plus its result written, where
+  a fusion operand used only through (dynamic-)slices or gathers counts the sliced bytes and an in-place
+  dynamic-update-slice or scatter counts its update, not the whole buffer (as XLA's own fusion cost analysis does);
+- collectives: kind, result bytes, group size, the mesh axes the group spans, and the bytes one chip receives over
+  ICI (all-gather R(n-1)/n, reduce-scatter R(n-1), all-reduce 2R(n-1)/n, all-to-all R(n-1)/n, permute R; R the
+  result, n the group size: ring algorithms).
+
+Time (`Chip` figures): an instruction group takes max(FLOPs / peak, HBM bytes / bandwidth) + ICI bytes / ICI
+bandwidth when communication does not overlap compute ("serial"), max of the three when it fully does
+("overlapped"); both are estimates from compiled programs, not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Callable, Sequence
+
+import numpy as np
+
+from minpro_jax.aot.analysis import COLLECTIVES, _array_bytes
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_NO_MEMORY = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "while",
+    "conditional",
+    "call",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "async-start",
+    "async-update",
+    "async-done",
+    "copy-start",
+    "copy-done",
+    "send",
+    "send-done",
+    "recv",
+    "recv-done",
+}
+_SLICING = {"dynamic-slice", "slice", "gather"}
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # ops that update operand 0 in place: index of the update
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  shape: str  # the result type text, e.g. "f32[16,64]{1,0}" or "(s32[], f32[4])"
+  opcode: str
+  operands: list[str]
+  attrs: str
+  root: bool = False
+  args: str = ""  # the text between the opcode's parentheses (a parameter's index)
+
+
+@dataclasses.dataclass
+class Computation:
+  name: str
+  instrs: list[Instr]
+  entry: bool = False
+
+  def __post_init__(self):
+    self.by_name = {i.name: i for i in self.instrs}
+
+  @property
+  def root(self) -> Instr:
+    return next((i for i in self.instrs if i.root), self.instrs[-1])
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the bracket group opening at text[start] ('(' or '{')."""
+  pairs = {"(": ")", "{": "}", "[": "]"}
+  stack = []
+  for i in range(start, len(text)):
+    ch = text[i]
+    if ch in pairs:
+      stack.append(pairs[ch])
+    elif stack and ch == stack[-1]:
+      stack.pop()
+      if not stack:
+        return i + 1
+  return len(text)
+
+
+def _parse_instr(line: str) -> Instr | None:
+  m = _INSTR.match(line)
+  if not m:
+    return None
+  rest = m.group("rest")
+  if rest.startswith("("):
+    end = _balanced(rest, 0)
+    shape, rest = rest[:end], rest[end:].lstrip()
+  else:
+    shape, _, rest = rest.partition(" ")
+  op_match = re.match(r"([\w\-]+)\(", rest)
+  if not op_match:
+    return None
+  opcode = op_match.group(1)
+  end = _balanced(rest, op_match.end() - 1)
+  args = rest[op_match.end() : end - 1]
+  operands = re.findall(r"%([\w.\-]+)", args)
+  return Instr(m.group("name"), shape, opcode, operands, rest[end:], root=bool(m.group(1)), args=args)
+
+
+def parse_hlo(text: str) -> dict[str, Computation]:
+  """{name: Computation} of an HLO module's text (`compiled.as_text()`); the entry is flagged `entry`."""
+  comps: dict[str, Computation] = {}
+  cur, instrs, entry = None, [], False
+  for line in text.splitlines():
+    if cur is None:
+      m = _HEADER.match(line.strip())
+      if m:
+        cur, instrs, entry = m.group("name"), [], bool(m.group(1))
+      continue
+    if line.strip() == "}":
+      if instrs:
+        comps[cur] = Computation(cur, instrs, entry)
+      cur = None
+      continue
+    ins = _parse_instr(line)
+    if ins is not None:
+      instrs.append(ins)
+  return comps
+
+
+def shape_bytes(shape: str) -> float:
+  """Bytes of every array in an HLO type text (a tuple's elements summed)."""
+  return float(sum(_array_bytes(d, s) for d, s in _ARRAY.findall(shape)))
+
+
+def _dims(shape: str) -> list[int]:
+  m = _ARRAY.search(shape)
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _attr(attrs: str, key: str) -> str | None:
+  m = re.search(rf"\b{re.escape(key)}=", attrs)
+  if not m:
+    return None
+  i = m.end()
+  if attrs.startswith("mesh[", i):  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}
+    j = _balanced(attrs, i + 4)
+    k = attrs.find("{", j)
+    return attrs[i : _balanced(attrs, k)] if k >= 0 and not attrs[j:k].strip(" ") else attrs[i:j]
+  if i < len(attrs) and attrs[i] in "{(":
+    return attrs[i : _balanced(attrs, i)]
+  j = i
+  while j < len(attrs) and attrs[j] == "[":  # iota groups: [2,4]<=[8] or [2,2]<=[2,2]T(1,0)
+    j = _balanced(attrs, j)
+    j += 2 if attrs.startswith("<=", j) else 0
+  while j < len(attrs) and attrs[j] not in ", ":
+    j += 1
+  return attrs[i:j]
+
+
+def _called(attrs: str, key: str) -> list[str]:
+  v = _attr(attrs, key)
+  return re.findall(r"%?([\w.\-]+)", v) if v else []
+
+
+def known_trip_count(ins: Instr) -> int | None:
+  """The `known_trip_count` XLA annotated on a `while` (its backend_config), or None."""
+  cfg = _attr(ins.attrs, "backend_config")
+  if not cfg:
+    return None
+  try:
+    n = json.loads(cfg).get("known_trip_count", {}).get("n")
+  except (ValueError, AttributeError):
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', cfg)
+    n = m.group(1) if m else None
+  return int(n) if n is not None else None
+
+
+def _through(comp: Computation, name: str, ops=("copy", "bitcast")) -> Instr | None:
+  ins = comp.by_name.get(name)
+  while ins is not None and ins.opcode in ops and ins.operands:
+    ins = comp.by_name.get(ins.operands[0])
+  return ins
+
+
+def _constant(ins: Instr | None) -> int | None:
+  if ins is None or ins.opcode != "constant":
+    return None
+  m = re.fullmatch(r"\s*(-?\d+)\s*", ins.args)
+  return int(m.group(1)) if m else None
+
+
+def inferred_trip_count(ins: Instr, caller: Computation, comps: dict[str, Computation]) -> int | None:
+  """The trip count of a counted `while` that XLA did not annotate (XLA:TPU keeps no `known_trip_count`): its
+  condition is `i < N` on tuple element k, the body adds a constant step S to element k, and the caller starts
+  it at a constant C: ceil((N - C) / S). None for any other shape of loop (data-dependent loops)."""
+  cond = comps.get((_called(ins.attrs, "condition") or [""])[0])
+  body = comps.get((_called(ins.attrs, "body") or [""])[0])
+  if cond is None or body is None or not ins.operands:
+    return None
+  root = cond.root
+  if root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+    return None
+  gte, bound = _through(cond, root.operands[0]), _constant(_through(cond, root.operands[1]))
+  if gte is None or gte.opcode != "get-tuple-element" or bound is None:
+    return None
+  k = int(re.search(r"index=(\d+)", gte.attrs).group(1))
+  init_tuple = caller.by_name.get(ins.operands[0])
+  if init_tuple is None or init_tuple.opcode != "tuple" or k >= len(init_tuple.operands):
+    return None
+  start = _constant(_through(caller, init_tuple.operands[k]))
+  out = body.root
+  if start is None or out.opcode != "tuple" or k >= len(out.operands):
+    return None
+  step = _add_constant(body, out.operands[k], comps)
+  if not step or step < 0:
+    return None
+  return max(0, -(-(bound - start) // step))
+
+
+def _add_constant(body: Computation, name: str, comps: dict[str, Computation]) -> int | None:
+  """S when `name` is add(x, constant S) in `body`, directly or as a fusion wrapping the add."""
+  ins = _through(body, name)
+  if ins is None:
+    return None
+  consts = [_constant(_through(body, o)) for o in ins.operands]
+  if ins.opcode == "fusion":
+    fused = comps.get((_called(ins.attrs, "calls") or [""])[0])
+    if fused is None or fused.root.opcode != "add":
+      return None
+    consts += [_constant(fused.by_name.get(o)) for o in fused.root.operands]
+  elif ins.opcode != "add":
+    return None
+  return next((c for c in consts if c), None)
+
+
+# ------------------------------------------------------------------------------------------- collectives
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  kind: str  # one of analysis.COLLECTIVES
+  result_bytes: float
+  group_size: int
+  axes: tuple[str, ...]  # mesh axes the group spans ("?" when the groups could not be read)
+  ici_bytes: float  # received by one chip over ICI
+
+
+def replica_group_ids(text: str | None, num_partitions: int) -> np.ndarray | None:
+  """[groups, size] device (partition) ids of a `replica_groups=` value in any of XLA's three spellings: explicit
+  `{{0,1},{2,3}}`, iota `[2,2]<=[4]` / `[2,2]<=[2,2]T(1,0)`, or mesh `mesh['axis_0'=2,'axis_1'=2] {'axis_1'}`.
+  Empty (`{}`): every partition in one group. None when unreadable."""
+  if text is None:
+    return None
+  text = text.strip()
+  if text.startswith("mesh"):
+    sizes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", text.split("]", 1)[0])]
+    sub = re.findall(r"'([^']+)'", text.split("]", 1)[1]) if "]" in text else []
+    names = [a for a, _ in sizes]
+    ids = np.arange(math.prod(n for _, n in sizes)).reshape([n for _, n in sizes] or [1])
+    inner = [names.index(a) for a in sub if a in names]
+    outer = [i for i in range(len(names)) if i not in inner]
+    size = math.prod(sizes[i][1] for i in inner) if inner else 1
+    return ids.transpose(outer + inner).reshape(-1, size)
+  m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+  if m:
+    groups = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape(-1, groups[-1]) if len(groups) > 1 else ids.reshape(1, -1)
+  inner = re.findall(r"\{([\d,\s]*)\}", text[1:-1] if text.startswith("{") else text)
+  rows = [[int(x) for x in g.split(",") if x.strip()] for g in inner]
+  rows = [r for r in rows if r]
+  if not rows:
+    return np.arange(num_partitions).reshape(1, -1)
+  if len({len(r) for r in rows}) != 1:
+    return None
+  return np.asarray(rows)
+
+
+def _axes(ids: np.ndarray | None, mesh_shape: dict[str, int] | None) -> tuple[str, ...]:
+  if ids is None or not mesh_shape:
+    return ("?",)
+  sizes = list(mesh_shape.values())
+  if ids.max() >= math.prod(sizes):
+    return ("?",)
+  coords = np.stack(np.unravel_index(ids[0], sizes))  # [axes, group]
+  return tuple(a for a, c in zip(mesh_shape, coords) if len(set(c.tolist())) > 1)
+
+
+def _collective(ins: Instr, comp: Computation, num_partitions: int, mesh_shape) -> Collective | None:
+  op = ins.opcode.removesuffix("-start")
+  op = op.removeprefix("ragged-")
+  if op not in COLLECTIVES or ins.opcode.endswith("-done"):
+    return None
+  arrays = [_array_bytes(d, s) for d, s in _ARRAY.findall(ins.shape)]
+  result = (max(arrays) if ins.opcode.endswith("-start") else sum(arrays)) if arrays else 0.0
+  if op == "collective-permute":
+    return Collective(op, result, 2, _axes(_pairs(ins), mesh_shape), result)
+  ids = replica_group_ids(_attr(ins.attrs, "replica_groups"), num_partitions)
+  n = int(ids.shape[1]) if ids is not None else num_partitions
+  if op == "reduce-scatter" and ins.opcode.endswith("-start"):
+    result /= max(n, 1)  # the -start tuple's largest array is the operand
+  frac = (n - 1) / n if n > 1 else 0.0
+  ici = {"all-gather": result * frac, "all-reduce": 2 * result * frac, "all-to-all": result * frac}.get(op)
+  if op == "reduce-scatter":
+    ici = result * (n - 1)
+  return Collective(op, result, n, _axes(ids, mesh_shape), float(ici))
+
+
+def _pairs(ins: Instr) -> np.ndarray | None:
+  v = _attr(ins.attrs, "source_target_pairs")
+  pairs = re.findall(r"\{(\d+),(\d+)\}", v or "")
+  return np.asarray([[int(a), int(b)] for a, b in pairs[:1]]) if pairs else None
+
+
+# ------------------------------------------------------------------------------------------------ costs
+@dataclasses.dataclass
+class Cost:
+  """FLOPs, HBM bytes and ICI bytes per chip, and the collectives by kind ({kind: {count, bytes, ici_bytes,
+  axes}}); `+` adds, `*` scales by a trip count."""
+
+  flops: float = 0.0
+  hbm_bytes: float = 0.0
+  ici_bytes: float = 0.0
+  collectives: dict = dataclasses.field(default_factory=dict)
+
+  def __add__(self, o: "Cost") -> "Cost":
+    col = {k: dict(v, axes=list(v["axes"])) for k, v in self.collectives.items()}
+    for k, v in o.collectives.items():
+      c = col.setdefault(k, {"count": 0.0, "bytes": 0.0, "ici_bytes": 0.0, "axes": []})
+      c["count"] += v["count"]
+      c["bytes"] += v["bytes"]
+      c["ici_bytes"] += v["ici_bytes"]
+      c["axes"] = sorted(set(c["axes"]) | set(v["axes"]))
+    return Cost(self.flops + o.flops, self.hbm_bytes + o.hbm_bytes, self.ici_bytes + o.ici_bytes, col)
+
+  def __mul__(self, k: float) -> "Cost":
+    col = {
+        n: {"count": v["count"] * k, "bytes": v["bytes"] * k, "ici_bytes": v["ici_bytes"] * k, "axes": list(v["axes"])}
+        for n, v in self.collectives.items()
+    }
+    return Cost(self.flops * k, self.hbm_bytes * k, self.ici_bytes * k, col)
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """A chip's peaks: FLOP/s, HBM bytes/s and ICI bytes/s received per chip (0: unknown, no time)."""
+
+  peak_flops: float
+  hbm_bandwidth: float
+  ici_bandwidth: float
+
+  def times(self, c: Cost) -> dict[str, float]:
+    """{compute, memory, ici, serial, overlapped, limiter} seconds of cost `c` (module docstring)."""
+    t = {
+        "compute": c.flops / self.peak_flops if self.peak_flops else 0.0,
+        "memory": c.hbm_bytes / self.hbm_bandwidth if self.hbm_bandwidth else 0.0,
+        "ici": c.ici_bytes / self.ici_bandwidth if self.ici_bandwidth else 0.0,
+    }
+    t["serial"] = max(t["compute"], t["memory"]) + t["ici"]
+    t["overlapped"] = max(t["compute"], t["memory"], t["ici"])
+    t["limiter"] = max(("compute", "memory", "ici"), key=lambda k: t[k])
+    return t
+
+
+@dataclasses.dataclass
+class Node:
+  """A computation as it runs at one call site: its own cost, the loops / conditionals it contains, and how often
+  it runs per run of its parent (`trips`: a loop's trip count, a branch's weight, 1 otherwise).
+
+  kind: "entry", "while", "branch" or "call"; `trip_source`: "known" (XLA's annotation), "inferred" (read off a
+  counted loop's condition, start and step), "given" (the caller's resolver), "unknown" (counted once), "weight" or "max" (a conditional branch: the caller's weight, or the
+  costliest branch when no weight was given).
+  """
+
+  name: str
+  kind: str
+  trips: float
+  trip_source: str
+  own: Cost
+  own_serial: float = 0.0  # seconds of `own` (rates applied)
+  own_overlapped: float = 0.0
+  children: list["Node"] = dataclasses.field(default_factory=list)
+  op_name: str = ""
+
+  def per_run(self) -> Cost:
+    """The cost of one run (one iteration, for a loop): own + every child's trips x its per-run cost."""
+    total = self.own
+    for ch in self.children:
+      total = total + ch.per_run() * ch.trips
+    return total
+
+  def seconds_per_run(self, overlapped: bool) -> float:
+    own = self.own_overlapped if overlapped else self.own_serial
+    return own + sum(ch.trips * ch.seconds_per_run(overlapped) for ch in self.children)
+
+  def walk(self, depth: int = 0):
+    yield depth, self
+    for ch in self.children:
+      yield from ch.walk(depth + 1)
+
+
+WhileResolver = Callable[[Instr, Sequence[str]], "int | None"]
+BranchResolver = Callable[[Instr, int, Sequence[str]], "Sequence[float] | None"]
+
+
+class HloCost:
+  """The loop tree of one optimized HLO module with per-iteration costs.
+
+  Args:
+    text: `compiled.as_text()`.
+    num_partitions: devices the program runs on (for `replica_groups={}`).
+    mesh_shape: {axis: size} of the mesh, in the device order the program was compiled with (names the axes a
+      collective's group spans); None: axes "?".
+    rates: a chip's `Rates` (None: no times).
+    while_trips: f(while instruction, enclosing loop names) -> trip count for loops XLA has no count for (None:
+      counted once and flagged "unknown").
+    branch_weights: f(conditional instruction, number of branches, enclosing loop names) -> a weight per branch
+      (how often each runs per run of the conditional); None: the costliest branch, flagged "max".
+  """
+
+  def __init__(
+      self,
+      text: str,
+      num_partitions: int,
+      mesh_shape: dict[str, int] | None = None,
+      rates: Rates | None = None,
+      while_trips: WhileResolver | None = None,
+      branch_weights: BranchResolver | None = None,
+  ):
+    self.comps = parse_hlo(text)
+    self.num_partitions, self.mesh_shape = num_partitions, mesh_shape
+    self.rates = rates or Rates(0.0, 0.0, 0.0)
+    self.while_trips, self.branch_weights = while_trips, branch_weights
+    self._own: dict[str, Cost] = {}
+    entry = next(c for c in self.comps.values() if c.entry)
+    self.root = self._node(entry.name, "entry", 1.0, "known", ())
+
+  # ---- own costs
+  def own_cost(self, name: str) -> Cost:
+    """The cost of computation `name`'s own instructions (fusions and async wrappers included, loops not)."""
+    if name not in self._own:
+      comp = self.comps[name]
+      cost = Cost()
+      for ins in comp.instrs:
+        cost = cost + self._instr_cost(ins, comp)
+      self._own[name] = cost
+    return self._own[name]
+
+  def _instr_cost(self, ins: Instr, comp: Computation) -> Cost:
+    c = Cost()
+    col = _collective(ins, comp, self.num_partitions, self.mesh_shape)
+    if col is not None:
+      entry = {"count": 1.0, "bytes": col.result_bytes, "ici_bytes": col.ici_bytes, "axes": list(col.axes)}
+      return Cost(ici_bytes=col.ici_bytes, collectives={col.kind: entry})
+    c.flops += _matmul_flops(ins, comp)
+    if ins.opcode == "fusion":
+      for callee in _called(ins.attrs, "calls"):
+        if callee in self.comps:
+          c.flops += sum(_matmul_flops(i, self.comps[callee]) for i in self.comps[callee].instrs)
+      c.hbm_bytes += self._fusion_bytes(ins, comp)
+    elif ins.opcode in ("async-start",):
+      for callee in _called(ins.attrs, "calls"):
+        if callee in self.comps:
+          c = c + self.own_cost(callee)
+    elif ins.opcode not in _NO_MEMORY and not ins.opcode.endswith("-done"):
+      c.hbm_bytes += self._plain_bytes(ins, comp)
+    return c
+
+  def _plain_bytes(self, ins: Instr, comp: Computation) -> float:
+    out = shape_bytes(ins.shape)
+    if ins.opcode in _SLICING:
+      return 2 * out
+    update_at = _IN_PLACE.get(ins.opcode)
+    if update_at is not None and len(ins.operands) > update_at:
+      upd = comp.by_name.get(ins.operands[update_at])
+      return 2 * (shape_bytes(upd.shape) if upd else 0.0)
+    reads = sum(shape_bytes(comp.by_name[o].shape) for o in ins.operands if o in comp.by_name)
+    return reads + out
+
+  def _fusion_bytes(self, ins: Instr, comp: Computation) -> float:
+    callee = next((c for c in _called(ins.attrs, "calls") if c in self.comps), None)
+    operands = [comp.by_name.get(o) for o in ins.operands]
+    if callee is None:
+      return sum(shape_bytes(o.shape) for o in operands if o) + shape_bytes(ins.shape)
+    fused = self.comps[callee]
+    params = {int(i.args): i for i in fused.instrs if i.opcode == "parameter" and i.args.strip().isdigit()}
+    users: dict[str, list[Instr]] = {}
+    for i in fused.instrs:
+      for o in i.operands:
+        users.setdefault(o, []).append(i)
+
+    def through_bitcasts(name: str) -> list[Instr]:
+      out = []
+      for u in users.get(name, []):
+        out.extend(through_bitcasts(u.name) if u.opcode == "bitcast" else [u])
+      return out
+
+    roots = [fused.root]
+    if fused.root.opcode == "tuple":
+      roots = [fused.by_name[o] for o in fused.root.operands if o in fused.by_name]
+    in_place, written = set(), 0.0
+    for r in roots:
+      update_at = _IN_PLACE.get(r.opcode)
+      if update_at is not None and len(r.operands) > update_at:
+        buf = r.operands[0]
+        while buf in fused.by_name and fused.by_name[buf].opcode == "bitcast":
+          buf = fused.by_name[buf].operands[0]
+        in_place.add(buf)
+        upd = fused.by_name.get(r.operands[update_at])
+        written += shape_bytes(upd.shape) if upd else 0.0
+      else:
+        written += shape_bytes(r.shape)
+    read = 0.0
+    for index, op in enumerate(operands):
+      p = params.get(index)
+      if p is None:
+        read += shape_bytes(op.shape) if op else 0.0
+        continue
+      full = shape_bytes(op.shape) if op else shape_bytes(p.shape)
+      if p.name in in_place:
+        continue  # read and written in place: the update is counted as written
+      us = through_bitcasts(p.name)
+      if us and all(u.opcode in _SLICING and u.operands and u.operands[0] in _alias_chain(p.name, fused) for u in us):
+        read += min(full, sum(shape_bytes(u.shape) for u in us))
+      else:
+        read += full
+    return read + written
+
+  # ---- the tree
+  def _node(self, name: str, kind: str, trips: float, source: str, path: tuple[str, ...], op_name: str = "") -> Node:
+    own = self.own_cost(name)
+    t = self.rates.times(own)
+    node = Node(name, kind, trips, source, own, t["serial"], t["overlapped"], op_name=op_name)
+    for ins in self.comps[name].instrs:
+      if ins.opcode == "while":
+        body = _called(ins.attrs, "body")[0]
+        cond = _called(ins.attrs, "condition")[0]
+        n, src = known_trip_count(ins), "known"
+        if n is None:
+          n, src = inferred_trip_count(ins, self.comps[name], self.comps), "inferred"
+        if n is None and self.while_trips is not None:
+          n, src = self.while_trips(ins, path), "given"
+        if n is None:
+          n, src = 1, "unknown"
+        child = self._node(body, "while", float(n), src, path + (ins.name,), _op_name(ins))
+        cond_node = self._node(cond, "call", 1.0, "known", path + (ins.name,))
+        child.own, child.own_serial = child.own + cond_node.own, child.own_serial + cond_node.own_serial
+        child.own_overlapped += cond_node.own_overlapped
+        child.name = ins.name
+        node.children.append(child)
+      elif ins.opcode == "conditional":
+        branches = _called(ins.attrs, "branch_computations") or (
+            _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation")
+        )
+        if _attr(ins.attrs, "branch_computations") is None and len(branches) == 2:
+          branches = branches[::-1]  # pred conditional: index 0 is false
+        kids = [self._node(b, "branch", 1.0, "max", path + ("?" + ins.name,), _op_name(ins)) for b in branches]
+        weights = self.branch_weights(ins, len(kids), path) if self.branch_weights else None
+        if weights is not None:
+          for k, w in zip(kids, weights):
+            k.trips, k.trip_source = float(w), "weight"
+          node.children.extend(k for k in kids if k.trips > 0)
+        elif kids:
+          best = max(kids, key=lambda k: (k.seconds_per_run(False), k.per_run().hbm_bytes, k.per_run().flops))
+          node.children.append(best)
+      elif ins.opcode == "call":
+        for callee in _called(ins.attrs, "to_apply"):
+          if callee in self.comps:
+            node.children.append(self._node(callee, "call", 1.0, "known", path, _op_name(ins)))
+    return node
+
+  def loops(self) -> list[dict]:
+    """Every while loop as a record: name, op_name, depth, trips, trip_source, total trips (product of the
+    enclosing loops'), per-iteration cost and seconds (serial / overlapped)."""
+    out = []
+
+    def visit(node: Node, depth: int, outer: float):
+      for ch in node.children:
+        mult = outer * ch.trips
+        if ch.kind == "while":
+          per = ch.per_run()
+          rec = {
+              "name": ch.name,
+              "op_name": ch.op_name,
+              "depth": depth,
+              "trips": ch.trips,
+              "trip_source": ch.trip_source,
+              "total_trips": mult,
+              "per_iteration": per.as_dict(),
+              "seconds_per_iteration": {
+                  "serial": ch.seconds_per_run(False),
+                  "overlapped": ch.seconds_per_run(True),
+                  **{k: v for k, v in self.rates.times(per).items() if k in ("compute", "memory", "ici", "limiter")},
+              },
+          }
+          out.append(rec)
+          visit(ch, depth + 1, mult)
+        else:
+          visit(ch, depth, mult)
+
+    visit(self.root, 0, 1.0)
+    return out
+
+  def total(self) -> Cost:
+    return self.root.per_run()
+
+  def seconds(self, overlapped: bool) -> float:
+    return self.root.seconds_per_run(overlapped)
+
+
+def _matmul_flops(ins: Instr, comp: Computation) -> float:
+  """FLOPs of a `dot` (2 x |result| x |contracted|) or of a `convolution` (XLA:TPU writes dots as convolutions:
+  2 x |result| x input features x the window taps that land on input elements, i.e. min(ceil(size / lhs
+  dilation), input size) per spatial dimension; padding taps are not counted). Other ops: 0."""
+  if ins.opcode not in ("dot", "convolution") or not ins.operands:
+    return 0.0
+  lhs = comp.by_name.get(ins.operands[0])
+  lhs_dims = _dims(lhs.shape) if lhs else []
+  out = math.prod(_dims(ins.shape) or [1])
+  if ins.opcode == "dot":
+    contracting = _attr(ins.attrs, "lhs_contracting_dims") or "{}"
+    k = math.prod(lhs_dims[int(i)] for i in re.findall(r"\d+", contracting) if int(i) < len(lhs_dims))
+    return 2.0 * out * k
+  labels = _attr(ins.attrs, "dim_labels") or ""
+  m = re.fullmatch(r"(\w+)_(\w+)->(\w+)", labels)
+  rhs = comp.by_name.get(ins.operands[1]) if len(ins.operands) > 1 else None
+  if not m or rhs is None:
+    return 0.0
+  lhs_l, rhs_l = m.group(1), m.group(2)
+  rhs_dims = _dims(rhs.shape)
+  in_features = rhs_dims[rhs_l.index("i")] if "i" in rhs_l and len(rhs_dims) == len(rhs_l) else 1
+  window = _attr(ins.attrs, "window") or ""
+  sizes = [int(x) for x in re.findall(r"size=([\dx]+)", window)[0].split("x")] if "size=" in window else []
+  dil = re.findall(r"lhs_dilate=([\dx]+)", window)
+  dilate = [int(x) for x in dil[0].split("x")] if dil else [1] * len(sizes)
+  taps = 1
+  for k, w in enumerate(sizes):
+    pos = lhs_l.find(str(k))
+    extent = lhs_dims[pos] if 0 <= pos < len(lhs_dims) else w
+    taps *= min(-(-w // max(dilate[k], 1)), extent)
+  return 2.0 * out * in_features * taps
+
+
+def _alias_chain(name: str, fused: Computation) -> set[str]:
+  """`name` and every bitcast of it inside `fused`."""
+  out, frontier = {name}, [name]
+  while frontier:
+    n = frontier.pop()
+    for i in fused.instrs:
+      if i.opcode == "bitcast" and i.operands and i.operands[0] == n and i.name not in out:
+        out.add(i.name)
+        frontier.append(i.name)
+  return out
+
+
+def _op_name(ins: Instr) -> str:
+  m = re.search(r'op_name="([^"]*)"', ins.attrs)
+  return m.group(1) if m else ""
