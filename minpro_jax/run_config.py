@@ -221,7 +221,7 @@ def _check_model(c) -> None:
     )
   try:  # ModelConfig checks its own fields: name the config field that set the bad value
     if m.source == "scratch":
-      get_preset(m.preset, **dict(m.overrides), **every_source)
+      check_routes_fit(c, get_preset(m.preset, **dict(m.overrides), **every_source))
     else:  # the architecture comes from the checkpoint; check the fields every source takes
       get_preset("tiny", **every_source)
   except (TypeError, ValueError) as e:
@@ -231,6 +231,22 @@ def _check_model(c) -> None:
     raise ConfigError(f"config.{field}: {e}") from e
   if m.source == "hf":
     check_overrides_match(c, hf_model_config(m.path))
+    check_routes_fit(c, hf_model_config(m.path))
+
+
+def check_routes_fit(c, model_config) -> None:
+  """Router replay and route recording need a model with experts (`model_config`, its `ModelConfig`).
+
+  Raises:
+    ConfigError: naming `config.loss.router_replay` or `config.sampling.record_routes` on a dense model.
+  """
+  for field in ("loss.router_replay", "sampling.record_routes"):
+    part, name = field.split(".")
+    _need(
+        not c[part][name] or model_config.is_moe,
+        field,
+        "routes exist only in MoE models; this model has no experts, unset it",
+    )
 
 
 def hf_model_config(path: str):
@@ -359,7 +375,14 @@ def random_rollback_rate(c) -> float:
 
 def _check_mipu(c) -> None:
   m = c.mipu
-  if not m.rollback:
+  if not m.rollback:  # the Step-2 settings do nothing without rollback: a set one would be a silent plain run
+    for field, unset in (("mode", "gap"), ("random_rate", None), ("match_rate_of", ""), ("ground_truth", False)):
+      _need(
+          m[field] == unset,
+          f"mipu.{field}",
+          f"{m[field]!r} needs mipu.rollback=True (MIPU Step 2; without it the run makes no rollback); set "
+          f"mipu.rollback=True or unset mipu.{field}",
+      )
     return
   _need(m.mode in mipu.MODES, "mipu.mode", f"must be one of {mipu.MODES}, got {m.mode!r}")
   if m.mode == "random":
