@@ -217,7 +217,8 @@ def check_shared_workdir(workdir: str) -> None:
     multihost.check_same(token, "the workdir")
   except LaunchError as e:
     raise ConfigError(
-        f"config.workdir: {workdir} is not one folder shared by the processes of this run ({e}); the processes "
+        f"config.workdir: {workdir} is not one folder shared by the processes of this run ("
+        f"{str(e).split(';')[0]}); the processes "
         "write their checkpoints together: use a path every host sees (an NFS mount on a pod)"
     ) from None
 

@@ -457,6 +457,7 @@ class Trainer:
     self._final_eval = True
     if self._stop_signal is not None:  # arrived during the save
       _exit_during_final_eval(self._stop_signal, self.workdir)
+    logger.info("final evaluation (every step is checkpointed)")
     final = self._eval_and_keep_best(state.params, c.total_steps, "final", progress)
     writer.write(c.total_steps, _eval_metrics(final))
     writer.close()
