@@ -107,7 +107,9 @@ def _tfds_sha256(name: str, data_dir: str) -> str:
     dirs.sort()
     for f in sorted(files):
       path = os.path.join(folder, f)
-      h.update(os.path.relpath(path, root).encode() + b"\0" + _file_sha256(os.path.abspath(path), *_stat(path)).encode())
+      h.update(
+          os.path.relpath(path, root).encode() + b"\0" + _file_sha256(os.path.abspath(path), *_stat(path)).encode()
+      )
   return h.hexdigest()
 
 

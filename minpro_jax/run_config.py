@@ -230,23 +230,17 @@ def _check_model(c) -> None:
     field = f"model.overrides.{name}" if name in m.overrides else f"model.{name}" if name in m else "model.overrides"
     raise ConfigError(f"config.{field}: {e}") from e
   if m.source == "hf":
-    check_overrides_match(c, hf_model_config(m.path))
-    check_routes_fit(c, hf_model_config(m.path))
+    loaded = hf_model_config(m.path)
+    check_overrides_match(c, loaded)
+    check_routes_fit(c, loaded)
 
 
 def check_routes_fit(c, model_config) -> None:
-  """Router replay and route recording need a model with experts (`model_config`, its `ModelConfig`).
-
-  Raises:
-    ConfigError: naming `config.loss.router_replay` or `config.sampling.record_routes` on a dense model.
-  """
-  for field in ("loss.router_replay", "sampling.record_routes"):
-    part, name = field.split(".")
-    _need(
-        not c[part][name] or model_config.is_moe,
-        field,
-        "routes exist only in MoE models; this model has no experts, unset it",
-    )
+  """Raises ConfigError naming `config.loss.router_replay` / `config.sampling.record_routes` when one is set for a
+  model without experts (`model_config`, its `ModelConfig`): routes exist only in MoE models."""
+  for part, name in (("loss", "router_replay"), ("sampling", "record_routes")):
+    msg = "routes exist only in MoE models; this model has no experts, unset it"
+    _need(not c[part][name] or model_config.is_moe, f"{part}.{name}", msg)
 
 
 def hf_model_config(path: str):
@@ -377,12 +371,8 @@ def _check_mipu(c) -> None:
   m = c.mipu
   if not m.rollback:  # the Step-2 settings do nothing without rollback: a set one would be a silent plain run
     for field, unset in (("mode", "gap"), ("random_rate", None), ("match_rate_of", ""), ("ground_truth", False)):
-      _need(
-          m[field] == unset,
-          f"mipu.{field}",
-          f"{m[field]!r} needs mipu.rollback=True (MIPU Step 2; without it the run makes no rollback); set "
-          f"mipu.rollback=True or unset mipu.{field}",
-      )
+      msg = f"{m[field]!r} needs mipu.rollback=True (MIPU Step 2: no rollback without it); set it or unset mipu.{field}"
+      _need(m[field] == unset, f"mipu.{field}", msg)
     return
   _need(m.mode in mipu.MODES, "mipu.mode", f"must be one of {mipu.MODES}, got {m.mode!r}")
   if m.mode == "random":

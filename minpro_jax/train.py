@@ -6,8 +6,9 @@ from the newest checkpoint in the workdir.
 
 A mistake the user can fix (a bad flag or config field, a data / model / tokenizer file, a workdir in use) prints
 one line, `error: <what is wrong; the fix>`, and exits with status 2; `--debug` (or `MINPRO_DEBUG=1`) shows the
-traceback instead. A run stopped by SIGTERM / SIGINT exits with 128 + the signal: after its checkpoint during training, at once
-(saying so) during the setup.
+traceback instead. A full disk (ENOSPC) is such a mistake too. A run stopped by SIGTERM / SIGINT exits with 128 + the
+signal: after its checkpoint during training (a second signal: at once), at once (saying so) during the setup and the
+final evaluation.
 """
 
 from __future__ import annotations

@@ -152,8 +152,11 @@ def test_an_unrelated_tokenizer_in_an_hf_folder_is_refused_before_the_weights_lo
   ov = {"model.source": "hf", "model.path": str(hf), "tokenizer.kind": "model"}
   c = make_config(tiny_overrides(tmp_path, **ov))
   c.model.overrides = {}
-  with pytest.raises(ConfigError, match=rf"config\.tokenizer: the tokenizer has 42 token ids, the model's embedding "
-                     rf"{cfg['vocab_size']} rows; the tokenizer at .* is not the one of the model"):
+  with pytest.raises(
+      ConfigError,
+      match=rf"config\.tokenizer: the tokenizer has 42 token ids, the model's embedding "
+      rf"{cfg['vocab_size']} rows; the tokenizer at .* is not the one of the model",
+  ):
     run_setup.setup_run(c)
   tok = run_setup.build_tokenizer(c, [])
   tok.vocab_size = cfg["vocab_size"]  # the right size, the wrong end-of-sequence id
@@ -234,8 +237,7 @@ def test_the_committed_studies_still_aggregate(tmp_path, study):
 
 # ------------------------------------------------------------------------------------------------ signals
 def test_sigint_during_the_final_evaluation_exits_at_once_with_every_step_checkpointed(tmp_path):
-  ov = tiny_overrides(tmp_path, total_steps=1, delay=0, **{"eval.num_problems": 64, "eval.n": 8, "eval.ks": (1,)})
-  ov["sampling.max_new_tokens"] = 12
+  ov = tiny_overrides(tmp_path, total_steps=1, delay=0, **{"eval.num_problems": 16, "eval.n": 4, "eval.ks": (1,)})
   proc = subprocess.Popen(cli_args(ov), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env())
   seen = []
   for line in proc.stdout:
