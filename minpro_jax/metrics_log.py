@@ -8,12 +8,15 @@ describes one consistent run.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import warnings
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 def _jsonable(v: Any):
@@ -49,17 +52,23 @@ class MetricsWriter:
       return
     os.makedirs(workdir, exist_ok=True)
     if os.path.exists(self.path):
-      keep = []
-      with open(self.path) as f:
-        for line in f:
-          try:
-            rec = json.loads(line)
-          except json.JSONDecodeError:
-            continue  # a line cut by a kill
-          if resume_step is not None and rec.get("step", -1) <= resume_step:
-            keep.append(line if line.endswith("\n") else line + "\n")
-      with open(self.path, "w") as f:
+      records, bad = _read_lines(self.path)
+      if bad:  # a line cut by a kill, or a damaged byte: kept aside, named, and the run goes on
+        aside = self.path + ".unreadable"
+        with open(aside, "ab") as f:
+          f.writelines(raw if raw.endswith(b"\n") else raw + b"\n" for _, raw in bad)
+        logger.warning(
+            "%s: line(s) %s are not JSON records (a write cut by a kill, or a damaged byte); moved them to %s. "
+            "Steps after the restored checkpoint are recomputed; earlier ones keep no metrics line",
+            self.path,
+            ", ".join(str(n) for n, _ in bad[:10]) + (", ..." if len(bad) > 10 else ""),
+            aside,
+        )
+      keep = [json.dumps(r) + "\n" for r in records if resume_step is not None and r["step"] <= resume_step]
+      tmp = self.path + ".tmp"
+      with open(tmp, "w") as f:
         f.writelines(keep)
+      os.replace(tmp, self.path)
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter
@@ -87,13 +96,31 @@ class MetricsWriter:
       self._tb.close()
 
 
+def _read_lines(path: str) -> tuple[list[dict[str, Any]], list[tuple[int, bytes]]]:
+  """The records of a metrics.jsonl file (JSON objects with an integer "step"), and the other non-empty lines as
+  (1-based line number, raw bytes)."""
+  records, bad = [], []
+  with open(path, "rb") as f:
+    for n, raw in enumerate(f, 1):
+      if not raw.strip():
+        continue
+      try:
+        rec = json.loads(raw.decode("utf-8"))
+      except (UnicodeDecodeError, json.JSONDecodeError):
+        rec = None
+      if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+        records.append(rec)
+      else:
+        bad.append((n, raw))
+  return records, bad
+
+
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """All records of `workdir/metrics.jsonl`."""
+  """The records of `workdir/metrics.jsonl` (lines that are not a JSON record with a "step" are skipped)."""
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return _read_lines(path)[0]
 
 
 def plot_run(workdir: str) -> list[str]:

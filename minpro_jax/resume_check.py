@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from minpro_jax.data.tfds_source import parse_tfds_ref
 from minpro_jax.errors import ConfigError
 from minpro_jax.run_config import FP8_OPTIONS, eval_files
 
@@ -35,10 +36,16 @@ RESUME_KEYS = (
     "eval.seed",  # the held-out prompts are removed from training, so the eval fields that choose them count
     "eval.num_problems",
     "eval.path",
+    "eval.n",  # the grader and the sampling of the evaluations: the curve and best/ compare their scores
+    "eval.reward_mode",
+    "eval.temperature",
+    "eval.top_p",
 )
 
 # Keys added to RESUME_KEYS after checkpoints existed: a stored fingerprint without one ran with this value.
 RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS}
+# Keys added later whose value then is unknown: a stored fingerprint without one is not compared on them.
+UNRECORDED_KEYS = ("eval.n", "eval.reward_mode", "eval.temperature", "eval.top_p", "tfds")
 
 
 def _mipu_equivalent(now: Any, stored: Any) -> bool:
@@ -72,7 +79,38 @@ def resume_fingerprint(c) -> dict[str, Any]:
   if c.tokenizer.kind == "path":
     paths.append(c.tokenizer.path)
   out["files"] = {p: _file_sha256(os.path.abspath(p), *_stat(p)) for p in sorted(set(paths)) if os.path.isfile(p)}
+  out["tfds"] = {f"{name}@{data_dir}": _tfds_sha256(name, data_dir) for name, data_dir in sorted(_tfds_datasets(c))}
   return json.loads(json.dumps(out, default=str))
+
+
+def _tfds_datasets(c) -> set[tuple[str, str]]:
+  """(dataset, data_dir) of every TFDS dataset the run reads: `data.source=tfds` and the `eval.path` items."""
+  out = set()
+  if c.data.source == "tfds":
+    out.add((c.data.tfds_name, c.data.tfds_data_dir))
+  for _, fmt, path in eval_files(c):
+    if fmt == "tfds":
+      ds, _, data_dir = parse_tfds_ref(path)
+      out.add((ds, data_dir))
+  return out
+
+
+def _tfds_sha256(name: str, data_dir: str) -> str:
+  """sha256 over the relative paths and contents of every file of TFDS dataset `name` in `data_dir` (all versions
+  and splits, so a dataset rebuilt under the same name is seen); "remote" for a `scheme://` data_dir, which is not
+  read (a rebuilt remote dataset is not seen)."""
+  if "://" in data_dir:
+    return "remote"
+  root = os.path.join(data_dir, name)
+  h = hashlib.sha256()
+  for folder, dirs, files in sorted(os.walk(root)):
+    dirs.sort()
+    for f in sorted(files):
+      path = os.path.join(folder, f)
+      h.update(
+          os.path.relpath(path, root).encode() + b"\0" + _file_sha256(os.path.abspath(path), *_stat(path)).encode()
+      )
+  return h.hexdigest()
 
 
 def _stat(path: str) -> tuple[int, int]:
@@ -97,7 +135,7 @@ def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
   if not stored:
     return
   stored = {**RESUME_DEFAULTS, **stored}
-  now = resume_fingerprint(c)
+  now = {k: v for k, v in resume_fingerprint(c).items() if k in stored or k not in UNRECORDED_KEYS}
   diff = [
       f
       for k in sorted(set(now) | set(stored))

@@ -221,7 +221,7 @@ def _check_model(c) -> None:
     )
   try:  # ModelConfig checks its own fields: name the config field that set the bad value
     if m.source == "scratch":
-      get_preset(m.preset, **dict(m.overrides), **every_source)
+      check_routes_fit(c, get_preset(m.preset, **dict(m.overrides), **every_source))
     else:  # the architecture comes from the checkpoint; check the fields every source takes
       get_preset("tiny", **every_source)
   except (TypeError, ValueError) as e:
@@ -230,7 +230,17 @@ def _check_model(c) -> None:
     field = f"model.overrides.{name}" if name in m.overrides else f"model.{name}" if name in m else "model.overrides"
     raise ConfigError(f"config.{field}: {e}") from e
   if m.source == "hf":
-    check_overrides_match(c, hf_model_config(m.path))
+    loaded = hf_model_config(m.path)
+    check_overrides_match(c, loaded)
+    check_routes_fit(c, loaded)
+
+
+def check_routes_fit(c, model_config) -> None:
+  """Raises ConfigError naming `config.loss.router_replay` / `config.sampling.record_routes` when one is set for a
+  model without experts (`model_config`, its `ModelConfig`): routes exist only in MoE models."""
+  for part, name in (("loss", "router_replay"), ("sampling", "record_routes")):
+    msg = "routes exist only in MoE models; this model has no experts, unset it"
+    _need(not c[part][name] or model_config.is_moe, f"{part}.{name}", msg)
 
 
 def hf_model_config(path: str):
@@ -359,7 +369,10 @@ def random_rollback_rate(c) -> float:
 
 def _check_mipu(c) -> None:
   m = c.mipu
-  if not m.rollback:
+  if not m.rollback:  # the Step-2 settings do nothing without rollback: a set one would be a silent plain run
+    for field, unset in (("mode", "gap"), ("random_rate", None), ("match_rate_of", ""), ("ground_truth", False)):
+      msg = f"{m[field]!r} needs mipu.rollback=True (MIPU Step 2: no rollback without it); set it or unset mipu.{field}"
+      _need(m[field] == unset, f"mipu.{field}", msg)
     return
   _need(m.mode in mipu.MODES, "mipu.mode", f"must be one of {mipu.MODES}, got {m.mode!r}")
   if m.mode == "random":

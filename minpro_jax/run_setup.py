@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -37,10 +38,11 @@ from minpro_jax.data.tokenizers import (
     load_tokenizer,
     smollm2_gguf_path,
 )
-from minpro_jax.errors import ConfigError, FileFormatError
+from minpro_jax.errors import ConfigError, FileFormatError, LaunchError
 from minpro_jax.models import Transformer, get_preset, init_model
 from minpro_jax.models.gguf_io import load_gguf
 from minpro_jax.models.hf_io import load_hf_checkpoint
+from minpro_jax.rl.learner import make_optimizer
 from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_target
 from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import make_mesh
@@ -101,17 +103,26 @@ def setup_run(c) -> RunParts:
   multihost.check_same(c.to_json_best_effort(), "the config (the train command's --config flags)")
   lock = lock_workdir(workdir) if multihost.is_primary() else None  # one lock per run; process 0 holds it
   try:
+    check_shared_workdir(workdir)
     shape = run_config.parse_mesh_shape(c.mesh.shape)
     mesh = make_mesh(shape) if shape else None
     problems, eval_sets = train_and_eval_problems(c)
     check_gradable(c, problems, eval_sets)
     check_data_lasts(c, len(problems))  # an upper bound: prompts too long for the sampler are dropped below
     run_config.check_mipu_problem_count(c, len(problems))  # before the tokenizer and SFT
+    if c.mipu.rollback and c.mipu.mode == "random":
+      run_config.random_rollback_rate(c)  # the reference run of mipu.match_rate_of must exist before any work
     checkpointer = RunCheckpointer(workdir, keep=c.checkpoint.keep)
     resuming = checkpointer.latest_step() is not None  # the checkpoint holds the weights: no warm start needed
     tokenizer = build_tokenizer(c, problems)
+    if c.model.source == "hf":  # before the weights load: config.json holds the vocabulary and special ids
+      check_tokenizer_matches(c, tokenizer, run_config.hf_model_config(c.model.path).vocab_size, _hf_eos_ids(c))
     model = build_model(c, tokenizer, mesh)
+    if c.model.source != "scratch":
+      check_tokenizer_matches(c, tokenizer, model.config.vocab_size, ())
     check_vocab_fits(c, tokenizer, model)
+    run_config.check_routes_fit(c, model.config)  # a GGUF's architecture is known only now
+    check_disk_space(c, checkpointer, model)  # before the SFT warm start
     sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": bool(c.sft.enabled)}
     if resuming and c.sft.enabled:
       sft_info["skipped"] = "resumed from a run checkpoint"
@@ -182,6 +193,36 @@ def lock_workdir(workdir: str):
     ) from None
 
 
+def check_shared_workdir(workdir: str) -> None:
+  """The processes of a multi-process run see one workdir (their checkpoints are written together): process 0
+  writes a fresh token to `workdir/.process0`, and every process must read it back (a no-op for one process).
+
+  Raises:
+    ConfigError: naming `config.workdir` and the processes that do not see process 0's file.
+  """
+  if multihost.process_count() == 1:
+    return
+  path = os.path.join(workdir, ".process0")
+  if multihost.is_primary():
+    with open(path + ".tmp", "w") as f:
+      f.write(os.urandom(16).hex())
+    os.replace(path + ".tmp", path)
+  multihost.barrier("workdir token written")
+  try:
+    with open(path) as f:
+      token = f.read()
+  except OSError:
+    token = ""
+  try:
+    multihost.check_same(token, "the workdir")
+  except LaunchError as e:
+    raise ConfigError(
+        f"config.workdir: {workdir} is not one folder shared by the processes of this run ("
+        f"{str(e).split(';')[0]}); the processes "
+        "write their checkpoints together: use a path every host sees (an NFS mount on a pod)"
+    ) from None
+
+
 def check_gradable(c, train: list[MathProblem], eval_sets: dict[str, list[MathProblem]]) -> None:
   """Every gold answer can be graded in its reward mode (`reward.mode` for training, `eval.reward_mode` or
   `reward.mode` for the held-out sets), so a run never fails at its first grading after the warm start.
@@ -235,6 +276,57 @@ def check_vocab_fits(c, tokenizer, model: Transformer) -> None:
         f"{model.config.vocab_size} rows (model.source={c.model.source}); use the tokenizer that belongs to the "
         "model (tokenizer.kind=model) or a smaller tokenizer.vocab_size"
     )
+
+
+MIN_VOCAB_FRACTION = 0.9  # a loaded model's own tokenizer fills its embedding but for padding rows
+
+
+def _hf_eos_ids(c) -> tuple[int, ...]:
+  """The `eos_token_id`(s) of `model.path`/config.json (none when it gives none)."""
+  with open(os.path.join(c.model.path, "config.json")) as f:
+    eos = json.load(f).get("eos_token_id")
+  return tuple(int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+
+
+def check_tokenizer_matches(c, tokenizer, model_vocab: int, eos_ids: tuple[int, ...]) -> None:
+  """A loaded (hf / gguf) model's tokenizer must be its own: it fills at least `MIN_VOCAB_FRACTION` of the
+  embedding's `model_vocab` rows (models pad the embedding by a few hundred rows at most), has no id past them,
+  and stops at one of the model's `eos_ids` (config.json's `eos_token_id`, when given). An unrelated tokenizer
+  would train silently on ids that mean other words to the model.
+
+  Raises:
+    ConfigError: naming `config.tokenizer` (or `config.tokenizer.path`), both vocabularies and the fix.
+  """
+  field = "tokenizer.path" if c.tokenizer.kind == "path" else "tokenizer"
+  where = c.tokenizer.path if c.tokenizer.kind == "path" else c.model.path
+  fix = (
+      f"the tokenizer at {where} is not the one of the model at {c.model.path}; use the model's own tokenizer "
+      "(its tokenizer.json and tokenizer_config.json, tokenizer.kind=model)"
+  )
+  n = tokenizer.vocab_size
+  if not MIN_VOCAB_FRACTION * model_vocab <= n <= model_vocab:
+    raise ConfigError(
+        f"config.{field}: the tokenizer has {n} token ids, the model's embedding {model_vocab} rows; {fix}"
+    )
+  stops = set(getattr(tokenizer, "stop_ids", ()))
+  if eos_ids and not stops & set(eos_ids):
+    raise ConfigError(
+        f"config.{field}: the model ends a response with eos_token_id {list(eos_ids)} (config.json), but the "
+        f"tokenizer stops at ids {sorted(stops)}; {fix}"
+    )
+
+
+def check_disk_space(c, checkpointer: RunCheckpointer, model: Transformer) -> None:
+  """`RunCheckpointer.check_disk_space` before the warm start, for the learner state `model`'s parameters and
+  their optimizer state (abstract: nothing is allocated) will have.
+
+  Raises:
+    DiskFullError: naming `config.workdir`, the free and the needed space.
+  """
+  params = nnx.split(model)[1]
+  optimizer = make_optimizer(run_config.optimizer_config(c))
+  state = (params, jax.eval_shape(optimizer.init, params))
+  checkpointer.check_disk_space(state, params)
 
 
 def check_finite_params(model: Transformer, path: str) -> None:
@@ -415,6 +507,24 @@ def build_model(c, tokenizer, mesh) -> Transformer:
   return init_model(cfg, seed=c.seed, mesh=mesh)
 
 
+MAX_TOKENS_PER_CHAR = 0.6  # a tokenizer that knows the text takes about a token per 3-4 characters of it
+
+
+def _sft_fit_error(c, tokenizer, problems, prompt_ids, e: ValueError) -> ConfigError:
+  """No SFT example fits `sft.max_len`: blames the tokenizer when it splits the prompts into about a token per
+  character (it does not know the text), else `sft.max_len`."""
+  chars = sum(len(format_prompt(p, tokenizer, c.data.template)) for p in problems)
+  per_char = sum(map(len, prompt_ids)) / max(chars, 1)
+  if per_char > MAX_TOKENS_PER_CHAR and c.tokenizer.kind != "train_spm":
+    field = "tokenizer.path" if c.tokenizer.kind == "path" else "tokenizer"
+    return ConfigError(
+        f"config.{field}: {e}, because the tokenizer splits the prompts into {per_char:.2f} tokens per character "
+        "(a tokenizer that knows the text takes about 0.3): it is not the model's tokenizer, or not one for "
+        "this text; use the model's own tokenizer (tokenizer.kind=model)"
+    )
+  return ConfigError(f"config.sft.max_len: {e}; raise sft.max_len to at least that")
+
+
 def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) -> dict[str, Any]:
   """SFT on the tail of the training problems (`config.sft`), cached; updates `model` in place.
 
@@ -429,14 +539,17 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
       tokenizer.encode(format_prompt(p, tokenizer, c.data.template), add_bos=c.data.template == "plain")
       for p in sft_problems
   ]
-  tokens, seg, mask = build_examples(
-      prompt_ids,
-      [p.answer for p in sft_problems],
-      tokenizer,
-      c.sft.max_len,
-      boxed_fraction=c.sft.boxed_fraction,
-      seed=c.seed,
-  )
+  try:
+    tokens, seg, mask = build_examples(
+        prompt_ids,
+        [p.answer for p in sft_problems],
+        tokenizer,
+        c.sft.max_len,
+        boxed_fraction=c.sft.boxed_fraction,
+        seed=c.seed,
+    )
+  except ValueError as e:
+    raise _sft_fit_error(c, tokenizer, sft_problems, prompt_ids, e) from e
   multihost.check_same(  # a tokenizer or data that differ between hosts would hang the SFT's collectives
       hashlib.sha256(tokens.tobytes() + repr(tokens.shape).encode()).hexdigest(), "the SFT warm-start examples"
   )

@@ -6,18 +6,21 @@ from the newest checkpoint in the workdir.
 
 A mistake the user can fix (a bad flag or config field, a data / model / tokenizer file, a workdir in use) prints
 one line, `error: <what is wrong; the fix>`, and exits with status 2; `--debug` (or `MINPRO_DEBUG=1`) shows the
-traceback instead. A run stopped by SIGTERM / SIGINT exits with 128 + the signal: after its checkpoint during training, at once
-(saying so) during the setup.
+traceback instead. A full disk (ENOSPC) is such a mistake too. A run stopped by SIGTERM / SIGINT exits with 128 + the
+signal: after its checkpoint during training (a second signal: at once), at once (saying so) during the setup and the
+final evaluation.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import signal
 import sys
+import threading
 import traceback
 
 os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".cache", "minpro_jax_mpl"))
@@ -58,6 +61,10 @@ def _flag_message(argv: list[str], e: BaseException) -> str:
   if "Failed loading config file" in text or "Configuration is not available" in text:
     path = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("--config=")), DEFAULT_CONFIG)
     return f"--config={path}: cannot load the config file ({text.splitlines()[-1].strip()}); pass an existing .py file"
+  if "Error whilst parsing config file" in text:  # get_config raised: its reason is the traceback's last line
+    flag = next((a for a in reversed(argv) if a.startswith("--config=")), "--config")
+    reason = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+    return f"{flag}: the config file's get_config refused its argument ({reason}); fix the part after ':'"
   if isinstance(e, (AttributeError, KeyError)):  # an override names a field the config does not have
     key = text.strip("\"'")
     flag = next((a.split("=", 1)[0] for a in argv if re.match(rf"--config\.(.+\.)?{re.escape(key)}=", a)), key)
@@ -102,6 +109,59 @@ def _interrupted_during_setup(signum, frame):
   os._exit(128 + signum)
 
 
+def _chain(e: BaseException | None):
+  while e is not None:
+    yield e
+    e = e.__cause__ or e.__context__
+
+
+def _disk_full(e: BaseException) -> bool:
+  """Whether `e`, or an exception it came from, is "no space left on device" (ENOSPC)."""
+  return any(
+      (isinstance(x, OSError) and x.errno == errno.ENOSPC) or "No space left on device" in str(x) for x in _chain(e)
+  )
+
+
+def _watch_signals():
+  """Makes SIGTERM / SIGINT effective while the main thread waits inside native code (Python runs its signal
+  handlers only between bytecodes): e.g. for the other processes of a multi-process run at
+  `jax.distributed.initialize` or in a collective. A thread reads each signal from the wakeup fd: during the setup
+  it ends the process at once (`_interrupted_during_setup`); later, where the trainer checkpoints after its step on
+  the first signal, a second one ends the process at once, without that checkpoint.
+
+  Returns:
+    a function that stops the watch (restores the previous wakeup fd; the thread then ends).
+  """
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+  def watch():
+    seen = 0
+    while data := os.read(read_fd, 1):
+      signum = data[0]
+      if signum not in (signal.SIGTERM, signal.SIGINT):
+        continue
+      seen += 1
+      if signal.getsignal(signum) is _interrupted_during_setup:
+        _interrupted_during_setup(signum, None)
+      if seen >= 2:
+        sys.stderr.write(
+            f"error: a second signal ({signum}): exiting at once, without the checkpoint of the current step; "
+            "re-running the same command resumes from the newest checkpoint\n"
+        )
+        sys.stderr.flush()
+        os._exit(128 + signum)
+    os.close(read_fd)
+
+  def stop():
+    signal.set_wakeup_fd(previous)
+    os.close(write_fd)
+
+  threading.Thread(target=watch, name="signal-watch", daemon=True).start()
+  return stop
+
+
 def _newest_checkpoint(config) -> str:
   """Where a crashed run's work is: its newest run checkpoint (the step folders orbax wrote) or that it has none."""
   if config is None:
@@ -121,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
   config = None
   _quiet_logging()
   previous = {s: signal.signal(s, _interrupted_during_setup) for s in (signal.SIGTERM, signal.SIGINT)}
+  stop_watch = _watch_signals()
   try:
     config = parse_config(argv)
     summary = _run(config)
@@ -129,11 +190,20 @@ def main(argv: list[str] | None = None) -> int:
       raise
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USER_ERROR
-  except Exception:  # a bug, not a user mistake: the traceback, then where the work is
+  except Exception as e:  # a bug, not a user mistake: the traceback, then where the work is
+    if _disk_full(e) and not debug:  # ENOSPC outside a checkpoint write (metrics, tables, plots, caches)
+      where = next((f" writing {x.filename}" for x in _chain(e) if getattr(x, "filename", None)), "")
+      print(
+          f"error: config.workdir: no space left on the device{where}; free space on that disk (old runs, "
+          f"checkpoints_unreadable/, cache/) or lower --config.checkpoint.keep; {_newest_checkpoint(config)}",
+          file=sys.stderr,
+      )
+      return EXIT_USER_ERROR
     traceback.print_exc()
     print(f"error: the run crashed (traceback above); {_newest_checkpoint(config)}", file=sys.stderr)
     return 1
   finally:
+    stop_watch()
     for s, handler in previous.items():
       signal.signal(s, handler)
   if summary is not None:

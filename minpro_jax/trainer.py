@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -112,9 +114,7 @@ class Trainer:
         self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs, shard_index=0, shard_count=1
     )
     self.sampling = run_config.sampling_params(c, self.tokenizer.stop_ids)
-    for field in ("loss.router_replay", "sampling.record_routes"):
-      if c[field.split(".")[0]][field.split(".")[1]] and not self.model.config.is_moe:
-        raise ConfigError(f"config.{field}: routes exist only in MoE models; this model has no experts, unset it")
+    run_config.check_routes_fit(c, self.model.config)  # scratch and hf were checked before the setup; gguf here
     sampler_kw = self.sampler_kw = dict(
         precision=c.sampling.precision,
         **run_config.sampler_fp8_options(c),
@@ -137,6 +137,7 @@ class Trainer:
     self.mipu_step = MipuStep(self) if c.mipu.rollback else None
     self.lr_decay = run_config.lr_decay_config(c)  # None when off
     self._stop_signal: int | None = None
+    self._final_eval = False  # set once the last step is checkpointed: a signal then exits at once
 
   @classmethod
   def from_config(cls, config) -> "Trainer":
@@ -346,6 +347,8 @@ class Trainer:
   def _install_signal_handlers(self) -> None:
     def handler(signum, frame):
       del frame
+      if self._final_eval:  # the last step is checkpointed already: nothing to wait for
+        _exit_during_final_eval(signum, self.workdir)
       logger.warning("received signal %d: checkpointing after this step, then exiting", signum)
       self._stop_signal = signum
 
@@ -451,10 +454,14 @@ class Trainer:
         logger.warning("stopped by signal %d at global step %d; re-run the same command to resume", stop, step)
         raise SystemExit(128 + stop)
     bar.close()
+    if self.ckpt.latest_step() != c.total_steps - 1:  # before the final evaluation, so a stop during it loses nothing
+      self._save(c.total_steps - 1, state, buffer, progress)
+    self._final_eval = True
+    if self._stop_signal is not None:  # arrived during the save
+      _exit_during_final_eval(self._stop_signal, self.workdir)
+    logger.info("final evaluation (every step is checkpointed)")
     final = self._eval_and_keep_best(state.params, c.total_steps, "final", progress)
     writer.write(c.total_steps, _eval_metrics(final))
-    if self.ckpt.latest_step() != c.total_steps - 1:
-      self._save(c.total_steps - 1, state, buffer, progress)
     writer.close()
     return self._finish(state, progress, final)
 
@@ -480,6 +487,19 @@ class Trainer:
     self.ckpt.close()
     self.final_state = state
     return summary
+
+
+def _exit_during_final_eval(signum: int, workdir: str) -> None:
+  """Ends the process at once with 128 + `signum`: every step is checkpointed, only the final evaluation (and
+  summary.json) is left, which a re-run repeats. `os._exit`, since an exception raised in a signal handler can be
+  swallowed by the code it interrupts."""
+  sys.stderr.write(
+      f"error: stopped by signal {signum} during the final evaluation; every step is checkpointed in "
+      f"{workdir}/checkpoints: re-running the same command repeats only the final evaluation\n"
+  )
+  sys.stderr.flush()
+  logging.shutdown()
+  os._exit(128 + signum)
 
 
 MAX_ALL_SKIPPED_STEPS = 3  # global steps in a row whose every update was skipped before the run stops

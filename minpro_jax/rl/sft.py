@@ -84,7 +84,8 @@ def build_examples(
   if dropped:
     logger.info("SFT: dropped %d examples longer than max_len=%d", dropped, max_len)
   if not rows:
-    raise ValueError(f"SFT: no example fits max_len={max_len}; raise sft.max_len")
+    shortest = min(len(ids) + len(tokenizer.encode(sft_target(a, True))) + 1 for ids, a in zip(prompt_ids, answers))
+    raise ValueError(f"SFT: no example fits max_len={max_len}; the shortest takes {shortest} tokens")
   tokens = np.asarray(rows, np.int32)
   mask = np.asarray(masks, bool)
   seg = (np.arange(max_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)

@@ -96,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     selected = [p for p in planned if args.only in p[0].name or args.only in p[0].label]
     if not selected:
       raise grid.GridError(f"--only={args.only}: no run's name or label contains it (e.g. {planned[0][0].name})")
-    status = {r.name: runner.run_status(os.path.join(study_dir, r.name), config) for r, _, config in selected}
+    status = {
+        r.name: runner.run_status(
+            os.path.join(study_dir, r.name), config, set_by_grid=grid.run_overrides(g, r, study_dir)
+        )
+        for r, _, config in selected
+    }
     if args.dry_run:
       return _dry_run(args, selected, status, len(planned))
     if args.jobs < 1:

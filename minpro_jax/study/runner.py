@@ -33,6 +33,25 @@ STUDY_FILE = "study.json"
 RUN_LOG = "study.log"
 # config fields that do not change a finished run's result: a summary.json differing only in them is still done
 IGNORED_FIELDS = ("workdir", "log", "checkpoint")
+# Config fields added after studies were run, each with the value that keeps the behaviour from before it existed:
+# a summary.json without the field ran with that value (a field missing here and from a summary.json differs).
+ADDED_FIELDS = {
+    "mipu.mode": "gap",
+    "mipu.random_rate": None,
+    "mipu.match_rate_of": "",
+    "mipu.ground_truth": False,
+    "optimizer.lr_decay_on_length_surge": False,
+    "optimizer.lr_decay_baseline_steps": 50,
+    "optimizer.lr_decay_surge_ratio": 3.0,
+    "optimizer.lr_decay_period_factor": 1.8,
+    "optimizer.lr_decay_factor": 0.5,
+    "optimizer.lr_decay_min_ratio": 0.1,
+    "sampling.fp8_weight_scale": "tensor",  # the defaults of minpro_jax.run_config.FP8_OPTIONS
+    "sampling.fp8_format": "e4m3",
+    "sampling.fp8_activations": "token",
+    "loss.rollout_mis_bounds": None,
+}
+_ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
 
 
@@ -148,31 +167,58 @@ def write_study(study_dir: str, record: Mapping[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ run status
-def _normalized(d: Mapping[str, Any]) -> dict[str, Any]:
-  return {k: v for k, v in json.loads(json.dumps(dict(d), default=str)).items() if k not in IGNORED_FIELDS}
-
-
-def config_differences(stored: Mapping[str, Any], want: Mapping[str, Any], prefix: str = "") -> list[str]:
-  """The dotted fields whose values differ between two config dicts (`IGNORED_FIELDS` left out at the top)."""
-  a, b = (_normalized(stored), _normalized(want)) if not prefix else (dict(stored), dict(want))
-  out = []
-  for k in sorted(set(a) | set(b)):
-    x, y = a.get(k), b.get(k)
-    if isinstance(x, dict) and isinstance(y, dict):
-      out += config_differences(x, y, f"{prefix}{k}.")
-    elif x != y:
-      out.append(f"{prefix}{k}")
+def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, Mapping) and v:
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
   return out
 
 
-def run_status(run_dir: str, config: Any = None) -> tuple[str, list[str]]:
-  """(status, differing fields) of a run's workdir. status: "done" (summary.json of the same config: skipped),
-  "stale" (summary.json of another config; the fields are listed), "partial" (started, not finished: the trainer
-  resumes it) or "new".
+def _normalized(d: Mapping[str, Any]) -> dict[str, Any]:
+  """The dotted fields of a config dict as JSON values, without `IGNORED_FIELDS`."""
+  flat = _flat(json.loads(json.dumps(dict(d), default=str)))
+  return {k: v for k, v in flat.items() if k.split(".")[0] not in IGNORED_FIELDS}
+
+
+def config_differences(stored: Mapping[str, Any], want: Mapping[str, Any], set_by_grid=None) -> list[str]:
+  """What differs between a finished run's config (`stored`, its summary.json) and the config the grid gives it
+  now (`want`), one entry per dotted field, sorted (`IGNORED_FIELDS` left out; a field `stored` lacks counts
+  with its `ADDED_FIELDS` value).
+
+  Args:
+    set_by_grid: the fields the grid sets for this run (its `--config.FIELD` overrides); None = report bare field
+      names. With it, a field the grid does not set is a default of the base config that moved, reported as
+      "default F changed from X to Y since this run finished"; one it sets as "F: X then, Y now".
+  """
+  a, b = _normalized(stored), _normalized(want)
+  out = []
+  for k in sorted(set(a) | set(b)):
+    x, y = a.get(k, ADDED_FIELDS.get(k, _ABSENT)), b.get(k, _ABSENT)
+    if x == y:
+      continue
+    if set_by_grid is None:
+      out.append(k)
+      continue
+    show = lambda v: "(absent)" if v is _ABSENT else repr(v)  # noqa: E731
+    if any(k == f or k.startswith(f + ".") for f in set_by_grid):
+      out.append(f"{k}: {show(x)} then, {show(y)} now")
+    else:
+      out.append(f"default {k} changed from {show(x)} to {show(y)} since this run finished")
+  return out
+
+
+def run_status(run_dir: str, config: Any = None, set_by_grid=None) -> tuple[str, list[str]]:
+  """(status, differences) of a run's workdir. status: "done" (summary.json of the same config: skipped),
+  "stale" (summary.json of another config; `config_differences` lists what differs), "partial" (started, not
+  finished: the trainer resumes it) or "new".
 
   Args:
     run_dir: the run's workdir.
     config: the run's expected config (a ConfigDict or dict); None = any summary.json counts as done.
+    set_by_grid: the fields the grid sets for this run (see `config_differences`).
   """
   path = os.path.join(run_dir, "summary.json")
   if os.path.isfile(path):
@@ -183,7 +229,8 @@ def run_status(run_dir: str, config: Any = None) -> tuple[str, list[str]]:
       return "partial", []  # unreadable: the trainer rewrites it when the run is resumed to its end
     if config is None:
       return "done", []
-    diff = config_differences(stored, config.to_dict() if hasattr(config, "to_dict") else config)
+    want = config.to_dict() if hasattr(config, "to_dict") else config
+    diff = config_differences(stored, want, set_by_grid)
     return ("stale", diff) if diff else ("done", [])
   started = os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) or os.path.isdir(
       os.path.join(run_dir, "checkpoints")
@@ -199,6 +246,17 @@ def check_not_stale(study_dir: str, status: Mapping[str, tuple[str, list[str]]])
     StudyError: naming the runs, the fields that differ and the fix (delete the run directories).
   """
   stale = {name: diff for name, (st, diff) in status.items() if st == "stale"}
+  moved = sorted({d for diff in stale.values() for d in diff if d.startswith("default ")})
+  if stale and len(moved) == sum(map(len, stale.values())):  # only the base config's defaults moved
+    fields = [m.split()[1] for m in moved]
+    pins = ", ".join(dict.fromkeys(f"{m.split()[1]}={m.split(' from ')[1].split(' to ')[0]}" for m in moved))
+    raise StudyError(
+        f"--workdir={study_dir}: {len(stale)} finished run(s) ran with other defaults of the base config than "
+        f"today's ({'; '.join(dict.fromkeys(m.replace(' since this run finished', '') for m in moved))}); the "
+        f"grid did not change. To keep them, pin the old values in the grid's fixed overrides ({pins}) and re-run "
+        "with --force (finished runs whose config then matches are skipped); to rerun them with the new "
+        f"default{'s' if len(set(fields)) > 1 else ''}, delete those run directories"
+    )
   if stale:
     shown = "; ".join(f"{n} ({', '.join(d[:4])}{', ...' if len(d) > 4 else ''})" for n, d in list(stale.items())[:3])
     raise StudyError(
