@@ -91,14 +91,9 @@ def setup_run(c) -> RunParts:
   """
   t0 = time.time()
   run_config.validate_config(c)
-  if c.total_steps <= c.delay:
-    logger.warning(
-        "total_steps=%d <= delay=%d: every rollout is still in the delay buffer at the end, so the run makes no update",
-        c.total_steps,
-        c.delay,
-    )
   workdir = writable_workdir(c.workdir)
   multihost.check_same(c.to_json_best_effort(), "the config (the train command's --config flags)")
+  multihost.check_shared_dir(workdir, "workdir")  # every process must write into one workdir (orbax, metrics)
   lock = lock_workdir(workdir) if multihost.is_primary() else None  # one lock per run; process 0 holds it
   try:
     shape = run_config.parse_mesh_shape(c.mesh.shape)
