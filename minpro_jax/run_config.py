@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from minpro_jax.config_domains import check_domains
 from minpro_jax.data.prompts import TEMPLATES
-from minpro_jax.data.sources import FORMATS, get_source
+from minpro_jax.data.sources import FORMATS, check_data_file, get_source
 from minpro_jax.data.tokenizers import CHAT_TEMPLATES
 from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
@@ -325,6 +325,7 @@ def _check_eval(c) -> None:
       _need(dataset_dir_exists(ds, data_dir), "eval.path", f"{name}=tfds:{path}: no dataset {ds!r} in {data_dir!r}")
       continue
     _need(os.path.isfile(path), "eval.path", f"{name}={fmt}:{path}: write name=fmt:path with an existing file")
+    check_data_file(path, "eval.path")
 
 
 def eval_files(c) -> list[tuple[str, str, str]]:
