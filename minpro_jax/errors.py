@@ -36,3 +36,8 @@ class DiskFullError(UserError, OSError):
 class LaunchError(UserError, RuntimeError):
   """The processes of a multi-process run were not started alike (e.g. with different commands); the message
   names the processes."""
+
+
+class LaunchEnvironmentError(LaunchError, ValueError):
+  """A launch variable (MINPRO_DISTRIBUTED, JAX_NUM_PROCESSES, JAX_PROCESS_ID, SLURM_NTASKS, ...) holds an
+  unusable value; the message names the variable and the values it takes."""

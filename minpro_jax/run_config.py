@@ -19,8 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from minpro_jax.config_domains import check_domains
 from minpro_jax.data.prompts import TEMPLATES
-from minpro_jax.data.sources import FORMATS, get_source
+from minpro_jax.data.sources import FORMATS, check_data_file, get_source
 from minpro_jax.data.tokenizers import CHAT_TEMPLATES
 from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
@@ -106,6 +107,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
   if c.sft.enabled:
     ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
     _need(ok, "sft", "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
+  check_domains(c)  # the fields no part checks itself, and settings under which nothing is learnt
   _check_mesh(c, num_devices or len(jax.devices()))
 
 
@@ -333,6 +335,7 @@ def _check_eval(c) -> None:
       _need(dataset_dir_exists(ds, data_dir), "eval.path", f"{name}=tfds:{path}: no dataset {ds!r} in {data_dir!r}")
       continue
     _need(os.path.isfile(path), "eval.path", f"{name}={fmt}:{path}: write name=fmt:path with an existing file")
+    check_data_file(path, "eval.path")
 
 
 def eval_files(c) -> list[tuple[str, str, str]]:
@@ -437,6 +440,12 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
 
 def _check_mesh(c, num_devices: int) -> None:
   shape = parse_mesh_shape(c.mesh.shape)
+  _need(
+      bool(shape) or jax.process_count() == 1,
+      "mesh.shape",
+      f"empty means one device, but this run has {jax.process_count()} processes with {num_devices} devices in all; "
+      "the mesh must span every process's devices (they checkpoint together): set e.g. --config.mesh.shape=fsdp=-1",
+  )
   if shape:
     try:
       resolve_mesh_shape(shape, num_devices)

@@ -93,17 +93,11 @@ def setup_run(c) -> RunParts:
   """
   t0 = time.time()
   run_config.validate_config(c)
-  if c.total_steps <= c.delay:
-    logger.warning(
-        "total_steps=%d <= delay=%d: every rollout is still in the delay buffer at the end, so the run makes no update",
-        c.total_steps,
-        c.delay,
-    )
   workdir = writable_workdir(c.workdir)
   multihost.check_same(c.to_json_best_effort(), "the config (the train command's --config flags)")
+  multihost.check_shared_dir(workdir, "workdir")  # every process must write into one workdir (orbax, metrics)
   lock = lock_workdir(workdir) if multihost.is_primary() else None  # one lock per run; process 0 holds it
   try:
-    check_shared_workdir(workdir)
     shape = run_config.parse_mesh_shape(c.mesh.shape)
     mesh = make_mesh(shape) if shape else None
     problems, eval_sets = train_and_eval_problems(c)
@@ -190,36 +184,6 @@ def lock_workdir(workdir: str):
     raise ConfigError(
         f"config.workdir: {workdir} is in use by another run (pid {e.holder}); wait for it to finish, stop it, or "
         "use another --config.workdir"
-    ) from None
-
-
-def check_shared_workdir(workdir: str) -> None:
-  """The processes of a multi-process run see one workdir (their checkpoints are written together): process 0
-  writes a fresh token to `workdir/.process0`, and every process must read it back (a no-op for one process).
-
-  Raises:
-    ConfigError: naming `config.workdir` and the processes that do not see process 0's file.
-  """
-  if multihost.process_count() == 1:
-    return
-  path = os.path.join(workdir, ".process0")
-  if multihost.is_primary():
-    with open(path + ".tmp", "w") as f:
-      f.write(os.urandom(16).hex())
-    os.replace(path + ".tmp", path)
-  multihost.barrier("workdir token written")
-  try:
-    with open(path) as f:
-      token = f.read()
-  except OSError:
-    token = ""
-  try:
-    multihost.check_same(token, "the workdir")
-  except LaunchError as e:
-    raise ConfigError(
-        f"config.workdir: {workdir} is not one folder shared by the processes of this run ("
-        f"{str(e).split(';')[0]}); the processes "
-        "write their checkpoints together: use a path every host sees (an NFS mount on a pod)"
     ) from None
 
 

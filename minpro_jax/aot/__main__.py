@@ -2,7 +2,7 @@
 
   python -m minpro_jax.aot --config=<file[:arg]> --topology=v5p-64 --mesh=fsdp=-1 [--mesh=data=2,fsdp=-1 ...]
       [--remat=block ...] [--config.<field>=<value> ...] [--programs=update,score,prefill,decode]
-      [--sampler-rows=N] [--out=reports/NAME.json] [--dump-hlo=DIR] [--fresh]
+      [--sampler-rows=N] [--out=reports/NAME.json] [--dump-hlo=DIR] [--fresh] [--debug]
 
 Nothing runs on an accelerator: programs are lowered on abstract values and compiled for the slice's devices.
 TPU slices need libtpu: `make setup` unpacks it to .venv/libtpu, which this command finds by itself (or pip install
@@ -10,7 +10,8 @@ TPU slices need libtpu: `make setup` unpacks it to .venv/libtpu, which this comm
 Prints a Markdown table; `--out` also writes JSON, one record per row, and a run with an existing `--out` keeps
 the rows it already has for the same config (a long sweep resumes; `--fresh` starts over). Exit status: 0, or 2
 with one `error: ...` line for a mistake in the command (a field, a mesh, a topology), or 1 when a program
-failed to compile for another reason than memory (its row says why).
+failed to compile for another reason than memory (its row says why); `--debug` shows a mistake's traceback. A row
+whose learner micro-batch does not split over the mesh's batch axes carries a "warning" saying so.
 """
 
 from __future__ import annotations
@@ -53,7 +54,68 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default="", help="JSON report path (rows already there for this config are kept)")
   p.add_argument("--dump-hlo", default="", help="folder for each program's optimized HLO and shardings")
   p.add_argument("--fresh", action="store_true", help="ignore rows already in --out")
+  p.add_argument("--debug", action="store_true", help="show the traceback of a mistake instead of one line")
   return p
+
+
+def _kept_rows(out: str, fresh: bool, slice_name: str) -> list:
+  """The rows of an existing `--out` report for this slice ([] without one, or with `fresh`).
+
+  Raises:
+    UserError: `out` is a directory, or an existing file that is not a JSON report of this tool (naming it and
+      the fix), before anything is compiled.
+  """
+  from minpro_jax.errors import UserError
+
+  if not out:
+    return []
+  if os.path.isdir(out):
+    raise UserError(f"--out={out}: is a directory; pass a file path, e.g. --out={os.path.join(out, 'report.json')}")
+  parent = _existing(os.path.dirname(os.path.abspath(out)))  # the folder the report (and its parents) go into
+  if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+    raise UserError(f"--out={out}: cannot create it under {parent}; pass a path in a writable directory")
+  if not os.path.exists(out) or fresh:
+    return []
+  try:
+    with open(out, encoding="utf-8") as f:
+      old = json.load(f)
+    rows = old.get("rows", []) if old.get("slice") == slice_name else []
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+      raise TypeError("'rows' is not a list of objects")
+    return rows
+  except (OSError, ValueError, TypeError, AttributeError) as e:
+    raise UserError(
+        f"--out={out}: not a readable report of this tool ({type(e).__name__}: {e}); it was truncated or edited: "
+        "pass --fresh to overwrite it, or another --out"
+    ) from None
+
+
+def _existing(path: str) -> str:
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return path
+
+
+def batch_split_warning(config, row) -> str | None:
+  """Why the learner's micro-batch does not split over the batch axes of the row's mesh (data x fsdp x expert, the
+  "batch" rule of `minpro_jax.runtime.sharding`), or None; for the update and score programs only."""
+  from minpro_jax import run_config
+  from minpro_jax.runtime.sharding import DEFAULT_RULES
+
+  if row.get("program") not in ("update", "score"):
+    return None
+  axes = dict(DEFAULT_RULES)["batch"]
+  shape = {k: int(v) for k, v in (p.split("=") for p in str(row.get("mesh", "")).split(",") if "=" in p)}
+  split = 1
+  for a in axes:
+    split *= shape.get(a, 1)
+  micro = run_config.learner_micro_batch(config)
+  if micro % split == 0:
+    return None
+  return (
+      f"the learner's micro-batch of {micro} samples (micro_batch_size) does not split over the mesh's batch axes "
+      f"({' x '.join(axes)} = {split}); a run on this mesh needs a micro-batch that is a multiple of {split}"
+  )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,15 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     name = next((a.split("=", 1)[1] for a in reversed(config_args) if a.startswith("--config=")), DEFAULT_CONFIG)
     config = parse_config(["aot", f"--config={name}", *[a for a in config_args if not a.startswith("--config=")]])
     meshes = args.mesh or [config.mesh.shape or "fsdp=-1"]
-    done = []
-    if args.out and os.path.exists(args.out) and not args.fresh:
-      with open(args.out) as f:
-        old = json.load(f)
-      if old.get("slice") == sl.name:
-        done = old.get("rows", [])
+    done = _kept_rows(args.out, args.fresh, sl.name)
     kept = [r for r in done if settled(r)]  # a row that failed is replaced by its retry
 
     def save(row):
+      warning = batch_split_warning(config, row)
+      if warning:
+        row["warning"] = warning
       kept.append(row)
       if args.out:
         _write(args.out, sl, kept, machine_info())
@@ -104,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         config_name=name,
     )
   except UserError as e:
+    if args.debug:
+      raise
     print(f"error: {e}", file=sys.stderr)
     return 2
   fp = rows[0]["fingerprint"] if rows else None
@@ -116,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 def _brief(row) -> str:
   if "error" in row:
     return row["error"]
-  return f"total {row['total_bytes'] / 2**30:.2f} GiB, fits={row['fits']}, compile {row['compile_seconds']} s"
+  warning = f"; warning: {row['warning']}" if row.get("warning") else ""
+  return f"total {row['total_bytes'] / 2**30:.2f} GiB, fits={row['fits']}, compile {row['compile_seconds']} s{warning}"
 
 
 def _write(path: str, sl, rows, machine) -> None:

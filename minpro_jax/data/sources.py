@@ -167,7 +167,13 @@ def _iter_rows(path: str) -> Iterator[tuple[int, Any, str | None]]:
           f"{path}: reading parquet needs pyarrow (pip install pyarrow), or convert the file to "
           "JSONL first (e.g. pandas.read_parquet(p).to_json(out, orient='records', lines=True))"
       ) from e
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
+    try:
+      rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid / OSError: the file is not what it says
+      why = " ".join(str(e).split())  # pyarrow's messages span lines
+      check = _PARQUET_CHECK.replace("FILE", path)
+      raise DataError(f"{path}: cannot read it as parquet ({type(e).__name__}: {why}); {check}") from e
+    for i, row in enumerate(rows):
       yield i + 1, row, None
     return
   if path.endswith(".json"):
@@ -219,7 +225,8 @@ def load_file(
     Problems in file order.
 
   Raises:
-    ValueError: unknown ``fmt``. FileNotFoundError. ImportError: parquet without pyarrow. DataError: strict mode.
+    ValueError: unknown ``fmt``. FileNotFoundError. ImportError: parquet without pyarrow. DataError: strict mode,
+      or a ``.parquet`` file pyarrow cannot read (naming the file).
   """
   if fmt not in FORMATS:
     raise ValueError(f"fmt={fmt!r}; expected one of {FORMATS}")
@@ -367,6 +374,42 @@ def _reasoning_gym(d, *, seed: int, size: int) -> list[MathProblem]:
     ) from e
 
 
+PARQUET_MAGIC = b"PAR1"  # a parquet file starts and ends with it (the footer holds the schema)
+_PARQUET_CHECK = "check it with: python -c \"import pyarrow.parquet as pq; print(pq.read_metadata('FILE'))\""
+
+
+def check_data_file(path: str, field: str) -> None:
+  """Checks that the existing file `path` is what its name says, reading only its first and last bytes: a
+  `.parquet` file starts and ends with `PAR1` (a truncated copy lacks the footer), and a file of another name is no
+  parquet file (it would be read as JSON lines).
+
+  Raises:
+    ConfigError: naming `config.<field>`, the file, what was expected and how to check it.
+  """
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(len(PARQUET_MAGIC))
+    f.seek(max(0, size - len(PARQUET_MAGIC)))
+    tail = f.read()
+  check = _PARQUET_CHECK.replace("FILE", path)
+  if path.endswith(".parquet"):
+    if head != PARQUET_MAGIC:
+      raise ConfigError(
+          f"config.{field}: {path} is not a parquet file (it starts with {head!r}, a parquet file with "
+          f"{PARQUET_MAGIC!r}); give a parquet file, or name a JSON-lines file .jsonl ({check})"
+      )
+    if size < 3 * len(PARQUET_MAGIC) or tail != PARQUET_MAGIC:
+      raise ConfigError(
+          f"config.{field}: {path} is a truncated parquet file ({size} bytes, no {PARQUET_MAGIC!r} footer at its "
+          f"end): an interrupted download or copy; fetch it again ({check})"
+      )
+  elif head == PARQUET_MAGIC:
+    raise ConfigError(
+        f"config.{field}: {path} is a parquet file but not named .parquet (it would be read as JSON lines); "
+        "rename it to end in .parquet"
+    )
+
+
 def _check_file(d) -> None:
   if not d.path:
     raise ConfigError("config.data.path: empty; with data.source=file point it at one .jsonl / .json / .parquet file")
@@ -374,6 +417,7 @@ def _check_file(d) -> None:
     raise ConfigError(f"config.data.path: {d.path!r} is a directory; point it at one .jsonl / .json / .parquet file")
   if not os.path.isfile(d.path):
     raise ConfigError(f"config.data.path: data file {d.path!r} does not exist")
+  check_data_file(d.path, "data.path")
 
 
 @register_source(

@@ -36,6 +36,8 @@ from typing import Callable, Mapping
 
 import jax
 
+from minpro_jax.errors import LaunchEnvironmentError
+
 logger = logging.getLogger(__name__)
 
 ENV_FLAG = "MINPRO_DISTRIBUTED"
@@ -44,14 +46,21 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def _count(env: Mapping[str, str], key: str) -> int:
-  """Integer value of env[key]; 0 when unset or empty. Raises ValueError naming the variable if not an int."""
+  """Integer value of env[key] (>= 0); 0 when unset or empty. Raises LaunchEnvironmentError naming the variable if
+  it is not a non-negative integer."""
   raw = env.get(key, "").strip()
   if not raw:
     return 0
   try:
-    return int(raw)
+    value = int(raw)
   except ValueError:
-    raise ValueError(f"environment variable {key}={raw!r} must be an integer") from None
+    value = -1
+  if value < 0:
+    raise LaunchEnvironmentError(
+        f"environment variable {key}={raw!r} must be a non-negative integer (e.g. {key}=2); fix it in the launch "
+        "command, or unset it"
+    )
+  return value
 
 
 def _flag(env: Mapping[str, str]) -> bool | None:
@@ -62,7 +71,9 @@ def _flag(env: Mapping[str, str]) -> bool | None:
     return True
   if raw in _FALSE:
     return False
-  raise ValueError(f"environment variable {ENV_FLAG}={raw!r}: use 1 (force multi-process), 0 (never) or unset")
+  raise LaunchEnvironmentError(
+      f"environment variable {ENV_FLAG}={raw!r}: use 1 (force multi-process), 0 (never) or unset it (detect)"
+  )
 
 
 def multiprocess_reason(env: Mapping[str, str] | None = None) -> str | None:
@@ -79,7 +90,7 @@ def multiprocess_reason(env: Mapping[str, str] | None = None) -> str | None:
     A short reason naming the variable, e.g. "SLURM_NTASKS=4", or None.
 
   Raises:
-    ValueError: a count variable (SLURM_NTASKS, OMPI_COMM_WORLD_SIZE) is not an integer.
+    LaunchEnvironmentError: a count variable (SLURM_NTASKS, OMPI_COMM_WORLD_SIZE) is not an integer.
   """
   env = os.environ if env is None else env
   for key in ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS"):
@@ -121,8 +132,8 @@ def maybe_initialize_distributed(
     True when this process is (now) part of a multi-process job, False for the single-process no-op.
 
   Raises:
-    ValueError: MINPRO_DISTRIBUTED, JAX_NUM_PROCESSES, JAX_PROCESS_ID, SLURM_NTASKS or OMPI_COMM_WORLD_SIZE
-      holds an unusable value.
+    LaunchEnvironmentError (a UserError and a ValueError): MINPRO_DISTRIBUTED, JAX_NUM_PROCESSES, JAX_PROCESS_ID,
+      SLURM_NTASKS or OMPI_COMM_WORLD_SIZE holds an unusable value (JAX_PROCESS_ID >= JAX_NUM_PROCESSES too).
     RuntimeError: from JAX, when the backend was already started before this call (call it earlier).
 
   Source: `jax.distributed.initialize` docs (multi-process JAX); MaxText/Levanter launch the same way.
@@ -143,11 +154,7 @@ def maybe_initialize_distributed(
   if not enable:
     _log("not initialized (single process)")
     return False
-  kwargs = {}
-  if _count(env, "JAX_NUM_PROCESSES"):
-    kwargs["num_processes"] = _count(env, "JAX_NUM_PROCESSES")
-  if env.get("JAX_PROCESS_ID", "").strip():
-    kwargs["process_id"] = _count(env, "JAX_PROCESS_ID")
+  kwargs = launch_arguments(env)
   logger.info(
       "multi-process run (%s): calling jax.distributed.initialize(%s)",
       reason,
@@ -157,6 +164,31 @@ def maybe_initialize_distributed(
   initialize_fn(**kwargs)
   _log("initialized")
   return True
+
+
+def launch_arguments(env: Mapping[str, str]) -> dict[str, int]:
+  """`num_processes` / `process_id` of JAX_NUM_PROCESSES / JAX_PROCESS_ID (those set).
+
+  Raises:
+    LaunchEnvironmentError: a value that is not an integer, JAX_NUM_PROCESSES < 1, or JAX_PROCESS_ID outside
+      [0, JAX_NUM_PROCESSES).
+  """
+  kwargs = {}
+  if env.get("JAX_NUM_PROCESSES", "").strip():
+    kwargs["num_processes"] = _count(env, "JAX_NUM_PROCESSES")
+    if kwargs["num_processes"] < 1:
+      raise LaunchEnvironmentError(
+          "environment variable JAX_NUM_PROCESSES=0 must be >= 1 (the number of processes of the run), or unset"
+      )
+  if env.get("JAX_PROCESS_ID", "").strip():
+    kwargs["process_id"] = _count(env, "JAX_PROCESS_ID")
+    n = kwargs.get("num_processes")
+    if n is not None and kwargs["process_id"] >= n:
+      raise LaunchEnvironmentError(
+          f"environment variable JAX_PROCESS_ID={kwargs['process_id']} must lie in [0, JAX_NUM_PROCESSES={n}): "
+          f"give the processes the distinct ids 0 .. {n - 1}"
+      )
+  return kwargs
 
 
 def use_gloo_on_cpu() -> None:

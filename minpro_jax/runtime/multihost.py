@@ -17,13 +17,17 @@ Every process must call the functions with collectives (:func:`to_host` of a sha
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from minpro_jax.errors import LaunchError
+from minpro_jax.errors import ConfigError, LaunchError
+
+SHARED_DIR_TIMEOUT_S = 10.0  # how long the other processes wait to see process 0's file (NFS attribute caches)
 
 
 def process_count() -> int:
@@ -140,3 +144,46 @@ def barrier(name: str) -> None:
   """Waits until every process reaches the barrier `name` (a no-op for one process)."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+def check_shared_dir(path: str, field: str, timeout_s: float = SHARED_DIR_TIMEOUT_S) -> None:
+  """Raises on every process unless `path` is one directory that every process sees (a no-op for one process).
+
+  Process 0 writes a file with a random token into `path`; every other process must read that token from its own
+  `path` within `timeout_s` seconds. A workdir that is not shared would otherwise end in orbax's 600 s timeout at
+  the first checkpoint. Every process must call it at the same point (it makes collective calls).
+
+  Raises:
+    ConfigError: naming `config.<field>`, the processes that do not see the file, and the fix.
+  """
+  if jax.process_count() == 1:
+    return
+  mine = np.frombuffer(os.urandom(8), np.uint32).copy()
+  token = np.asarray(multihost_utils.process_allgather(mine, tiled=False))[0].tobytes().hex()  # process 0's
+  probe = os.path.join(path, f".shared_dir_check_{token}")
+  if is_primary():
+    with open(probe + ".tmp", "w") as f:
+      f.write(token)
+    os.replace(probe + ".tmp", probe)
+  barrier("minpro_shared_dir_written")
+  deadline, seen = time.time() + timeout_s, False
+  while not seen:
+    try:
+      with open(probe) as f:
+        seen = f.read() == token
+    except OSError:
+      pass
+    if seen or time.time() > deadline:
+      break
+    time.sleep(0.1)
+  every = np.asarray(multihost_utils.process_allgather(np.asarray([int(seen)], np.int32), tiled=False)).ravel()
+  if is_primary():
+    os.remove(probe)  # every process has read it (or given up) before the all-gather above returned
+  blind = [i for i, ok in enumerate(every.tolist()) if not ok]
+  if blind:
+    raise ConfigError(
+        f"config.{field}: {path} is not one directory shared by every process: processes {blind} do not see the "
+        f"file process 0 wrote there within {timeout_s:.0f} s; put it on a file system that every host mounts at "
+        "the same path (NFS, gcsfuse, a Filestore share) and pass it as an absolute path (a relative path is "
+        "taken from each process's current directory)"
+    )

@@ -1,5 +1,5 @@
 """Command line: `python -m minpro_jax.study --grid=<grid file[:arg]> --workdir=runs/<study> [--jobs=N] [--dry-run]
-[--aggregate-only] [--only=<substring>] [--force]`.
+[--aggregate-only] [--only=<substring>] [--force] [--debug]`.
 
 Runs every run of the grid that is not done (each in `<workdir>/<run name>`, resumable), then writes the
 aggregation into the workdir: `summary.json`, `summary.md` and the PNG plots (docs/study.md). Re-running the same
@@ -7,9 +7,11 @@ command after a stop skips the finished runs and resumes the others.
 
   --dry-run         print each run's status and command; write nothing.
   --aggregate-only  only (re)write the aggregation from the finished runs' files (`--grid` optional: without it
-                    the run list comes from `<workdir>/study.json`).
+                    the run list comes from `<workdir>/study.json`; runs of a damaged study.json that do not read
+                    back are left out, with a warning).
   --only=S          run only the runs whose name or label contains S (the aggregation still covers every run).
   --force           accept a workdir whose study.json holds another grid's runs (and replace it).
+  --debug           show the traceback of a mistake instead of its one-line `error: ...`.
   --compilation-cache=DIR  JAX's persistent compilation cache for the runs (default cache/jax_compilation, beside
                     the SFT cache; '' = none): a grid's runs share most programs.
 
@@ -42,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--aggregate-only", action="store_true", help="only write the aggregation of the finished runs")
   p.add_argument("--only", default="", help="run only the runs whose name or label contains this")
   p.add_argument("--force", action="store_true", help="accept a workdir of another grid (replaces its study.json)")
+  p.add_argument("--debug", action="store_true", help="show the traceback of a mistake in the flags or files")
   p.add_argument("--interval", choices=("t", "bootstrap"), default="t", help="the confidence interval (default t)")
   p.add_argument(
       "--compilation-cache",
@@ -81,16 +84,28 @@ def main(argv: list[str] | None = None) -> int:
   study_dir = os.path.abspath(args.workdir)
   try:
     if args.aggregate_only and not args.grid:
-      record = runner.read_study(study_dir)
+      record, skipped = runner.read_study_runs(study_dir)
       if record is None:
         raise runner.StudyError(f"--workdir={args.workdir}: no {runner.STUDY_FILE} there; pass --grid as well")
+      for why in skipped:  # report what can be reported: the runs that read back
+        print(f"warning: {why}; that run is left out of the aggregation", file=sys.stderr)
       return _aggregate(study_dir, record, args.interval)
     if not args.grid:
       raise grid.GridError("--grid: required (a grid file such as minpro_jax/configs/studies/smoke.py)")
+    if not args.force and not args.aggregate_only:
+      runner.read_study(study_dir)  # a damaged study.json is named before the runs' configs are validated
     g = grid.load_grid(args.grid)
-    planned = grid.plan(g, study_dir, validate=not args.aggregate_only)
+    try:
+      planned = grid.plan(g, study_dir, validate=not args.aggregate_only)
+    except grid.GridError as e:  # name the grid file as well as its field
+      raise grid.GridError(f"--grid={args.grid}: {e}") from e
     record = runner.study_record(args.grid, g, [r for r, _, _ in planned])
-    runner.check_study(study_dir, record, force=args.force)
+    try:
+      runner.check_study(study_dir, record, force=args.force)
+    except runner.StudyFileError as e:
+      if not args.aggregate_only:
+        raise
+      print(f"warning: {e}; aggregating the runs of --grid={args.grid}", file=sys.stderr)
     if args.aggregate_only:
       return _aggregate(study_dir, record, args.interval)
     selected = [p for p in planned if args.only in p[0].name or args.only in p[0].label]
@@ -110,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     runner.check_not_stale(study_dir, status)
     runner.write_study(study_dir, record)
   except UserError as e:
+    if args.debug:
+      raise
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USER_ERROR
 

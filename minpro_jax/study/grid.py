@@ -157,8 +157,12 @@ def load_grid(spec: str) -> Grid:
     raise GridError(f"--grid={spec}: the file has no get_grid(arg=None) function; define one returning a Grid")
   try:
     grid = mod.get_grid(arg) if arg is not None else mod.get_grid()
-  except (TypeError, ValueError) as e:
-    raise GridError(f"--grid={spec}: get_grid({arg!r}) failed: {e}") from e
+  except Exception as e:  # noqa: BLE001 - e.g. a KeyError for an argument the grid does not know: name it
+    takes = (mod.get_grid.__doc__ or "").strip().splitlines()[:1]
+    raise GridError(
+        f"--grid={spec}: get_grid({arg!r}) failed ({type(e).__name__}: {e}); pass an argument the grid file takes "
+        f"after the ':'{' (' + takes[0] + ')' if takes else ''}, or none"
+    ) from e
   if isinstance(grid, Mapping):
     unknown = sorted(set(grid) - {f.name for f in dataclasses.fields(Grid)})
     if unknown:
@@ -166,7 +170,10 @@ def load_grid(spec: str) -> Grid:
     grid = Grid(**grid)
   if not isinstance(grid, Grid):
     raise GridError(f"--grid={spec}: get_grid returned a {type(grid).__name__}; return a minpro_jax.study.grid.Grid")
-  check_grid(grid)
+  try:
+    check_grid(grid)
+  except GridError as e:
+    raise GridError(f"--grid={spec}: {e}") from e
   return grid
 
 
@@ -194,8 +201,15 @@ def check_grid(grid: Grid) -> None:
   """
   if not isinstance(grid.base, str) or not grid.base:
     raise GridError("grid.base: must be the base config path[:arg], e.g. 'minpro_jax/configs/default.py'")
-  if not isinstance(grid.axes, Mapping):
-    raise GridError(f"grid.axes: must be a dict field -> list of values, got a {type(grid.axes).__name__}")
+  for name in ("axes", "fixed"):
+    if not isinstance(getattr(grid, name), Mapping):
+      kind = "list of values" if name == "axes" else "value"
+      raise GridError(f"grid.{name}: must be a dict field -> {kind}, got a {type(getattr(grid, name)).__name__}")
+  if isinstance(grid.seeds, (str, bytes)) or not isinstance(grid.seeds, Sequence):
+    raise GridError(
+        f"grid.seeds: must be a tuple of ints, got the {type(grid.seeds).__name__} {grid.seeds!r}; write e.g. "
+        "seeds=(0,) for one seed or seeds=(0, 1, 2) for three"
+    )
   seeds = list(grid.seeds)
   if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
     raise GridError(f"grid.seeds: must be a non-empty list of ints, got {grid.seeds!r}")
@@ -334,7 +348,14 @@ def expand(grid: Grid) -> list[Run]:
 def _derived(grid: Grid, cell: tuple[tuple[str, Any], ...], seed: int) -> tuple[tuple[str, Any], ...]:
   if grid.derived is None:
     return ()
-  out = grid.derived({**dict(cell), "seed": seed})
+  try:
+    out = grid.derived({**dict(cell), "seed": seed})
+  except Exception as e:  # noqa: BLE001 - the grid file's own function: name it, the cell and the fix
+    raise GridError(
+        f"grid.derived: raised {type(e).__name__}: {e} for the cell {dict(cell)} at seed {seed}; it gets only the "
+        "cell's named fields and 'seed' (not grid.fixed, a variant's overrides or the base config), so read a "
+        "field that not every cell sets with cell.get(field, default)"
+    ) from e
   variant = variant_overrides(grid, dict(cell))
   if not isinstance(out, Mapping):
     raise GridError(f"grid.derived: must return a dict field -> value, returned {out!r} for {dict(cell)}")

@@ -59,6 +59,11 @@ class StudyError(UserError, RuntimeError):
   """The study workdir does not fit the grid (another grid's runs); the message names it and the fix."""
 
 
+class StudyFileError(StudyError):
+  """The workdir's study.json does not read back (truncated, edited by hand); the message names the file, the
+  field and the fix."""
+
+
 # ------------------------------------------------------------------------------------------------ study.json
 def study_record(grid_spec: str, grid: Grid, runs: Sequence[Run]) -> dict[str, Any]:
   """What `study.json` stores: the grid spec, base config, fixed overrides and the expanded runs (JSON)."""
@@ -79,12 +84,51 @@ def study_record(grid_spec: str, grid: Grid, runs: Sequence[Run]) -> dict[str, A
 
 
 def read_study(study_dir: str) -> dict[str, Any] | None:
-  """`study_dir/study.json`, or None when there is none."""
+  """`study_dir/study.json`, or None when there is none.
+
+  Raises:
+    StudyFileError: the file is no JSON object with a list of runs, or a run lacks a field (`read_study_runs`); the
+      message names the file, the field and the fix.
+  """
+  record, bad = read_study_runs(study_dir)
+  if bad:
+    raise StudyFileError(f"{bad[0]}; {_STUDY_FIX}")
+  return record
+
+
+_STUDY_FIX = (
+    "the file was truncated or edited by hand: restore it (e.g. from git), or run the study command with its --grid "
+    "and --force to write it anew"
+)
+
+
+def read_study_runs(study_dir: str) -> tuple[dict[str, Any] | None, list[str]]:
+  """(`study_dir/study.json` without the runs that do not read back, one phrase per run left out); (None, []) when
+  there is no such file. For `--aggregate-only`, which reports what it can.
+
+  Raises:
+    StudyFileError: the file is not a JSON object with a list "runs" (naming the file and the fix).
+  """
   path = os.path.join(study_dir, STUDY_FILE)
   if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+    return None, []
+  try:
+    with open(path, encoding="utf-8") as f:
+      record = json.load(f)
+  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    raise StudyFileError(f"{path}: not a readable study file ({type(e).__name__}: {e}); {_STUDY_FIX}") from None
+  if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
+    raise StudyFileError(f'{path}: holds no list "runs" (got {type(record).__name__}); {_STUDY_FIX}')
+  good, bad = [], []
+  for i, r in enumerate(record["runs"]):
+    try:
+      Run.from_json(r)
+      good.append(r)
+    except KeyError as e:
+      bad.append(f"{path}: runs[{i}].{e.args[0]}: missing")
+    except (TypeError, ValueError, AttributeError) as e:
+      bad.append(f"{path}: runs[{i}]: not a run ({type(e).__name__}: {e})")
+  return {**record, "runs": good}, bad
 
 
 def study_differences(stored: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
@@ -119,10 +163,12 @@ def check_study(study_dir: str, record: Mapping[str, Any], force: bool = False) 
   """Refuses a study workdir whose `study.json` holds another grid's runs (unless `force`).
 
   Raises:
-    StudyError: naming the workdir, the stored grid and what differs.
+    StudyError: naming the workdir, the stored grid and what differs; or a study.json that does not read back.
   """
+  if force:
+    return
   stored = read_study(study_dir)
-  if stored is None or force:
+  if stored is None:
     return
   diff = study_differences(stored, record)
   if diff:
