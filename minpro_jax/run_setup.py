@@ -38,7 +38,7 @@ from minpro_jax.data.tokenizers import (
     load_tokenizer,
     smollm2_gguf_path,
 )
-from minpro_jax.errors import ConfigError, FileFormatError, LaunchError
+from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models import Transformer, get_preset, init_model
 from minpro_jax.models.gguf_io import load_gguf
 from minpro_jax.models.hf_io import load_hf_checkpoint

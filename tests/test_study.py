@@ -592,3 +592,13 @@ def test_smoke_grid_end_to_end_stopped_and_restarted(tmp_path):
   only = subprocess.run(cmd, capture_output=True, timeout=60, **kw)
   assert only.returncode == 0, only.stderr[-2000:]
   assert json.loads((wd / "summary.json").read_text()) == res
+
+
+def test_a_sampler_mode_with_the_same_samples_does_not_make_a_run_stale():
+  from minpro_jax.study.runner import config_differences
+
+  stored = {"sampling": {"continuous": False, "temperature": 1.0}, "seed": 1}
+  assert config_differences(stored, {"sampling": {"continuous": True, "temperature": 1.0}, "seed": 1}) == []
+  assert config_differences(stored, {"sampling": {"continuous": True, "temperature": 0.5}, "seed": 1}) == [
+      "sampling.temperature"
+  ]

@@ -33,6 +33,9 @@ STUDY_FILE = "study.json"
 RUN_LOG = "study.log"
 # config fields that do not change a finished run's result: a summary.json differing only in them is still done
 IGNORED_FIELDS = ("workdir", "log", "checkpoint")
+# sampler execution modes that give the same responses token for token (tests/test_sampler_continuous.py): a run
+# finished under the other mode is not stale
+SAME_SAMPLES_FIELDS = ("sampling.continuous",)
 # Config fields added after studies were run, each with the value that keeps the behaviour from before it existed:
 # a summary.json without the field ran with that value (a field missing here and from a summary.json differs).
 ADDED_FIELDS = {
@@ -226,7 +229,7 @@ def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _normalized(d: Mapping[str, Any]) -> dict[str, Any]:
   """The dotted fields of a config dict as JSON values, without `IGNORED_FIELDS`."""
   flat = _flat(json.loads(json.dumps(dict(d), default=str)))
-  return {k: v for k, v in flat.items() if k.split(".")[0] not in IGNORED_FIELDS}
+  return {k: v for k, v in flat.items() if k.split(".")[0] not in IGNORED_FIELDS and k not in SAME_SAMPLES_FIELDS}
 
 
 def config_differences(stored: Mapping[str, Any], want: Mapping[str, Any], set_by_grid=None) -> list[str]:
