@@ -244,3 +244,84 @@ def test_length_models(tmp_path):
   for bad in ("gamma:mean=-1", "gamma:mu=3", "const:0", "poisson:3", str(tmp_path / "missing.json")):
     with pytest.raises(ConfigError, match="--lengths"):
       draw_lengths(bad, 3, 100, 0)
+
+
+# ----------------------------------------------------------------------------------- the whole budget
+def _small(**fields):
+  from minpro_jax.configs import set_fields
+  from minpro_jax.configs.default import get_config
+
+  c = get_config()
+  c.prompts_per_step, c.group_size, c.num_updates_per_step, c.micro_batch_size = 8, 2, 1, 16
+  c.sampling.max_new_tokens, c.data.max_prompt_tokens = 8, 16
+  return set_fields(c, fields)
+
+
+def _budget_rows(mesh, **fields):
+  from minpro_jax.aot.budget import Budget
+  from minpro_jax.aot.topologies import parse_slice
+
+  b = Budget(_small(**fields), parse_slice("cpu:8"), mesh, lengths="gamma:mean=5", prompt_len=6, parts=("sampling",))
+  return b, {r["part"]: r for r in b.run()}
+
+
+def test_continuous_decode_gathers_weights_every_step_on_fsdp_and_not_on_data():
+  b, rows = _budget_rows("fsdp=8")
+  rows_count, refill = b.progs.trainer_sampler.continuous_rows(16)
+  sched = continuous_schedule(b.lengths, rows_count, refill, 16, b.buckets)
+  assert rows["sampling"]["iterations"] == sched.iterations
+  assert rows["sampling: decode step"]["iterations"] == sched.decode_steps
+  assert rows["sampling: refill"]["iterations"] == sched.refills
+  from minpro_jax.aot.budget import _param_bytes
+
+  weights = _param_bytes(b.progs.prepared_params())
+  gathers = rows["sampling: decode step"]["per_iteration"]["collectives"].get("all-gather", {})
+  assert gathers.get("count", 0) >= b.cfg.num_layers and "fsdp" in gathers["axes"]
+  assert gathers["bytes"] >= 0.9 * weights  # every weight matrix is gathered at every decode step
+  _, rows = _budget_rows("data=8")
+  gathers = rows["sampling: decode step"]["per_iteration"]["collectives"].get("all-gather", {"bytes": 0})
+  assert gathers["bytes"] < 0.05 * weights  # activations only (each device holds every weight)
+
+
+def test_static_sampler_budget_runs_prefill_then_decode_to_the_longest_row():
+  b, rows = _budget_rows("fsdp=8", **{"sampling.continuous": False})
+  assert rows["sampling: prefill"]["iterations"] == 1
+  assert rows["sampling: decode"]["iterations"] == int(b.lengths.max()) - 1
+  decode_loop = rows["sampling: decode"]["loops"][0]
+  assert (decode_loop["trips"], decode_loop["trip_source"]) == (int(b.lengths.max()) - 1, "given")
+
+
+def test_budget_refuses_bad_parts_and_prompt_lengths():
+  from minpro_jax.aot.budget import Budget
+  from minpro_jax.aot.topologies import parse_slice
+
+  for kw in ({"parts": ("sampling", "warmup")}, {"prompt_len": 0}, {"prompt_len": 17}):
+    with pytest.raises(ConfigError, match="--parts|--prompt-len"):
+      Budget(_small(), parse_slice("cpu:8"), "fsdp=8", lengths="const:4", **kw)
+
+
+_TPU_BUDGET = """
+import json, subprocess, sys, tempfile, os
+out = os.path.join(tempfile.mkdtemp(), "b.json")
+cmd = [sys.executable, "-m", "minpro_jax.aot", "--budget", "--topology=v5e-4", "--mesh=fsdp=4",
+       "--lengths=gamma:mean=5", "--prompt-len=6", f"--out={out}",
+       "--config.prompts_per_step=8", "--config.group_size=2", "--config.num_updates_per_step=1",
+       "--config.micro_batch_size=16", "--config.sampling.max_new_tokens=8", "--config.data.max_prompt_tokens=16"]
+proc = subprocess.run(cmd, capture_output=True, text=True)
+assert proc.returncode == 0, proc.stderr[-3000:]
+print(proc.stdout)
+for r in json.load(open(out))["rows"]:
+  print(f"RESULT part={r['part'].replace(' ', '_')} seconds={r.get('seconds_overlapped')} bound={r.get('bound_seconds')}")
+"""
+
+
+@pytest.mark.slow
+def test_the_tiny_budget_on_v5e_4_prints_every_part():
+  from tests.tpu_helpers import run_with_libtpu
+
+  rows = {r["part"]: r for r in run_with_libtpu(_TPU_BUDGET, timeout=900)}
+  for part in ("sampling", "transfer", "score", "update", "step"):
+    assert float(rows[part]["seconds"]) > 0, rows[part]
+    assert float(rows[part]["bound"]) > 0, rows[part]
+  assert any(p.startswith("eval") for p in rows)
+  assert float(rows["step"]["seconds"]) >= float(rows["step"]["bound"])

@@ -380,6 +380,21 @@ class Budget:
                 "per_iteration": per.as_dict(),
             }
         )
+      if loop.own_overlapped > 0:  # what every iteration does outside both branches (e.g. copies of the carry)
+        t = self.rates.times(loop.own)
+        subs.append(
+            {
+                "part": f"{name}: every iteration, outside the branches",
+                "sub": True,
+                "iterations": sched.iterations,
+                "seconds_per_iteration": loop.own_overlapped,
+                "seconds_per_iteration_serial": loop.own_serial,
+                "limiter": t["limiter"],
+                "seconds_overlapped": loop.own_overlapped * loop.trips * calls,
+                "seconds_serial": loop.own_serial * loop.trips * calls,
+                "per_iteration": loop.own.as_dict(),
+            }
+        )
     return [*subs, row]
 
 
@@ -410,6 +425,8 @@ def _t(s) -> str:
     return ""
   if s >= 3600:
     return f"{s / 3600:.2f} h"
+  if s >= 100:
+    return f"{s:,.0f} s"
   if s >= 1:
     return f"{s:.3g} s"
   return f"{s * 1e3:.3g} ms"
