@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minpro_jax.aot.hlo_cost import HloCost, Rates, parse_hlo, replica_group_ids
+from minpro_jax.aot.hlo_cost import HloCost, Rates, replica_group_ids
+from minpro_jax.aot.hlo_text import parse_hlo
 from minpro_jax.aot.lengths import draw_lengths
 from minpro_jax.aot.schedule import (
     continuous_schedule,

@@ -25,7 +25,6 @@ bandwidth when communication does not overlap compute ("serial"), max of the thr
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from typing import Callable, Sequence
@@ -33,10 +32,19 @@ from typing import Callable, Sequence
 import numpy as np
 
 from minpro_jax.aot.analysis import COLLECTIVES, _array_bytes
+from minpro_jax.aot.hlo_text import (
+    ARRAY,
+    Computation,
+    Instr,
+    attr,
+    called,
+    dims,
+    inferred_trip_count,
+    known_trip_count,
+    parse_hlo,
+    shape_bytes,
+)
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _NO_MEMORY = {
     "parameter",
     "constant",
@@ -63,193 +71,6 @@ _NO_MEMORY = {
 }
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # ops that update operand 0 in place: index of the update
-
-
-@dataclasses.dataclass
-class Instr:
-  name: str
-  shape: str  # the result type text, e.g. "f32[16,64]{1,0}" or "(s32[], f32[4])"
-  opcode: str
-  operands: list[str]
-  attrs: str
-  root: bool = False
-  args: str = ""  # the text between the opcode's parentheses (a parameter's index)
-
-
-@dataclasses.dataclass
-class Computation:
-  name: str
-  instrs: list[Instr]
-  entry: bool = False
-
-  def __post_init__(self):
-    self.by_name = {i.name: i for i in self.instrs}
-
-  @property
-  def root(self) -> Instr:
-    return next((i for i in self.instrs if i.root), self.instrs[-1])
-
-
-def _balanced(text: str, start: int) -> int:
-  """Index just past the bracket group opening at text[start] ('(' or '{')."""
-  pairs = {"(": ")", "{": "}", "[": "]"}
-  stack = []
-  for i in range(start, len(text)):
-    ch = text[i]
-    if ch in pairs:
-      stack.append(pairs[ch])
-    elif stack and ch == stack[-1]:
-      stack.pop()
-      if not stack:
-        return i + 1
-  return len(text)
-
-
-def _parse_instr(line: str) -> Instr | None:
-  m = _INSTR.match(line)
-  if not m:
-    return None
-  rest = m.group("rest")
-  if rest.startswith("("):
-    end = _balanced(rest, 0)
-    shape, rest = rest[:end], rest[end:].lstrip()
-  else:
-    shape, _, rest = rest.partition(" ")
-  op_match = re.match(r"([\w\-]+)\(", rest)
-  if not op_match:
-    return None
-  opcode = op_match.group(1)
-  end = _balanced(rest, op_match.end() - 1)
-  args = rest[op_match.end() : end - 1]
-  operands = re.findall(r"%([\w.\-]+)", args)
-  return Instr(m.group("name"), shape, opcode, operands, rest[end:], root=bool(m.group(1)), args=args)
-
-
-def parse_hlo(text: str) -> dict[str, Computation]:
-  """{name: Computation} of an HLO module's text (`compiled.as_text()`); the entry is flagged `entry`."""
-  comps: dict[str, Computation] = {}
-  cur, instrs, entry = None, [], False
-  for line in text.splitlines():
-    if cur is None:
-      m = _HEADER.match(line.strip())
-      if m:
-        cur, instrs, entry = m.group("name"), [], bool(m.group(1))
-      continue
-    if line.strip() == "}":
-      if instrs:
-        comps[cur] = Computation(cur, instrs, entry)
-      cur = None
-      continue
-    ins = _parse_instr(line)
-    if ins is not None:
-      instrs.append(ins)
-  return comps
-
-
-def shape_bytes(shape: str) -> float:
-  """Bytes of every array in an HLO type text (a tuple's elements summed)."""
-  return float(sum(_array_bytes(d, s) for d, s in _ARRAY.findall(shape)))
-
-
-def _dims(shape: str) -> list[int]:
-  m = _ARRAY.search(shape)
-  return [int(d) for d in m.group(2).split(",") if d] if m else []
-
-
-def _attr(attrs: str, key: str) -> str | None:
-  m = re.search(rf"\b{re.escape(key)}=", attrs)
-  if not m:
-    return None
-  i = m.end()
-  if attrs.startswith("mesh[", i):  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}
-    j = _balanced(attrs, i + 4)
-    k = attrs.find("{", j)
-    return attrs[i : _balanced(attrs, k)] if k >= 0 and not attrs[j:k].strip(" ") else attrs[i:j]
-  if i < len(attrs) and attrs[i] in "{(":
-    return attrs[i : _balanced(attrs, i)]
-  j = i
-  while j < len(attrs) and attrs[j] == "[":  # iota groups: [2,4]<=[8] or [2,2]<=[2,2]T(1,0)
-    j = _balanced(attrs, j)
-    j += 2 if attrs.startswith("<=", j) else 0
-  while j < len(attrs) and attrs[j] not in ", ":
-    j += 1
-  return attrs[i:j]
-
-
-def _called(attrs: str, key: str) -> list[str]:
-  v = _attr(attrs, key)
-  return re.findall(r"%?([\w.\-]+)", v) if v else []
-
-
-def known_trip_count(ins: Instr) -> int | None:
-  """The `known_trip_count` XLA annotated on a `while` (its backend_config), or None."""
-  cfg = _attr(ins.attrs, "backend_config")
-  if not cfg:
-    return None
-  try:
-    n = json.loads(cfg).get("known_trip_count", {}).get("n")
-  except (ValueError, AttributeError):
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', cfg)
-    n = m.group(1) if m else None
-  return int(n) if n is not None else None
-
-
-def _through(comp: Computation, name: str, ops=("copy", "bitcast")) -> Instr | None:
-  ins = comp.by_name.get(name)
-  while ins is not None and ins.opcode in ops and ins.operands:
-    ins = comp.by_name.get(ins.operands[0])
-  return ins
-
-
-def _constant(ins: Instr | None) -> int | None:
-  if ins is None or ins.opcode != "constant":
-    return None
-  m = re.fullmatch(r"\s*(-?\d+)\s*", ins.args)
-  return int(m.group(1)) if m else None
-
-
-def inferred_trip_count(ins: Instr, caller: Computation, comps: dict[str, Computation]) -> int | None:
-  """The trip count of a counted `while` that XLA did not annotate (XLA:TPU keeps no `known_trip_count`): its
-  condition is `i < N` on tuple element k, the body adds a constant step S to element k, and the caller starts
-  it at a constant C: ceil((N - C) / S). None for any other shape of loop (data-dependent loops)."""
-  cond = comps.get((_called(ins.attrs, "condition") or [""])[0])
-  body = comps.get((_called(ins.attrs, "body") or [""])[0])
-  if cond is None or body is None or not ins.operands:
-    return None
-  root = cond.root
-  if root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
-    return None
-  gte, bound = _through(cond, root.operands[0]), _constant(_through(cond, root.operands[1]))
-  if gte is None or gte.opcode != "get-tuple-element" or bound is None:
-    return None
-  k = int(re.search(r"index=(\d+)", gte.attrs).group(1))
-  init_tuple = caller.by_name.get(ins.operands[0])
-  if init_tuple is None or init_tuple.opcode != "tuple" or k >= len(init_tuple.operands):
-    return None
-  start = _constant(_through(caller, init_tuple.operands[k]))
-  out = body.root
-  if start is None or out.opcode != "tuple" or k >= len(out.operands):
-    return None
-  step = _add_constant(body, out.operands[k], comps)
-  if not step or step < 0:
-    return None
-  return max(0, -(-(bound - start) // step))
-
-
-def _add_constant(body: Computation, name: str, comps: dict[str, Computation]) -> int | None:
-  """S when `name` is add(x, constant S) in `body`, directly or as a fusion wrapping the add."""
-  ins = _through(body, name)
-  if ins is None:
-    return None
-  consts = [_constant(_through(body, o)) for o in ins.operands]
-  if ins.opcode == "fusion":
-    fused = comps.get((_called(ins.attrs, "calls") or [""])[0])
-    if fused is None or fused.root.opcode != "add":
-      return None
-    consts += [_constant(fused.by_name.get(o)) for o in fused.root.operands]
-  elif ins.opcode != "add":
-    return None
-  return next((c for c in consts if c), None)
 
 
 # ------------------------------------------------------------------------------------------- collectives
@@ -311,11 +132,11 @@ def _collective(ins: Instr, comp: Computation, num_partitions: int, mesh_shape) 
   op = op.removeprefix("ragged-")
   if op not in COLLECTIVES or ins.opcode.endswith("-done"):
     return None
-  arrays = [_array_bytes(d, s) for d, s in _ARRAY.findall(ins.shape)]
+  arrays = [_array_bytes(d, s) for d, s in ARRAY.findall(ins.shape)]
   result = (max(arrays) if ins.opcode.endswith("-start") else sum(arrays)) if arrays else 0.0
   if op == "collective-permute":
     return Collective(op, result, 2, _axes(_pairs(ins), mesh_shape), result)
-  ids = replica_group_ids(_attr(ins.attrs, "replica_groups"), num_partitions)
+  ids = replica_group_ids(attr(ins.attrs, "replica_groups"), num_partitions)
   n = int(ids.shape[1]) if ids is not None else num_partitions
   if op == "reduce-scatter" and ins.opcode.endswith("-start"):
     result /= max(n, 1)  # the -start tuple's largest array is the operand
@@ -327,7 +148,7 @@ def _collective(ins: Instr, comp: Computation, num_partitions: int, mesh_shape) 
 
 
 def _pairs(ins: Instr) -> np.ndarray | None:
-  v = _attr(ins.attrs, "source_target_pairs")
+  v = attr(ins.attrs, "source_target_pairs")
   pairs = re.findall(r"\{(\d+),(\d+)\}", v or "")
   return np.asarray([[int(a), int(b)] for a, b in pairs[:1]]) if pairs else None
 
@@ -477,12 +298,12 @@ class HloCost:
       return Cost(ici_bytes=col.ici_bytes, collectives={col.kind: entry})
     c.flops += _matmul_flops(ins, comp)
     if ins.opcode == "fusion":
-      for callee in _called(ins.attrs, "calls"):
+      for callee in called(ins.attrs, "calls"):
         if callee in self.comps:
           c.flops += sum(_matmul_flops(i, self.comps[callee]) for i in self.comps[callee].instrs)
       c.hbm_bytes += self._fusion_bytes(ins, comp)
     elif ins.opcode in ("async-start",):
-      for callee in _called(ins.attrs, "calls"):
+      for callee in called(ins.attrs, "calls"):
         if callee in self.comps:
           c = c + self.own_cost(callee)
     elif ins.opcode not in _NO_MEMORY and not ins.opcode.endswith("-done"):
@@ -501,7 +322,7 @@ class HloCost:
     return reads + out
 
   def _fusion_bytes(self, ins: Instr, comp: Computation) -> float:
-    callee = next((c for c in _called(ins.attrs, "calls") if c in self.comps), None)
+    callee = next((c for c in called(ins.attrs, "calls") if c in self.comps), None)
     operands = [comp.by_name.get(o) for o in ins.operands]
     if callee is None:
       return sum(shape_bytes(o.shape) for o in operands if o) + shape_bytes(ins.shape)
@@ -556,8 +377,8 @@ class HloCost:
     node = Node(name, kind, trips, source, own, t["serial"], t["overlapped"], op_name=op_name)
     for ins in self.comps[name].instrs:
       if ins.opcode == "while":
-        body = _called(ins.attrs, "body")[0]
-        cond = _called(ins.attrs, "condition")[0]
+        body = called(ins.attrs, "body")[0]
+        cond = called(ins.attrs, "condition")[0]
         n, src = known_trip_count(ins), "known"
         if n is None:
           n, src = inferred_trip_count(ins, self.comps[name], self.comps), "inferred"
@@ -572,10 +393,10 @@ class HloCost:
         child.name = ins.name
         node.children.append(child)
       elif ins.opcode == "conditional":
-        branches = _called(ins.attrs, "branch_computations") or (
-            _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation")
+        branches = called(ins.attrs, "branch_computations") or (
+            called(ins.attrs, "true_computation") + called(ins.attrs, "false_computation")
         )
-        if _attr(ins.attrs, "branch_computations") is None and len(branches) == 2:
+        if attr(ins.attrs, "branch_computations") is None and len(branches) == 2:
           branches = branches[::-1]  # pred conditional: index 0 is false
         kids = [self._node(b, "branch", 1.0, "max", path + ("?" + ins.name,), _op_name(ins)) for b in branches]
         weights = self.branch_weights(ins, len(kids), path) if self.branch_weights else None
@@ -587,7 +408,7 @@ class HloCost:
           best = max(kids, key=lambda k: (k.seconds_per_run(False), k.per_run().hbm_bytes, k.per_run().flops))
           node.children.append(best)
       elif ins.opcode == "call":
-        for callee in _called(ins.attrs, "to_apply"):
+        for callee in called(ins.attrs, "to_apply"):
           if callee in self.comps:
             node.children.append(self._node(callee, "call", 1.0, "known", path, _op_name(ins)))
     return node
@@ -638,21 +459,21 @@ def _matmul_flops(ins: Instr, comp: Computation) -> float:
   if ins.opcode not in ("dot", "convolution") or not ins.operands:
     return 0.0
   lhs = comp.by_name.get(ins.operands[0])
-  lhs_dims = _dims(lhs.shape) if lhs else []
-  out = math.prod(_dims(ins.shape) or [1])
+  lhs_dims = dims(lhs.shape) if lhs else []
+  out = math.prod(dims(ins.shape) or [1])
   if ins.opcode == "dot":
-    contracting = _attr(ins.attrs, "lhs_contracting_dims") or "{}"
+    contracting = attr(ins.attrs, "lhs_contracting_dims") or "{}"
     k = math.prod(lhs_dims[int(i)] for i in re.findall(r"\d+", contracting) if int(i) < len(lhs_dims))
     return 2.0 * out * k
-  labels = _attr(ins.attrs, "dim_labels") or ""
+  labels = attr(ins.attrs, "dim_labels") or ""
   m = re.fullmatch(r"(\w+)_(\w+)->(\w+)", labels)
   rhs = comp.by_name.get(ins.operands[1]) if len(ins.operands) > 1 else None
   if not m or rhs is None:
     return 0.0
   lhs_l, rhs_l = m.group(1), m.group(2)
-  rhs_dims = _dims(rhs.shape)
+  rhs_dims = dims(rhs.shape)
   in_features = rhs_dims[rhs_l.index("i")] if "i" in rhs_l and len(rhs_dims) == len(rhs_l) else 1
-  window = _attr(ins.attrs, "window") or ""
+  window = attr(ins.attrs, "window") or ""
   sizes = [int(x) for x in re.findall(r"size=([\dx]+)", window)[0].split("x")] if "size=" in window else []
   dil = re.findall(r"lhs_dilate=([\dx]+)", window)
   dilate = [int(x) for x in dil[0].split("x")] if dil else [1] * len(sizes)
