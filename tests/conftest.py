@@ -1,7 +1,10 @@
-"""Test setup: 8 virtual CPU devices, fp32 matmuls, and temp dirs for libraries that write to $HOME."""
+"""Test setup: 8 virtual CPU devices, fp32 matmuls, one persistent compilation cache for the session, and temp dirs
+for libraries that write to $HOME."""
 
 import os
 import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -9,6 +12,54 @@ os.environ.setdefault("MPLCONFIGDIR", tempfile.mkdtemp(prefix="mpl-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# One persistent JAX compilation cache for the session, its xdist workers and every process they start (trainer
+# CLI, study runner, launch_local, libtpu compiles all inherit the environment): the suite compiles the same tiny
+# programs in many tests, and a cached program is the executable a fresh compile makes
+# (tests/test_compilation_cache.py). Every program is cached, however small or quick to compile. A size limit
+# turns on JAX's file lock, so a process never reads an entry another one is still writing; least recently used
+# entries go first past it. Where XLA rejects a cached entry (jax-ml/jax#38445 on some Intel CPUs), JAX warns and
+# compiles afresh. `make clean` removes it with .pytest_cache.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".pytest_cache", "jax_compilation"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+# `make test` runs two xdist workers with `--dist loadgroup --no-loadscope-reorder`: a worker takes one group at a
+# time, in collection order. A group is a test file (its module fixtures then run once), unless a test carries its
+# own `xdist_group` mark. The groups measured slowest (tests/README.md) are collected first, so that the long ones
+# never start last while the other worker idles; the rest keep their order.
+SLOWEST_FIRST = (
+    "test_multihost",
+    "test_train_resume",
+    "study_smoke",
+    "test_colab_notebook",
+    "aot_tpu",
+    "smollm2_one_step",
+    "test_train_e2e",
+    "test_aot",
+    "test_mipu",
+    "test_model_hf_parity",
+    "test_sampler",
+    "multihost_launch",
+)
+
+
+def _group(item) -> str:
+  marks = [m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")]
+  return "_".join(sorted(map(str, marks)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist appends the group to the test ids
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    if not _group(item):
+      item.add_marker(pytest.mark.xdist_group(item.path.stem))
+  rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+  items.sort(key=lambda item: rank.get(_group(item), len(rank)))

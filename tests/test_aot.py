@@ -298,6 +298,7 @@ for topo in ("v5e-4", "v5p-8"):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("aot_tpu")  # its own group: libtpu compiles, the longest test of the file
 def test_the_tiny_config_fits_v5e_4_and_v5p_8():
   rows = run_with_libtpu(_TPU, timeout=560)
   assert {(r["topo"], r["program"]) for r in rows} == {(t, p) for t in ("v5e-4", "v5p-8") for p in ("update", "decode")}

@@ -40,6 +40,8 @@ TIMING = ("time/", "throughput/")
 # Metrics that are float statistics of log-probs: equal up to the reduction order of the collectives.
 ROUNDOFF = ("sampler_learner/", "learn/")
 EXACT_LEARN = ("learn/updates", "learn/skipped_updates")
+# The tests that need no run of the `runs` fixture: another xdist group, free to go to the other worker.
+LAUNCH_GROUP = pytest.mark.xdist_group("multihost_launch")
 
 
 def _overrides(tmp, name):
@@ -212,6 +214,7 @@ def _worker(mode, out_dir, num_processes=2, grace_s=5):
   return subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@LAUNCH_GROUP
 def test_host_primitives_in_two_processes(tmp_path):
   p = _worker("primitives", tmp_path)
   out = _finish(p, 300)
@@ -232,6 +235,7 @@ def test_host_primitives_in_two_processes(tmp_path):
   assert seen[0]["my_ids"] + seen[1]["my_ids"] == seen[0]["batch_ids"]
 
 
+@LAUNCH_GROUP
 def test_launch_local_ends_the_others_when_one_fails(tmp_path):
   t0 = time.time()
   p = _worker("fail", tmp_path)
@@ -241,6 +245,7 @@ def test_launch_local_ends_the_others_when_one_fails(tmp_path):
   assert time.time() - t0 < 60  # process 0 (sleeping 120 s) was ended
 
 
+@LAUNCH_GROUP
 def test_launch_local_forwards_sigterm(tmp_path):
   p = _worker("sleep", tmp_path)
   t0 = time.time()
@@ -253,6 +258,7 @@ def test_launch_local_forwards_sigterm(tmp_path):
   assert [(tmp_path / f"process_{i}.signal").read_text() for i in range(2)] == [str(int(signal.SIGTERM))] * 2
 
 
+@LAUNCH_GROUP
 def test_launch_local_kills_processes_that_do_not_stop_on_sigterm(tmp_path):
   p = _worker("stubborn", tmp_path, grace_s=2)
   t0 = time.time()
@@ -267,6 +273,7 @@ def test_launch_local_kills_processes_that_do_not_stop_on_sigterm(tmp_path):
   assert time.time() - t1 < 30
 
 
+@LAUNCH_GROUP
 def test_process_rows_split_evenly_and_cover_in_order():
   from minpro_jax.runtime.multihost import process_rows
 

@@ -539,6 +539,7 @@ def _checkpointed_unfinished(wd):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("study_smoke")  # its own group: the longest test of the file
 def test_smoke_grid_end_to_end_stopped_and_restarted(tmp_path):
   """Dry run; a real run stopped by SIGTERM once its first run finished and its second checkpointed; a restart
   that skips the finished run and resumes the stopped one; an aggregation whose numbers are the runs' files'."""

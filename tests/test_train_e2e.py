@@ -69,6 +69,7 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2_one_step")  # its own group: SmolLM2 weights and GB checkpoints
 def test_smollm2_config_one_step(tmp_path):
   path = os.path.join(REPO, "minpro_jax", "configs", "smollm2_135m.py")
   if not os.path.exists(path):

@@ -26,6 +26,9 @@ def run_with_libtpu(code: str, timeout: int = 300) -> list[dict[str, str]]:
     pytest.skip("no unpacked libtpu: set MINPRO_LIBTPU_DIR or unpack it to <repo>/.venv/libtpu (make setup does)")
   # no lockfile: xdist workers (and a benchmark) may compile for TPU at the same time
   env = {**os.environ, "PYTHONPATH": where, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+  # no persistent compilation cache (tests/conftest.py): a compile-only TPU client writes entries it cannot load
+  # back ("PjRtCompiler must be constructed with a Client to call DeserializeLoadedExecutable")
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   proc = subprocess.run(
       [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
   )
