@@ -317,6 +317,7 @@ for r in json.load(open(out))["rows"]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("budget_tpu")
 def test_the_tiny_budget_on_v5e_4_prints_every_part():
   from tests.tpu_helpers import run_with_libtpu
 
