@@ -35,10 +35,11 @@ RESUME_KEYS = (
     "eval.seed",  # the held-out prompts are removed from training, so the eval fields that choose them count
     "eval.num_problems",
     "eval.path",
+    "sft.target",  # the warm start's targets are also the trained tokenizer's corpus
 )
 
 # Keys added to RESUME_KEYS after checkpoints existed: a stored fingerprint without one ran with this value.
-RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS}
+RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS} | {"sft.target": "answer"}
 
 
 def _mipu_equivalent(now: Any, stored: Any) -> bool:
