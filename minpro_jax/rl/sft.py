@@ -2,9 +2,9 @@
 
 Each training example is `prompt + " \\boxed{answer}" + eos`, or with worked steps (`config.sft.target=worked`,
 `minpro_jax.data.worked`) `prompt + " 2-3=-1 -1+2=1 \\boxed{1}" + eos`; the loss is the token-mean negative
-log-likelihood of the response tokens only (fp32, chunked log-probs). The result is cached under a key that hashes everything it
-depends on (model config, tokenizer file, problems, hyper-parameters), so a second run — or a resumed one —
-reuses it instead of training again.
+log-likelihood of the response tokens only (fp32, chunked log-probs). The result is cached under a key that hashes
+everything it depends on (model config, tokenizer file, problems, hyper-parameters), so a second run — or a resumed
+one — reuses it instead of training again.
 """
 
 from __future__ import annotations
