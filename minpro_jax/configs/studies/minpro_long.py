@@ -35,6 +35,7 @@ DELAYS = (2, 8)  # every method; delay 0 only for MinPRO and GRPO (ON_POLICY_MET
 ON_POLICY_METHODS = ("minpro", "grpo")
 PREFIX_ABLATIONS = ("prod", "geomean", "mean")  # MinPRO's prefix statistic at the largest delay ("min" = MinPRO)
 STAGE0_SEEDS = (0,)
+LR = "optimizer.learning_rate"
 SEEDS = (0, 1, 2, 3, 4)
 
 # ------------------------------------------------------------------ the long-response setting: TUNE THESE
@@ -107,12 +108,12 @@ def get_grid(arg=None) -> Grid:
     return Grid(
         base="minpro_jax/configs/default.py",
         fixed={**FIXED, "loss.method": "grpo", "delay": 0, "total_steps": LEARN_STEPS},
-        axes={"optimizer.learning_rate": list(STAGE0_RATES)},
+        axes={LR: list(STAGE0_RATES)},
         seeds=tuple(range(n)) if n else STAGE0_SEEDS,
         panel=None,
         description=f"stage 0, GRPO on-policy at lr {STAGE0_RATES}; {description}",
     )
-  fixed = {**FIXED, "optimizer.learning_rate": chosen_rate()}
+  fixed = {**FIXED, LR: chosen_rate()}
   if stage == "stage0b":
     return Grid(
         base="minpro_jax/configs/default.py",
@@ -120,7 +121,7 @@ def get_grid(arg=None) -> Grid:
         axes={"loss.method": list(STAGE0B_METHODS)},
         seeds=tuple(range(n)) if n else STAGE0_SEEDS,
         comparisons=(("loss.method", "minpro"),),
-        description=f"stage 0b, {'/'.join(STAGE0B_METHODS)} at delay {STAGE0B_DELAY}, lr {LEARNING_RATE}; {description}",
+        description=f"stage 0b, {'/'.join(STAGE0B_METHODS)} at delay {STAGE0B_DELAY}, lr {fixed[LR]}; {description}",
     )
   on_policy = [{"loss.method": m, "delay": 0} for m in ON_POLICY_METHODS]
   prefix = [{"loss.method": "minpro", "delay": max(DELAYS), "loss.prefix_statistic": s} for s in PREFIX_ABLATIONS]
@@ -133,5 +134,5 @@ def get_grid(arg=None) -> Grid:
       derived=total_steps,
       comparisons=(("loss.method", "minpro"), ("loss.prefix_statistic", "min")),
       panel="delay",
-      description=f"stage 1, MinPRO vs baselines under staleness, lr {LEARNING_RATE}; {description}",
+      description=f"stage 1, MinPRO vs baselines under staleness, lr {fixed[LR]}; {description}",
   )
