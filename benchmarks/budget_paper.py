@@ -3,7 +3,7 @@
 Each entry is one budget call whose JSON goes to benchmarks/results/aot/budget_<name>.json and whose optimized HLO
 goes to a dump folder (default $TMPDIR/minpro_budget_hlo/<name>, not committed: tens of MB). An entry with a JSON
 is skipped (`--force` redoes it); `--recost` rebuilds the JSONs from the dumps without compiling (after a change to
-the cost model or with another `--lengths`); `--only` picks entries by substring; `--summary` prints the step rows.
+the cost model or with another `--lengths`); `--only` picks entries by substring; `--summary` prints a Markdown table of the committed entries.
 
 Lengths: gamma(shape 2, mean 8,192) clipped at the config's max_new_tokens (mean ~8.1k at 20,480, 3.9 % truncated)
 for the MinPRO configs, mean 3,000 at MIPU's 8,192; prompts of 256 real tokens. The configs are used as they stand
@@ -44,17 +44,13 @@ def main() -> int:
   p.add_argument("--hlo", default=os.path.join(tempfile.gettempdir(), "minpro_budget_hlo"), help="dump folder")
   p.add_argument("--summary", action="store_true", help="print each entry's step row")
   args = p.parse_args()
+  rows = []
   for name, topology, extra in ENTRIES:
     if args.only and args.only not in name:
       continue
     out = OUT / f"budget_{name}.json"
     if args.summary:
-      if out.exists():
-        rows = json.loads(out.read_text())["rows"]
-        step = next(r for r in rows if r["part"] == "step")
-        samp = next((r for r in rows if r["part"] == "sampling"), {})
-        print(f"{name}: step {step.get('seconds_overlapped', 0) / 3600:.2f} h, bound {step['bound_seconds']:.0f} s, "
-              f"ratio {step.get('ratio', float('nan')):.1f}x; sampling ratio {samp.get('ratio') or float('nan'):.1f}x")  # fmt: skip
+      rows.append((name, json.loads(out.read_text())["rows"]) if out.exists() else (name, None))
       continue
     if out.exists() and not (args.force or args.recost):
       print(f"# {name}: done ({out.name})", flush=True)
@@ -65,7 +61,43 @@ def main() -> int:
     print("# " + " ".join(cmd[1:]), flush=True)
     if subprocess.run(cmd, cwd=REPO).returncode:
       print(f"# {name}: failed", flush=True)
+  if args.summary:
+    print(summary(rows))
   return 0
+
+
+def _h(s) -> str:
+  return "" if s is None else (f"{s / 3600:.2f} h" if s >= 3600 else f"{s:,.0f} s")
+
+
+def summary(entries) -> str:
+  """One line per entry: the step with and without evaluation, its bound and ratio, and each part's time / bound."""
+  head = "| entry | step | step without eval | bound (without eval) | ours / bound | sampling | score | update |"
+  lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for name, rows in entries:
+    if rows is None:
+      lines.append(f"| {name} | not run | | | | | | |")
+      continue
+    part = {r["part"]: r for r in rows}
+
+    def cell(p):
+      r = part.get(p, {})
+      if r.get("fits") is False:
+        size = (r.get("memory") or {}).get("total_bytes") or (r.get("memory") or {}).get("temp_bytes") or 0
+        return f"does not fit ({size / 2**30:.0f} GiB)"
+      ratio = r.get("ratio")
+      return f"{_h(r.get('seconds_overlapped'))} ({ratio:.1f}x)" if ratio else _h(r.get("seconds_overlapped"))
+
+    ev = next((r for r in rows if r["part"].startswith("eval") and not r.get("sub")), {})
+    step = part["step"]
+    no_eval = (step.get("seconds_overlapped") or 0) - (ev.get("seconds_overlapped") or 0)
+    bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
+    ratio = f"{no_eval / bound:.1f}x" if bound and step.get("seconds_overlapped") else ""
+    lines.append(
+        f"| {name} | {_h(step.get('seconds_overlapped'))} | {_h(no_eval)} | {_h(bound)} | {ratio} | "
+        f"{cell('sampling')} | {cell('score')} | {cell('update')} |"
+    )
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

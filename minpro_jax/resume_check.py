@@ -40,10 +40,11 @@ RESUME_KEYS = (
     "eval.reward_mode",
     "eval.temperature",
     "eval.top_p",
+    "sft.target",  # the warm start's targets are also the trained tokenizer's corpus
 )
 
 # Keys added to RESUME_KEYS after checkpoints existed: a stored fingerprint without one ran with this value.
-RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS}
+RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS} | {"sft.target": "answer"}
 # Keys added later whose value then is unknown: a stored fingerprint without one is not compared on them.
 UNRECORDED_KEYS = ("eval.n", "eval.reward_mode", "eval.temperature", "eval.top_p", "tfds")
 

@@ -23,6 +23,7 @@ from minpro_jax.config_domains import check_domains
 from minpro_jax.data.prompts import TEMPLATES
 from minpro_jax.data.sources import FORMATS, check_data_file, get_source
 from minpro_jax.data.tokenizers import CHAT_TEMPLATES
+from minpro_jax.data.worked import check_sft_target
 from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
 from minpro_jax.models.hf_io import config_from_hf
@@ -108,6 +109,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
     ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
     _need(ok, "sft", "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
   check_domains(c)  # the fields no part checks itself, and settings under which nothing is learnt
+  check_sft_target(c.sft.get("target", "answer"), c.data)  # also shapes the tokenizer corpus, so checked without SFT
   _check_mesh(c, num_devices or len(jax.devices()))
 
 

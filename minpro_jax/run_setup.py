@@ -38,6 +38,7 @@ from minpro_jax.data.tokenizers import (
     load_tokenizer,
     smollm2_gguf_path,
 )
+from minpro_jax.data.worked import worked_steps
 from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models import Transformer, get_preset, init_model
 from minpro_jax.models.gguf_io import load_gguf
@@ -438,7 +439,8 @@ def build_tokenizer(c, problems: list[MathProblem]):
     except Exception as e:  # noqa: BLE001 - any failure to read the file is a bad file: name it
       field = "tokenizer.path" if t.kind == "path" else "model.path"
       raise FileFormatError(f"{path}: cannot read a tokenizer from it (config.{field}; {type(e).__name__}: {e})") from e
-  corpus = [format_prompt(p, template="plain") + sft_target(p.answer) for p in problems]  # tokenizer corpus only
+  steps = sft_steps(c, problems)  # the corpus holds the responses the warm start teaches
+  corpus = [format_prompt(p, template="plain") + sft_target(p.answer, steps=s) for p, s in zip(problems, steps)]
   key = hashlib.sha256(("\n".join(corpus) + f"|{t.vocab_size}|{c.seed}").encode()).hexdigest()[:16]
   path = os.path.join(_cache_dir(c), f"spm-{key}.model")
   if not os.path.exists(path):
@@ -489,6 +491,20 @@ def _sft_fit_error(c, tokenizer, problems, prompt_ids, e: ValueError) -> ConfigE
   return ConfigError(f"config.sft.max_len: {e}; raise sft.max_len to at least that")
 
 
+def sft_steps(c, problems: list[MathProblem]) -> list[str]:
+  """The worked steps of each problem's SFT target (`config.sft.target=worked`), or "" each for `answer`.
+
+  Raises:
+    ConfigError: naming `config.sft.target`, when a problem's trace is missing or does not reach its answer.
+  """
+  if c.sft.get("target", "answer") != "worked":
+    return [""] * len(problems)
+  try:
+    return [worked_steps(p) for p in problems]
+  except ValueError as e:
+    raise ConfigError(f"config.sft.target: 'worked' needs a trace for every problem: {e}; set sft.target=answer") from e
+
+
 def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) -> dict[str, Any]:
   """SFT on the tail of the training problems (`config.sft`), cached; updates `model` in place.
 
@@ -503,6 +519,7 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
       tokenizer.encode(format_prompt(p, tokenizer, c.data.template), add_bos=c.data.template == "plain")
       for p in sft_problems
   ]
+  steps = sft_steps(c, sft_problems) if c.sft.get("target", "answer") == "worked" else None
   try:
     tokens, seg, mask = build_examples(
         prompt_ids,
@@ -511,6 +528,7 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
         c.sft.max_len,
         boxed_fraction=c.sft.boxed_fraction,
         seed=c.seed,
+        steps=steps,
     )
   except ValueError as e:
     raise _sft_fit_error(c, tokenizer, sft_problems, prompt_ids, e) from e
@@ -532,7 +550,18 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
       mask,
       scfg,
       cache_dir=_cache_dir(c),
-      key_parts={"model": repr(model.config), "source": c.model.source, "path": c.model.path},
+      key_parts=sft_key_parts(c, model),
   )
   nnx.update(model, params)
   return {"enabled": True, **info, "examples": int(tokens.shape[0])}
+
+
+def sft_key_parts(c, model: Transformer) -> dict[str, Any]:
+  """What the SFT cache key hashes besides the SFT hyper-parameters and the example tokens: the model and, for
+  `sft.target=worked` only, the target (absent for `answer`, so the default config keeps the key it always had
+  and its cached warm start and committed results still match)."""
+  parts = {"model": repr(model.config), "source": c.model.source, "path": c.model.path}
+  target = c.sft.get("target", "answer")
+  if target != "answer":
+    parts["target"] = target
+  return parts

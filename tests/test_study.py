@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from train_helpers import REPO, cli_env
 
-from minpro_jax.configs.studies import minpro_staleness
+from minpro_jax.configs.studies import minpro_long, minpro_staleness, mipu_long
 from minpro_jax.study import __main__ as study_cli
 from minpro_jax.study import aggregate, grid, runner
 from minpro_jax.study.aggregate import Interval, curve_auc, eval_curve, falls_below, largest_drop, mean_ci
@@ -24,6 +24,8 @@ from minpro_jax.study.grid import Grid, GridError, Run
 SMOKE = os.path.join(REPO, "minpro_jax", "configs", "studies", "smoke.py")
 STALENESS = os.path.join(REPO, "minpro_jax", "configs", "studies", "minpro_staleness.py")
 MIPU_GRID = os.path.join(REPO, "minpro_jax", "configs", "studies", "mipu.py")
+LONG = os.path.join(REPO, "minpro_jax", "configs", "studies", "minpro_long.py")
+MIPU_LONG = os.path.join(REPO, "minpro_jax", "configs", "studies", "mipu_long.py")
 T_975 = {1: 12.706204736174698, 2: 4.302652729749462, 3: 3.182446305284263}  # Student-t quantiles (tables)
 
 
@@ -340,6 +342,67 @@ def test_the_mipu_grid():
   names = list(planned)
   assert names.index("variant-mipu_seed-2") < names.index("variant-random_seed-2")  # its rate exists by then
   assert planned["variant-lr-decay_seed-1"].optimizer.lr_decay_on_length_surge
+
+
+def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
+  planned = {r.name: c for r, _, c in grid.plan(grid.load_grid(LONG + ":stage0"), "/tmp/study", validate=False)}
+  assert list(planned) == ["learning_rate-0.0001_seed-0", "learning_rate-3e-05_seed-0", "learning_rate-1e-05_seed-0"]
+  c = planned["learning_rate-3e-05_seed-0"]
+  assert (c.loss.method, c.delay, c.total_steps, c.optimizer.learning_rate) == ("grpo", 0, 32, 3e-5)
+  assert (c.sft.target, c.sft.max_len, c.sampling.max_new_tokens, c.data.max_prompt_tokens) == ("worked", 136, 128, 48)
+  assert (c.data.task_config.min_terms, c.data.task_config.max_terms, c.num_updates_per_step) == (8, 8, 8)
+  assert minpro_long.LEARNING_RATE == 3e-5  # stage 0's choice (the grid file's header)
+  monkeypatch.setattr(minpro_long, "LEARNING_RATE", None)
+  for spec in ("stage0b", "stage1"):  # the rate is stage 0's to choose: refused until it is set
+    with pytest.raises(GridError, match="LEARNING_RATE is still the placeholder None; run stage 0"):
+      grid.load_grid(f"{LONG}:{spec}")
+  for bad in ("", ":stage2", ":stage1:x"):
+    with pytest.raises(GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1'\)"):
+      grid.load_grid(LONG + bad)
+  monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)
+  runs = grid.expand(minpro_long.get_grid("stage0b"))
+  assert [r.name for r in runs] == ["method-minpro_seed-0", "method-grpo_seed-0", "method-cispo_seed-0"]
+  g = minpro_long.get_grid("stage1")
+  grid.check_grid(g)
+  runs = grid.expand(g)
+  cells = list(dict.fromkeys(r.cell_name for r in runs))
+  assert len(runs) == 75 and len(cells) == 15 and {r.seed for r in runs} == {0, 1, 2, 3, 4}
+  assert cells[:2] == ["method-minpro_delay-2", "method-minpro_delay-8"] and cells[10:12] == [
+      "method-minpro_delay-0",
+      "method-grpo_delay-0",
+  ]
+  assert cells[12:] == [f"method-minpro_delay-8_prefix_statistic-{s}" for s in ("prod", "geomean", "mean")]
+  assert {dict(r.extra)["total_steps"] - dict(r.cell)["delay"] for r in runs} == {32}  # equal updates per delay
+  assert len(grid.expand(minpro_long.get_grid("stage1:2"))) == 30
+  cfg = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}["method-m2po_delay-8_seed-4"]
+  assert (cfg.loss.method, cfg.delay, cfg.total_steps, cfg.optimizer.learning_rate) == ("m2po", 8, 40, 3e-5)
+
+
+def test_the_long_mipu_grid(monkeypatch):
+  monkeypatch.setattr(minpro_long, "LEARNING_RATE", None)
+  with pytest.raises(GridError, match="LEARNING_RATE is still the placeholder"):
+    grid.load_grid(MIPU_LONG + ":pilot")
+  monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)  # the grid file reads minpro_long's rate
+  pilot = {r.name: c for r, _, c in grid.plan(grid.load_grid(MIPU_LONG + ":pilot"), "/tmp/study", validate=False)}
+  assert list(pilot) == ["variant-fp32_seed-0", "variant-grpo_seed-0"]
+  fp32, fp8 = pilot.values()
+  assert (fp32.sampling.precision, fp8.sampling.precision, fp8.sampling.fp8_format) == ("fp32", "fp8", "e5m2")
+  assert (fp8.sft.target, fp8.delay, fp8.optimizer.learning_rate, fp8.loss.rollout_is) == ("worked", 0, 3e-5, None)
+  with pytest.raises(GridError, match="FP8_CONFIRMED is still the placeholder False"):
+    grid.load_grid(MIPU_LONG + ":main")
+  monkeypatch.setattr(mipu_long, "FP8_CONFIRMED", True)
+  planned = {r.name: c for r, _, c in grid.plan(mipu_long.get_grid("main"), "/tmp/study", validate=False)}
+  assert len(planned) == 25 and list(planned)[:5] == [
+      f"variant-{v}_seed-0" for v in ("fp32", "grpo", "tis", "mipu", "random")
+  ]
+  mipu, rnd = planned["variant-mipu_seed-3"], planned["variant-random_seed-3"]
+  assert (mipu.loss.rollout_is, mipu.mipu.rollback, mipu.mipu.mode, mipu.mipu.gap_tolerance) == (
+      "token",
+      True,
+      "gap",
+      1e-4,
+  )
+  assert (rnd.mipu.mode, rnd.mipu.match_rate_of, rnd.sampling.max_new_tokens) == ("random", "variant-mipu_seed-3", 128)
 
 
 @pytest.mark.parametrize(

@@ -130,6 +130,9 @@ def base_config() -> ConfigDict:
   c.sft.num_examples = 8000
   c.sft.max_len = 48
   c.sft.boxed_fraction = 0.5  # half the SFT targets give the bare answer, which the grader does not credit
+  c.sft.target = (
+      "answer"  # answer: " \\boxed{5}" | worked: " 2-3=-1 ... -4+9=5 \\boxed{5}" (traced tasks: data/worked.py)
+  )
   c.sft.cache_dir = "cache"
 
   # MIPU Step 2 (arXiv 2606.29526; minpro_jax/rl/mipu.py): after each step's updates, sample validation prompts with the

@@ -1,9 +1,10 @@
 """Supervised warm start, so a model trained from scratch reaches a non-zero reward before RL.
 
-Each training example is `prompt + " \\boxed{answer}" + eos`; the loss is the token-mean negative log-likelihood of the
-response tokens only (fp32, chunked log-probs). The result is cached under a key that hashes everything it
-depends on (model config, tokenizer file, problems, hyper-parameters), so a second run — or a resumed one —
-reuses it instead of training again.
+Each training example is `prompt + " \\boxed{answer}" + eos`, or with worked steps (`config.sft.target=worked`,
+`minpro_jax.data.worked`) `prompt + " 2-3=-1 -1+2=1 \\boxed{1}" + eos`; the loss is the token-mean negative
+log-likelihood of the response tokens only (fp32, chunked log-probs). The result is cached under a key that hashes
+everything it depends on (model config, tokenizer file, problems, hyper-parameters), so a second run — or a resumed
+one — reuses it instead of training again.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ class SFTConfig:
   boxed_fraction: float = 1.0
 
 
-def sft_target(answer: str, boxed: bool = True) -> str:
+def sft_target(answer: str, boxed: bool = True, steps: str = "") -> str:
   """The response text a warm-started model learns: a boxed final answer, or the bare answer (which the grader
-  does not credit: see `build_examples`)."""
+  does not credit: see `build_examples`). With `steps` (worked steps that end at the answer,
+  `minpro_jax.data.worked.worked_steps`): `" {steps} \\boxed{answer}"`, or bare `" {steps}"` (the answer then only
+  appears as the last step's result, which the grader does not credit either)."""
+  if steps:
+    return f" {steps} \\boxed{{{answer}}}" if boxed else f" {steps}"
   return f" \\boxed{{{answer}}}" if boxed else f" {answer}"
 
 
@@ -58,21 +63,28 @@ def build_examples(
     *,
     boxed_fraction: float = 1.0,
     seed: int = 0,
+    steps: Sequence[str] | None = None,
 ):
   """Token rows for SFT: (tokens [N, max_len] int32, segment_ids [N, max_len], response_mask [N, max_len]).
 
   A fraction `boxed_fraction` of the targets (chosen with `seed`) box the answer; the rest give it bare, so the
   warm-started model answers in both formats, like a pretrained model that has seen both. The grader credits only
   extractable (boxed / "The answer is") answers, so RL must also learn the format, as in R1-Zero-style runs.
+  `steps`, aligned with `answers`, gives each target its worked steps (`sft_target`); None = answers only.
   Rows are right-padded; examples longer than `max_len` are dropped (counted in the log).
+
+  Raises:
+    ValueError: `boxed_fraction` outside [0, 1], `steps` of another length than `answers`, or no example fits.
   """
   if not 0.0 <= boxed_fraction <= 1.0:
     raise ValueError(f"boxed_fraction must lie in [0, 1], got {boxed_fraction}")
+  if steps is not None and len(steps) != len(answers):
+    raise ValueError(f"steps has {len(steps)} entries for {len(answers)} answers")
   boxed = np.random.default_rng(seed).random(len(answers)) < boxed_fraction
   rows, masks, lengths = [], [], []
   dropped = 0
-  for ids, ans, box in zip(prompt_ids, answers, boxed):
-    resp = tokenizer.encode(sft_target(ans, bool(box))) + [tokenizer.eos_id]
+  for ids, ans, box, st in zip(prompt_ids, answers, boxed, steps if steps is not None else [""] * len(answers)):
+    resp = tokenizer.encode(sft_target(ans, bool(box), st)) + [tokenizer.eos_id]
     seq = list(ids) + resp
     if len(seq) > max_len:
       dropped += 1
@@ -95,6 +107,19 @@ def build_examples(
 def cache_key(parts: dict[str, Any]) -> str:
   """Stable short hash of a JSON-able description of the SFT run."""
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_key(cfg: SFTConfig, tokens: np.ndarray, key_parts: dict[str, Any] | None = None) -> str:
+  """The cache key of an SFT run (`run_sft`'s folder `sft-<key>`): `cfg`, `key_parts` and the example tokens
+  [N, L] (their count and sha256)."""
+  return cache_key(
+      {
+          "cfg": dataclasses.asdict(cfg),
+          **(key_parts or {}),
+          "n": int(tokens.shape[0]),
+          "tokens_sha": hashlib.sha256(tokens.tobytes()).hexdigest(),
+      }
+  )
 
 
 def run_sft(
@@ -124,15 +149,7 @@ def run_sft(
   graphdef, params = nnx.split(model)
   path = None
   if cache_dir is not None:
-    key = cache_key(
-        {
-            "cfg": dataclasses.asdict(cfg),
-            **(key_parts or {}),
-            "n": int(tokens.shape[0]),
-            "tokens_sha": hashlib.sha256(tokens.tobytes()).hexdigest(),
-        }
-    )
-    path = os.path.join(os.path.abspath(cache_dir), f"sft-{key}")
+    path = os.path.join(os.path.abspath(cache_dir), f"sft-{run_key(cfg, tokens, key_parts)}")
     multihost.barrier("sft cache check")  # every process decides on the same files (restore or train: collective)
     if os.path.exists(os.path.join(path, "done")):
       try:

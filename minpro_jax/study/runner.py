@@ -53,6 +53,7 @@ ADDED_FIELDS = {
     "sampling.fp8_format": "e4m3",
     "sampling.fp8_activations": "token",
     "loss.rollout_mis_bounds": None,
+    "sft.target": "answer",
 }
 _ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
