@@ -118,6 +118,15 @@ def batch_split_warning(config, row) -> str | None:
   )
 
 
+def run_config_of(config_args: list[str]):
+  """(config file name, parsed run config) of the command line's `--config=FILE[:ARG]` and `--config.<field>=...`
+  flags (the train command's default config when no file is named). Raises UserError on a bad field."""
+  from minpro_jax.train import DEFAULT_CONFIG, parse_config
+
+  name = next((a.split("=", 1)[1] for a in reversed(config_args) if a.startswith("--config=")), DEFAULT_CONFIG)
+  return name, parse_config(["aot", f"--config={name}", *[a for a in config_args if not a.startswith("--config=")]])
+
+
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   if "--budget" in argv:  # one global step's time and its bound (minpro_jax/aot/budget.py)
@@ -129,15 +138,13 @@ def main(argv: list[str] | None = None) -> int:
   _prepare_environment(args.topology)
 
   from minpro_jax.errors import UserError
-  from minpro_jax.train import DEFAULT_CONFIG, parse_config
 
   try:
     from minpro_jax.aot.sweep import machine_info, markdown, settled, sweep
     from minpro_jax.aot.topologies import parse_slice
 
     sl = parse_slice(args.topology)
-    name = next((a.split("=", 1)[1] for a in reversed(config_args) if a.startswith("--config=")), DEFAULT_CONFIG)
-    config = parse_config(["aot", f"--config={name}", *[a for a in config_args if not a.startswith("--config=")]])
+    name, config = run_config_of(config_args)
     meshes = args.mesh or [config.mesh.shape or "fsdp=-1"]
     done = _kept_rows(args.out, args.fresh, sl.name)
     kept = [r for r in done if settled(r)]  # a row that failed is replaced by its retry

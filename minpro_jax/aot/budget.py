@@ -104,7 +104,7 @@ class Budget:
   Args:
     c: the run config; sl: the slice; mesh_spec: e.g. "fsdp=-1".
     lengths: a `--lengths` spec (`minpro_jax.aot.lengths`); prompt_len: real prompt tokens per row (the KV and
-      tokens of the bound and the simulation's caches; the programs are compiled at the prompt bucket
+      tokens of the bound and the simulation's caches; None: 256, at most the bucket; the programs are compiled at the prompt bucket
       data.max_prompt_tokens); seed: the draw's seed; parts: which of `PARTS` to compile (the step row sums
       those); dump_hlo: a folder to write each part's optimized HLO to; hlo_from: a folder of such dumps to cost
       instead of compiling (parts without a dump are compiled).
@@ -114,7 +114,7 @@ class Budget:
     ConfigError: a bad field, mesh or lengths spec, naming it.
   """
 
-  def __init__(self, c, sl: Slice, mesh_spec: str, *, lengths: str, prompt_len: int = 256, seed: int = 0,
+  def __init__(self, c, sl: Slice, mesh_spec: str, *, lengths: str, prompt_len: int | None = None, seed: int = 0,
                parts=PARTS, dump_hlo: str | None = None, hlo_from: str | None = None,
                log=lambda s: None):  # fmt: skip
     from minpro_jax.aot.sweep import canonical_mesh, parse_mesh
@@ -126,6 +126,7 @@ class Budget:
     self.c, self.sl, self.log, self.dump_hlo, self.hlo_from = c, sl, log, dump_hlo, hlo_from
     self.cfg, self.model_from = model_config(c)
     self.shapes = run_shapes(c)
+    prompt_len = min(256, self.shapes.prompt_len) if prompt_len is None else prompt_len
     if prompt_len < 1 or prompt_len > self.shapes.prompt_len:
       raise ConfigError(f"--prompt-len={prompt_len}: must be in [1, data.max_prompt_tokens={self.shapes.prompt_len}]")
     self.prompt_len = int(prompt_len)
@@ -462,7 +463,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--topology", required=True, help="v5p-64, v6e-16, v5e-4, ... or cpu:N")
   p.add_argument("--mesh", default="", help="the mesh, e.g. fsdp=-1 (default: the config's mesh.shape or fsdp=-1)")
   p.add_argument("--lengths", default="gamma:mean=8192", help="response lengths: gamma:mean=M[,shape=K], const:N, FILE")
-  p.add_argument("--prompt-len", type=int, default=256, help="real prompt tokens per row (default 256)")
+  p.add_argument(
+      "--prompt-len", type=int, default=None, help="real prompt tokens per row (default: 256, at most the bucket)"
+  )
   p.add_argument("--seed", type=int, default=0, help="seed of the length draw")
   p.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
   p.add_argument("--out", default="", help="JSON report path")
@@ -473,7 +476,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   """The `--budget` command line (module docstring). Exit status 0, or 2 with one `error: ...` line."""
-  from minpro_jax.aot.__main__ import _prepare_environment
+  from minpro_jax.aot.__main__ import _prepare_environment, run_config_of
 
   argv = list(sys.argv[1:] if argv is None else argv)
   config_args = [a for a in argv if a.startswith("--config")]
@@ -481,15 +484,13 @@ def main(argv: list[str] | None = None) -> int:
   _prepare_environment(args.topology)
 
   from minpro_jax.errors import UserError
-  from minpro_jax.train import DEFAULT_CONFIG, parse_config
 
   try:
     from minpro_jax.aot.sweep import machine_info
     from minpro_jax.aot.topologies import parse_slice
 
     sl = parse_slice(args.topology)
-    name = next((a.split("=", 1)[1] for a in reversed(config_args) if a.startswith("--config=")), DEFAULT_CONFIG)
-    config = parse_config(["aot", f"--config={name}", *[a for a in config_args if not a.startswith("--config=")]])
+    name, config = run_config_of(config_args)
     mesh = args.mesh or config.mesh.shape or "fsdp=-1"
     budget = Budget(
         config,
