@@ -122,6 +122,22 @@ def run_key(cfg: SFTConfig, tokens: np.ndarray, key_parts: dict[str, Any] | None
   )
 
 
+def sft_loss(model, tokens: jax.Array, segment_ids: jax.Array, response_mask: jax.Array) -> jax.Array:
+  """The warm start's loss: mean over the response tokens of -log p(token | the tokens before it), fp32 nats.
+
+  Args:
+    model: a `Transformer`.
+    tokens, segment_ids, response_mask: [B, L] rows from `build_examples` (prompt and padding positions have
+      `response_mask` False and add nothing; a batch with no response token gives 0).
+
+  Returns:
+    scalar float32.
+  """
+  lp = token_logprobs(model, tokens, segment_ids).logp
+  m = response_mask.astype(jnp.float32)
+  return -jnp.sum(lp * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
 def run_sft(
     model,
     tokens: np.ndarray,
@@ -171,12 +187,7 @@ def run_sft(
 
   @jax.jit
   def step(params, opt_state, tok, seg, mask):
-    def loss_fn(p):
-      lp = token_logprobs(nnx.merge(graphdef, p), tok, seg).logp
-      m = mask.astype(jnp.float32)
-      return -jnp.sum(lp * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    loss, grads = jax.value_and_grad(lambda p: sft_loss(nnx.merge(graphdef, p), tok, seg, mask))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 

@@ -1,0 +1,94 @@
+"""The SFT warm start by value: the rows and masks of a hand-written batch, the boxed fraction, and the loss against
+a naive log-softmax over hand-listed response positions (prompt and padding add nothing)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minpro_jax.models import get_preset, init_model
+from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_loss
+
+EOS = 1
+CHARS = {" ": 10, "\\": 11, "b": 12, "o": 13, "x": 14, "e": 15, "d": 16, "{": 17, "}": 18}
+CHARS.update({str(d): 20 + d for d in range(10)})
+BOXED = [10, 11, 12, 13, 14, 15, 16, 17]  # " \boxed{"
+
+
+class _Tokenizer:
+  """One token per character, ids from `CHARS`."""
+
+  eos_id = EOS
+
+  def encode(self, text, add_bos=False):
+    return [CHARS[ch] for ch in text]
+
+
+def test_rows_masks_and_segments_by_hand():
+  # seed 0 draws [0.637, 0.270] for the two examples: at boxed_fraction 0.5 the first is bare, the second boxed
+  tokens, seg, mask = build_examples([[3, 4, 5], [6]], ["7", "12"], _Tokenizer(), 16, boxed_fraction=0.5, seed=0)
+  assert tokens.dtype == np.int32 and tokens.shape == seg.shape == mask.shape == (2, 16)
+  assert tokens[0].tolist() == [3, 4, 5, 10, 27, EOS] + [0] * 10  # prompt, " 7", eos, padding
+  assert tokens[1].tolist() == [6, *BOXED, 21, 22, 18, EOS] + [0] * 3  # prompt, " \boxed{12}", eos, padding
+  assert mask[0].tolist() == [0, 0, 0, 1, 1, 1] + [0] * 10  # the prompt and the padding are not learned
+  assert mask[1].tolist() == [0] + [1] * 12 + [0] * 3
+  assert seg[0].tolist() == [1] * 6 + [0] * 10 and seg[1].tolist() == [1] * 13 + [0] * 3
+
+
+def test_a_row_longer_than_max_len_is_dropped_and_none_fitting_is_refused():
+  tokens, _, mask = build_examples([[3], [6, 7, 8, 9]], ["7", "7"], _Tokenizer(), 12)
+  assert tokens.tolist() == [[3, *BOXED, 27, 18, EOS]]  # 12 tokens fit; the second row needs 15
+  assert mask.sum() == 11
+  with pytest.raises(ValueError, match="no example fits max_len=8; the shortest takes 12 tokens"):
+    build_examples([[3], [6, 7, 8, 9]], ["7", "7"], _Tokenizer(), 8)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 1.0])
+def test_the_boxed_fraction_is_honoured(fraction):
+  n = 1000
+  tokens, _, _ = build_examples([[3]] * n, ["7"] * n, _Tokenizer(), 16, boxed_fraction=fraction, seed=3)
+  boxed = np.all(tokens[:, :12] == [3, *BOXED, 27, 18, EOS], axis=1)  # prompt, " \boxed{7}", eos
+  bare = np.all(tokens[:, :4] == [3, 10, 27, EOS], axis=1)  # prompt, " 7", eos
+  assert np.all(boxed ^ bare)  # every row is one of the two targets
+  want = np.random.default_rng(3).random(n) < fraction  # the documented draw: 253 of 1000 at 0.25
+  np.testing.assert_array_equal(boxed, want)
+  assert boxed.sum() == {0.0: 0, 0.25: 253, 1.0: n}[fraction]
+  with pytest.raises(ValueError, match="boxed_fraction must lie in"):
+    build_examples([[3]], ["7"], _Tokenizer(), 16, boxed_fraction=1.5)
+
+
+def _model():
+  kw = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+  return init_model(get_preset("tiny", **kw), seed=0)
+
+
+def _naive_loss(model, tokens, seg, positions):
+  """Mean of -log softmax(logits[b, t - 1])[tokens[b, t]] over the hand-listed (b, t), from the full logits."""
+  logits = np.asarray(model(jnp.asarray(tokens), None, jnp.asarray(seg)).out, np.float64)
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  return -np.mean([logits[b, t - 1, tokens[b, t]] - logz[b, t - 1] for b, t in positions])
+
+
+def test_the_loss_is_the_nll_of_the_response_tokens_only():
+  model = _model()
+  tokens, seg, mask = build_examples([[3, 4, 5], [6]], ["7", "12"], _Tokenizer(), 16, boxed_fraction=0.5, seed=0)
+  response = [(0, 3), (0, 4), (0, 5)] + [(1, t) for t in range(1, 13)]  # from the rows written out above
+  loss = float(sft_loss(model, jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(mask)))
+  assert loss == pytest.approx(_naive_loss(model, tokens, seg, response), rel=1e-5)
+  everything = [(b, t) for b in range(2) for t in range(1, 16) if seg[b, t]]  # prompt tokens learned too: differs
+  assert abs(loss - _naive_loss(model, tokens, seg, everything)) > 1e-3
+  other_pad = np.where(seg == 0, 9, tokens)  # what sits in the padding does not matter
+  assert float(sft_loss(model, jnp.asarray(other_pad), jnp.asarray(seg), jnp.asarray(mask))) == pytest.approx(loss)
+  assert float(sft_loss(model, jnp.asarray(tokens), jnp.asarray(seg), jnp.zeros_like(mask))) == 0.0
+
+
+def test_sft_reports_the_loss_of_its_last_batch_and_lowers_it():
+  model = _model()
+  tokens, seg, mask = build_examples([[3, 4, 5], [6]], ["7", "12"], _Tokenizer(), 16, boxed_fraction=0.5, seed=0)
+  start = float(sft_loss(model, jnp.asarray(tokens), jnp.asarray(seg), jnp.asarray(mask)))
+  # two steps on the whole batch; the warm-up starts at lr 0, so the second step still sees the starting parameters
+  cfg = SFTConfig(steps=2, batch_size=2, learning_rate=1e-2, max_len=16)
+  params, info = run_sft(model, tokens, seg, mask, cfg, log_every=1)
+  assert info["final_loss"] == pytest.approx(start, rel=1e-6) and info["cached"] is False
+  after = float(sft_loss(nnx.merge(nnx.graphdef(model), params), jnp.asarray(tokens), jnp.asarray(seg), mask))
+  assert after < start
