@@ -90,6 +90,10 @@ def summary(entries) -> str:
 
     ev = next((r for r in rows if r["part"].startswith("eval") and not r.get("sub")), {})
     step = part["step"]
+    if step.get("seconds_overlapped") is None:  # a part does not fit: no step time
+      bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
+      lines.append(f"| {name} | n/a | n/a | {_h(bound)} | | {cell('sampling')} | {cell('score')} | {cell('update')} |")
+      continue
     no_eval = (step.get("seconds_overlapped") or 0) - (ev.get("seconds_overlapped") or 0)
     bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
     ratio = f"{no_eval / bound:.1f}x" if bound and step.get("seconds_overlapped") else ""
