@@ -260,8 +260,11 @@ def check_tokenizer_matches(c, tokenizer, model_vocab: int, eos_ids: tuple[int, 
   would train silently on ids that mean other words to the model.
 
   Raises:
-    ConfigError: naming `config.tokenizer` (or `config.tokenizer.path`), both vocabularies and the fix.
+    ConfigError: naming `config.tokenizer` (or `config.tokenizer.path`), both vocabularies and the fix. A tokenizer
+      trained for the run (`tokenizer.kind=train_spm`) is not checked: it is nobody's to match.
   """
+  if c.tokenizer.kind not in ("model", "path"):
+    return
   field = "tokenizer.path" if c.tokenizer.kind == "path" else "tokenizer"
   where = c.tokenizer.path if c.tokenizer.kind == "path" else c.model.path
   fix = (
