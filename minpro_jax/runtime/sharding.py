@@ -128,8 +128,8 @@ def check_global(tree, mesh: Mesh, what: str) -> None:
   exactly the mesh's devices, with shards that read back. A few attribute reads per leaf, no device work.
 
   Raises:
-    ConfigError: naming `config.mesh.shape`, the first leaf at fault (its path in `what`, e.g. "the learner
-      state") and its layout.
+    ConfigError: naming `config.mesh.shape`, the first leaf at fault (its path in the tree `what`, e.g. "the
+      learner state") and its layout.
   """
   devices = set(mesh.devices.flat)
   for path, x in jax.tree_util.tree_leaves_with_path(tree):
