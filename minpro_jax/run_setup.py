@@ -43,7 +43,7 @@ from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models import Transformer, get_preset, init_model
 from minpro_jax.models.gguf_io import load_gguf
 from minpro_jax.models.hf_io import load_hf_checkpoint
-from minpro_jax.rl.learner import make_optimizer
+from minpro_jax.rl.learner import Learner, make_optimizer
 from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_target
 from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import make_mesh
@@ -118,6 +118,7 @@ def setup_run(c) -> RunParts:
     check_vocab_fits(c, tokenizer, model)
     run_config.check_routes_fit(c, model.config)  # a GGUF's architecture is known only now
     check_disk_space(c, checkpointer, model)  # before the SFT warm start
+    check_state_layout(c, model, mesh)  # before the SFT warm start: a state orbax cannot write crashes at its save
     sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": bool(c.sft.enabled)}
     if resuming and c.sft.enabled:
       sft_info["skipped"] = "resumed from a run checkpoint"
@@ -295,6 +296,27 @@ def check_disk_space(c, checkpointer: RunCheckpointer, model: Transformer) -> No
   optimizer = make_optimizer(run_config.optimizer_config(c))
   state = (params, jax.eval_shape(optimizer.init, params))
   checkpointer.check_disk_space(state, params)
+
+
+def check_state_layout(c, model: Transformer, mesh) -> None:
+  """In a multi-process run, makes the learner state the trainer will checkpoint (`Learner.init_state` of
+  `model`'s parameters: the parameters, zero optimizer moments and the counters), which checks that every leaf is
+  a global array on `mesh`, and frees it. It costs one optimizer state (the SFT warm start that follows makes its
+  own) for a moment; a single-process run skips it (orbax writes any of its arrays).
+
+  Raises:
+    ConfigError: naming `config.mesh.shape` and the first leaf orbax could not write (`sharding.check_global`).
+  """
+  if mesh is None or multihost.process_count() == 1:
+    return
+  learner = Learner(
+      model,
+      run_config.loss_config(c),
+      run_config.optimizer_config(c),
+      micro_batch_size=run_config.learner_micro_batch(c),
+      mesh=mesh,
+  )
+  learner.init_state(nnx.split(model)[1])
 
 
 def check_finite_params(model: Transformer, path: str) -> None:

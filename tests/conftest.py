@@ -41,6 +41,7 @@ SLOWEST_FIRST = (
     "test_colab_notebook",
     "aot_tpu",
     "budget_tpu",
+    "multihost_one_device",
     "test_bad_input",
     "test_silent_runs",
     "test_multihost_errors",

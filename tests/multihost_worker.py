@@ -4,7 +4,9 @@
 
 MODE "primitives": initializes jax.distributed through `maybe_initialize_distributed` (the trainer's path), runs
 the host-side primitives of `minpro_jax.runtime.multihost` and the trainer's data order on a 2 x 2 mesh, and writes
-what this process saw to OUT_DIR/process_<i>.json. MODE "fail": process 1 exits with status 3, the others wait.
+what this process saw to OUT_DIR/process_<i>.json. MODE "layout": places a tree with a one-device scalar on the
+mesh of every device (`sharding.replicate_local_leaves`), checks and saves it with orbax, and records what
+`sharding.check_global` says of leaves that are not global. MODE "fail": process 1 exits with status 3, the others wait.
 MODE "sleep": every process waits for SIGTERM, records it in OUT_DIR/process_<i>.signal and exits 143. MODE
 "stubborn": every process ignores SIGTERM and waits.
 """
@@ -66,12 +68,63 @@ def primitives(out_dir: str) -> dict:
   }
 
 
+def layout(out_dir: str) -> dict:
+  from minpro_jax.runtime.distributed import maybe_initialize_distributed
+
+  assert maybe_initialize_distributed() is True
+  import jax
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from minpro_jax.errors import ConfigError
+  from minpro_jax.runtime.sharding import check_global, make_mesh, replicate_local_leaves
+
+  mesh = make_mesh({"data": -1})
+  replicated = NamedSharding(mesh, P())
+
+  def check(tree):
+    try:
+      check_global(tree, mesh, "the tree")
+      return None
+    except ConfigError as e:
+      return str(e)
+
+  w = jax.jit(lambda: jnp.arange(4.0), out_shardings=replicated)()
+  tree = {"w": w, "count": jnp.zeros((), jnp.int32) + 5}  # `count` on this process's first device, like optax's
+  placed = replicate_local_leaves(tree, mesh)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(out_dir, "ckpt"), placed)
+  ckptr.wait_until_finished()
+  restored = ckptr.restore(os.path.join(out_dir, "ckpt"), jax.tree.map(ocp.utils.to_shape_dtype_struct, placed))
+  raw = jax.device_put(jnp.zeros((), jnp.int32), replicated)  # the path init_state took before
+  try:
+    raw.addressable_shards  # noqa: B018
+    raw_readable = True
+  except ValueError:
+    raw_readable = False
+  return {
+      "local_devices": jax.local_device_count(),
+      "w_kept": placed["w"] is w,
+      "count_replicated": placed["count"].sharding == replicated,
+      "placed_error": check(placed),
+      "restored": {k: jax.device_get(v.addressable_shards[0].data).tolist() for k, v in restored.items()},
+      "one_device_error": check({"x": jax.device_put(jnp.zeros(()), jax.local_devices()[0])}),
+      "raw_readable": raw_readable,
+      "raw_error": check({"x": raw}),
+  }
+
+
 def main() -> None:
   mode, out_dir = sys.argv[1], sys.argv[2]
   index = int(os.environ["JAX_PROCESS_ID"])
   if mode == "primitives":
     with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
       json.dump(primitives(out_dir), f)
+  elif mode == "layout":
+    with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
+      json.dump(layout(out_dir), f)
   elif mode == "fail":
     if index == 1:
       sys.exit(3)

@@ -53,14 +53,14 @@ def _overrides(tmp, name):
   )
 
 
-def _launch_args(ov, num_processes=2):
+def _launch_args(ov, num_processes=2, devices_per_process=2):
   train = cli_args(ov)[3:]  # the flags after `python -m minpro_jax.train`
   return [
       sys.executable,
       "-m",
       "minpro_jax.launch_local",
       f"--num_processes={num_processes}",
-      "--devices_per_process=2",
+      f"--devices_per_process={devices_per_process}",
       "--",
       *train,
   ]
@@ -208,8 +208,9 @@ def test_resume_with_another_process_count_fails_naming_it(runs):
   assert "checkpointed by 2 process(es), this one runs on 1" in r.stderr
 
 
-def _worker(mode, out_dir, num_processes=2, grace_s=5):
+def _worker(mode, out_dir, num_processes=2, grace_s=5, devices_per_process=2):
   args = [sys.executable, "-m", "minpro_jax.launch_local", f"--num_processes={num_processes}", f"--grace_s={grace_s}"]
+  args += [f"--devices_per_process={devices_per_process}"]
   args += ["--module=tests.multihost_worker", "--", mode, str(out_dir)]
   return subprocess.Popen(args, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -233,6 +234,35 @@ def test_host_primitives_in_two_processes(tmp_path):
   assert seen[0]["batch_ids"] == seen[1]["batch_ids"]
   assert set(seen[0]["my_ids"]).isdisjoint(seen[1]["my_ids"])
   assert seen[0]["my_ids"] + seen[1]["my_ids"] == seen[0]["batch_ids"]
+
+
+@pytest.mark.xdist_group("multihost_one_device")
+def test_one_device_per_process_trains_checkpoints_and_resumes(tmp_path):
+  # With one device per process, the learner state's counters (optax's step counts, step, skipped) were put on the
+  # mesh with `jax.device_put`, which made arrays orbax could not write: the run died at its first checkpoint.
+  ov = tiny_overrides(tmp_path, total_steps=2, **{"mesh.shape": "data=2", "checkpoint.every": 1, "checkpoint.keep": 2})
+  r = subprocess.run(_launch_args(ov, devices_per_process=1), env=_env(), capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:]
+  assert _ckpt_steps(ov["workdir"]) == [0, 1]
+  ov["total_steps"] = 3
+  r = subprocess.run(_launch_args(ov, devices_per_process=1), env=_env(), capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:]
+  assert "resumed from global step 1 (policy_version 2)" in r.stdout
+  assert _ckpt_steps(ov["workdir"]) == [1, 2]
+  assert sorted(_records(ov["workdir"])) == [-1, 0, 1, 2, 3]  # the evaluations after SFT (-1) and at the end (3)
+
+
+def test_one_device_per_process_layout_is_global_and_checked(tmp_path):
+  p = _worker("layout", tmp_path, devices_per_process=1)
+  out = _finish(p, 300)
+  assert p.returncode == 0, out[-3000:]
+  for i in range(2):
+    s = json.load(open(tmp_path / f"process_{i}.json"))
+    assert s["local_devices"] == 1 and s["w_kept"] and s["count_replicated"]
+    assert s["placed_error"] is None and s["restored"] == {"w": [0.0, 1.0, 2.0, 3.0], "count": 5}
+    assert s["one_device_error"].startswith("config.mesh.shape: leaf ['x'] of the tree is laid out on 1 device(s)")
+    assert (s["raw_error"] is None) == s["raw_readable"]  # JAX 0.10.2: not readable, and the check says so
+    assert s["raw_readable"] or "has shards that cannot be read" in s["raw_error"]
 
 
 @LAUNCH_GROUP

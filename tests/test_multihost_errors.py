@@ -111,3 +111,28 @@ def test_check_shared_dir_is_a_no_op_for_one_process(tmp_path):
 
   multihost.check_shared_dir(str(tmp_path), "workdir")
   assert os.listdir(tmp_path) == []
+
+
+def test_one_device_leaves_are_replicated_on_the_mesh_and_others_checked():
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from minpro_jax.errors import ConfigError
+  from minpro_jax.runtime.sharding import check_global, make_mesh, replicate_local_leaves
+
+  mesh = make_mesh({"data": 2, "fsdp": -1})  # the 8 CPU devices of tests/conftest.py
+  w = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("fsdp")))
+  tree = {"w": w, "n": jnp.zeros((), jnp.int32) + 3, "host": 1.5}
+  assert replicate_local_leaves(tree, None) is tree
+  placed = replicate_local_leaves(tree, mesh)
+  assert placed["w"] is w and placed["host"] == 1.5  # already on the mesh, or not an array: left alone
+  assert placed["n"].sharding == NamedSharding(mesh, P()) and int(placed["n"]) == 3
+  check_global(placed, mesh, "the state")
+  half = make_mesh({"data": 4}, devices=jax.devices()[:4])
+  bad = {**placed, "v": jax.device_put(jnp.zeros(4), NamedSharding(half, P()))}
+  with pytest.raises(ConfigError, match=r"^config.mesh.shape: leaf \['v'\] of the state is laid out on 4 device"):
+    check_global(bad, mesh, "the state")
+  with pytest.raises(ConfigError, match=r"leaf \['n'\] of the state is laid out on 1 device"):
+    check_global(tree, mesh, "the state")

@@ -33,6 +33,7 @@ from minpro_jax.rl.aggregation import k3
 from minpro_jax.rl.objectives import get_objective, policy_loss, resolve_hparams
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime.multihost import settle, to_host
+from minpro_jax.runtime.sharding import check_global, replicate_local_leaves
 
 NUM_POSITION_BINS = 8
 
@@ -266,14 +267,26 @@ class Learner:
 
   # ----- state -----
   def init_state(self, params) -> TrainState:
-    """A fresh `TrainState` (optimizer moments zero, step 0) for parameter state `params`."""
+    """A fresh `TrainState` (optimizer moments zero, step 0) for parameter state `params`.
+
+    With a mesh, the leaves on one device (the counters) are replicated on it; in a multi-process run every leaf
+    is then checked to be a global array on the mesh, which orbax can checkpoint.
+
+    Raises:
+      ConfigError: naming `config.mesh.shape` and the leaf, when one is not (`sharding.check_global`).
+    """
     state = TrainState(
         params=params,
         opt_state=self.optimizer.init(params),
         step=jnp.zeros((), jnp.int32),
         skipped=jnp.zeros((), jnp.int32),
     )
-    return settle(jax.device_put(state, self._state_shardings(state))) if self.mesh is not None else state
+    if self.mesh is None:
+      return state
+    state = settle(replicate_local_leaves(state, self.mesh))  # the counters; params and moments are on it already
+    if jax.process_count() > 1:  # orbax writes only global arrays there: fail now, not at the first checkpoint
+      check_global(state, self.mesh, "the learner state")
+    return state
 
   def _state_shardings(self, state: TrainState):
     """Each leaf's sharding; with a mesh, scalars and other single-device leaves are replicated on it."""

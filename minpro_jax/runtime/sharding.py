@@ -16,8 +16,10 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.core import spmd as core_spmd
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+
+from minpro_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -99,6 +101,55 @@ def use_mesh(mesh: Mesh | None, rules=DEFAULT_RULES) -> Iterator[None]:
     return
   with jax.set_mesh(mesh), nnx.logical_axis_rules(tuple(rules)):
     yield
+
+
+def replicate_local_leaves(tree, mesh: Mesh | None):
+  """`tree` with every array leaf that lives on one device (scalars made with `jnp`, optax's step counts)
+  replicated on `mesh`; the other leaves are returned as they are. The identity when `mesh` is None.
+
+  The values go through the host and a jitted identity with the replicated output sharding, not through
+  `jax.device_put`: with JAX 0.10.2, `device_put` of a one-device `jax.Array` into a sharding that spans several
+  processes with one device each returns an array whose shards cannot be read (`addressable_shards` raises "When
+  making an array from single-device arrays ... had 2 shard(s)"), which orbax then fails to write. Like any host
+  value given to jit in a multi-process run, the leaves must hold the same values on every process.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  local = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and isinstance(x.sharding, SingleDeviceSharding)]
+  if mesh is None or not local:
+    return tree
+  placed = jax.jit(lambda xs: xs, out_shardings=NamedSharding(mesh, P()))(jax.device_get([leaves[i] for i in local]))
+  for i, x in zip(local, placed):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def check_global(tree, mesh: Mesh, what: str) -> None:
+  """Raises unless every array leaf of `tree` is a global array on `mesh` that orbax can write: laid out on
+  exactly the mesh's devices, with shards that read back. A few attribute reads per leaf, no device work.
+
+  Raises:
+    ConfigError: naming `config.mesh.shape`, the first leaf at fault (its path in the tree `what`, e.g. "the
+      learner state") and its layout.
+  """
+  devices = set(mesh.devices.flat)
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    if not isinstance(x, jax.Array):
+      continue
+    if x.sharding.device_set != devices:
+      problem = (
+          f"is laid out on {len(x.sharding.device_set)} device(s) ({x.sharding}), not on the mesh's {len(devices)}"
+      )
+    else:
+      try:
+        x.addressable_shards  # noqa: B018 - raises for an array whose shards cannot be read
+        continue
+      except ValueError as e:
+        problem = f"has shards that cannot be read ({e})"
+    raise ConfigError(
+        f"config.mesh.shape: leaf {jax.tree_util.keystr(path)} of {what} {problem}, so the run could not checkpoint it "
+        f"(orbax writes global arrays on the run's mesh {dict(mesh.shape)}); this is a bug in minpro_jax or JAX, "
+        "not in the config: report it with the launch command and the JAX version"
+    )
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules=None) -> P:
