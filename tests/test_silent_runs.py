@@ -194,20 +194,21 @@ def test_a_moved_default_is_named_and_added_fields_do_not_orphan_finished_runs(t
   now = {
       "seed": 0,
       "delay": 2,
-      "sampling": {"continuous": True, "temperature": 1.0, "fp8_format": "e4m3"},
+      # continuous: the same samples either way (runner.SAME_SAMPLES_FIELDS), not a difference
+      "sampling": {"continuous": True, "temperature": 0.7, "fp8_format": "e4m3"},
       "mipu": {"rollback": False, "mode": "gap", "ground_truth": False},  # fields added since, at their old value
   }
   (tmp_path / "r").mkdir()
   (tmp_path / "r" / "summary.json").write_text(json.dumps({"config": ran}))
-  pinned = {**now, "sampling": {**now["sampling"], "continuous": False}}
-  assert runner.run_status(str(tmp_path / "r"), pinned, set_by_grid=["seed", "sampling.continuous"]) == ("done", [])
+  pinned = {**now, "sampling": {**now["sampling"], "temperature": 1.0}}
+  assert runner.run_status(str(tmp_path / "r"), pinned, set_by_grid=["seed", "sampling.temperature"]) == ("done", [])
   status = runner.run_status(str(tmp_path / "r"), now, set_by_grid=["seed", "delay"])
-  assert status == ("stale", ["default sampling.continuous changed from False to True since this run finished"])
+  assert status == ("stale", ["default sampling.temperature changed from 1.0 to 0.7 since this run finished"])
   with pytest.raises(runner.StudyError) as e:
     runner.check_not_stale(str(tmp_path), {"r": status})
   msg = str(e.value)
-  assert "ran with other defaults of the base config than today's (default sampling.continuous changed" in msg
-  assert "the grid did not change" in msg and "(sampling.continuous=False) and re-run with --force" in msg
+  assert "ran with other defaults of the base config than today's (default sampling.temperature changed" in msg
+  assert "the grid did not change" in msg and "(sampling.temperature=1.0) and re-run with --force" in msg
   grid_change = runner.run_status(str(tmp_path / "r"), {**now, "delay": 4}, set_by_grid=["seed", "delay"])
   assert grid_change[1][0] == "delay: 2 then, 4 now"
   with pytest.raises(runner.StudyError, match="finished with another config than the grid gives"):
