@@ -37,6 +37,7 @@ ENTRIES = [
 
 
 def main() -> int:
+  """Runs, re-costs or summarises the entries (module docstring); returns 0 (a failed entry is reported and skipped)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--only", default="", help="substring of the entry names to run")
   p.add_argument("--force", action="store_true", help="redo entries that have a JSON")

@@ -76,6 +76,9 @@ _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # ops that update operand
 # ------------------------------------------------------------------------------------------- collectives
 @dataclasses.dataclass(frozen=True)
 class Collective:
+  """One collective instruction as one chip sees it (fields below; `ici_bytes` by the ring formulas of the module
+  docstring)."""
+
   kind: str  # one of analysis.COLLECTIVES
   result_bytes: float
   group_size: int
@@ -182,6 +185,7 @@ class Cost:
     return Cost(self.flops * k, self.hbm_bytes * k, self.ici_bytes * k, col)
 
   def as_dict(self) -> dict:
+    """The cost as plain JSON-ready values."""
     return dataclasses.asdict(self)
 
 
@@ -234,10 +238,12 @@ class Node:
     return total
 
   def seconds_per_run(self, overlapped: bool) -> float:
+    """Seconds of one run: own time plus every child's trips x its time (`overlapped` picks the column)."""
     own = self.own_overlapped if overlapped else self.own_serial
     return own + sum(ch.trips * ch.seconds_per_run(overlapped) for ch in self.children)
 
   def walk(self, depth: int = 0):
+    """(depth, node) of this node and every descendant, depth first."""
     yield depth, self
     for ch in self.children:
       yield from ch.walk(depth + 1)
@@ -446,9 +452,11 @@ class HloCost:
     return out
 
   def total(self) -> Cost:
+    """The whole program's cost per chip: the entry's own cost plus every loop and branch times its trips."""
     return self.root.per_run()
 
   def seconds(self, overlapped: bool) -> float:
+    """The whole program's estimated seconds, communication overlapped (True) or serial (False)."""
     return self.root.seconds_per_run(overlapped)
 
 

@@ -19,6 +19,9 @@ ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 
 @dataclasses.dataclass
 class Instr:
+  """One HLO instruction: its name, result type text, opcode, operand names, the text after its operands, and
+  whether it is its computation's ROOT."""
+
   name: str
   shape: str  # the result type text, e.g. "f32[16,64]{1,0}" or "(s32[], f32[4])"
   opcode: str
@@ -30,6 +33,8 @@ class Instr:
 
 @dataclasses.dataclass
 class Computation:
+  """One HLO computation: its instructions in order, by name (`by_name`), and whether it is the module's entry."""
+
   name: str
   instrs: list[Instr]
   entry: bool = False
@@ -39,6 +44,7 @@ class Computation:
 
   @property
   def root(self) -> Instr:
+    """The ROOT instruction (the last one when none is marked)."""
     return next((i for i in self.instrs if i.root), self.instrs[-1])
 
 
@@ -104,11 +110,14 @@ def shape_bytes(shape: str) -> float:
 
 
 def dims(shape: str) -> list[int]:
+  """The dimensions of the first array in an HLO type text (e.g. "f32[16,64]{1,0}" -> [16, 64]); [] for none."""
   m = ARRAY.search(shape)
   return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
 def attr(attrs: str, key: str) -> str | None:
+  """The raw value of attribute `key` in an instruction's attribute text (a bracketed group whole, an iota or
+  mesh replica-group spelling whole), or None when absent."""
   m = re.search(rf"\b{re.escape(key)}=", attrs)
   if not m:
     return None
@@ -129,6 +138,7 @@ def attr(attrs: str, key: str) -> str | None:
 
 
 def called(attrs: str, key: str) -> list[str]:
+  """The computation names an attribute lists (`calls=`, `body=`, `branch_computations={...}`); [] when absent."""
   v = attr(attrs, key)
   return re.findall(r"%?([\w.\-]+)", v) if v else []
 
@@ -147,6 +157,7 @@ def known_trip_count(ins: Instr) -> int | None:
 
 
 def through(comp: Computation, name: str, ops=("copy", "bitcast")) -> Instr | None:
+  """The instruction `name` in `comp`, looking through the ops in `ops` (copies, bitcasts) to their operand."""
   ins = comp.by_name.get(name)
   while ins is not None and ins.opcode in ops and ins.operands:
     ins = comp.by_name.get(ins.operands[0])
@@ -154,6 +165,7 @@ def through(comp: Computation, name: str, ops=("copy", "bitcast")) -> Instr | No
 
 
 def constant(ins: Instr | None) -> int | None:
+  """The integer value of a scalar `constant` instruction, else None."""
   if ins is None or ins.opcode != "constant":
     return None
   m = re.fullmatch(r"\s*(-?\d+)\s*", ins.args)

@@ -37,6 +37,7 @@ class Schedule:
 
   @property
   def iterations(self) -> int:
+    """Loop iterations of the call: decode steps plus refills (prefills)."""
     return self.decode_steps + self.refills
 
 
