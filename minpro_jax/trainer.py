@@ -544,19 +544,33 @@ def _eval_metrics(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def _combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
-  """The metrics of a step's updates as one record: max of *_max, min of *_min, sums of counts, means of the rest;
-  the weight by position bin is token-weighted over the updates (None for bins no response reached)."""
+  """The metrics of a step's updates as one record: max of *_max, min of *_min, sums of counts, means of the rest.
+
+  By response-position bin (None for bins no response reached), token-weighted over the updates: the mean weight,
+  the mean learner-behaviour |log ratio|, and the weights' effective sample size as a fraction of the bin's tokens,
+  ESS / n = (sum w)^2 / (n sum w^2) (Kish's effective sample size;
+  1: equal weights)."""
   out: dict[str, Any] = {}
+  per_bin = {}
+  if "tokens_by_position_bin" in ups[0]:
+    cnt = np.asarray([u["tokens_by_position_bin"] for u in ups], np.float64)
+    tot = cnt.sum(0)
+    for k in ("weight_by_position_bin", "weight_sq_by_position_bin", "abs_log_ratio_by_position_bin"):
+      if k in ups[0]:
+        per_bin[k] = (np.asarray([u[k] for u in ups], np.float64) * cnt).sum(0) / np.maximum(tot, 1)
+    as_list = lambda x: [float(v) if t > 0 else None for v, t in zip(x, tot)]  # noqa: E731
+    for k in ("weight_by_position_bin", "abs_log_ratio_by_position_bin"):
+      if k in per_bin:
+        out[f"learn/{k}"] = as_list(per_bin[k])
+    if "weight_sq_by_position_bin" in per_bin:
+      with np.errstate(all="ignore"):
+        ess = per_bin["weight_by_position_bin"] ** 2 / per_bin["weight_sq_by_position_bin"]
+      out["learn/ess_frac_by_position_bin"] = as_list(np.where(np.isfinite(ess), ess, 0.0))
   for k in ups[0]:
-    vals = np.asarray([u[k] for u in ups], np.float64)
-    if k == "weight_by_position_bin":
-      cnt = np.asarray([u["tokens_by_position_bin"] for u in ups], np.float64)
-      tot = cnt.sum(0)
-      mean = (vals * cnt).sum(0) / np.maximum(tot, 1)
-      out["learn/weight_by_position_bin"] = [float(x) if t > 0 else None for x, t in zip(mean, tot)]
-    elif k == "tokens_by_position_bin":
+    if k in per_bin or k == "tokens_by_position_bin":
       continue
-    elif k.endswith("_max"):
+    vals = np.asarray([u[k] for u in ups], np.float64)
+    if k.endswith("_max"):
       out[f"learn/{k}"] = float(vals.max())
     elif k.endswith("_min"):
       out[f"learn/{k}"] = float(vals.min())

@@ -377,3 +377,46 @@ def test_tis_weights_the_update_by_learner_over_sampler_capped(model_and_batch, 
       model, LossConfig(method="grpo", hparams=(("rollout_is", level), ("tis_cap", 1e9))), batch, mb=8
   )
   assert _max_abs_diff(uncapped, want) > 1e-2 * _max_abs(want)
+
+
+def test_update_reports_weight_square_and_log_ratio_by_position_bin(model_and_batch):
+  """The per-position-bin sums the learner returns (mean weight, mean squared weight, mean |learner - behaviour log
+  ratio| over the bin's tokens) equal a naive loop over the tokens; the step record's ESS fraction per bin is
+  (sum w)^2 / (n sum w^2) over the step's updates. GRPO with token TIS at theta = theta_k has the known weight
+  w_t = min(pi_k / mu, 2) (the PPO ratio is 1), so the expected values come from the batch alone."""
+  from minpro_jax.trainer import _combine_update_metrics
+
+  model = model_and_batch[0]
+  batch = _batch(model, length=20, seed=1)  # responses of up to 18 tokens: position bins 0-7, 8-15, 16-31
+  rng = np.random.default_rng(3)
+  mask = batch.response_mask
+  mu = np.where(mask, batch.learner_logp + rng.normal(0, 0.8, mask.shape), 0.0).astype(np.float32)
+  batch = batch.replace(behavior_logp=mu)
+  d = np.where(mask, batch.learner_logp.astype(np.float64) - mu, 0.0)
+  w = np.exp(np.minimum(d, np.log(2.0)))
+  index = np.cumsum(mask, axis=1) - 1  # position inside the response
+  bins = np.sum(index[..., None] >= np.asarray([8, 16, 32]), axis=-1)
+  cfg = LossConfig(method="grpo", hparams=(("rollout_is", "token"), ("tis_cap", 2.0)))
+  _, metrics, _ = _sgd_delta(model, cfg, batch, mb=2)
+  got = {k: np.asarray(metrics[k]) for k in metrics if k.endswith("_by_position_bin")}
+  assert (mask & (bins == 1)).sum() > 0, "the test needs tokens past position 8"
+  used = [b for b in range(3) if (mask & (bins == b)).any()]
+  for b in used:
+    sel = mask & (bins == b)
+    assert got["tokens_by_position_bin"][b] == sel.sum()
+    np.testing.assert_allclose(got["weight_by_position_bin"][b], w[sel].mean(), rtol=1e-5)
+    np.testing.assert_allclose(got["weight_sq_by_position_bin"][b], (w[sel] ** 2).mean(), rtol=1e-5)
+    np.testing.assert_allclose(got["abs_log_ratio_by_position_bin"][b], np.abs(d[sel]).mean(), rtol=1e-4, atol=1e-6)
+  assert np.all(got["tokens_by_position_bin"][len(used) :] == 0)
+  # two updates of one step: token-weighted over the updates, ESS from the pooled sums; bins without tokens: None
+  ups = [{k: np.asarray(v) for k, v in metrics.items()}] * 2
+  rec = _combine_update_metrics(ups)
+  for b in used:
+    sel = mask & (bins == b)
+    np.testing.assert_allclose(
+        rec["learn/ess_frac_by_position_bin"][b], w[sel].sum() ** 2 / (sel.sum() * (w[sel] ** 2).sum()), rtol=1e-5
+    )
+    np.testing.assert_allclose(rec["learn/abs_log_ratio_by_position_bin"][b], np.abs(d[sel]).mean(), rtol=1e-4)
+  assert rec["learn/ess_frac_by_position_bin"][len(used) :] == [None] * (8 - len(used))
+  assert 0 < min(rec["learn/ess_frac_by_position_bin"][: len(used)]) < 1
+  assert not any(k.startswith("learn/weight_sq") or k.startswith("learn/tokens_by") for k in rec)

@@ -552,6 +552,33 @@ def test_with_a_delay_only_evaluations_of_updated_policies_count():
   assert (m["peak"], m["auc"], m["largest_drop"], m["below_initial"]) == (0.10, 0.10, 0.0, False)
 
 
+def test_training_dynamics_by_hand():
+  """Steps to collapse (5 points below the initial), the train-accuracy AUC on the learning curve's axis, the
+  by-position profiles averaged over steps (bins a step did not reach skipped) and over a cell's runs."""
+  from minpro_jax.study import dynamics
+
+  assert dynamics.steps_to_collapse([(0, 0.20), (4, 0.17), (8, 0.15), (12, 0.02)]) == 8  # 0.15 = 0.20 - 0.05
+  assert dynamics.steps_to_collapse([(0, 0.20), (4, 0.16), (8, 0.25)]) is None
+  recs = [
+      {"step": 0, "reward/accuracy": 0.1},  # delay 2: steps 0, 1 sample the initial policy
+      {"step": 1, "reward/accuracy": 0.1},
+      {"step": 2, "reward/accuracy": 0.2, "learn/abs_log_ratio_by_position_bin": [0.1, 0.3, None]},
+      {"step": 3, "reward/accuracy": 0.4, "learn/abs_log_ratio_by_position_bin": [0.3, None, None]},
+      {"step": 4, "reward/accuracy": 0.3, "eval/pass@1": 0.2},
+  ]
+  assert dynamics.train_curve(recs, delay=2) == [(0, 0.2), (1, 0.4), (2, 0.3)]
+  run = dynamics.run_dynamics(recs, [(0, 0.2), (3, 0.1)], delay=2)
+  assert run["train_auc"] == pytest.approx((0.3 + 0.35) / 2) and run["steps_to_collapse"] == 3
+  assert run["abs_log_ratio_by_position"] == pytest.approx([0.2, 0.3, None])
+  assert run["ess_frac_by_position"] is None  # a run that predates the ESS metric
+  other = {"steps_to_collapse": None, "abs_log_ratio_by_position": [0.4, None, None], "ess_frac_by_position": None}
+  cell = dynamics.cell_dynamics([run, other])
+  assert cell["collapsed"] == 1 and cell["steps_to_collapse_mean"] == 3.0
+  assert cell["abs_log_ratio_by_position"] == pytest.approx([0.3, 0.3, None]) and cell["ess_frac_by_position"] is None
+  lines = dynamics.dynamics_markdown([{"label": "m", "seeds": [0, 1], "metrics": {}, "dynamics": cell}], 95)
+  assert lines[-1] == "| m | - | 1/2 (3.0) | 0.300 | 0.300 | - | - |"
+
+
 def _fake_run(study_dir, run, curve, total):
   d = os.path.join(study_dir, run.name)
   os.makedirs(d)
@@ -583,8 +610,10 @@ def test_aggregation_outputs_from_fake_run_files(tmp_path, capsys):
   d1 = res["runs"]["method-minpro_delay-1_seed-0"]  # delay 1: policy steps 2, 3 are 1, 2 steps with updates
   assert d1["learning_curve"] == [[0, 0.1], [1, 0.05], [2, 0.11]]
   assert d1["auc"] == pytest.approx((0.075 + 0.08) / 2)
+  assert cell["dynamics"]["collapsed"] == 1  # seed 0's 0.05 is 5 points below its initial 0.1
   md = open(os.path.join(study, "summary.md")).read()
   assert "| method=minpro, delay=0 | 2 |" in md and "method: minpro - grpo (delay=0)" in md
+  assert "| method=minpro, delay=0 | - | 1/2 (2.0) |" in md
 
 
 # ------------------------------------------------------------------------------------------------ end to end

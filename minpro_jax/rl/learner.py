@@ -430,15 +430,17 @@ class Learner:
     def body(acc, xs):
       micro, mprepared, mbins = xs
       grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, m, mprepared)
-      g_acc, loss_acc, metric_acc, wsum, wcnt = acc
+      g_acc, loss_acc, metric_acc, by_bin = acc
       g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
       valid = micro.response_mask.astype(jnp.float32)
       onehot = jax.nn.one_hot(mbins, NUM_POSITION_BINS) * valid[..., None]
-      wsum = wsum + jnp.einsum("nlb,nl->b", onehot, out.token_weights)
-      wcnt = wcnt + jnp.sum(onehot, axis=(0, 1))
+      tw = out.token_weights.astype(jnp.float32)
+      abs_log_ratio = jnp.abs(lp.logp - micro.behavior_logp)
+      per_token = jnp.stack([jnp.ones_like(tw), tw, tw * tw, abs_log_ratio])  # [4, n, l]: summed per position bin
+      by_bin = by_bin + jnp.einsum("nlb,knl->kb", onehot, jnp.where(valid > 0, per_token, 0.0))
       w = jnp.sum(valid) / num_tokens
       metric_acc = {k: _combine_metric(k, metric_acc[k], v, w) for k, v in out.metrics.items()}
-      return (g_acc, loss_acc + out.loss_sum, metric_acc, wsum, wcnt), lp.logp
+      return (g_acc, loss_acc + out.loss_sum, metric_acc, by_bin), lp.logp
 
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first, first_prepared = jax.tree.map(lambda a: a[0], (split, split_prepared))
@@ -450,10 +452,10 @@ class Learner:
         zero_grads,
         jnp.zeros((), jnp.float32),
         zero_metrics,
-        jnp.zeros(NUM_POSITION_BINS),
-        jnp.zeros(NUM_POSITION_BINS),
+        jnp.zeros((4, NUM_POSITION_BINS), jnp.float32),  # tokens, sum of w, of w^2, of |log ratio| per bin
     )
-    (grads, loss_sum, metrics, wsum, wcnt), logp = jax.lax.scan(body, init, (split, split_prepared, split_bins))
+    (grads, loss_sum, metrics, by_bin), logp = jax.lax.scan(body, init, (split, split_prepared, split_bins))
+    wcnt, wsum, wsq, abs_lr = by_bin
     logp = logp.reshape(mask.shape)
     loss = loss_sum / denom
     grad_norm = optax.global_norm(grads)
@@ -482,6 +484,8 @@ class Learner:
             "update_skipped": ~finite,
             "learner_behavior/abs_log_ratio_mean": jnp.sum(jnp.abs(delta)) / num_tokens,
             "weight_by_position_bin": wsum / jnp.maximum(wcnt, 1.0),
+            "weight_sq_by_position_bin": wsq / jnp.maximum(wcnt, 1.0),
+            "abs_log_ratio_by_position_bin": abs_lr / jnp.maximum(wcnt, 1.0),
             "tokens_by_position_bin": wcnt,
         }
     )

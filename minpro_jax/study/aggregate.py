@@ -31,6 +31,8 @@ Where the runs log them (MIPU):
   rollback_rate the rolled-back share of the Step-2 checks (`summary.json` "mipu"); None without checks;
   k3_mean       the mean over steps of the sampler-learner K3 (`sampler_learner/mismatch_k3`);
   rollbacks     [[global step, 1 if rolled back]] per check (`mipu/accepted`), for the rate over steps.
+And the training dynamics of `minpro_jax.study.dynamics` (steps to collapse, train-accuracy AUC, |log ratio| and
+the weights' ESS by response position).
 
 Per cell (over its seeds): the mean and a 95 % t-interval of each figure (`mean_ci`), and how many seeds fell
 below their initial value. Paired differences (`paired_differences`): reference minus cell on the seeds both ran
@@ -52,13 +54,14 @@ from typing import Any
 
 import numpy as np
 
+from minpro_jax.study.dynamics import cell_dynamics, curve_auc, dynamics_markdown, run_dynamics
 from minpro_jax.study.grid import Run, short_names
 
 LEVEL = 0.95
 BOOTSTRAP_SEED = 0  # the bootstrap's resampling is seeded: the same files give the same summary
 METRICS = ("best", "peak", "final", "auc", "largest_drop", "fall_rate", "initial")  # per cell
 PAIRED_METRICS = ("best", "peak", "final", "auc", "largest_drop")  # the initial value is the same on a shared seed
-OPTIONAL_METRICS = ("rollback_rate", "k3_mean")  # per cell where every finished run of it has them
+OPTIONAL_METRICS = ("rollback_rate", "k3_mean", "train_auc")  # per cell where every finished run of it has them
 K3_KEY = "sampler_learner/mismatch_k3"
 EVAL_KEY = "eval/pass@1"
 
@@ -146,23 +149,6 @@ def eval_curve(records: Sequence[Mapping[str, Any]], total_steps: int) -> list[t
   return sorted(out.items())
 
 
-def curve_auc(curve: Sequence[tuple[int, float]]) -> float:
-  """Trapezoid area under `curve` divided by its step span (the value itself for one point).
-
-  Raises:
-    ValueError: an empty curve, or steps not strictly increasing.
-  """
-  if not curve:
-    raise ValueError("curve_auc: empty curve")
-  steps = np.asarray([s for s, _ in curve], np.float64)
-  ys = np.asarray([y for _, y in curve], np.float64)
-  if np.any(np.diff(steps) <= 0):
-    raise ValueError(f"curve_auc: steps must increase, got {steps.tolist()}")
-  if len(curve) == 1:
-    return float(ys[0])
-  return float(np.trapezoid(ys, steps) / (steps[-1] - steps[0]))
-
-
 def largest_drop(curve: Sequence[tuple[int, float]]) -> float:
   """max over consecutive evaluations of (earlier - later), at least 0 (0 for a curve that never falls)."""
   ys = [y for _, y in curve]
@@ -242,6 +228,7 @@ def run_metrics(summary: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
       "rollbacks": [[int(r["step"]), int(not r["mipu/accepted"])] for r in records if "mipu/accepted" in r],
       "curve": [[s, y] for s, y in curve],
       "learning_curve": [[s, y] for s, y in learning],
+      **run_dynamics(records, learning, delay),
   }
 
 
@@ -315,6 +302,7 @@ def cell_stats(
         if all(v is not None for v in values):
           entry["metrics"][m] = mean_ci(values, method=method).to_json()
       entry["below_initial"] = sum(bool(per_run[r.name]["below_initial"]) for r in done)
+      entry["dynamics"] = cell_dynamics([per_run[r.name] for r in done])
     out.append(entry)
   return out
 
@@ -462,7 +450,7 @@ def to_markdown(result: Mapping[str, Any]) -> str:
         + " | ".join(_pct(m.get(k)) for k in ("initial", "best", "peak", "final", "auc", "largest_drop", "fall_rate"))
         + f" | {below} |"
     )
-  mipu_cells = [c for c in result["cells"] if any(k in c["metrics"] for k in OPTIONAL_METRICS)]
+  mipu_cells = [c for c in result["cells"] if any(k in c["metrics"] for k in ("rollback_rate", "k3_mean"))]
   if any("rollback_rate" in c["metrics"] for c in mipu_cells):
     lines += [
         "",
@@ -475,6 +463,7 @@ def to_markdown(result: Mapping[str, Any]) -> str:
       k3, rate = c["metrics"].get("k3_mean"), c["metrics"].get("rollback_rate")
       k3_text = "-" if not k3 else f"{k3['mean']:.2e}"
       lines.append(f"| {c['label']} | {k3_text} | {_pct(rate)} |")
+  lines += dynamics_markdown(result["cells"], lvl)
   if result["paired"]:
     lines += [
         "",
