@@ -54,6 +54,8 @@ ADDED_FIELDS = {
     "sampling.fp8_activations": "token",
     "loss.rollout_mis_bounds": None,
     "sft.target": "answer",
+    "sampling.decode_rows": 64,  # the Sampler's default before the field
+    "sampling.mesh": "",  # the learner's mesh
 }
 _ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
