@@ -45,11 +45,11 @@ def test_layout_of_the_resharded_parameters(sampler, learner_state, learner_mesh
   prepared = sampler.prepare_params(learner_state).state
   specs = {jax.tree_util.keystr(p): x.sharding.spec for p, x in jax.tree_util.tree_leaves_with_path(prepared)}
   layer = "['layers'][0]"
-  assert specs["['embed'].value"] == jax.sharding.PartitionSpec("tensor", None)
-  assert specs[f"{layer}['attn']['qkv_proj'].value"] == jax.sharding.PartitionSpec(None, "tensor", None, None)
-  assert specs[f"{layer}['attn']['o_proj'].value"] == jax.sharding.PartitionSpec("tensor", None, None)
+  assert specs["['embed'].value"] == jax.sharding.PartitionSpec("tensor")
+  assert specs[f"{layer}['attn']['qkv_proj'].value"] == jax.sharding.PartitionSpec(None, "tensor")
+  assert specs[f"{layer}['attn']['o_proj'].value"] == jax.sharding.PartitionSpec("tensor")
   assert specs[f"{layer}['mlp']['gate_proj'].value"] == jax.sharding.PartitionSpec(None, "tensor")
-  assert specs[f"{layer}['mlp']['down_proj'].value"] == jax.sharding.PartitionSpec("tensor", None)
+  assert specs[f"{layer}['mlp']['down_proj'].value"] == jax.sharding.PartitionSpec("tensor")
   for x in jax.tree.leaves(prepared):
     assert x.sharding.mesh is sampler.mesh
   gate = learner_state["layers"]["mlp"]["gate_proj"][...]
@@ -224,3 +224,24 @@ def test_validate_config_names_the_sampling_fields(tmp_path):
     run_config.validate_shapes_config(c)
   assert run_config.sampler_decode_rows(default.get_config()) == 64  # today's Sampler default
   assert default.get_config().sampling.mesh == ""
+
+
+def test_the_step_budget_compiles_the_sampler_on_its_own_layout():
+  """`python -m minpro_jax.aot --budget` with sampling.mesh: the sampling program it compiles for cpu:8 (learner
+  fsdp=8) runs on data=4 x tensor=2 and its decode step gathers no weight (on fsdp=8 it gathers all of them at
+  every step, tests/test_budget.py)."""
+  from minpro_jax.aot.budget import Budget, _param_bytes
+  from minpro_jax.aot.topologies import parse_slice
+  from minpro_jax.configs import set_fields
+
+  c = default.get_config()
+  c.prompts_per_step, c.group_size, c.num_updates_per_step, c.micro_batch_size = 8, 2, 1, 16
+  c.sampling.max_new_tokens, c.data.max_prompt_tokens = 8, 16
+  c = set_fields(c, {"sampling.mesh": "data=4,tensor=2", "sampling.decode_rows": 8})
+  b = Budget(c, parse_slice("cpu:8"), "fsdp=8", lengths="gamma:mean=5", prompt_len=6, parts=("sampling",))
+  rows = {r["part"]: r for r in b.run()}
+  s = b.progs.trainer_sampler
+  assert dict(s.mesh.shape) == {"data": 4, "tensor": 2} and s.continuous_rows(16)[0] == 8
+  weights = _param_bytes(b.progs.prepared_params())
+  gathers = rows["sampling: decode step"]["per_iteration"]["collectives"].get("all-gather", {"bytes": 0})
+  assert gathers["bytes"] < 0.05 * weights  # activations only

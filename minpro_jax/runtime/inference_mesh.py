@@ -159,7 +159,8 @@ def sampler_layout(spec: str, learner_mesh: Mesh | None, model_config) -> tuple[
 
 def _resolve(spec: P, shape: tuple[int, ...], mesh: Mesh, rules) -> P:
   """A parameter's `PartitionSpec` of logical names resolved to `mesh` axes by `rules`: axes the mesh lacks or has
-  of size 1 dropped, a dimension whose size the remaining axes do not divide kept whole, a mesh axis used once."""
+  of size 1 dropped, a dimension whose size the remaining axes do not divide kept whole, a mesh axis used once,
+  trailing Nones cut."""
   used: set[str] = set()
   out = []
   for size, entry in zip(shape, logical_to_spec(tuple(spec) + (None,) * (len(shape) - len(spec)), rules)):
@@ -173,6 +174,8 @@ def _resolve(spec: P, shape: tuple[int, ...], mesh: Mesh, rules) -> P:
       continue
     used.update(names)
     out.append(names[0] if len(names) == 1 else names)
+  while out and out[-1] is None:
+    out.pop()
   return P(*out)
 
 
