@@ -58,6 +58,11 @@ def test_layout_of_the_resharded_parameters(sampler, learner_state, learner_mesh
   w = prepared["layers"][0]["mlp"]["gate_proj"][...]
   assert {s.data.shape for s in w.addressable_shards} == {(CFG.hidden_size, CFG.intermediate_size // 2)}
   assert len({str(s.index) for s in w.addressable_shards}) == 2
+  # a copy prepared on the learner's layout is refused, not run on the wrong one
+  on_learner = Sampler(CFG, prompt_buckets=(8, 16), mesh=learner_mesh).prepare_params(learner_state)
+  msg = r"another layout \('data=1,fsdp=8,tensor=1,expert=1 \(learner rules\)', this Sampler: 'data=4,tensor=2 \(sam"
+  with pytest.raises(ValueError, match=msg):
+    sampler.prepare_params(on_learner)
 
 
 def test_resharded_sampler_equals_one_device(sampler, learner_state):

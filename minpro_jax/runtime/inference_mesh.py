@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from minpro_jax.errors import ConfigError
-from minpro_jax.runtime.sharding import logical_to_spec, make_mesh
+from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_to_spec, make_mesh
 
 INFERENCE_AXES = ("data", "tensor")
 
@@ -155,6 +155,16 @@ def sampler_layout(spec: str, learner_mesh: Mesh | None, model_config) -> tuple[
   if shape is None:
     return learner_mesh, None
   return inference_mesh(shape, devices), INFERENCE_RULES
+
+
+def layout_name(mesh: Mesh | None, rules) -> str | None:
+  """A short name of a sampler's layout, e.g. "data=4,tensor=2 (sampler rules)"; None without a mesh."""
+  if mesh is None:
+    return None
+  sizes = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
+  table = tuple(rules or DEFAULT_RULES)
+  kind = {DEFAULT_RULES: "learner rules", INFERENCE_RULES: "sampler rules"}.get(table, f"rules {table}")
+  return f"{sizes} ({kind})"
 
 
 def _resolve(spec: P, shape: tuple[int, ...], mesh: Mesh, rules) -> P:

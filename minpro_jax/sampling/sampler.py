@@ -57,7 +57,7 @@ from minpro_jax.models.quant import (
 )
 from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, Transformer, keys_head_dim_major
-from minpro_jax.runtime.inference_mesh import param_shardings, reshard
+from minpro_jax.runtime.inference_mesh import layout_name, param_shardings, reshard
 from minpro_jax.runtime.multihost import settle, to_host
 from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
 from minpro_jax.sampling import continuous as cb
@@ -76,7 +76,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
 
 def _signature_diff(got: tuple, want: tuple) -> str:
   """Which part of two `PreparedParams.signature`s differs, e.g. "precision ('bf16', this Sampler: 'fp32')"."""
-  names = ("precision", "fp8_activations", "fp8_weight_scale", "fp8_format", "fuse_qkv")
+  names = ("precision", "fp8_activations", "fp8_weight_scale", "fp8_format", "fuse_qkv", "layout")
   for name, a, b in zip(names, got, want):
     if a != b:
       return f"{name} ({a!r}, this Sampler: {b!r})"
@@ -106,8 +106,8 @@ class PreparedParams:
 
   Attributes:
     state: the converted `nnx.State` (per-layer layout, the sampler's precision).
-    signature: (precision, fp8_activations, fp8_weight_scale, fp8_format, fuse_qkv, ModelConfig) of the Sampler
-      that made it;
+    signature: (precision, fp8_activations, fp8_weight_scale, fp8_format, fuse_qkv, layout, ModelConfig) of the
+      Sampler that made it (layout: `inference_mesh.layout_name` of its mesh and rules, None on one device);
       `generate` of a Sampler with another signature rejects it.
   """
 
@@ -225,7 +225,7 @@ class Sampler:
     self.mesh = mesh
     self.rules = rules
     self.pad_id = int(pad_id)
-    self._signature = (precision, fp8_act, fp8_weight_scale, fp8_format, fuse, model_config)
+    self._signature = (precision, fp8_act, fp8_weight_scale, fp8_format, fuse, layout_name(mesh, rules), model_config)
     self.trace_count = 0  # incremented each time prefill or decode is traced (tests assert no recompiles)
     with nnx.use_eager_sharding(False):
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
