@@ -216,7 +216,10 @@ def reshard(state: nnx.State, shardings: dict[str, NamedSharding]) -> nnx.State:
   (`jax.device_put`, a no-op for a leaf already so laid out).
 
   Memory: the result is one parameter copy in the new layout. Nothing here frees `state`; its arrays go when the
-  caller drops them, so peak memory is the input plus the result plus one layer's transfer buffers.
+  caller drops them, so peak memory is the input plus the result plus one chunk's transfer buffers. XLA's SPMD
+  partitioner moves some splits (e.g. fsdp on the embed dimension to tensor on the vocabulary) by gathering the
+  array whole first ("involuntary full rematerialization"), so that transient can be one layer's weights, unsplit,
+  per device: the reason for the chunks.
 
   Raises:
     KeyError: a parameter that `shardings` does not name (a State of another model).
