@@ -33,6 +33,7 @@ from minpro_jax.rl.advantages import ADVANTAGE_MODES
 from minpro_jax.rl.learner import LossConfig, OptimizerConfig
 from minpro_jax.rl.lr_decay import LrDecayConfig
 from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
+from minpro_jax.runtime.inference_mesh import parse_sampling_mesh
 from minpro_jax.runtime.sharding import MESH_AXES
 from minpro_jax.sampling import SamplingParams
 
@@ -128,6 +129,7 @@ def validate_shapes_config(c) -> None:
       c.sampling.precision in PRECISIONS, "sampling.precision", f"{c.sampling.precision!r}; choose one of {PRECISIONS}"
   )
   sampler_fp8_options(c)
+  sampler_decode_rows(c)
   loss_config(c)
   _check_optimizer(c)
 
@@ -149,6 +151,18 @@ def sampler_fp8_options(c) -> dict[str, str]:
     )
     out[field] = value
   return out
+
+
+def sampler_decode_rows(c) -> int:
+  """`config.sampling.decode_rows` (64, the `Sampler` default, where a config lacks it).
+
+  Raises:
+    ConfigError: not an int >= 1.
+  """
+  rows = c.sampling.get("decode_rows", 64)
+  ok = isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1
+  _need(ok, "sampling.decode_rows", f"must be an int >= 1 (the continuous sampler's decode rows), got {rows!r}")
+  return rows
 
 
 def _check_batch_split(c) -> None:
@@ -450,9 +464,26 @@ def _check_mesh(c, num_devices: int) -> None:
   )
   if shape:
     try:
-      resolve_mesh_shape(shape, num_devices)
+      shape = resolve_mesh_shape(shape, num_devices)
     except ValueError as e:
       raise ConfigError(f"config.mesh.shape: {c.mesh.shape!r}: {e}") from e
+  spec = c.sampling.get("mesh", "")
+  heads = _model_heads(c)
+  if spec and (heads or spec != "auto"):  # the sampler's mesh spans the learner mesh's devices (one without a mesh)
+    parse_sampling_mesh(spec, math.prod(shape.values()) if shape else 1, *(heads or (None, None)))
+
+
+def _model_heads(c) -> tuple[int, int] | None:
+  """(attention heads, KV heads) of the config's model where they are known without loading it (a GGUF's are
+  checked when the trainer builds its sampler)."""
+  m = c.model
+  if m.source == "scratch":
+    cfg = get_preset(m.preset, **dict(m.overrides), **model_overrides(c))
+  elif m.source == "hf":
+    cfg = hf_model_config(m.path)
+  else:
+    return None
+  return cfg.num_heads, cfg.num_kv_heads
 
 
 def check_mipu_problem_count(c, num_problems: int) -> None:

@@ -53,6 +53,7 @@ from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 from minpro_jax.run_setup import RunParts, setup_run
 from minpro_jax.runtime import multihost
+from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling import Sampler, SamplingParams
 
@@ -115,11 +116,15 @@ class Trainer:
     )
     self.sampling = run_config.sampling_params(c, self.tokenizer.stop_ids)
     run_config.check_routes_fit(c, self.model.config)  # scratch and hf were checked before the setup; gguf here
+    # the sampler's layout: the learner's mesh, or its own over the same devices (config.sampling.mesh)
+    sampler_mesh, sampler_rules = sampler_layout(c.sampling.get("mesh", ""), self.mesh, self.model.config)
     sampler_kw = self.sampler_kw = dict(
         precision=c.sampling.precision,
         **run_config.sampler_fp8_options(c),
         continuous=c.sampling.continuous,
-        mesh=self.mesh,
+        decode_rows=run_config.sampler_decode_rows(c),
+        mesh=sampler_mesh,
+        rules=sampler_rules,
         pad_id=max(self.tokenizer.pad_id, 0),
         prompt_buckets=_prompt_buckets(c.data.max_prompt_tokens),
     )

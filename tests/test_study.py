@@ -692,6 +692,8 @@ def test_a_sampler_mode_with_the_same_samples_does_not_make_a_run_stale():
 
   stored = {"sampling": {"continuous": False, "temperature": 1.0}, "seed": 1}
   assert config_differences(stored, {"sampling": {"continuous": True, "temperature": 1.0}, "seed": 1}) == []
+  layout = {"continuous": False, "temperature": 1.0, "decode_rows": 16, "mesh": "data=4,tensor=2"}
+  assert config_differences(stored, {"sampling": layout, "seed": 1}) == []  # and fields added since
   assert config_differences(stored, {"sampling": {"continuous": True, "temperature": 0.5}, "seed": 1}) == [
       "sampling.temperature"
   ]

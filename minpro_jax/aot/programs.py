@@ -34,6 +34,7 @@ from minpro_jax.aot.abstract import abstract_params
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.config import PRESETS, ModelConfig, get_preset
 from minpro_jax.rl.learner import Learner, ScoreInputs, TrainState, UpdateInputs
+from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS, Sampler
 
@@ -144,6 +145,17 @@ def _replicated(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
 
 
+def _on(abstract, shardings: dict[str, NamedSharding]) -> Any:
+  """`abstract` (a tree of ShapeDtypeStructs) with each leaf moved to the sharding `shardings` names for its key path
+  (`Sampler.param_shardings`); a leaf already laid out so keeps its own."""
+
+  def place(path, x):
+    s = shardings[jax.tree_util.keystr(path)]
+    return x if x.sharding.is_equivalent_to(s, len(x.shape)) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+  return jax.tree_util.tree_map_with_path(place, abstract)
+
+
 def _with_shardings(lowered, compiled) -> Any:
   """The abstract outputs of a compiled program: shapes of `lowered`, shardings of `compiled`."""
   return jax.tree.map(
@@ -176,13 +188,16 @@ class RunPrograms:
         mesh=mesh,
     )
     self.sampling = run_config.sampling_params(c, (STOP_ID,))
+    # the trainer's sampler layout: the learner's mesh, or the sampler's own (config.sampling.mesh)
+    smesh, srules = sampler_layout(c.sampling.get("mesh", ""), mesh, cfg)
     self.sampler = Sampler(
         cfg,
         precision=c.sampling.precision,
         **run_config.sampler_fp8_options(c),
         prompt_buckets=(shapes.prompt_len,),
         batch_buckets=(shapes.sampler_rows,),
-        mesh=mesh,
+        mesh=smesh,
+        rules=srules,
         continuous=False,
         record_routes=self.record_routes,
     )
@@ -192,8 +207,10 @@ class RunPrograms:
         precision=c.sampling.precision,
         **run_config.sampler_fp8_options(c),
         prompt_buckets=(shapes.prompt_len,),
-        mesh=mesh,
+        mesh=smesh,
+        rules=srules,
         continuous=c.sampling.continuous,
+        decode_rows=run_config.sampler_decode_rows(c),
         record_routes=self.record_routes,
     )
     self._prepared = None
@@ -265,15 +282,16 @@ class RunPrograms:
 
   # ------------------------------------------------------------------------------------------ sampler
   def prepared_params(self):
-    """The abstract sampler parameters (precision cast, per-layer layout) as its `prepare_params` lays them out."""
+    """The abstract sampler parameters (precision cast, per-layer layout) as its `prepare_params` lays them out
+    (`Sampler.param_shardings`, on the sampler's mesh)."""
     if self._prepared is None:
-      with self.sampler.mesh_context():
+      with use_mesh(self.mesh):
         lowered = self.sampler.jitted_prepare.lower(self.params)
-        self._prepared = _with_shardings(lowered, lowered.compile())
+        self._prepared = _on(_with_shardings(lowered, lowered.compile()), self.sampler.param_shardings)
     return self._prepared
 
   def _prefill_args(self):
-    b, p, m = self.shapes.sampler_rows, self.shapes.prompt_len, self.mesh
+    b, p, m = self.shapes.sampler_rows, self.shapes.prompt_len, self.sampler.mesh
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), b))
     return (
         self.prepared_params(),
@@ -286,14 +304,16 @@ class RunPrograms:
 
   def lower_prepare(self):
     """`Sampler.prepare_params` on the learner's parameters: the once-per-version transfer from the learner's layout
-    and dtype to the sampler's."""
-    with self.sampler.mesh_context():
-      return self.sampler.jitted_prepare.lower(self.params)
+    and dtype to the sampler's, as one program (the sampler moves it to its layout a layer at a time)."""
+    shardings = jax.tree.map(lambda x: x.sharding, self.prepared_params())
+    with use_mesh(self.mesh):
+      return jax.jit(self.sampler._prepare_impl, out_shardings=shardings).lower(self.params)
 
   def lower_continuous(self, num_requests: int, sampling=None):
     """The continuous sampler's whole call (`Sampler._c_all`, the program the trainer runs) on `num_requests`
     prompts of the prompt bucket, with the decode rows and refill size `Sampler.continuous_rows` gives."""
-    s, m, p, n = self.trainer_sampler, self.mesh, self.shapes.prompt_len, int(num_requests)
+    s, p, n = self.trainer_sampler, self.shapes.prompt_len, int(num_requests)
+    m = s.mesh
     rows, refill = s.continuous_rows(n)
     requests = (
         _replicated(m, (n, p), jnp.int32),

@@ -73,6 +73,10 @@ def base_config() -> ConfigDict:
   c.sampling.fp8_activations = "token"  # token | tensor | none (dynamic scales)
   c.sampling.record_routes = False  # MoE: record the experts of every response token (router replay metrics)
   c.sampling.continuous = True  # continuous batching + live-length attention (sampling/continuous.py); False: static
+  c.sampling.decode_rows = 64  # the continuous sampler's decode rows (rounded up to a batch bucket)
+  # the sampler's own mesh over the learner's devices (runtime/inference_mesh.py): "" = the learner's mesh and rules;
+  # "tensor=4", "data=4,tensor=2" (weights split over tensor, replicated over data), or "auto"
+  c.sampling.mesh = ""
 
   c.reward = ConfigDict()
   c.reward.mode = "integer"  # integer | math

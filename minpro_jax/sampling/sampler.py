@@ -57,7 +57,9 @@ from minpro_jax.models.quant import (
 )
 from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, Transformer, keys_head_dim_major
+from minpro_jax.runtime.inference_mesh import layout_name, param_shardings, reshard
 from minpro_jax.runtime.multihost import settle, to_host
+from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
 from minpro_jax.sampling import continuous as cb
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
@@ -74,7 +76,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
 
 def _signature_diff(got: tuple, want: tuple) -> str:
   """Which part of two `PreparedParams.signature`s differs, e.g. "precision ('bf16', this Sampler: 'fp32')"."""
-  names = ("precision", "fp8_activations", "fp8_weight_scale", "fp8_format", "fuse_qkv")
+  names = ("precision", "fp8_activations", "fp8_weight_scale", "fp8_format", "fuse_qkv", "layout")
   for name, a, b in zip(names, got, want):
     if a != b:
       return f"{name} ({a!r}, this Sampler: {b!r})"
@@ -104,8 +106,8 @@ class PreparedParams:
 
   Attributes:
     state: the converted `nnx.State` (per-layer layout, the sampler's precision).
-    signature: (precision, fp8_activations, fp8_weight_scale, fp8_format, fuse_qkv, ModelConfig) of the Sampler
-      that made it;
+    signature: (precision, fp8_activations, fp8_weight_scale, fp8_format, fuse_qkv, layout, ModelConfig) of the
+      Sampler that made it (layout: `inference_mesh.layout_name` of its mesh and rules, None on one device);
       `generate` of a Sampler with another signature rejects it.
   """
 
@@ -124,8 +126,11 @@ class Sampler:
     prompt_buckets: increasing prompt lengths P that prompts are left-padded to (one compile per bucket).
     batch_buckets: increasing row counts the batch is padded to; beyond the largest, multiples of it.
     mesh: optional device mesh; prefill/decode then run under `use_mesh(mesh, rules)` so activations and
-      the cache follow the logical-axis rules.
-    rules: logical-axis rules for `mesh` (default `DEFAULT_RULES`).
+      the cache follow the logical-axis rules, and `prepare_params` lays the converted parameters out on it by
+      `rules` (`minpro_jax.runtime.inference_mesh.reshard`, one layer at a time). The learner's mesh, or the
+      sampler's own over the same devices (`inference_mesh.sampler_layout`, `config.sampling.mesh`).
+    rules: logical-axis rules for `mesh` (default `DEFAULT_RULES`; `inference_mesh.INFERENCE_RULES` for the
+      sampler's own layout: weights split over tensor, replicated over data).
     pad_id: token id used for padding (never attended to or scored).
     fp8_activations: with precision "fp8", how matmul inputs are fake-quantized (dynamic scale): "token" or
       True (one scale per token), "tensor" (one per matmul input of the whole batch), "none" or False.
@@ -220,12 +225,14 @@ class Sampler:
     self.mesh = mesh
     self.rules = rules
     self.pad_id = int(pad_id)
-    self._signature = (precision, fp8_act, fp8_weight_scale, fp8_format, fuse, model_config)
+    self._signature = (precision, fp8_act, fp8_weight_scale, fp8_format, fuse, layout_name(mesh, rules), model_config)
     self.trace_count = 0  # incremented each time prefill or decode is traced (tests assert no recompiles)
     with nnx.use_eager_sharding(False):
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
-      self._graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))[0]
+      self._graphdef, abstract_out = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))
     self._abstract_leaves = _param_shapes(nnx.split(abstract_in)[1])
+    # where `prepare_params` puts every converted parameter ({key path: NamedSharding}; None: one device)
+    self.param_shardings = None if mesh is None else param_shardings(abstract_out, mesh, rules or DEFAULT_RULES)
     # the static sampler's jitted parts (public for compile-only tools: `minpro_jax.aot` lowers them)
     self.jitted_prepare = jax.jit(self._prepare_impl)
     self.jitted_prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
@@ -411,8 +418,6 @@ class Sampler:
     """The context prefill / decode run in: `use_mesh(mesh, rules)`, or nothing without a mesh."""
     if self.mesh is None:
       return contextlib.nullcontext()
-    from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
-
     return use_mesh(self.mesh, self.rules or DEFAULT_RULES)
 
   def _check_state(self, state):
@@ -430,7 +435,7 @@ class Sampler:
     )
 
   def prepare_params(self, params) -> PreparedParams:
-    """Converts policy parameters once for this sampler (precision cast, per-layer layout).
+    """Converts policy parameters once for this sampler (precision cast, per-layer layout, the sampler's mesh).
 
     Args:
       params: an `nnx.State` of the policy (the learner's layout and dtype) or a `Transformer`; a
@@ -453,7 +458,9 @@ class Sampler:
       return params
     state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
     self._check_state(state)
-    return PreparedParams(settle(self.jitted_prepare(state)), self._signature)
+    if self.param_shardings is None:
+      return PreparedParams(settle(self.jitted_prepare(state)), self._signature)
+    return PreparedParams(reshard(self.jitted_prepare(state), self.param_shardings), self._signature)
 
   def generate(
       self,

@@ -33,9 +33,9 @@ STUDY_FILE = "study.json"
 RUN_LOG = "study.log"
 # config fields that do not change a finished run's result: a summary.json differing only in them is still done
 IGNORED_FIELDS = ("workdir", "log", "checkpoint")
-# sampler execution modes that give the same responses token for token (tests/test_sampler_continuous.py): a run
-# finished under the other mode is not stale
-SAME_SAMPLES_FIELDS = ("sampling.continuous",)
+# sampler execution modes and layouts that give the same responses token for token (tests/test_sampler_continuous.py,
+# tests/test_inference_mesh.py): a run finished under another is not stale
+SAME_SAMPLES_FIELDS = ("sampling.continuous", "sampling.decode_rows", "sampling.mesh")
 # Config fields added after studies were run, each with the value that keeps the behaviour from before it existed:
 # a summary.json without the field ran with that value (a field missing here and from a summary.json differs).
 ADDED_FIELDS = {
