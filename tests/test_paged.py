@@ -334,14 +334,14 @@ def test_full_pool_makes_admission_wait_and_broken_contracts_are_flagged():
     paged.check_request(pool, 8, 8, group_size=3)
   bad = _append(pool, step, step, jnp.array([False, True, False]))  # row 1 is at its capacity
   with pytest.raises(RuntimeError, match="past its admitted capacity"):
-    paged.raise_on_errors(bad)
+    paged.raise_on_errors(bad.errors)
   np.testing.assert_array_equal(np.asarray(bad.lengths), np.asarray(pool.lengths))  # nothing written
   bad = _admit(pool, jnp.array([1, 2]), jnp.array([5, 5]), jnp.array([8, 8]), kv, kv)  # row 1 is busy
   with pytest.raises(RuntimeError, match="not freed"):
-    paged.raise_on_errors(bad)
+    paged.raise_on_errors(bad.errors)
   bad = _admit(pool, jnp.array([0, 2]), jnp.array([8, 8]), jnp.array([8, 8]), kv, kv)  # 4 pages, 3 free
   with pytest.raises(RuntimeError, match="no free page"):
-    paged.raise_on_errors(bad)
+    paged.raise_on_errors(bad.errors)
 
 
 def _bf16_exact(x):

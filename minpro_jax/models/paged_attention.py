@@ -16,11 +16,48 @@ and small prefills; a query with no visible key (an idle row, a padding token) g
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from minpro_jax.models.attention_core import NEG_INF
+
+
+class PagedKVCache(NamedTuple):
+  """What a decode step of `Transformer` reads and writes with a paged cache (one new token per row; built by
+  the sampler from `sampling.paged.append_slots`).
+
+  kv_pages: L arrays [num_pages, page_size, 2K, head_dim] (one array inside a layer).
+  page, slot: [B] int32 page and slot the row's new token goes to (page num_pages: no write).
+  lengths: [B] int32 tokens of each row, the new one included (0: an idle row).
+  page_table: [B, pages_per_row] int32.
+  """
+
+  kv_pages: tuple[jax.Array, ...] | jax.Array
+  page: jax.Array
+  slot: jax.Array
+  lengths: jax.Array
+  page_table: jax.Array
+
+
+def combine_kv(k: jax.Array, v: jax.Array) -> jax.Array:
+  """[..., K, hd] keys and values -> [..., 2K, hd] with keys at even and values at odd combined heads."""
+  return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+
+
+def write_slots(kv_pages: jax.Array, page: jax.Array, slot: jax.Array, k_rkh: jax.Array, v_rkh: jax.Array) -> jax.Array:
+  """Write one token per row into one layer's pages.
+
+  Args:
+    kv_pages: [num_pages, page_size, 2K, hd] one layer's pages.
+    page, slot: [rows] int32 (`sampling.paged.append_slots`); page num_pages drops the row's write.
+    k_rkh, v_rkh: [rows, K, hd] the new keys/values (RoPE applied).
+
+  Returns:
+    The layer's pages, updated.
+  """
+  return kv_pages.at[page, slot].set(combine_kv(k_rkh, v_rkh).astype(kv_pages.dtype), mode="drop")
 
 
 def _check(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array, soft_cap, window) -> None:

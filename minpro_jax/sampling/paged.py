@@ -27,6 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from minpro_jax.models.paged_attention import combine_kv, write_slots
+
 ERR_NO_PAGE = 1  # an allocation found no free page (admission was not checked)
 ERR_ROW_BUSY = 2  # admission or fork into a row that still holds a request
 ERR_ROW_FULL = 4  # a row grew past its capacity or its page table
@@ -190,11 +192,6 @@ def _allocate(refcount: jax.Array, counts: jax.Array, max_each: int) -> tuple[ja
   return ids, refcount.at[ids.reshape(-1)].add(1, mode="drop"), short
 
 
-def _combine(k: jax.Array, v: jax.Array) -> jax.Array:
-  """[..., K, hd] keys and values -> [..., 2K, hd] with keys at even and values at odd combined heads."""
-  return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
-
-
 def admit(
     pool: PagePool,
     rows: jax.Array,
@@ -230,7 +227,7 @@ def admit(
   page = jnp.where(tok[None] < prompt_lens[:, None], ids[:, jnp.minimum(tok // ps, maxp - 1)], n)  # [M, T]
   page = jnp.where(ok[:, None], page, n)
   slot = jnp.broadcast_to(tok % ps, page.shape)
-  kv = _combine(k_lmtkh, v_lmtkh)  # [L, M, T, 2K, hd]
+  kv = combine_kv(k_lmtkh, v_lmtkh)  # [L, M, T, 2K, hd]
   kv_pages = tuple(p.at[page, slot].set(kv[i].astype(p.dtype), mode="drop") for i, p in enumerate(pool.kv_pages))
   dst = jnp.where(ok, row_ix, nrows)
   errors = pool.errors | jnp.where(jnp.any(busy), ERR_ROW_BUSY, 0) | jnp.where(jnp.any(too_long), ERR_ROW_FULL, 0)
@@ -288,7 +285,7 @@ def fork_rows(pool: PagePool, src: jax.Array, dst: jax.Array, capacities: jax.Ar
 
 def append_slots(pool: PagePool, active: jax.Array) -> tuple[PagePool, jax.Array, jax.Array]:
   """Make room for one more token in every active row (a decode step), allocating a page where a row crosses
-  a page boundary. Call once per step for all layers, then `write_slots` per layer.
+  a page boundary. Call once per step for all layers, then `models.paged_attention.write_slots` per layer.
 
   Args:
     pool: the pool.
@@ -315,20 +312,6 @@ def append_slots(pool: PagePool, active: jax.Array) -> tuple[PagePool, jax.Array
   return pool, page, slot
 
 
-def write_slots(kv_pages: jax.Array, page: jax.Array, slot: jax.Array, k_rkh: jax.Array, v_rkh: jax.Array) -> jax.Array:
-  """Write one token per row into one layer's pages.
-
-  Args:
-    kv_pages: [num_pages, page_size, 2K, hd] one layer's pages.
-    page, slot: [rows] int32 from `append_slots` (page num_pages: the row's write is dropped).
-    k_rkh, v_rkh: [rows, K, hd] the new keys/values (RoPE applied).
-
-  Returns:
-    The layer's pages, updated.
-  """
-  return kv_pages.at[page, slot].set(_combine(k_rkh, v_rkh).astype(kv_pages.dtype), mode="drop")
-
-
 def append_token(pool: PagePool, k_lrkh: jax.Array, v_lrkh: jax.Array, active: jax.Array) -> PagePool:
   """`append_slots` then `write_slots` for every layer: k_lrkh, v_lrkh are [L, rows, K, hd]."""
   pool, page, slot = append_slots(pool, active)
@@ -350,8 +333,9 @@ def free_rows(pool: PagePool, done: jax.Array) -> PagePool:
   )
 
 
-def raise_on_errors(pool: PagePool) -> None:
-  """Host check after a jitted run. Raises RuntimeError naming each broken contract in `pool.errors`."""
-  bits = int(jax.device_get(pool.errors))
+def raise_on_errors(errors) -> None:
+  """Host check after a jitted run, of `PagePool.errors` (an int32 array or int). Raises RuntimeError naming
+  each broken contract."""
+  bits = int(jax.device_get(errors))
   if bits:
     raise RuntimeError("paged KV pool: " + "; ".join(t for b, t in _ERROR_TEXT.items() if bits & b))
