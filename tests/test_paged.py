@@ -1,13 +1,11 @@
 """Paged KV (`sampling/paged.py`) and ragged paged attention (`models/paged_attention.py`): attention equals dense
 attention over each row's own length while rows are admitted, grow, finish and reuse pages; the pool's
-bookkeeping equals a naive Python model step by step; the Pallas TPU kernels in interpret mode against the
-reference."""
+bookkeeping equals a naive Python model step by step. The Pallas kernels: tests/test_paged_kernels.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from minpro_jax.models.attention_core import masked_attention
@@ -342,49 +340,3 @@ def test_full_pool_makes_admission_wait_and_broken_contracts_are_flagged():
   bad = _admit(pool, jnp.array([0, 2]), jnp.array([8, 8]), jnp.array([8, 8]), kv, kv)  # 4 pages, 3 free
   with pytest.raises(RuntimeError, match="no free page"):
     paged.raise_on_errors(bad.errors)
-
-
-def _bf16_exact(x):
-  # interpret mode runs the kernels' fp32 dots as the TPU's default precision would: inputs that bf16 holds
-  # exactly keep the comparison at fp32 rounding (measured 2026-12-03: 7e-3 apart on plain fp32 normals)
-  return jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
-
-
-def test_pallas_paged_attention_kernel_in_interpret_mode():
-  """jax's Pallas TPU `paged_attention` kernel (TPU interpret mode on CPU) equals `paged_decode_attention` on
-  the same pages: the kernel's layout is [K, num_pages, page_size, hd] per k / v and it takes pre-scaled q."""
-  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-
-  rng = np.random.default_rng(6)
-  ps, maxp = 4, 4
-  kv = _bf16_exact(rng.standard_normal((24, ps, 2 * K, HD)))
-  lengths = jnp.array([5, 16, 9], jnp.int32)
-  table = jnp.asarray(rng.permutation(24)[:12].reshape(3, maxp), jnp.int32)
-  q = _bf16_exact(rng.standard_normal((3, H, HD)) * 0.5)
-  want = paged_decode_attention(q, kv, lengths, table, sm_scale=0.5)
-  k_pages, v_pages = (jnp.transpose(kv[:, :, i::2], (2, 0, 1, 3)) for i in (0, 1))
-  with pltpu.force_tpu_interpret_mode():
-    got = paged_attention(q * 0.5, k_pages, v_pages, lengths, table, pages_per_compute_block=2)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
-
-
-RPA_INTERPRET_ERROR = (
-    "jax 0.10.2's ragged_paged_attention does not run on CPU in either Pallas interpret mode: under "
-    "pltpu.force_tpu_interpret_mode() it fails with \"AttributeError: 'ReshapeTransform' object has no attribute "
-    "'indices'\" (the kernel reshapes its VMEM KV buffer ref, which the TPU interpreter cannot read), and with "
-    "pallas_call(interpret=True) with \"AttributeError: 'TypedInt' object has no attribute 'shape'\""
-)
-
-
-@pytest.mark.skipif(jax.__version_info__ <= (0, 10, 2), reason=RPA_INTERPRET_ERROR)
-def test_pallas_ragged_paged_attention_kernel_in_interpret_mode():
-  """The kernel the TPU path calls (`pallas_decode_attention`), in TPU interpret mode, against the reference."""
-  rng = np.random.default_rng(7)
-  kv = _bf16_exact(rng.standard_normal((24, 4, 2 * K, HD)))
-  lengths = jnp.array([5, 16, 9], jnp.int32)
-  table = jnp.asarray(rng.permutation(24)[:12].reshape(3, 4), jnp.int32)
-  q = _bf16_exact(rng.standard_normal((3, H, HD)))
-  want = paged_decode_attention(q, kv, lengths, table)
-  with pltpu.force_tpu_interpret_mode():
-    got = pallas_decode_attention(q, kv, lengths, table)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)

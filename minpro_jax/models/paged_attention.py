@@ -229,13 +229,16 @@ def pallas_decode_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
     kernel=None,
 ) -> jax.Array:
   """`paged_decode_attention` through the Pallas TPU kernel (`ragged_paged_attention`, one query per row).
 
   Idle rows (length 0) are passed with length 1, which the kernel requires (q_len <= kv_len), and their
-  output is zeroed. `kernel` replaces the kernel with a function of the same signature (tests pass jax's
-  `ref_ragged_paged_attention`). Shapes and the error raised as `paged_decode_attention`; the kernel adds its
+  output is zeroed. The block sizes go to the kernel (None: its tuned table, which needs a TPU runtime, so a
+  compile-only lowering on a CPU host must give both). `kernel` replaces the kernel with a function of the
+  same signature (tests pass jax's `ref_ragged_paged_attention`). Shapes and the error raised as `paged_decode_attention`; the kernel adds its
   own tiling limits (e.g. 2K a multiple of 8 / 16 unless it is 2, 4 or 8).
   """
   _check(q_rhd, kv_pages, lengths, page_table, soft_cap, None)
@@ -243,6 +246,8 @@ def pallas_decode_attention(
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
   rows = q_rhd.shape[0]
   scale = 1.0 / math.sqrt(q_rhd.shape[-1]) if sm_scale is None else sm_scale
+  blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block)
+  blocks = {k: v for k, v in blocks.items() if v is not None}
   out = kernel(
       q_rhd,
       kv_pages,
@@ -252,5 +257,6 @@ def pallas_decode_attention(
       jnp.array([rows], jnp.int32),
       sm_scale=scale,
       soft_cap=soft_cap,
+      **blocks,
   )
   return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q_rhd.dtype)
