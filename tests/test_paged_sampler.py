@@ -43,3 +43,19 @@ def test_paged_options_are_checked(state):
   tiny_pool = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, paged_kv=PagedKV(page_size=4, num_pages=8))
   with pytest.raises(ValueError, match="needs 9 pages"):  # 11 + 23 tokens: it would wait forever
     tiny_pool.generate(state, PROMPTS, SP, seed=11)
+
+
+def test_paged_moe_sampler_records_the_routes_of_the_dense_one():
+  """MoE with router-route recording: the paged sampler's tokens, log-probs and routes equal the dense
+  continuous sampler's (a pool of 10 pages of 4 tokens, so requests wait)."""
+  cfg = get_preset("tiny-moe")
+  state = nnx.split(init_model(cfg, seed=3))[1]
+  sp = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=tuple(range(3, cfg.vocab_size, 9)))
+  kw = dict(prompt_buckets=(8, 16), decode_rows=4, refill_rows=2, record_routes=True)
+  want = Sampler(cfg, **kw).generate(state, PROMPTS[:3], sp, seed=11, group_size=2)
+  got = Sampler(cfg, **kw, paged_kv=PagedKV(page_size=4, num_pages=10)).generate(
+      state, PROMPTS[:3], sp, seed=11, group_size=2
+  )
+  np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
+  np.testing.assert_array_equal(np.asarray(got.routes), np.asarray(want.routes))
+  np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
