@@ -204,7 +204,7 @@ def admit(
 
   Args:
     pool: the pool.
-    rows: [M] int32 row of each request; a value outside [0, rows) skips that entry (padding).
+    rows: [M] distinct int32 rows, one per request; a value outside [0, rows) skips that entry (padding).
     prompt_lens: [M] int32 tokens P of each prompt (1 <= P <= T).
     capacities: [M] int32 tokens each row may grow to (P + max new tokens), checked by `can_admit`.
     k_lmtkh, v_lmtkh: [L, M, T, K, head_dim] prefill keys/values (RoPE applied), T >= every P; tokens at
@@ -247,18 +247,21 @@ def fork_rows(pool: PagePool, src: jax.Array, dst: jax.Array, capacities: jax.Ar
 
   Args:
     pool: the pool.
-    src: [M] int32 rows to copy (each holding a request); dst: [M] int32 free rows (outside [0, rows): skip).
+    src: [M] int32 rows to copy (each holding a request); dst: [M] distinct int32 free rows (outside
+      [0, rows): skip).
     capacities: [M] int32 tokens each new row may grow to.
 
   Returns:
-    The pool; an occupied dst row sets ERR_ROW_BUSY, a pool out of pages ERR_NO_PAGE.
+    The pool; an occupied dst row sets ERR_ROW_BUSY, a capacity below the source's length or beyond the page
+    table ERR_ROW_FULL (the entry is skipped), a pool out of pages ERR_NO_PAGE.
   """
   ps, maxp, n, nrows = pool.page_size, pool.max_pages_per_row, pool.num_pages, pool.rows
   valid = (dst >= 0) & (dst < nrows)
   dst_ix, src_ix = jnp.clip(dst, 0, nrows - 1), jnp.clip(src, 0, nrows - 1)
   busy = valid & (pool.capacity[dst_ix] > 0)
-  ok = valid & ~busy
   length = pool.lengths[src_ix]  # [M]
+  too_long = valid & ((pages_for(capacities, ps) > maxp) | (capacities < length))
+  ok = valid & ~busy & ~too_long
   full = length // ps
   partial = ok & (length % ps != 0)
   new_ids, refcount, short = _allocate(pool.refcount, partial.astype(jnp.int32), 1)
@@ -279,7 +282,10 @@ def fork_rows(pool: PagePool, src: jax.Array, dst: jax.Array, capacities: jax.Ar
       page_table=pool.page_table.at[out].set(table, mode="drop"),
       lengths=pool.lengths.at[out].set(length, mode="drop"),
       capacity=pool.capacity.at[out].set(capacities, mode="drop"),
-      errors=pool.errors | jnp.where(jnp.any(busy), ERR_ROW_BUSY, 0) | jnp.where(short, ERR_NO_PAGE, 0),
+      errors=pool.errors
+      | jnp.where(jnp.any(busy), ERR_ROW_BUSY, 0)
+      | jnp.where(jnp.any(too_long), ERR_ROW_FULL, 0)
+      | jnp.where(short, ERR_NO_PAGE, 0),
   )
 
 
