@@ -6,8 +6,7 @@ import pytest
 from flax import nnx
 
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.sampling import Sampler, SamplingParams
-from minpro_jax.sampling.paged_continuous import PagedKV
+from minpro_jax.sampling import PagedKV, Sampler, SamplingParams
 
 CFG = get_preset("tiny")
 PROMPTS = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [400], [3, 3], [71, 72, 73, 74, 75], [12], [8, 9, 10]]
