@@ -36,6 +36,7 @@ from minpro_jax.models.attention_dispatch import cache_free_attention, resolve_a
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
 from minpro_jax.models.moe import MoE, init_param
+from minpro_jax.models.paged_attention import PagedKVCache, paged_decode_attention, write_slots
 from minpro_jax.models.quant import maybe_quant_act
 from minpro_jax.models.rope import apply_rope, rope_tables
 from minpro_jax.runtime.multihost import settle
@@ -91,7 +92,7 @@ class ModelOutput(NamedTuple):
 
   out: [B, T, V] float32 logits, or [B, T, D] final hidden states (after the final norm) when
     `return_hidden=True`.
-  cache: the updated `KVCache`, or None when none was given.
+  cache: the updated `KVCache` (or `PagedKVCache`), or None when none was given.
   router_aux_loss: scalar float32 load-balancing loss averaged over MoE layers (0 for dense models).
   routes: [B, T, L, k] int16 experts the router chose (its own top-k, also under replay) per token and layer
     (MoE), or None (dense models).
@@ -162,7 +163,8 @@ class Attention(nnx.Module):
       kv_segment_bs: [B, S] int32 segment ids of all key slots (S = T without a cache).
       cache_kv: None; or (k, v, layer) with the stacked caches (`KVCache` layouts, leading [L]) and this
         layer's index; or (k, v, None) with this layer's own caches. The new keys/values are written in
-        place at slots [cache_index, cache_index + T).
+        place at slots [cache_index, cache_index + T). Or a `PagedKVCache` holding this layer's pages (T = 1):
+        the new token goes to its page slot and attends to its row's pages; the pages are returned.
       cache_index: int32 scalar slot where the new tokens are written; ignored without a cache (the tokens
         are then slots 0..T-1). With this layer's own cache (layer None) and T = 1 it may be a [B] int32
         array, one slot per row (continuous batching: rows at different steps).
@@ -189,6 +191,10 @@ class Attention(nnx.Module):
     q = apply_rope(q, rope)
     k = apply_rope(k, rope)
     q = constrain(q, ("batch", "act_seq", "act_heads", None))
+    if isinstance(cache_kv, PagedKVCache):  # decode into a page pool (`sampling.paged`)
+      pages = write_slots(cache_kv.kv_pages, cache_kv.page, cache_kv.slot, k[:, 0], v[:, 0])
+      out = paged_decode_attention(q[:, 0], pages, cache_kv.lengths, cache_kv.page_table)[:, None]
+      return dense(maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt), n_in=2), pages
     t = x_btd.shape[1]
     b, _, h, hd = q.shape
     kh = c.num_kv_heads
@@ -403,7 +409,8 @@ class Transformer(nnx.Module):
       segment_ids_bt: [B, T] int32; 0 marks padding, equal non-zero ids mark one sequence. Default: all 1.
       cache: optional `KVCache` with S >= cache_index + T slots; the new keys/values and segment ids are
         written at slots [cache_index, cache_index + T) and the new tokens attend to every earlier slot of
-        their segment.
+        their segment. Or a `PagedKVCache` (T = 1, per-layer config): each row's token is written to its page
+        slot and attends to its row's pages; cache_index and live_len are then ignored.
       cache_index: int32 scalar, first slot written (only with a cache); or, for T = 1 and a per-layer cache
         (`stack_layers=False`), a [B] int32 array with each row's own slot (continuous batching).
       return_hidden: return final-normed hidden states [B, T, D] instead of logits (the chunked log-prob
@@ -442,7 +449,15 @@ class Transformer(nnx.Module):
       want = (b, t, c.num_layers, c.num_experts_per_tok)
       if not c.is_moe or routes_btlk.shape != want:
         raise ValueError(f"routes_btlk has shape {routes_btlk.shape}; router replay needs a MoE and shape {want}")
-    if cache is not None:
+    paged = isinstance(cache, PagedKVCache)
+    if paged:
+      if t != 1 or c.stack_layers or cache.page.shape != (b,):
+        raise ValueError(
+            f"a PagedKVCache needs T = 1 (got {t}), page / slot of shape ({b},) (got {cache.page.shape}) and a "
+            "per-layer config (stack_layers=False)"
+        )
+      kv_segment, cache_index, live_len = segment_ids_bt, 0, None
+    elif cache is not None:
       if cache.segment_ids.shape[0] != b or cache.segment_ids.shape[1] < t:
         raise ValueError(f"cache of {cache.segment_ids.shape} (rows, slots) does not fit tokens of shape {(b, t)}")
       if isinstance(cache.k, tuple) == c.stack_layers:
@@ -513,18 +528,22 @@ class Transformer(nnx.Module):
     else:
       auxes, ks, vs, used_l = [], [], [], []
       for i, layer in enumerate(self.layers):
-        kv = None if cache is None else (cache.k[i], cache.v[i], None)
+        if paged:
+          kv = cache._replace(kv_pages=cache.kv_pages[i])
+        else:
+          kv = None if cache is None else (cache.k[i], cache.v[i], None)
         x, kv, a, used = run_layer(layer, x, kv, None if routes_l is None else routes_l[i])
         auxes.append(a)
         used_l.append(used)
         if kv is not None:
-          ks.append(kv[0])
-          vs.append(kv[1])
+          ks.append(kv if paged else kv[0])
+          vs.append(None if paged else kv[1])
       aux = jnp.stack(auxes)
       new_k, new_v = tuple(ks), tuple(vs)
 
     hidden = self.final_norm(x)
     new_cache = None if cache is None else KVCache(k=new_k, v=new_v, segment_ids=kv_segment)
+    new_cache = cache._replace(kv_pages=new_k) if paged else new_cache
     aux_loss = jnp.mean(aux) if c.is_moe else jnp.zeros((), jnp.float32)
     out = hidden if return_hidden else self.logits(hidden)
     routes_used = None

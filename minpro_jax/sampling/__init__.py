@@ -2,6 +2,7 @@
 
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.methods import NextTokens, SamplingParams, get_next_tokens, truncation_logits
+from minpro_jax.sampling.paged_continuous import PagedKV
 from minpro_jax.sampling.sampler import PreparedParams, Sampler
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "SamplingParams",
     "get_next_tokens",
     "truncation_logits",
+    "PagedKV",
     "PreparedParams",
     "Sampler",
 ]

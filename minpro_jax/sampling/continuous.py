@@ -159,7 +159,7 @@ def refill(
     sampling, pad_id, processor: as `record`.
     keys_hd_major: the key cache layout (`minpro_jax.models.transformer.keys_head_dim_major`).
   """
-  b, p = st.next_pos.shape[0], tokens_np.shape[1]
+  p = tokens_np.shape[1]
   positions = jnp.where(segs_np > 0, jnp.cumsum(segs_np, axis=1) - 1, 0).astype(jnp.int32)
   logits, small = prefill_fn(tokens_np, positions, segs_np)
   if keys_hd_major:  # keys [B, K, hd, S]
@@ -169,7 +169,13 @@ def refill(
   big_v = [vb.at[rows, :, :p].set(vn, mode="drop") for vb, vn in zip(st.cache.v, small.v)]
   seg = st.cache.segment_ids.at[rows, :p].set(segs_np, mode="drop")
   st = st._replace(cache=KVCache(k=tuple(big_k), v=tuple(big_v), segment_ids=seg))
-  live = rows < b
+  return start_rows(st, logits, positions, rows, reqs, groups, keys, sampling, pad_id, processor)
+
+
+def start_rows(st: ContinuousState, logits, positions, rows, reqs, groups, keys, sampling, pad_id, processor=None):
+  """Samples index 0 of freshly prefilled decode rows from their prefill logits [M, V] and sets their carry
+  (positions: [M, P] the prompts' RoPE positions; other arguments as `refill`)."""
+  live = rows < st.next_pos.shape[0]
   st, step, done, prev = record(st, logits, jnp.zeros_like(rows), live, reqs, groups, keys, sampling, pad_id, processor)
   put = lambda a, x: a.at[rows].set(x, mode="drop")
   return st._replace(

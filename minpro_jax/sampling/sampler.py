@@ -61,6 +61,7 @@ from minpro_jax.runtime.inference_mesh import layout_name, param_shardings, resh
 from minpro_jax.runtime.multihost import settle, to_host
 from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
 from minpro_jax.sampling import continuous as cb
+from minpro_jax.sampling import paged_continuous as pc
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
 from minpro_jax.sampling.methods import SamplingParams
@@ -160,10 +161,12 @@ class Sampler:
       `transformers` LogitsProcessor. Must be hashable (it is a static part of the compiled functions).
     record_routes: MoE only: return the experts every response token was routed to in every layer
       (`GenerationBatch.routes`, for router replay in the learner).
+    paged_kv: a `PagedKV` runs the continuous sampler on a paged KV cache (`sampling.paged_continuous`; needs
+      continuous and in_loop_refill); None (default): the dense per-row cache.
 
   Raises:
-    ValueError: unknown precision or fp8 option, empty / unsorted buckets, decode_rows or refill_rows < 1, record_routes
-      for a dense model.
+    ValueError: unknown precision or fp8 option, empty / unsorted buckets, decode_rows or refill_rows < 1, paged_kv
+      without continuous and in_loop_refill, record_routes for a dense model.
   """
 
   def __init__(
@@ -186,6 +189,7 @@ class Sampler:
       logits_processor=None,
       in_loop_refill: bool = True,
       record_routes: bool = False,
+      paged_kv: pc.PagedKV | None = None,
   ):
     if precision not in PRECISIONS:
       raise ValueError(f"precision={precision!r}; choose one of {PRECISIONS}")
@@ -204,7 +208,10 @@ class Sampler:
       raise ValueError(f"decode_rows ({decode_rows}) and refill_rows ({refill_rows}) must be >= 1")
     if record_routes and not model_config.is_moe:
       raise ValueError("record_routes=True needs a MoE model (router replay); this model has no experts")
+    if paged_kv is not None and not (continuous and in_loop_refill):
+      raise ValueError("paged_kv needs continuous=True and in_loop_refill=True")
     self.record_routes = bool(record_routes)
+    self.paged_kv = paged_kv
     self.continuous = bool(continuous)
     self.in_loop_refill = bool(in_loop_refill)
     self.logits_processor = logits_processor
@@ -241,6 +248,9 @@ class Sampler:
     self._c_refill = jax.jit(self._c_refill_impl, static_argnames=("sampling",), donate_argnums=(1,))
     self._c_all = jax.jit(self._c_all_impl, static_argnames=("sampling", "p_len", "rows", "refill"))
     self._c_decode = jax.jit(self._c_decode_impl, static_argnames=("sampling", "p_len"), donate_argnums=(1,))
+    self._c_paged = jax.jit(
+        lambda *a, **k: pc.run(self, *a, **k), static_argnames=("sampling", "p_len", "rows", "refill")
+    )
 
   # ----------------------------------------------------------------------------------------- jitted parts
   def _prepare_impl(self, state):
@@ -374,6 +384,8 @@ class Sampler:
         else np.asarray(row_keys)
     )
     keys = keys.astype(np.uint32)
+    if self.paged_kv is not None:
+      return pc.generate(self, state, tokens, segs, row_group, keys, n, sampling)
     if self.in_loop_refill:
       requests = (tokens, segs, row_group.astype(np.int32), keys)
       out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at)

@@ -1,0 +1,262 @@
+"""Ragged paged attention in plain JAX: each query attends to its own sequence's keys, read from KV pages.
+
+The semantics of `jax.experimental.pallas.ops.tpu.ragged_paged_attention` (the TPU kernel vLLM's tpu-inference
+and MaxText use): pages [num_pages, page_size, 2K, head_dim] with keys at even and values at odd combined
+heads (`sampling.paged`); sequence s owns `page_indices[s]` in token order and holds `kv_lens[s]` tokens, the
+last q_len of which are its queries (cu_q_lens[s]..cu_q_lens[s + 1]); a query at kv position p sees keys
+0..p (and only the last `sliding_window` of them when set). Grouped-query heads as in `attention_core`: query
+head h reads KV head h // G. Scores are fp32: (q · k) * sm_scale, then soft_cap * tanh(scores / soft_cap)
+when set, then the mask; probabilities and the output are in the queries' dtype, as `masked_attention`.
+
+This is the CPU/GPU path and the reference the Pallas kernel is tested against. It gathers every query's
+whole page list, O(tokens x pages_per_seq x page_size) work, so it is meant for decode (one query per row)
+and small prefills; a query with no visible key (an idle row, a padding token) gets zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from minpro_jax.models.attention_core import NEG_INF
+
+
+class PagedKVCache(NamedTuple):
+  """What a decode step of `Transformer` reads and writes with a paged cache (one new token per row; built by
+  the sampler from `sampling.paged.append_slots`).
+
+  kv_pages: L arrays [num_pages, page_size, 2K, head_dim] (one array inside a layer).
+  page, slot: [B] int32 page and slot the row's new token goes to (page num_pages: no write).
+  lengths: [B] int32 tokens of each row, the new one included (0: an idle row).
+  page_table: [B, pages_per_row] int32.
+  """
+
+  kv_pages: tuple[jax.Array, ...] | jax.Array
+  page: jax.Array
+  slot: jax.Array
+  lengths: jax.Array
+  page_table: jax.Array
+
+
+def combine_kv(k: jax.Array, v: jax.Array) -> jax.Array:
+  """[..., K, hd] keys and values -> [..., 2K, hd] with keys at even and values at odd combined heads."""
+  return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+
+
+def write_slots(kv_pages: jax.Array, page: jax.Array, slot: jax.Array, k_rkh: jax.Array, v_rkh: jax.Array) -> jax.Array:
+  """Write one token per row into one layer's pages.
+
+  Args:
+    kv_pages: [num_pages, page_size, 2K, hd] one layer's pages.
+    page, slot: [rows] int32 (`sampling.paged.append_slots`); page num_pages drops the row's write.
+    k_rkh, v_rkh: [rows, K, hd] the new keys/values (RoPE applied).
+
+  Returns:
+    The layer's pages, updated.
+  """
+  return kv_pages.at[page, slot].set(combine_kv(k_rkh, v_rkh).astype(kv_pages.dtype), mode="drop")
+
+
+def _check(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array, soft_cap, window) -> None:
+  if q.ndim != 3 or kv_pages.ndim != 4:
+    raise ValueError(
+        f"paged attention: q must be [tokens, q_heads, head_dim] and kv_pages [num_pages, page_size, 2K, head_dim], "
+        f"got {q.shape} and {kv_pages.shape}"
+    )
+  kk, hd = kv_pages.shape[2], kv_pages.shape[3]
+  if kk % 2 or q.shape[2] != hd or q.shape[1] % (kk // 2):
+    raise ValueError(
+        f"paged attention: kv_pages {kv_pages.shape} needs an even combined-head count 2K with K dividing the "
+        f"{q.shape[1]} query heads and head_dim {q.shape[2]}"
+    )
+  if page_indices.ndim != 2 or kv_lens.shape != page_indices.shape[:1]:
+    raise ValueError(
+        f"paged attention: page_indices must be [seqs, pages_per_seq] and kv_lens [seqs], got "
+        f"{page_indices.shape} and {kv_lens.shape}"
+    )
+  for name, a in (("kv_lens", kv_lens), ("page_indices", page_indices)):
+    if a.dtype != jnp.int32:
+      raise ValueError(f"paged attention: {name} must be int32, got {a.dtype}")
+  if soft_cap is not None and soft_cap == 0.0:
+    raise ValueError("paged attention: soft_cap must not be 0 (None turns it off)")
+  if window is not None and window <= 0:
+    raise ValueError(f"paged attention: sliding_window={window} must be positive (None turns it off)")
+
+
+def _attend(q, kv_pages, page_ids, kv_len, pos, valid, *, sm_scale, soft_cap, window, k_scale, v_scale):
+  """Per query t: attend q[t] to the kv_len[t] tokens of pages page_ids[t], keys 0..pos[t] only."""
+  t, h, hd = q.shape
+  kh = kv_pages.shape[2] // 2
+  g = h // kh
+  dt = q.dtype
+  kv = kv_pages[page_ids]  # [T, P, ps, 2K, hd]
+  kv = kv.reshape(t, -1, 2 * kh, hd)  # [T, S, 2K, hd], S = P * page_size in token order
+  k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, S, K, hd]
+  if k_scale is not None:
+    k = k.astype(jnp.float32) * k_scale
+  if v_scale is not None:
+    v = v.astype(jnp.float32) * v_scale
+  qg = q.reshape(t, kh, g, hd)
+  scores = jnp.einsum("tkgd,tskd->tkgs", qg, k.astype(dt), preferred_element_type=jnp.float32) * sm_scale
+  if soft_cap is not None:
+    scores = soft_cap * jnp.tanh(scores / soft_cap)
+  s = jnp.arange(kv.shape[1])[None]
+  mask = (s <= pos[:, None]) & (s < kv_len[:, None]) & valid[:, None]  # [T, S]
+  if window is not None:
+    mask = mask & (s > pos[:, None] - window)
+  scores = jnp.where(mask[:, None, None], scores, NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  out = jnp.einsum("tkgs,tskd->tkgd", probs, v.astype(dt), preferred_element_type=jnp.float32)
+  out = jnp.where(jnp.any(mask, axis=1)[:, None, None, None], out, 0.0)
+  return out.reshape(t, h, hd).astype(dt)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> jax.Array:
+  """Mixed prefill and decode attention over paged KV, the Pallas kernel's signature and semantics.
+
+  Args:
+    q: [tokens, q_heads, head_dim] the queries of all sequences, concatenated.
+    kv_pages: [num_pages, page_size, 2K, head_dim] one layer's pages (keys even, values odd combined heads).
+    kv_lens: [max_seqs] int32 tokens in each sequence's cache, its queries included (the last q_len).
+    page_indices: [max_seqs, pages_per_seq] int32 pages of each sequence in token order.
+    cu_q_lens: [max_seqs + 1] int32 cumulative query counts; sequence s's queries are rows
+      cu_q_lens[s]..cu_q_lens[s + 1] of q.
+    num_seqs: [1] int32, the sequences that count (the first num_seqs).
+    sm_scale: multiplies q · k (the kernel's default 1.0; `attention_core` uses 1 / sqrt(head_dim)).
+    sliding_window, soft_cap, k_scale, v_scale: as the kernel's (None: off).
+
+  Returns:
+    [tokens, q_heads, head_dim] in q's dtype; rows past cu_q_lens[num_seqs] are zeros (the kernel's are
+    unspecified).
+
+  Raises:
+    ValueError: on shapes that do not match the layout above, non-int32 indices, soft_cap 0 or a
+      non-positive sliding_window.
+  """
+  _check(q, kv_pages, kv_lens, page_indices, soft_cap, sliding_window)
+  if cu_q_lens.shape != (kv_lens.shape[0] + 1,) or num_seqs.shape != (1,):
+    raise ValueError(
+        f"ragged_paged_attention: cu_q_lens must be [max_seqs + 1] and num_seqs [1], got {cu_q_lens.shape} and "
+        f"{num_seqs.shape} for {kv_lens.shape[0]} sequences"
+    )
+  tok = jnp.arange(q.shape[0], dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, kv_lens.shape[0] - 1)
+  valid = (tok < cu_q_lens[num_seqs[0]]) & (seq < num_seqs[0])
+  q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+  pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])
+  return _attend(
+      q,
+      kv_pages,
+      page_indices[seq],
+      kv_lens[seq],
+      pos,
+      valid,
+      sm_scale=sm_scale,
+      soft_cap=soft_cap,
+      window=sliding_window,
+      k_scale=k_scale,
+      v_scale=v_scale,
+  )
+
+
+def paged_decode_attention(
+    q_rhd: jax.Array,
+    kv_pages: jax.Array,
+    lengths: jax.Array,
+    page_table: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+  """Decode attention: row r's one query (its newest token, already in the pages) attends to the lengths[r]
+  tokens of its pages `page_table[r]`.
+
+  Args:
+    q_rhd: [rows, q_heads, head_dim] queries (compute dtype), query head h reads KV head h // G.
+    kv_pages: [num_pages, page_size, 2K, head_dim] one layer's pages (`sampling.paged.PagePool.kv_pages`).
+    lengths: [rows] int32 tokens of each row, the query's own included (0: an idle row, output zeros).
+    page_table: [rows, pages_per_row] int32 (`PagePool.page_table`).
+    sm_scale: score scale (default 1 / sqrt(head_dim), `attention_core`'s).
+    soft_cap: optional logit soft cap (None: off, as the models here).
+
+  Returns:
+    [rows, q_heads, head_dim] in q's dtype.
+
+  Raises:
+    ValueError: as `ragged_paged_attention`.
+  """
+  _check(q_rhd, kv_pages, lengths, page_table, soft_cap, None)
+  if q_rhd.shape[0] != lengths.shape[0]:
+    raise ValueError(f"paged_decode_attention: {q_rhd.shape[0]} queries for {lengths.shape[0]} rows")
+  scale = 1.0 / math.sqrt(q_rhd.shape[-1]) if sm_scale is None else sm_scale
+  valid = lengths > 0
+  return _attend(
+      q_rhd,
+      kv_pages,
+      page_table,
+      lengths,
+      lengths - 1,
+      valid,
+      sm_scale=scale,
+      soft_cap=soft_cap,
+      window=None,
+      k_scale=None,
+      v_scale=None,
+  )
+
+
+def pallas_decode_attention(
+    q_rhd: jax.Array,
+    kv_pages: jax.Array,
+    lengths: jax.Array,
+    page_table: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    kernel=None,
+) -> jax.Array:
+  """`paged_decode_attention` through the Pallas TPU kernel (`ragged_paged_attention`, one query per row).
+
+  Idle rows (length 0) are passed with length 1, which the kernel requires (q_len <= kv_len), and their
+  output is zeroed. The block sizes go to the kernel (None: its tuned table, which needs a TPU runtime, so a
+  compile-only lowering on a CPU host must give both). `kernel` replaces the kernel with a function of the
+  same signature (tests pass jax's `ref_ragged_paged_attention`). Shapes and the error raised as `paged_decode_attention`; the kernel adds its
+  own tiling limits (e.g. 2K a multiple of 8 / 16 unless it is 2, 4 or 8).
+  """
+  _check(q_rhd, kv_pages, lengths, page_table, soft_cap, None)
+  if kernel is None:
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
+  rows = q_rhd.shape[0]
+  scale = 1.0 / math.sqrt(q_rhd.shape[-1]) if sm_scale is None else sm_scale
+  blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block)
+  blocks = {k: v for k, v in blocks.items() if v is not None}
+  out = kernel(
+      q_rhd,
+      kv_pages,
+      jnp.maximum(lengths, 1),
+      page_table,
+      jnp.arange(rows + 1, dtype=jnp.int32),
+      jnp.array([rows], jnp.int32),
+      sm_scale=scale,
+      soft_cap=soft_cap,
+      **blocks,
+  )
+  return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q_rhd.dtype)

@@ -1,0 +1,217 @@
+"""Continuous batching on a paged KV cache (`Sampler(paged_kv=PagedKV(...))`; off by default).
+
+The loop of `continuous.decode_with_refills` with the dense per-row cache replaced by a `paged.PagePool`
+(carried in `ContinuousState.cache`): a refill prefills the waiting prompts and writes only their real tokens
+into fresh pages; a decode step allocates a page where a row crosses a page boundary and attends to each row's
+own pages (`models.paged_attention`); a row's pages go back to the pool the step it stops. A refill admits
+only the waiting requests, in order, whose pages at full length fit the pool next to the live rows' reserved
+growth (`paged.can_admit`), so a full pool delays them and never truncates one. Row keys, positions and the
+stop rule are `continuous`'s, so every response equals the static sampler's token for token.
+
+A row holds P + R - 1 tokens at most (P its real prompt, R = max_new_tokens: the last sampled token is never
+fed back), which is its admitted capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minpro_jax.models.moe import ROUTE_DTYPE
+from minpro_jax.models.paged_attention import PagedKVCache
+from minpro_jax.models.rope import rope_tables
+from minpro_jax.models.transformer import KVCache, keys_head_dim_major
+from minpro_jax.runtime.multihost import to_host
+from minpro_jax.sampling import paged
+from minpro_jax.sampling.continuous import ContinuousState, init_state, record, refill_rule, start_rows
+from minpro_jax.sampling.methods import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+  """The paged cache of the continuous sampler.
+
+  page_size: tokens per page (TPU kernels want a multiple of 8; 64-256 at the papers' lengths).
+  num_pages: pages per layer; None: decode rows x the pages of the longest possible row (the dense cache's
+    memory, so nothing ever waits). Fewer pages hold fewer tokens: requests then wait for rows to finish.
+  """
+
+  page_size: int = 64
+  num_pages: int | None = None
+
+  def __post_init__(self):
+    for name in ("page_size", "num_pages"):
+      v = getattr(self, name)
+      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(f"PagedKV.{name}={v!r} must be a positive int")
+
+  def pool_sizes(self, rows: int, p_len: int, max_new_tokens: int) -> dict:
+    """`paged.init_pool` sizes for `rows` decode rows and prompts of up to p_len tokens (ints)."""
+    per_row = paged.pages_for(p_len + max(max_new_tokens - 1, 0), self.page_size)
+    return dict(
+        num_pages=self.num_pages or rows * per_row, page_size=self.page_size, rows=rows, max_pages_per_row=per_row
+    )
+
+
+def _prompt_kv(small_k, small_v, n_real, keys_hd_major: bool):
+  """The per-layer prefill caches of M left-padded prompts -> [L, M, P, K, hd] keys/values with each prompt's
+  real tokens moved to the front (token t of prompt m at index t)."""
+  p = small_v[0].shape[2]
+  src = jnp.clip(p - n_real[:, None] + jnp.arange(p)[None], 0, p - 1)  # [M, P]
+
+  def front(a_mkph):
+    return jnp.take_along_axis(jnp.swapaxes(a_mkph, 1, 2), src[:, :, None, None], axis=1)  # [M, P, K, hd]
+
+  ks = [front(jnp.swapaxes(k, 2, 3) if keys_hd_major else k) for k in small_k]
+  return jnp.stack(ks), jnp.stack([front(v) for v in small_v])
+
+
+def refill(st: ContinuousState, prefill_fn, tokens, segs, rows, reqs, groups, keys, sampling, pad_id, hd_major, proc):
+  """`continuous.refill` into pages: prefill, `paged.admit` the real tokens, sample index 0, free rows that
+  already stopped. rows: [M] int32 (B: a padding entry); other arguments as `continuous.refill`."""
+  positions = jnp.where(segs > 0, jnp.cumsum(segs, axis=1) - 1, 0).astype(jnp.int32)
+  logits, small = prefill_fn(tokens, positions, segs)
+  n_real = jnp.sum(segs > 0, axis=1, dtype=jnp.int32)
+  k, v = _prompt_kv(small.k, small.v, n_real, hd_major)
+  pool = paged.admit(st.cache, rows, n_real, n_real + max(sampling.max_new_tokens - 1, 0), k, v)
+  st = start_rows(st._replace(cache=pool), logits, positions, rows, reqs, groups, keys, sampling, pad_id, proc)
+  b = st.done.shape[0]
+  stopped = jnp.zeros((b,), bool).at[rows].set(True, mode="drop") & st.done
+  return st._replace(cache=paged.free_rows(st.cache, stopped))
+
+
+def decode_step(s: ContinuousState, step_fn, sampling: SamplingParams, pad_id: int, processor=None):
+  """One token for every live row into its pages, then `record`; rows that stop release their pages.
+
+  step_fn(PagedKVCache, tokens [B], positions [B]) -> (logits [B, V], kv_pages), plus routes [B, L, k] when
+  the state records them."""
+  live = ~s.done
+  pool, page, slot = paged.append_slots(s.cache, live)
+  cache = PagedKVCache(pool.kv_pages, page, slot, pool.lengths, pool.page_table)
+  logits, kv_pages, *routes = step_fn(cache, s.prev, s.next_pos + s.step - 1)
+  s = s._replace(cache=pool._replace(kv_pages=kv_pages))
+  if s.routes is not None:  # the experts that fed response index step - 1 forward
+    at = jnp.where(live, s.req, s.routes.shape[0])
+    s = s._replace(routes=s.routes.at[at, s.step - 1].set(routes[0].astype(ROUTE_DTYPE), mode="drop"))
+  s, step, done, prev = record(s, logits, s.step, live, s.req, s.group, s.keys, sampling, pad_id, processor)
+  return s._replace(step=step, done=done, prev=prev, cache=paged.free_rows(s.cache, done & live))
+
+
+def admissible(pool: paged.PagePool, segs_n, nxt, m: int, max_new_tokens: int):
+  """int32 scalar: how many of the waiting requests nxt, nxt + 1, ... (at most m) fit the pool now, in order."""
+  n = segs_n.shape[0]
+  idx = nxt + jnp.arange(m)
+  n_real = jnp.sum(segs_n[jnp.clip(idx, 0, n - 1)] > 0, axis=1, dtype=jnp.int32)
+  pages = jnp.where(idx < n, paged.pages_for(n_real + max(max_new_tokens - 1, 0), pool.page_size), 0)
+  room = paged.free_pages(pool) - paged.outstanding_pages(pool)
+  return jnp.sum((jnp.cumsum(pages) <= room) & (idx < n), dtype=jnp.int32)
+
+
+def decode_with_refills(st, step_fn, prefill_fn, requests, refill_rows: int, sampling, pad_id, hd_major, proc=None):
+  """`continuous.decode_with_refills` on a page pool: an iteration refills done rows with the next waiting
+  requests that fit the pool (when `refill_rule` says so and at least one fits), else decodes one step.
+
+  Args: as `continuous.decode_with_refills`, with `st.cache` a `paged.PagePool` of B rows. Returns: the final
+  carry (every request done; its pool's `errors` 0 in a correct run)."""
+  tokens_n, segs_n, groups_n, keys_n = requests
+  n, b, m = tokens_n.shape[0], st.done.shape[0], refill_rows
+  r = sampling.max_new_tokens
+
+  def plan(s, nxt):
+    go, count = refill_rule(jnp.sum(s.done.astype(jnp.int32)), n - nxt, m)
+    fit = admissible(s.cache, segs_n, nxt, m, r)
+    return go & (fit > 0), jnp.minimum(count, fit)
+
+  def refill_branch(c):
+    s, nxt = c
+    _, count = plan(s, nxt)
+    order = jnp.argsort(~s.done, stable=True)[:m].astype(jnp.int32)  # done rows first
+    slot_ok = jnp.arange(m) < count
+    rows = jnp.where(slot_ok, order, b)
+    reqs = jnp.where(slot_ok, nxt + jnp.arange(m, dtype=jnp.int32), n)
+    src = jnp.clip(reqs, 0, n - 1)
+    s = refill(
+        s,
+        prefill_fn,
+        tokens_n[src],
+        segs_n[src],
+        rows,
+        reqs,
+        groups_n[src],
+        keys_n[src],
+        sampling,
+        pad_id,
+        hd_major,
+        proc,
+    )
+    return s, nxt + count
+
+  def step_branch(c):
+    s, nxt = c
+    return decode_step(s, step_fn, sampling, pad_id, proc), nxt
+
+  def cond(c):
+    s, nxt = c
+    return (nxt < n) | ~jnp.all(s.done)
+
+  def body(c):
+    s, nxt = c
+    return jax.lax.cond(plan(s, nxt)[0], refill_branch, step_branch, c)
+
+  return jax.lax.while_loop(cond, body, (st, jnp.zeros((), jnp.int32)))[0]
+
+
+def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows: int, refill: int):
+  """The jitted whole call (`Sampler._c_paged`): a fresh pool, then `decode_with_refills`. `sampler` is the
+  `Sampler` whose graphdef, config and options it runs. Returns the [N, R] outputs, routes and the pool's
+  error bits."""
+  sampler.trace_count += 1
+  model = nnx.merge(sampler._graphdef, state)
+  cfg, r = sampler.config, sampling.max_new_tokens
+  sizes = sampler.paged_kv.pool_sizes(rows, p_len, r)
+  pool = paged.init_pool(
+      num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype, **sizes
+  )
+  st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes)._replace(cache=pool)
+  cos_s, sin_s = rope_tables(jnp.arange(p_len + r)[None], cfg)
+
+  def step_fn(cache, tokens_b, pos_b):
+    pos = pos_b[:, None]
+    out = model(tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, rope=(cos_s[0][pos], sin_s[0][pos]))
+    return out.out[:, 0], out.cache.kv_pages, *((out.routes[:, 0],) if sampler.record_routes else ())
+
+  def prefill(tokens, positions, segs):
+    cache = KVCache.zeros(cfg, tokens.shape[0], tokens.shape[1])
+    out = model(tokens, positions, segs, cache=cache, cache_index=0, return_hidden=True)
+    return model.logits(out.out[:, -1:])[:, 0], out.cache
+
+  hd_major = keys_head_dim_major(cfg.jnp_dtype)
+  st = decode_with_refills(
+      st, step_fn, prefill, requests, refill, sampling, sampler.pad_id, hd_major, sampler.logits_processor
+  )
+  return st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes, st.cache.errors
+
+
+def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: SamplingParams):
+  """The host side of a paged call: check every request fits an empty pool (else it would wait forever),
+  run the jitted call, raise on a broken pool contract. tokens / segs: [N, P] numpy left-padded prompts;
+  keys: [N, 2] uint32. Returns the outputs of `Sampler._generate_continuous`.
+
+  Raises:
+    ValueError: a prompt the pool could never hold (`paged.check_request`, naming `PagedKV.num_pages`).
+    RuntimeError: the pool's error bits (a bug: `paged.raise_on_errors`).
+  """
+  p_len, r = tokens.shape[1], sampling.max_new_tokens
+  rows, refill_at = sampler.continuous_rows(n)
+  sizes = sampler.paged_kv.pool_sizes(rows, p_len, r)
+  shape = jax.eval_shape(lambda: paged.init_pool(num_layers=1, num_kv_heads=1, head_dim=1, **sizes))
+  for length in sorted(set(np.sum(np.asarray(segs) > 0, axis=1).tolist())):
+    paged.check_request(shape, max(int(length), 1), max(r - 1, 0))
+  requests = (tokens, segs, np.asarray(row_group).astype(np.int32), keys)
+  *out, errors = to_host(sampler._c_paged(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at))
+  paged.raise_on_errors(errors)
+  return tuple(out)
