@@ -1,8 +1,10 @@
 """Test setup: 8 virtual CPU devices, fp32 matmuls, one persistent compilation cache for the session, and temp dirs
 for libraries that write to $HOME."""
 
+import json
 import os
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,3 +70,24 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.xdist_group(item.path.stem))
   rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
   items.sort(key=lambda item: rank.get(_group(item), len(rank)))
+
+
+# Every test phase is appended to TIMES_FILE as it ends (by the controlling process; one JSON line each: test id,
+# phase, seconds, outcome, xdist worker, end time), so a run that is killed or times out still says where its time
+# went: `python tests/durations.py` sums them per test, file and worker (tests/README.md).
+TIMES_FILE = os.environ.get("MINPRO_TEST_TIMES", os.path.join(REPO, ".pytest_cache", "test_times.jsonl"))
+
+
+def pytest_sessionstart(session):
+  if not hasattr(session.config, "workerinput"):
+    os.makedirs(os.path.dirname(TIMES_FILE), exist_ok=True)
+    open(TIMES_FILE, "w").close()
+
+
+def pytest_runtest_logreport(report):
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    return
+  worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+  line = {"test": report.nodeid, "when": report.when, "s": round(report.duration, 3), "outcome": report.outcome}
+  with open(TIMES_FILE, "a") as f:
+    f.write(json.dumps({**line, "worker": worker, "end": round(time.time(), 1)}) + "\n")
