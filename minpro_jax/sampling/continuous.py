@@ -235,6 +235,29 @@ def refill_rule(n_done, waiting, refill_rows: int, minimum=jnp.minimum):
   return go, minimum(minimum(n_done, refill_rows), waiting)
 
 
+def refill_next(s, nxt, count, m: int, refill_fn, prefill_fn, requests, sampling, pad_id, keys_hd_major, processor):
+  """The refill branch of the in-loop samplers: the next `count` (<= m, traced) waiting requests nxt, nxt + 1, ...
+  go into done decode rows (done rows first) through `refill_fn` (`refill`, or the page pool's).
+
+  Args:
+    s: the carry; nxt: int32 scalar, the next waiting request; m: the rows one refill prefills (static).
+    requests: (tokens [N, P], segments [N, P], groups [N], keys [N, 2]) as `decode_with_refills`.
+    Others as `refill`.
+
+  Returns:
+    (the carry after the refill, nxt + count).
+  """
+  tokens_n, segs_n, groups_n, keys_n = requests
+  n, b = tokens_n.shape[0], s.done.shape[0]
+  order = jnp.argsort(~s.done, stable=True)[:m].astype(jnp.int32)  # done rows first
+  slot_ok = jnp.arange(m) < count
+  rows = jnp.where(slot_ok, order, b)
+  reqs = jnp.where(slot_ok, nxt + jnp.arange(m, dtype=jnp.int32), n)
+  src = jnp.clip(reqs, 0, n - 1)
+  args = (tokens_n[src], segs_n[src], rows, reqs, groups_n[src], keys_n[src])
+  return refill_fn(s, prefill_fn, *args, sampling, pad_id, keys_hd_major, processor), nxt + count
+
+
 def decode_with_refills(
     st: ContinuousState,
     step_fn,
@@ -259,32 +282,12 @@ def decode_with_refills(
   Returns:
     The final carry (every request done).
   """
-  tokens_np, segs_np, groups_n, keys_n = requests
-  n, b, m = tokens_np.shape[0], st.done.shape[0], refill_rows
+  n, m = requests[0].shape[0], refill_rows
 
   def refill_branch(c):
     s, nxt = c
     _, count = refill_rule(jnp.sum(s.done.astype(jnp.int32)), n - nxt, m)
-    order = jnp.argsort(~s.done, stable=True)[:m].astype(jnp.int32)  # done rows first
-    slot_ok = jnp.arange(m) < count
-    rows = jnp.where(slot_ok, order, b)
-    reqs = jnp.where(slot_ok, nxt + jnp.arange(m, dtype=jnp.int32), n)
-    src = jnp.clip(reqs, 0, n - 1)
-    s = refill(
-        s,
-        prefill_fn,
-        tokens_np[src],
-        segs_np[src],
-        rows,
-        reqs,
-        groups_n[src],
-        keys_n[src],
-        sampling,
-        pad_id,
-        keys_hd_major,
-        processor,
-    )
-    return s, nxt + count
+    return refill_next(s, nxt, count, m, refill, prefill_fn, requests, sampling, pad_id, keys_hd_major, processor)
 
   def step_branch(c):
     s, nxt = c

@@ -27,7 +27,7 @@ from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, keys_head_dim_major
 from minpro_jax.runtime.multihost import to_host
 from minpro_jax.sampling import paged
-from minpro_jax.sampling.continuous import ContinuousState, init_state, record, refill_rule, start_rows
+from minpro_jax.sampling.continuous import ContinuousState, init_state, record, refill_next, refill_rule, start_rows
 from minpro_jax.sampling.methods import SamplingParams
 
 
@@ -117,8 +117,8 @@ def decode_with_refills(st, step_fn, prefill_fn, requests, refill_rows: int, sam
 
   Args: as `continuous.decode_with_refills`, with `st.cache` a `paged.PagePool` of B rows. Returns: the final
   carry (every request done; its pool's `errors` 0 in a correct run)."""
-  tokens_n, segs_n, groups_n, keys_n = requests
-  n, b, m = tokens_n.shape[0], st.done.shape[0], refill_rows
+  segs_n = requests[1]
+  n, m = segs_n.shape[0], refill_rows
   r = sampling.max_new_tokens
 
   def plan(s, nxt):
@@ -129,26 +129,7 @@ def decode_with_refills(st, step_fn, prefill_fn, requests, refill_rows: int, sam
   def refill_branch(c):
     s, nxt = c
     _, count = plan(s, nxt)
-    order = jnp.argsort(~s.done, stable=True)[:m].astype(jnp.int32)  # done rows first
-    slot_ok = jnp.arange(m) < count
-    rows = jnp.where(slot_ok, order, b)
-    reqs = jnp.where(slot_ok, nxt + jnp.arange(m, dtype=jnp.int32), n)
-    src = jnp.clip(reqs, 0, n - 1)
-    s = refill(
-        s,
-        prefill_fn,
-        tokens_n[src],
-        segs_n[src],
-        rows,
-        reqs,
-        groups_n[src],
-        keys_n[src],
-        sampling,
-        pad_id,
-        hd_major,
-        proc,
-    )
-    return s, nxt + count
+    return refill_next(s, nxt, count, m, refill, prefill_fn, requests, sampling, pad_id, hd_major, proc)
 
   def step_branch(c):
     s, nxt = c
