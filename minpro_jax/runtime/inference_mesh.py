@@ -31,24 +31,11 @@ from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_to_spec, make_mes
 
 INFERENCE_AXES = ("data", "tensor")
 
-# Logical axis -> mesh axis of the sampler's layout: like `sharding.DEFAULT_RULES` less every fsdp / expert split.
-INFERENCE_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", "data"),
-    ("layers", None),
-    ("embed", None),
-    ("vocab", "tensor"),
-    ("mlp", "tensor"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("expert", None),
-    ("norm", None),
-    ("act_seq", None),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_vocab", "tensor"),
-    ("cache_seq", None),
+# Logical axis -> mesh axis of the sampler's layout: `sharding.DEFAULT_RULES` less every fsdp / expert split (batch
+# over data only; weights replicated on their embed dimension and over experts).
+_INFERENCE_CHANGES = {"batch": "data", "embed": None, "expert": None}
+INFERENCE_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = tuple(
+    (name, _INFERENCE_CHANGES.get(name, axis)) for name, axis in DEFAULT_RULES
 )
 
 
