@@ -86,7 +86,7 @@ def _check(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: 
     raise ValueError(f"paged attention: sliding_window={window} must be positive (None turns it off)")
 
 
-def _attend(q, kv_pages, page_ids, kv_len, pos, valid, *, sm_scale, soft_cap, window, k_scale, v_scale):
+def _attend(q, kv_pages, page_ids, kv_len, pos, valid, *, sm_scale, soft_cap, window=None, k_scale=None, v_scale=None):
   """Per query t: attend q[t] to the kv_len[t] tokens of pages page_ids[t], keys 0..pos[t] only."""
   t, h, hd = q.shape
   kh = kv_pages.shape[2] // 2
@@ -206,19 +206,7 @@ def paged_decode_attention(
     raise ValueError(f"paged_decode_attention: {q_rhd.shape[0]} queries for {lengths.shape[0]} rows")
   scale = 1.0 / math.sqrt(q_rhd.shape[-1]) if sm_scale is None else sm_scale
   valid = lengths > 0
-  return _attend(
-      q_rhd,
-      kv_pages,
-      page_table,
-      lengths,
-      lengths - 1,
-      valid,
-      sm_scale=scale,
-      soft_cap=soft_cap,
-      window=None,
-      k_scale=None,
-      v_scale=None,
-  )
+  return _attend(q_rhd, kv_pages, page_table, lengths, lengths - 1, valid, sm_scale=scale, soft_cap=soft_cap)
 
 
 def pallas_decode_attention(
