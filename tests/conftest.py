@@ -72,6 +72,21 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: rank.get(_group(item), len(rank)))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+  """Stops the run when `--dist loadgroup` is not grouping: the scheduler reads a test's group from the `@group`
+  suffix of its id, and without it each test is scheduled alone and each module fixture runs once per worker."""
+  if node.config.getvalue("dist") == "loadgroup":
+    loose = [i for i in ids if "@" not in i]
+    if loose:
+      pytest.exit(
+          f"--dist loadgroup is not grouping ({len(loose)} test ids carry no @group, e.g. {loose[0]}): pytest "
+          "9.2 drops xdist 3.8's group suffix (pytest-dev/pytest-xdist#1386); install requirements-test.txt "
+          "(make setup)",
+          returncode=pytest.ExitCode.USAGE_ERROR,
+      )
+
+
 # Every test phase is appended to TIMES_FILE as it ends (by the controlling process; one JSON line each: test id,
 # phase, seconds, outcome, xdist worker, end time), so a run that is killed or times out still says where its time
 # went: `python tests/durations.py` sums them per test, file and worker (tests/README.md).
