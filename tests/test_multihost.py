@@ -69,7 +69,7 @@ def _launch_args(ov, num_processes=2, devices_per_process=2):
 def _env(devices=None):
   env = cli_env()
   if devices:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
   return env
 
 

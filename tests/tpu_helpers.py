@@ -29,6 +29,8 @@ def run_with_libtpu(code: str, timeout: int = 300) -> list[dict[str, str]]:
   # no persistent compilation cache (tests/conftest.py): a compile-only TPU client writes entries it cannot load
   # back ("PjRtCompiler must be constructed with a Client to call DeserializeLoadedExecutable")
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  # nor XLA:CPU's codegen flags: the TPU compiler would read them too
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "backend_optimization_level" not in f)
   proc = subprocess.run(
       [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
   )

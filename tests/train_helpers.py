@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 
 from minpro_jax.configs import set_fields
@@ -80,7 +81,10 @@ def cli_args(overrides: dict, model: dict | None = None) -> list[str]:
 
 def cli_env() -> dict:
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device, as a user would run it
+  # one CPU device, as a user would run it; the session's other XLA flags (tests/conftest.py) stay
+  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.pop("XLA_FLAGS", "")).split()
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   return env
