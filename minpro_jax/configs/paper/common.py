@@ -94,6 +94,7 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str, micro_ba
       "olympiadbench=olympiadbench:data/olympiadbench.jsonl,gsm8k=gsm8k:data/gsm8k.jsonl"
   )
   c.checkpoint.every = 5
+  c.log.mismatch_every = 10  # the score pass (a forward over every row) only for TIS/MIS or every 10th step's metrics
   c.checkpoint.keep = 3
   c.mesh.shape = mesh
   return c
