@@ -1,17 +1,18 @@
 """`log.mismatch_every`: the learner's score pass runs only where a step logs the sampler-learner mismatch or the loss
 reads `learner_logp` (TIS/MIS), and skipping it changes nothing else, bit for bit."""
 
-import json
 import types
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from train_helpers import make_config, tiny_overrides
 
 from minpro_jax import run_config
 from minpro_jax.rl.learner import LossConfig
+from minpro_jax.rl.rollout import RolloutBuffer
 from minpro_jax.study.runner import config_differences
 
 SKIPPED = ("time/", "throughput/")  # wall-clock figures, different in every run
@@ -24,39 +25,48 @@ def _coin_grade(texts, golds, **kwargs):
   return [float(zlib.crc32(t.encode()) % 2) for t in texts], {"no_answer": 0, "timeout": 0}
 
 
-def _run(tmp_path, name, **extra):
-  from minpro_jax.trainer import Trainer
-
-  ov = tiny_overrides(  # no warm start, the smallest evaluation: the steps are what is compared
-      tmp_path,
-      workdir=str(tmp_path / name),
-      total_steps=3,
-      delay=1,
-      **{"sft.enabled": False, "eval.num_problems": 2, "eval.n": 1, "eval.ks": (1,), **extra},
-  )
-  tr = Trainer.from_config(make_config(ov))
+def _steps(trainer, params, loader_state, every: int, num_steps: int = 3):
+  """The trainer's global steps 0..num_steps-1 (sample, buffer, learn: `Trainer._run`'s loop without evaluation and
+  checkpoints) from `params` with `log.mismatch_every=every`; returns (the final state, each step's metrics, the
+  rows each score pass scored)."""
+  trainer.c.log.mismatch_every = every
+  trainer.loader.set_state(loader_state)
   scored = []
-  score = tr.learner.score
-  tr.learner.score = lambda params, batch, **kw: scored.append(batch.size) or score(params, batch, **kw)
-  tr.run()
-  recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-  return tr, scored, {r["step"]: r for r in recs}
+  score = trainer.learner.score
+  trainer.learner.score = lambda p, batch, **kw: scored.append(batch.size) or score(p, batch, **kw)
+  state = trainer.learner.init_state(jax.tree.map(jnp.copy, params))  # a copy: the updates donate the state
+  buffer, records = RolloutBuffer(trainer.c.delay), []
+  for step in range(num_steps):
+    batch, metrics = trainer.sample_step(state, step)
+    buffer.push(step, batch)
+    released = buffer.pop(step)
+    if released is not None:
+      state, learn_metrics = trainer.learn_step(state, released)
+      metrics.update(learn_metrics)
+    records.append({k: v for k, v in metrics.items() if not k.startswith(SKIPPED)})
+  trainer.learner.score = score
+  return state, records, scored
 
 
 def test_skipping_the_score_pass_changes_nothing_but_the_mismatch_metrics(tmp_path, monkeypatch):
+  """Two runs of one trainer (its programs compiled once): every step scored, and every other step."""
+  from flax import nnx
+
+  from minpro_jax.trainer import Trainer
+
   monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
-  every, base_scored, base = _run(tmp_path, "every")
-  skip, skip_scored, skipped = _run(tmp_path, "skip", **{"log.mismatch_every": 2})
+  trainer = Trainer.from_config(make_config(tiny_overrides(tmp_path, delay=1, **{"sft.enabled": False})))
+  params, loader_state = nnx.split(trainer.model)[1], trainer.loader.get_state()
+  every, base, base_scored = _steps(trainer, params, loader_state, every=1)
+  skip, skipped, skip_scored = _steps(trainer, params, loader_state, every=2)
+  trainer.close()
   assert base_scored == [8] * 3 and skip_scored == [8] * 2  # steps 0, 1, 2 against steps 0 and 2 (8 rows a step)
-  assert sorted(base) == sorted(skipped) == [-1, 0, 1, 2, 3]  # -1 and 3: the evaluations at the start and end
   assert base[1]["learn/loss"] != 0 and base[2]["learn/loss"] != 0  # what is compared below are real updates
-  for step, b in base.items():
-    s = skipped[step]
+  for step, (b, s) in enumerate(zip(base, skipped)):
     dropped = step == 1  # the one step that skips the pass: no sampler_learner/* metrics
-    want = {k: v for k, v in b.items() if not k.startswith(SKIPPED) and not (dropped and k.startswith("sampler_"))}
-    assert {k: v for k, v in s.items() if not k.startswith(SKIPPED)} == want, step
-    assert ("sampler_learner/mismatch_k3" in s) == (step in (0, 2)), step
-  for a, b in zip(jax.tree.leaves(every.final_state), jax.tree.leaves(skip.final_state)):
+    assert s == {k: v for k, v in b.items() if not (dropped and k.startswith("sampler_"))}, step
+    assert ("sampler_learner/mismatch_k3" in s) == (step != 1), step
+  for a, b in zip(jax.tree.leaves(every), jax.tree.leaves(skip)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -100,9 +110,5 @@ def test_the_field_is_checked_and_does_not_make_a_finished_study_run_stale(tmp_p
   before = make_config(tiny_overrides(tmp_path)).to_dict()
   del before["log"]["mismatch_every"]  # a summary.json written before the field existed
   for every in (1, 10):
-    assert (
-        config_differences(
-            before, make_config(tiny_overrides(tmp_path, **{"log.mismatch_every": every})).to_dict(), set()
-        )
-        == []
-    )
+    now = make_config(tiny_overrides(tmp_path, **{"log.mismatch_every": every})).to_dict()
+    assert config_differences(before, now, set()) == []
