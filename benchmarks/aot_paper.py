@@ -29,23 +29,25 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "aot"
 PAPER = "minpro_jax/configs/paper"
-MIPU_1P7B = [f"--config={PAPER}/qwen3_8b.py", "--config.model.preset=qwen3-1.7b"]
-MIPU_4B = [f"--config={PAPER}/qwen3_8b.py", "--config.model.preset=qwen3-4b"]
+# the Qwen3-8B config at the micro-batch these rows were compiled with (it is sized for v5p-64 now: 32)
+QWEN3_8B = [f"--config={PAPER}/qwen3_8b.py", "--config.micro_batch_size=16"]
+MIPU_1P7B = [*QWEN3_8B, "--config.model.preset=qwen3-1.7b"]
+MIPU_4B = [*QWEN3_8B, "--config.model.preset=qwen3-4b"]
 MIPU_LEN = ["--config.data.max_prompt_tokens=1024", "--config.sampling.max_new_tokens=8192"]
 LEARNER = ["--programs=update,score"]
 SAMPLER = ["--programs=prefill,decode", "--sampler-rows=64"]
 
 # (name, topology, arguments): the MinPRO models first (the paper's claims), the smallest slice that fits first
 ENTRIES = [
-    ("qwen3_8b_v5p-8_learner", "v5p-8", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", *LEARNER]),
-    ("qwen3_8b_v5p-8_sampler", "v5p-8", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", *SAMPLER]),
+    ("qwen3_8b_v5p-8_learner", "v5p-8", [*QWEN3_8B, "--mesh=fsdp=-1", *LEARNER]),
+    ("qwen3_8b_v5p-8_sampler", "v5p-8", [*QWEN3_8B, "--mesh=fsdp=-1", *SAMPLER]),
     (
         "qwen3_30b_a3b_v5p-16_learner",
         "v5p-16",
         [f"--config={PAPER}/qwen3_30b_a3b.py", "--mesh=fsdp=-1", "--mesh=expert=8", "--programs=update"],
     ),
     ("qwen3_14b_v5p-16_learner", "v5p-16", [f"--config={PAPER}/qwen3_14b.py", "--mesh=fsdp=-1", "--programs=update"]),
-    ("qwen3_8b_v5p-16_learner", "v5p-16", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update"]),
+    ("qwen3_8b_v5p-16_learner", "v5p-16", [*QWEN3_8B, "--mesh=fsdp=-1", "--programs=update"]),
     (
         "qwen3_30b_a3b_v5p-32_learner",
         "v5p-32",
@@ -65,7 +67,7 @@ ENTRIES = [
         "v5p-16",
         [f"--config={PAPER}/qwen3_30b_a3b.py", "--mesh=fsdp=-1", "--programs=update", "--config.micro_batch_size=8"],
     ),
-    ("qwen3_8b_v6e-16_learner", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=update"]),
+    ("qwen3_8b_v6e-16_learner", "v6e-16", [*QWEN3_8B, "--mesh=fsdp=-1", "--programs=update"]),
     (
         "qwen3_1p7b_v6e-8",
         "v6e-8",
@@ -75,14 +77,14 @@ ENTRIES = [
     (
         "qwen3_8b_v5p-16_learner_meshes",
         "v5p-16",
-        [f"--config={PAPER}/qwen3_8b.py", "--mesh=data=2,fsdp=-1", "--mesh=fsdp=-1,tensor=2", "--programs=update"],
+        [*QWEN3_8B, "--mesh=data=2,fsdp=-1", "--mesh=fsdp=-1,tensor=2", "--programs=update"],
     ),
     (
         "qwen3_30b_a3b_v6e-32_learner",
         "v6e-32",
         [f"--config={PAPER}/qwen3_30b_a3b.py", "--mesh=fsdp=-1", "--mesh=expert=8,fsdp=-1", "--programs=update"],
     ),
-    ("qwen3_8b_v5p-8_sampler_batch", "v5p-8", [f"--config={PAPER}/qwen3_8b.py", "--mesh=fsdp=-1", "--programs=decode"]),
+    ("qwen3_8b_v5p-8_sampler_batch", "v5p-8", [*QWEN3_8B, "--mesh=fsdp=-1", "--programs=decode"]),
 ]
 
 

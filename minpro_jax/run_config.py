@@ -34,7 +34,7 @@ from minpro_jax.rl.learner import LossConfig, OptimizerConfig
 from minpro_jax.rl.lr_decay import LrDecayConfig
 from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
 from minpro_jax.runtime.inference_mesh import parse_sampling_mesh
-from minpro_jax.runtime.sharding import MESH_AXES
+from minpro_jax.runtime.sharding import MESH_AXES, batch_split
 from minpro_jax.sampling import SamplingParams
 
 __all__ = [
@@ -467,10 +467,49 @@ def _check_mesh(c, num_devices: int) -> None:
       shape = resolve_mesh_shape(shape, num_devices)
     except ValueError as e:
       raise ConfigError(f"config.mesh.shape: {c.mesh.shape!r}: {e}") from e
+  check_micro_batch_split(c, shape or {}, num_devices)
   spec = c.sampling.get("mesh", "")
   heads = _model_heads(c)
   if spec and (heads or spec != "auto"):  # the sampler's mesh spans the learner mesh's devices (one without a mesh)
     parse_sampling_mesh(spec, math.prod(shape.values()) if shape else 1, *(heads or (None, None)))
+
+
+def check_micro_batch_split(c, mesh_shape: dict[str, int], num_devices: int) -> None:
+  """Every micro-batch the learner runs (updates and scoring; MIPU's validation batch when smaller) must split
+  over the mesh's batch axes: otherwise GSPMD keeps its rows whole on every device, splits the contraction instead
+  and all-reduces every matmul output (docs/aot.md). In a multi-process run `mesh_shape` is the mesh over every
+  process's devices.
+
+  Args:
+    mesh_shape: the resolved `config.mesh.shape` ({} = one device); num_devices: its device count (for the message).
+
+  Raises:
+    ConfigError: naming `config.micro_batch_size` (or `config.mipu.val_prompts`), both figures and the fix.
+  """
+  axes, split = batch_split(mesh_shape)
+  micro, mini = learner_micro_batch(c), c.prompts_per_step * c.group_size // c.num_updates_per_step
+  where = f"mesh.shape={c.mesh.shape!r} on {num_devices} devices: {' x '.join(axes)} = {split}"
+  fits = [m for m in range(split, mini + 1, split) if mini % m == 0]
+  _need(
+      micro % split == 0,
+      "micro_batch_size",
+      f"the learner's micro-batch of {micro} samples does not split over the mesh's batch axes ({where}), so every "
+      "device would hold whole rows and all-reduce every matmul output; "
+      + (
+          f"set micro_batch_size to a multiple of {split} that divides the mini-batch of {mini} (e.g. {fits[0]})"
+          if fits
+          else f"no micro-batch of the mini-batch of {mini} samples does: choose a mesh whose {' x '.join(axes)} "
+          f"divides {mini} (more tensor, fewer data/fsdp/expert devices)"
+      ),
+  )
+  if c.mipu.rollback:  # the validation batch is scored in micro-batches of min(micro, its size)
+    n_val = c.mipu.val_prompts * c.mipu.val_group_size
+    _need(
+        min(micro, n_val) % split == 0,
+        "mipu.val_prompts",
+        f"MIPU's validation batch of val_prompts * val_group_size = {n_val} samples does not split over the mesh's "
+        f"batch axes ({where}); make it a multiple of {split}",
+    )
 
 
 def _model_heads(c) -> tuple[int, int] | None:

@@ -4,7 +4,7 @@ One global step s:
   1. take the next prompt batch (B prompts) from the data iterator;
   2. sample G responses per prompt from the newest parameters (version v = updates so far), recording the
      sampler's behavior log-probs and v per sample; score the same tokens with the learner at v (training-precision
-     log-probs, for the mismatch metrics and TIS/MIS);
+     log-probs, for TIS/MIS every step, else only for the mismatch metrics every `log.mismatch_every` steps);
   3. grade the responses and compute group advantages (by explicit group ids);
   4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), split
      it into `num_updates_per_step` mini-batches and take one optimizer update on each (at the learning rate times
@@ -162,8 +162,11 @@ class Trainer:
   def _decode(self, gen) -> list[str]:
     return [self.tokenizer.decode(t[m].tolist()) for t, m in zip(gen.response_tokens, gen.response_mask)]
 
-  def _rollout(self, state, gen, problems, group_size: int) -> tuple[RolloutBatch, list[str], dict[str, Any]]:
-    """Grades `gen` (prompt-major rows of `problems`) and scores it with the learner at `state.params`.
+  def _rollout(
+      self, state, gen, problems, group_size: int, score: bool = True
+  ) -> tuple[RolloutBatch, list[str], dict[str, Any]]:
+    """Grades `gen` (prompt-major rows of `problems`) and, with `score`, scores it with the learner at
+    `state.params` (else its `learner_logp` stays zero: `Trainer.scoring`).
 
     Returns:
       (the `RolloutBatch` with rewards, advantages and learner log-probs; the response texts; the grading stats,
@@ -174,6 +177,8 @@ class Trainer:
     adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=self.c.advantage_mode))
     batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=adv.astype(np.float32))
     gstats = {**gstats, "seconds": time.time() - t0}
+    if not score:
+      return batch, texts, gstats
     with use_mesh(self.mesh):
       learner_logp, learner_routes = self.learner.score(state.params, batch, return_routes=True)
     if batch.routes is not None:  # where the learner's router, at the sampling version, picks other experts
@@ -232,6 +237,14 @@ class Trainer:
     )
 
   # ------------------------------------------------------------------ one global step
+  def scoring(self, step: int) -> tuple[bool, bool]:
+    """(whether global step `step` runs the learner's score pass over its batch, whether it logs the sampler-learner
+    mismatch metrics): the metrics every `config.log.mismatch_every` steps, the pass then or when the loss reads
+    `learner_logp` (TIS/MIS). A function of the step alone, so a resumed run skips the same steps; the loss and the
+    updates do not depend on it."""
+    logs = step % self.c.log.mismatch_every == 0
+    return logs or self.learner.loss_cfg.reads_learner_logp, logs
+
   def sample_step(self, state, step: int) -> tuple[RolloutBatch, dict[str, Any]]:
     """Steps 1-3 of the module docstring for global step `step`; returns the rollout batch and its metrics."""
     c = self.c
@@ -249,9 +262,9 @@ class Trainer:
         policy_version=version,
     )
     t1 = time.time()
-    batch, texts, gstats = self._rollout(state, gen, problems, c.group_size)
+    score, logs_mismatch = self.scoring(step)
+    batch, texts, gstats = self._rollout(state, gen, problems, c.group_size, score=score)
     t2, t_grade = time.time(), gstats["seconds"]
-    mm = jax.device_get(mismatch_metrics(batch.learner_logp, batch.behavior_logp, batch.response_mask))
     n_tok = max(int(gen.response_mask.sum()), 1)
     metrics = {
         "reward/mean": float(batch.rewards.mean()),
@@ -271,9 +284,11 @@ class Trainer:
         "time/score": t2 - t1 - t_grade,
         "throughput/sample_tokens_per_s": n_tok / max(t1 - t0, 1e-9),
     }
-    metrics.update({f"sampler_learner/{k}": float(v) for k, v in mm.items()})
-    if "router_mismatch" in gstats:
-      metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
+    if logs_mismatch:  # the same steps whether or not the loss scored every step: runs stay comparable
+      mm = jax.device_get(mismatch_metrics(batch.learner_logp, batch.behavior_logp, batch.response_mask))
+      metrics.update({f"sampler_learner/{k}": float(v) for k, v in mm.items()})
+      if "router_mismatch" in gstats:
+        metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
     return batch, metrics
 
   def learn_step(self, state, batch: RolloutBatch, lr_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:

@@ -52,6 +52,7 @@ def primitives(out_dir: str) -> dict:
     same_error = str(e)
   multihost.check_same("one config", "the config")
   return {
+      "micro_batch_error": _micro_batch_error(out_dir),
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "devices": jax.device_count(),
@@ -66,6 +67,22 @@ def primitives(out_dir: str) -> dict:
       "stats": stats,
       "check_same_error": same_error,
   }
+
+
+def _micro_batch_error(out_dir: str) -> str | None:
+  """The trainer's config check of micro-batches of 2 on fsdp=-1: the mesh spans both processes' 4 devices."""
+  from minpro_jax import run_config
+  from minpro_jax.configs.default import get_config
+
+  c = get_config()
+  c.update_from_flattened_dict(
+      {"workdir": os.path.join(out_dir, "run"), "mesh.shape": "fsdp=-1", "micro_batch_size": 2, "prompts_per_step": 4}
+  )  # the default's group_size 8 and 4 updates: mini-batches of 8
+  try:
+    run_config.validate_config(c)
+  except run_config.ConfigError as e:
+    return str(e)
+  return None
 
 
 def layout(out_dir: str) -> dict:

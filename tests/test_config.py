@@ -69,7 +69,8 @@ def test_validate_config_names_the_field(ok, bad, devices, field):
 
 
 def test_mesh_that_divides_the_devices_is_accepted(ok):
-  validate_config(make_config({**ok, "mesh.shape": "data=2,fsdp=4"}), num_devices=8)
+  # (a micro-batch of 8 splits over data x fsdp = 8: tests/test_micro_batch_split.py)
+  validate_config(make_config({**ok, "mesh.shape": "data=2,fsdp=4", "prompts_per_step": 8, "micro_batch_size": 8}), 8)
 
 
 def _run_cli(args, timeout=120):

@@ -78,6 +78,7 @@ BAD: dict[str, tuple[tuple, dict]] = {
     "eval.seed": ((-1,), {}),
     "checkpoint.every": ((-1,), {}),
     "checkpoint.keep": ((0,), {}),
+    "log.mismatch_every": ((0, -1), {}),
 }
 # Numeric fields with no refused value, and why; and the groups whose fields their owner checks.
 ANY_VALUE = {

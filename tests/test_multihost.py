@@ -49,6 +49,7 @@ def _overrides(tmp, name):
       tmp,
       workdir=str(tmp / name),
       total_steps=STEPS,
+      micro_batch_size=4,  # splits over data x fsdp = 4 (run_config.check_micro_batch_split)
       **{"mesh.shape": "data=2,fsdp=2", "eval.every": 2, "checkpoint.every": 1, "checkpoint.keep": 2},
   )
 
@@ -230,6 +231,9 @@ def test_host_primitives_in_two_processes(tmp_path):
     assert s["rewards"] == [float(k % 2) for k in range(6)]  # graded in two halves, gathered on both
     assert s["stats"]["correct"] == 3 and s["stats"]["graded"] == 6
     assert "processes [1]" in s["check_same_error"]
+    assert "micro-batch of 2 samples does not split over the mesh's batch axes (mesh.shape='fsdp=-1' on 4 devices" in (
+        s["micro_batch_error"] or ""
+    )
   # the same global batch on both; each process's share is disjoint and together they are the batch, in order
   assert seen[0]["batch_ids"] == seen[1]["batch_ids"]
   assert set(seen[0]["my_ids"]).isdisjoint(seen[1]["my_ids"])

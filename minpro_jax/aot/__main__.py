@@ -98,17 +98,15 @@ def _existing(path: str) -> str:
 
 def batch_split_warning(config, row) -> str | None:
   """Why the learner's micro-batch does not split over the batch axes of the row's mesh (data x fsdp x expert, the
-  "batch" rule of `minpro_jax.runtime.sharding`), or None; for the update and score programs only."""
+  "batch" rule of `minpro_jax.runtime.sharding`), or None; for the update and score programs only. The trainer
+  refuses such a config (`run_config.check_micro_batch_split`); a compile still reports what it would cost."""
   from minpro_jax import run_config
-  from minpro_jax.runtime.sharding import DEFAULT_RULES
+  from minpro_jax.runtime.sharding import batch_split
 
   if row.get("program") not in ("update", "score"):
     return None
-  axes = dict(DEFAULT_RULES)["batch"]
   shape = {k: int(v) for k, v in (p.split("=") for p in str(row.get("mesh", "")).split(",") if "=" in p)}
-  split = 1
-  for a in axes:
-    split *= shape.get(a, 1)
+  axes, split = batch_split(shape)
   micro = run_config.learner_micro_batch(config)
   if micro % split == 0:
     return None

@@ -176,6 +176,11 @@ def base_config() -> ConfigDict:
   c.log.tensorboard = True
   c.log.plots = True
   c.log.progress = True
+  # global steps between the sampler-learner mismatch metrics (sampler_learner/*, logged at steps s % N == 0). The
+  # learner's score pass (one forward over the step's batch) runs only on those steps unless the loss reads its
+  # log-probs (loss.rollout_is / rollout_mis: then every step). 1 = every step: per-step curves, and the metric at
+  # the same steps as in runs before this field; the paper configs use 10 (docs/configs.md#logging)
+  c.log.mismatch_every = 1
   return c
 
 

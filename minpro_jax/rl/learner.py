@@ -199,6 +199,13 @@ class LossConfig:
   def hparam_dict(self) -> dict[str, Any]:
     return dict(self.hparams)
 
+  @property
+  def reads_learner_logp(self) -> bool:
+    """Whether the loss reads `learner_logp` (the learner's log-probs at the sampling version, `Learner.score`):
+    only with rollout correction (TIS `rollout_is`, MIS `rollout_mis`); every objective else reads `behavior_logp`."""
+    hp = self.hparam_dict
+    return bool(hp.get("rollout_is") or hp.get("rollout_mis"))
+
 
 def _call_policy_loss(loss_cfg: LossConfig, logp, batch: UpdateInputs, prepared: dict[str, jax.Array]):
   """`policy_loss` on `batch` with the configured method and the rows of its prepared inputs. With rollout
@@ -206,7 +213,7 @@ def _call_policy_loss(loss_cfg: LossConfig, logp, batch: UpdateInputs, prepared:
   (`learner_logp`), correction factor against the sampler (`behavior_logp`)."""
   hp = loss_cfg.hparam_dict
   old = batch.behavior_logp
-  if hp.get("rollout_is") or hp.get("rollout_mis"):
+  if loss_cfg.reads_learner_logp:
     hp = {**hp, "rollout_logp": batch.behavior_logp}
     old = batch.learner_logp
   return policy_loss(loss_cfg.method, logp, old, batch.advantages, batch.response_mask, **{**hp, **prepared})

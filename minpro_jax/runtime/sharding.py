@@ -152,6 +152,14 @@ def check_global(tree, mesh: Mesh, what: str) -> None:
     )
 
 
+def batch_split(mesh_shape: dict[str, int], rules=DEFAULT_RULES) -> tuple[tuple[str, ...], int]:
+  """(the mesh axes `rules` map the logical "batch" axis to, the product of their sizes in `mesh_shape`, {axis:
+  size}, where a missing axis has size 1): a batch splits over the devices only in multiples of that product."""
+  axes = dict(rules).get("batch") or ()
+  axes = axes if isinstance(axes, tuple) else (axes,)
+  return axes, math.prod(int(mesh_shape.get(a, 1)) for a in axes)
+
+
 def logical_to_spec(logical_axes: Sequence[str | None], rules=None) -> P:
   """Resolves logical axis names to a `PartitionSpec` with the active (or given) rules."""
   table = dict(rules if rules is not None else _active_rules())

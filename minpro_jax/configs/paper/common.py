@@ -29,7 +29,9 @@ def parse_arg(arg: str | None) -> tuple[str, int]:
   return method, delay
 
 
-def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
+def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str, micro_batch_size: int = 16):
+  """The MinPRO paper setting for `preset`; `micro_batch_size` fits the config's slice (its `SLICE`): a multiple of
+  the chips, so each micro-batch splits over them (`run_config.check_micro_batch_split`)."""
   method, delay = parse_arg(arg)
   c = base_config()
   c.workdir = f"runs/{preset}_{method}_d{delay}"
@@ -37,7 +39,7 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
   c.prompts_per_step = 256  # ASSUMPTION: DAPO-style 512 x 16 is common; 256 prompts x G=16
   c.group_size = 16  # ASSUMPTION: rollouts per prompt (8 or 16 in related work)
   c.num_updates_per_step = 16  # from the paper's staleness 32..47 at delay 2 (= d*16 .. d*16+15)
-  c.micro_batch_size = 16  # memory knob, not an algorithm setting
+  c.micro_batch_size = micro_batch_size  # memory knob, not an algorithm setting; a multiple of the chips
   c.delay = delay
 
   c.model.source = "hf"
@@ -92,6 +94,7 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str):
       "olympiadbench=olympiadbench:data/olympiadbench.jsonl,gsm8k=gsm8k:data/gsm8k.jsonl"
   )
   c.checkpoint.every = 5
+  c.log.mismatch_every = 10  # the score pass (a forward over every row) only for TIS/MIS or every 10th step's metrics
   c.checkpoint.keep = 3
   c.mesh.shape = mesh
   return c

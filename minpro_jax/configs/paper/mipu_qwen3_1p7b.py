@@ -3,10 +3,14 @@
 #   python -m minpro_jax.train --config=minpro_jax/configs/paper/mipu_qwen3_1p7b.py:mipu --config.model.path=/ckpt/Qwen3-1.7B
 #   ... :grpo | tis | mis | mis_sequence | mis_geometric | lr_decay | step2 | mipu | random
 #
+# Sized for v5p-8 (4 chips, mesh fsdp=-1): micro_batch_size=16, four sequences per chip; on another slice pass
+# --config.micro_batch_size=<a multiple of its chips>: the trainer refuses a micro-batch that does not split.
 # Values not known from the paper are marked ASSUMPTION in minpro_jax/configs/paper/mipu_common.py.
 """Qwen3-1.7B MIPU paper-scale config."""
 
 from minpro_jax.configs.paper.mipu_common import mipu_paper_config
+
+SLICE = "v5p-8"  # the TPU slice this config is sized for (micro_batch_size a multiple of its chips)
 
 
 def get_config(arg=None):
