@@ -22,14 +22,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One persistent JAX compilation cache for the session, its xdist workers and every process they start (trainer
 # CLI, study runner, launch_local, libtpu compiles all inherit the environment): the suite compiles the same tiny
 # programs in many tests, and a cached program is the executable a fresh compile makes
-# (tests/test_compilation_cache.py). Every program is cached, however small or quick to compile. A size limit
-# turns on JAX's file lock, so a process never reads an entry another one is still writing; least recently used
-# entries go first past it. Where XLA rejects a cached entry (jax-ml/jax#38445 on some Intel CPUs), JAX warns and
-# compiles afresh. `make clean` removes it with .pytest_cache.
+# (tests/test_compilation_cache.py). Every program is cached, however small or quick to compile. No size limit:
+# with one, JAX's cache scans the whole directory (a stat and a read per entry) under a file lock at every write,
+# so the suite slowed quadratically as the cache grew to thousands of entries (a test 13x slower late in a run;
+# tests/README.md). Without the lock a process could read an entry another one is still writing: the entry is
+# compressed, so a torn one fails to decompress, and JAX then warns and compiles afresh, as it does where XLA
+# rejects a cached entry (jax-ml/jax#38445 on some Intel CPUs). `make clean` removes it with .pytest_cache.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(REPO, ".pytest_cache", "jax_compilation"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
+os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
 
 import jax  # noqa: E402
 
