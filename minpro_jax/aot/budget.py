@@ -135,7 +135,7 @@ class Budget:
     check_mesh_fits_model(shape, self.cfg)
     self.mesh_shape, self.mesh_name = shape, canonical_mesh(shape)
     self.mesh = make_mesh(shape, devices=devices)
-    self.progs = RunPrograms(c, self.cfg, self.mesh, self.shapes)
+    self.progs = RunPrograms(c, self.cfg, self.mesh, self.shapes, hbm_bytes=sl.chip.hbm_bytes)
     r = self.shapes.response_len
     self.lengths, self.lengths_from = draw_lengths(lengths, self.shapes.rollouts, r, seed)
     n_eval = c.eval.num_problems * c.eval.n if "eval" in self.parts else 0
@@ -208,7 +208,8 @@ class Budget:
         self._sampling = ((rows, refill), part.text, part.memory)
       return part, sched, rows
     sched = static_schedule(lengths, p, self.buckets)
-    progs = RunPrograms(self.c, self.cfg, self.mesh, run_shapes(self.c, sampler_rows=_static_rows(num_requests)))
+    shapes = run_shapes(self.c, sampler_rows=_static_rows(num_requests))
+    progs = RunPrograms(self.c, self.cfg, self.mesh, shapes, hbm_bytes=self.sl.chip.hbm_bytes)
     pre = self._compile(f"{name}.prefill", progs._lower_prefill, calls=calls)
     dec = self._compile(f"{name}.decode", progs._lower_decode, _sampler_resolvers(sched, continuous=False), calls)
     return (pre, dec), sched, progs.shapes.sampler_rows
