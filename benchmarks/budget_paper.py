@@ -8,6 +8,8 @@ the cost model or with another `--lengths`); `--only` picks entries by substring
 Lengths: gamma(shape 2, mean 8,192) clipped at the config's max_new_tokens (mean ~8.1k at 20,480, 3.9 % truncated)
 for the MinPRO configs, mean 3,000 at MIPU's 8,192; prompts of 256 real tokens. The configs are used as they stand
 (prompt bucket data.max_prompt_tokens), so the figures move when the sampler and learner issues change the code.
+An entry named `<name>_sampler_layout` is the same setting with `SAMPLER_LAYOUT`'s config fields (the sampler's
+own mesh and decode rows): its "after" beside the entry's "before".
 Needs libtpu (`make setup`). Each entry compiles 4 programs, 5-40 minutes on this project's 2-core CPU.
 """
 
@@ -27,8 +29,13 @@ PAPER = "minpro_jax/configs/paper"
 MINPRO_LENGTHS = ["--lengths=gamma:mean=8192", "--prompt-len=256"]
 MIPU_LENGTHS = ["--lengths=gamma:mean=3000", "--prompt-len=256"]
 
+# the sampler on its own layout (issue 36): data x tensor with tensor groups within a host, weights resident, and
+# as many decode rows as each chip's HBM holds beside them and the learner's state
+SAMPLER_LAYOUT = ["--config.sampling.mesh=auto", "--config.sampling.decode_rows=auto"]
+
 ENTRIES = [
     ("qwen3_8b_v5p-64", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v5p-64_sampler_layout", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *SAMPLER_LAYOUT]),
     ("qwen3_8b_v5p-32", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v6e-16", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),

@@ -128,3 +128,37 @@ def test_auto_rows_fill_a_v5p_chip_beside_qwen3_8b():
   )
   # (85.5 GiB - 4.1 GB - 3.1 GB) / 0.83 GB = 101 rows per group, x 8 = 808 -> 512
   assert rows == 512
+
+
+def test_the_trainer_resolves_auto_to_an_int(tmp_path):
+  """On CPU (no HBM figure) the trainer's samplers get `CPU_ROWS` for "auto"."""
+  from train_helpers import make_config, tiny_overrides
+
+  from minpro_jax.trainer import Trainer
+
+  tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, **{"sampling.decode_rows": "auto"})))
+  assert tr.sampler.decode_rows == CPU_ROWS and tr.sampler_kw["decode_rows"] == CPU_ROWS
+
+
+_TPU_LAYOUT = """
+from minpro_jax.aot.programs import RunPrograms, model_config, run_shapes
+from minpro_jax.aot.__main__ import run_config_of
+from minpro_jax.aot.topologies import parse_slice
+from minpro_jax.runtime.sharding import make_mesh
+sl = parse_slice("v5p-64")
+_, c = run_config_of(["--config=minpro_jax/configs/paper/qwen3_8b.py", "--config.sampling.mesh=auto",
+                      "--config.sampling.decode_rows=auto"])
+progs = RunPrograms(c, model_config(c)[0], make_mesh({"fsdp": 32}, devices=sl.devices()), run_shapes(c),
+                    hbm_bytes=sl.chip.hbm_bytes)
+s = progs.trainer_sampler
+print(f"RESULT data={s.mesh.shape['data']} tensor={s.mesh.shape['tensor']} rows={s.decode_rows}")
+"""
+
+
+def test_auto_layout_and_rows_of_the_paper_setting_on_v5p_64():
+  """A compile-only TPU slice's "auto" mesh keeps tensor groups on one host (4 chips), not this process's devices,
+  and "auto" rows fill each chip (`test_auto_rows_fill_a_v5p_chip_beside_qwen3_8b`'s arithmetic)."""
+  from tests.tpu_helpers import run_with_libtpu
+
+  (r,) = run_with_libtpu(_TPU_LAYOUT, timeout=300)
+  assert (r["data"], r["tensor"], r["rows"]) == ("8", "4", "512")
