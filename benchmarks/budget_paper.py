@@ -80,13 +80,15 @@ def _h(s) -> str:
 
 def summary(entries) -> str:
   """One line per entry: the step with and without evaluation, its bound and ratio, and each part's time / bound."""
-  head = "| entry | step | step without eval | bound (without eval) | ours / bound | sampling | score | update |"
-  lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  head = "| entry | sampler layout | step | step without eval | bound (without eval) | ours / bound | sampling | score | update |"
+  lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for name, rows in entries:
     if rows is None:
-      lines.append(f"| {name} | not run | | | | | | |")
+      lines.append(f"| {name} | | not run | | | | | | |")
       continue
     part = {r["part"]: r for r in rows}
+    # entries from before the field: the learner's mesh and rules, 64 decode rows
+    layout = f"{rows[0].get('sampler_layout') or rows[0]['mesh'] + ' (learner rules)'}, {rows[0].get('decode_rows', 64)} rows"
 
     def cell(p):
       r = part.get(p, {})
@@ -100,13 +102,15 @@ def summary(entries) -> str:
     step = part["step"]
     if step.get("seconds_overlapped") is None:  # a part does not fit: no step time
       bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
-      lines.append(f"| {name} | n/a | n/a | {_h(bound)} | | {cell('sampling')} | {cell('score')} | {cell('update')} |")
+      lines.append(
+          f"| {name} | {layout} | n/a | n/a | {_h(bound)} | | {cell('sampling')} | {cell('score')} | {cell('update')} |"
+      )
       continue
     no_eval = (step.get("seconds_overlapped") or 0) - (ev.get("seconds_overlapped") or 0)
     bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
     ratio = f"{no_eval / bound:.1f}x" if bound and step.get("seconds_overlapped") else ""
     lines.append(
-        f"| {name} | {_h(step.get('seconds_overlapped'))} | {_h(no_eval)} | {_h(bound)} | {ratio} | "
+        f"| {name} | {layout} | {_h(step.get('seconds_overlapped'))} | {_h(no_eval)} | {_h(bound)} | {ratio} | "
         f"{cell('sampling')} | {cell('score')} | {cell('update')} |"
     )
   return "\n".join(lines)

@@ -162,3 +162,20 @@ def test_auto_layout_and_rows_of_the_paper_setting_on_v5p_64():
 
   (r,) = run_with_libtpu(_TPU_LAYOUT, timeout=300)
   assert (r["data"], r["tensor"], r["rows"]) == ("8", "4", "512")
+
+
+def test_the_budget_rows_name_the_sampler_layout_and_rows():
+  from minpro_jax.aot.budget import Budget
+  from minpro_jax.aot.topologies import parse_slice
+  from minpro_jax.configs import set_fields
+
+  c = default.get_config()
+  c.prompts_per_step, c.group_size, c.num_updates_per_step, c.micro_batch_size = 8, 2, 1, 16
+  c.sampling.max_new_tokens, c.data.max_prompt_tokens = 8, 16
+  kw = dict(lengths="const:4", prompt_len=6, parts=("sampling",))
+  c = set_fields(c, {"sampling.mesh": "data=4,tensor=2", "sampling.decode_rows": "auto"})
+  row = Budget(c, parse_slice("cpu:8"), "fsdp=8", **kw).run()[0]
+  assert (row["sampler_layout"], row["decode_rows"]) == ("data=4,tensor=2 (sampler rules)", CPU_ROWS)
+  c = set_fields(c, {"sampling.mesh": "", "sampling.decode_rows": 8})
+  row = Budget(c, parse_slice("cpu:8"), "fsdp=8", **kw).run()[0]
+  assert (row["sampler_layout"], row["decode_rows"]) == ("fsdp=8 (learner rules)", 8)

@@ -47,6 +47,7 @@ from minpro_jax.aot.schedule import (
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_core import live_length_buckets
+from minpro_jax.runtime.inference_mesh import layout_name
 from minpro_jax.runtime.sharding import make_mesh
 
 PARTS = ("sampling", "transfer", "score", "update", "eval")
@@ -281,12 +282,15 @@ class Budget:
   def _common(self) -> dict[str, Any]:
     from minpro_jax.aot.sweep import fingerprint
 
+    s = self.progs.trainer_sampler
     return {
         "fingerprint": fingerprint(self.c),
         "model": self.model_from,
         "slice": self.sl.name,
         "chips": self.sl.num_chips,
         "mesh": self.mesh_name,
+        "sampler_layout": layout_name(s.mesh, s.rules) if s.rules is not None else f"{self.mesh_name} (learner rules)",
+        "decode_rows": self.progs.decode_rows,
         "lengths": self.lengths_spec,
         "lengths_from": self.lengths_from,
         "lengths_mean": float(self.lengths.mean()),
