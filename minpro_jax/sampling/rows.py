@@ -2,7 +2,8 @@
 
 "auto" = as many rows as one device's HBM holds beside what stays resident while the sampler runs (its weights on
 its layout, and whatever the caller adds: the learner's state), each row with the static per-row KV cache of
-prompt bucket + max_new_tokens slots, per data-parallel group of the sampler's mesh (`auto_decode_rows`). The
+prompt bucket + max_new_tokens slots (held `CACHE_COPIES` times by the compiled loop), per data-parallel group of
+the sampler's mesh (`auto_decode_rows`). The
 trainer and the compile-only tool resolve it where they build their `Sampler` (`resolve_decode_rows`); the
 `Sampler` itself only ever sees an int. On a device that reports no HBM figure (CPU) "auto" keeps `CPU_ROWS`.
 
@@ -32,6 +33,10 @@ AUTO = "auto"
 CPU_ROWS = 64  # "auto" without an HBM figure (CPU): the Sampler's default
 logger = logging.getLogger(__name__)
 HEADROOM = 0.1  # the share of HBM "auto" leaves for temporaries (logits, a refill's prefill) and the runtime
+# KV caches the continuous sampler's compiled `while_loop` holds at once: XLA copies the carried cache through the
+# refill / decode `cond` (512 rows of Qwen3-8B on a v5p-64 compile to 105.4 GiB per chip, 2 x 49.5 GiB of cache;
+# benchmarks/README.md, "Step budget"). 1 once the loop updates its cache in place.
+CACHE_COPIES = 2
 
 
 def auto_decode_rows(
@@ -150,7 +155,8 @@ def resolve_decode_rows(
     batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
 ) -> int:
   """`config.sampling.decode_rows` as the int the `Sampler` takes: an int as it is; "auto" by `auto_decode_rows`
-  on `sampler_memory` of the sampler's layout, or `CPU_ROWS` when `hbm_bytes` is None or 0 (CPU).
+  on `sampler_memory` of the sampler's layout, a row costing `CACHE_COPIES` times its KV cache, or `CPU_ROWS` when
+  `hbm_bytes` is None or 0 (CPU).
 
   Args:
     value: the validated field (`run_config.sampler_decode_rows`).
@@ -170,19 +176,20 @@ def resolve_decode_rows(
   rows = auto_decode_rows(
       hbm_bytes=hbm_bytes,
       resident_bytes=mem["weight_bytes"] + other_resident_bytes,
-      kv_bytes_per_row=mem["kv_bytes_per_row"],
+      kv_bytes_per_row=CACHE_COPIES * mem["kv_bytes_per_row"],
       data_groups=mem["data_groups"],
       batch_buckets=batch_buckets,
   )
   gib = 2.0**30
   logger.info(
       "sampling.decode_rows=auto: %d decode rows (%.1f GiB HBM, %.1f GiB sampler weights + %.1f GiB other resident, "
-      "%.3f GiB KV per row, %d data groups, per device)",
+      "%.3f GiB KV per row (held %d times), %d data groups, per device)",
       rows,
       hbm_bytes / gib,
       mem["weight_bytes"] / gib,
       other_resident_bytes / gib,
       mem["kv_bytes_per_row"] / gib,
+      CACHE_COPIES,
       mem["data_groups"],
   )
   return rows
