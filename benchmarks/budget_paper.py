@@ -8,6 +8,8 @@ the cost model or with another `--lengths`); `--only` picks entries by substring
 Lengths: gamma(shape 2, mean 8,192) clipped at the config's max_new_tokens (mean ~8.1k at 20,480, 3.9 % truncated)
 for the MinPRO configs, mean 3,000 at MIPU's 8,192; prompts of 256 real tokens. The configs are used as they stand
 (prompt bucket data.max_prompt_tokens), so the figures move when the sampler and learner issues change the code.
+An entry named `<name>_sampler_layout` is the same setting with `SAMPLER_LAYOUT`'s config fields (the sampler's
+own mesh and decode rows): its "after" beside the entry's "before".
 Needs libtpu (`make setup`). Each entry compiles 4 programs, 5-40 minutes on this project's 2-core CPU.
 """
 
@@ -27,8 +29,13 @@ PAPER = "minpro_jax/configs/paper"
 MINPRO_LENGTHS = ["--lengths=gamma:mean=8192", "--prompt-len=256"]
 MIPU_LENGTHS = ["--lengths=gamma:mean=3000", "--prompt-len=256"]
 
+# the sampler on its own layout (issue 36): data x tensor with tensor groups within a host, weights resident, and
+# as many decode rows as each chip's HBM holds beside them and the learner's state
+SAMPLER_LAYOUT = ["--config.sampling.mesh=auto", "--config.sampling.decode_rows=auto"]
+
 ENTRIES = [
     ("qwen3_8b_v5p-64", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v5p-64_sampler_layout", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *SAMPLER_LAYOUT]),
     ("qwen3_8b_v5p-32", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v6e-16", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
@@ -73,13 +80,15 @@ def _h(s) -> str:
 
 def summary(entries) -> str:
   """One line per entry: the step with and without evaluation, its bound and ratio, and each part's time / bound."""
-  head = "| entry | step | step without eval | bound (without eval) | ours / bound | sampling | score | update |"
-  lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  head = "| entry | sampler layout | step | step without eval | bound (without eval) | ours / bound | sampling | score | update |"
+  lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for name, rows in entries:
     if rows is None:
-      lines.append(f"| {name} | not run | | | | | | |")
+      lines.append(f"| {name} | | not run | | | | | | |")
       continue
     part = {r["part"]: r for r in rows}
+    # entries from before the field: the learner's mesh and rules, 64 decode rows
+    layout = f"{rows[0].get('sampler_layout') or rows[0]['mesh'] + ' (learner rules)'}, {rows[0].get('decode_rows', 64)} rows"
 
     def cell(p):
       r = part.get(p, {})
@@ -93,13 +102,15 @@ def summary(entries) -> str:
     step = part["step"]
     if step.get("seconds_overlapped") is None:  # a part does not fit: no step time
       bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
-      lines.append(f"| {name} | n/a | n/a | {_h(bound)} | | {cell('sampling')} | {cell('score')} | {cell('update')} |")
+      lines.append(
+          f"| {name} | {layout} | n/a | n/a | {_h(bound)} | | {cell('sampling')} | {cell('score')} | {cell('update')} |"
+      )
       continue
     no_eval = (step.get("seconds_overlapped") or 0) - (ev.get("seconds_overlapped") or 0)
     bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
     ratio = f"{no_eval / bound:.1f}x" if bound and step.get("seconds_overlapped") else ""
     lines.append(
-        f"| {name} | {_h(step.get('seconds_overlapped'))} | {_h(no_eval)} | {_h(bound)} | {ratio} | "
+        f"| {name} | {layout} | {_h(step.get('seconds_overlapped'))} | {_h(no_eval)} | {_h(bound)} | {ratio} | "
         f"{cell('sampling')} | {cell('score')} | {cell('update')} |"
     )
   return "\n".join(lines)

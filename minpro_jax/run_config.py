@@ -153,15 +153,20 @@ def sampler_fp8_options(c) -> dict[str, str]:
   return out
 
 
-def sampler_decode_rows(c) -> int:
-  """`config.sampling.decode_rows` (64, the `Sampler` default, where a config lacks it).
+def sampler_decode_rows(c) -> int | str:
+  """`config.sampling.decode_rows` (64, the `Sampler` default, where a config lacks it): an int, or "auto", which
+  the trainer and the compile-only tool resolve for their layout (`minpro_jax.sampling.rows`).
 
   Raises:
-    ConfigError: not an int >= 1.
+    ConfigError: neither an int >= 1 nor "auto".
   """
   rows = c.sampling.get("decode_rows", 64)
-  ok = isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1
-  _need(ok, "sampling.decode_rows", f"must be an int >= 1 (the continuous sampler's decode rows), got {rows!r}")
+  ok = rows == "auto" or isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1
+  _need(
+      ok,
+      "sampling.decode_rows",
+      f"must be an int >= 1 (the continuous sampler's decode rows) or 'auto' (as many as fit), got {rows!r}",
+  )
   return rows
 
 

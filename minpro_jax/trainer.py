@@ -56,6 +56,7 @@ from minpro_jax.runtime import multihost
 from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling import Sampler, SamplingParams
+from minpro_jax.sampling.rows import device_hbm_bytes, resolve_decode_rows, tree_bytes_per_device
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +119,21 @@ class Trainer:
     run_config.check_routes_fit(c, self.model.config)  # scratch and hf were checked before the setup; gguf here
     # the sampler's layout: the learner's mesh, or its own over the same devices (config.sampling.mesh)
     sampler_mesh, sampler_rules = sampler_layout(c.sampling.get("mesh", ""), self.mesh, self.model.config)
+    decode_rows = resolve_decode_rows(  # "auto": as many as fit beside the weights and the learner's state
+        run_config.sampler_decode_rows(c),
+        self.model.config,
+        precision=c.sampling.precision,
+        slots=c.data.max_prompt_tokens + c.sampling.max_new_tokens,
+        mesh=sampler_mesh,
+        rules=sampler_rules,
+        hbm_bytes=device_hbm_bytes(jax.local_devices()),
+        other_resident_bytes=3 * tree_bytes_per_device(nnx.state(self.model, nnx.Param)),  # + AdamW's 2 moments
+    )
     sampler_kw = self.sampler_kw = dict(
         precision=c.sampling.precision,
         **run_config.sampler_fp8_options(c),
         continuous=c.sampling.continuous,
-        decode_rows=run_config.sampler_decode_rows(c),
+        decode_rows=decode_rows,
         mesh=sampler_mesh,
         rules=sampler_rules,
         pad_id=max(self.tokenizer.pad_id, 0),

@@ -47,6 +47,7 @@ from minpro_jax.aot.schedule import (
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_core import live_length_buckets
+from minpro_jax.runtime.inference_mesh import layout_name
 from minpro_jax.runtime.sharding import make_mesh
 
 PARTS = ("sampling", "transfer", "score", "update", "eval")
@@ -135,7 +136,7 @@ class Budget:
     check_mesh_fits_model(shape, self.cfg)
     self.mesh_shape, self.mesh_name = shape, canonical_mesh(shape)
     self.mesh = make_mesh(shape, devices=devices)
-    self.progs = RunPrograms(c, self.cfg, self.mesh, self.shapes)
+    self.progs = RunPrograms(c, self.cfg, self.mesh, self.shapes, hbm_bytes=sl.chip.hbm_bytes)
     r = self.shapes.response_len
     self.lengths, self.lengths_from = draw_lengths(lengths, self.shapes.rollouts, r, seed)
     n_eval = c.eval.num_problems * c.eval.n if "eval" in self.parts else 0
@@ -208,7 +209,8 @@ class Budget:
         self._sampling = ((rows, refill), part.text, part.memory)
       return part, sched, rows
     sched = static_schedule(lengths, p, self.buckets)
-    progs = RunPrograms(self.c, self.cfg, self.mesh, run_shapes(self.c, sampler_rows=_static_rows(num_requests)))
+    shapes = run_shapes(self.c, sampler_rows=_static_rows(num_requests))
+    progs = RunPrograms(self.c, self.cfg, self.mesh, shapes, hbm_bytes=self.sl.chip.hbm_bytes)
     pre = self._compile(f"{name}.prefill", progs._lower_prefill, calls=calls)
     dec = self._compile(f"{name}.decode", progs._lower_decode, _sampler_resolvers(sched, continuous=False), calls)
     return (pre, dec), sched, progs.shapes.sampler_rows
@@ -280,12 +282,15 @@ class Budget:
   def _common(self) -> dict[str, Any]:
     from minpro_jax.aot.sweep import fingerprint
 
+    s = self.progs.trainer_sampler
     return {
         "fingerprint": fingerprint(self.c),
         "model": self.model_from,
         "slice": self.sl.name,
         "chips": self.sl.num_chips,
         "mesh": self.mesh_name,
+        "sampler_layout": layout_name(s.mesh, s.rules) if s.rules is not None else f"{self.mesh_name} (learner rules)",
+        "decode_rows": self.progs.decode_rows,
         "lengths": self.lengths_spec,
         "lengths_from": self.lengths_from,
         "lengths_mean": float(self.lengths.mean()),

@@ -36,6 +36,7 @@ from minpro_jax.models.config import PRESETS, ModelConfig, get_preset
 from minpro_jax.rl.learner import Learner, ScoreInputs, TrainState, UpdateInputs
 from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
+from minpro_jax.sampling.rows import resolve_decode_rows, tree_bytes_per_device
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS, Sampler
 
 PROGRAMS = ("update", "score", "prefill", "decode")
@@ -173,9 +174,11 @@ class RunPrograms:
     cfg: its `ModelConfig` (`model_config(c)`, with any remat override applied).
     mesh: the mesh to compile for (its devices may be abstract TPU devices).
     shapes: `run_shapes(c)`.
+    hbm_bytes: one device's HBM (the slice's chip figure) for `sampling.decode_rows="auto"`, which then counts the
+      learner's `TrainState` as resident (`minpro_jax.sampling.rows`); None or 0 (CPU): "auto" is 64 rows.
   """
 
-  def __init__(self, c, cfg: ModelConfig, mesh, shapes: RunShapes):
+  def __init__(self, c, cfg: ModelConfig, mesh, shapes: RunShapes, hbm_bytes: float | None = None):
     self.c, self.cfg, self.mesh, self.shapes = c, cfg, mesh, shapes
     self.replay = bool(c.loss.router_replay)
     self.record_routes = bool(c.loss.router_replay or c.sampling.record_routes) and cfg.is_moe
@@ -201,7 +204,12 @@ class RunPrograms:
         continuous=False,
         record_routes=self.record_routes,
     )
-    # the sampler the trainer builds: continuous or static per `sampling.continuous`, its default decode rows
+    # the sampler the trainer builds: continuous or static per `sampling.continuous`, its decode rows
+    rows = run_config.sampler_decode_rows(c)
+    resident = tree_bytes_per_device(self.train_state()) if rows == "auto" and hbm_bytes else 0
+    self.decode_rows = resolve_decode_rows(rows, cfg, precision=c.sampling.precision, slots=shapes.seq_len,
+                                           mesh=smesh, rules=srules, hbm_bytes=hbm_bytes,
+                                           other_resident_bytes=resident)  # fmt: skip
     self.trainer_sampler = Sampler(
         cfg,
         precision=c.sampling.precision,
@@ -210,7 +218,7 @@ class RunPrograms:
         mesh=smesh,
         rules=srules,
         continuous=c.sampling.continuous,
-        decode_rows=run_config.sampler_decode_rows(c),
+        decode_rows=self.decode_rows,
         record_routes=self.record_routes,
     )
     self._prepared = None

@@ -73,7 +73,9 @@ def base_config() -> ConfigDict:
   c.sampling.fp8_activations = "token"  # token | tensor | none (dynamic scales)
   c.sampling.record_routes = False  # MoE: record the experts of every response token (router replay metrics)
   c.sampling.continuous = True  # continuous batching + live-length attention (sampling/continuous.py); False: static
-  c.sampling.decode_rows = 64  # the continuous sampler's decode rows (rounded up to a batch bucket)
+  # the continuous sampler's decode rows (rounded up to a batch bucket), or "auto": as many as the HBM holds beside
+  # the resident weights at the configured lengths (sampling/rows.py; 64 on CPU)
+  c.sampling.decode_rows = config_dict.FieldReference(64, field_type=object)
   # the sampler's own mesh over the learner's devices (runtime/inference_mesh.py): "" = the learner's mesh and rules;
   # "tensor=4", "data=4,tensor=2" (weights split over tensor, replicated over data), or "auto"
   c.sampling.mesh = ""

@@ -132,13 +132,16 @@ def sampler_layout(spec: str, learner_mesh: Mesh | None, model_config) -> tuple[
 
   "" gives the learner's own (mesh, None = its default rules), today's layout. Otherwise the sampler's mesh spans
   the learner mesh's devices in their order (one device, the default one, without a learner mesh), with
-  `INFERENCE_RULES`.
+  `INFERENCE_RULES`; "auto" keeps a tensor group within the devices of one process (those of the mesh's first
+  device's process, so a compile-only TPU slice is laid out as on its hosts).
 
   Raises:
     ConfigError: as `parse_sampling_mesh`.
   """
   devices = list(learner_mesh.devices.flat) if learner_mesh is not None else jax.devices()[:1]
-  shape = parse_sampling_mesh(spec, len(devices), model_config.num_heads, model_config.num_kv_heads)
+  # one process's devices: counted on the mesh (a compile-only TPU topology's hosts are not this process)
+  local = sum(d.process_index == devices[0].process_index for d in devices)
+  shape = parse_sampling_mesh(spec, len(devices), model_config.num_heads, model_config.num_kv_heads, local)
   if shape is None:
     return learner_mesh, None
   return inference_mesh(shape, devices), INFERENCE_RULES
