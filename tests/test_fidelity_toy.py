@@ -1,12 +1,15 @@
 """The exact gradient-fidelity toy (minpro_jax/study/fidelity_toy.py): exact J and grad J against Monte Carlo, the
 gradient-only entry point against jax.grad of each loss, and the metrics by hand."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from minpro_jax.rl.advantages import group_advantages
+from minpro_jax.study import fidelity_run as fr
 from minpro_jax.study import fidelity_toy as ft
 
 
@@ -105,3 +108,44 @@ def test_summarize_by_hand():
   # |E g|^2 debiased: 4 - 4 / 2 = 2, so cos = 2 / sqrt(2) (over 1: the debiasing is loose at R = 2).
   assert s["bias_cos"] == [pytest.approx(2 / np.sqrt(2))]
   assert s["eta_diff_low"] == s["eta_diff_high"] == [0.0]  # against itself (reference 0)
+
+
+@pytest.mark.parametrize(
+    "flag", ["--T=3", "--T=16,x", "--drifts=s200", "--drifts=fp8", "--tolerances=E1", "--batches=1", "--seeds=-1"]
+)
+def test_runner_bad_flags_exit_2(flag, tmp_path, capsys):
+  assert fr.main([f"--out={tmp_path}", flag]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1
+  assert not list(tmp_path.iterdir())
+
+
+def test_report_fills_the_doc_between_markers(tmp_path):
+  out = tmp_path / "cells"
+  out.mkdir()
+  for seed in (0, 1):
+    methods = {
+        m: {
+            "eta": 0.1 * (i + 1) + seed,
+            "eta_diff_low": 0.01 if m == "minpro:min" else -1.0,
+            "eta_diff_high": 1.0,
+            "weight_mean": [1.0],
+            "weight_q05": [0.5],
+            "weight_q95": [2.0],
+            "ess": [0.9],
+        }
+        for i, m in enumerate(ft.METHOD_NAMES)
+    }
+    cell = {"T": 16, "tolerance": 0, "drift": "s32", "seed": seed, "J_pi": 0.5, "J_mu": 0.3, "log_ratio_seq_sd": 1.0}
+    (out / f"{fr.cell_name(16, 'E0', 's32', seed)}.json").write_text(
+        json.dumps({**cell, "positions": [0], "methods": methods})
+    )
+  doc = tmp_path / "doc.md"
+  doc.write_text(f"intro\n{fr.BEGIN}\nstale\n{fr.END}\noutro\n")
+  assert fr.main([f"--out={out}", "--report", f"--doc={doc}"]) == 0
+  text = doc.read_text()
+  assert text.startswith("intro\n") and text.endswith(f"{fr.END}\noutro\n") and "stale" not in text
+  assert "| minpro:min | 0.600 ±0.500 |" in text  # mean and SE over the two seeds: 0.1, 1.1
+  assert "| s32, E0 | -0.4000 (2↑ 0↓ /2) |" in text  # eta(min) - eta(cispo), seeds whose paired interval is > 0
+  assert fr.main([f"--out={out}", "--report", f"--doc={doc}"]) == 0 and doc.read_text() == text  # idempotent
+  assert (out / "summary.md").exists() and (out / "eta_by_T.png").exists()
