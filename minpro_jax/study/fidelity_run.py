@@ -35,6 +35,7 @@ import numpy as np
 from minpro_jax.study import fidelity_toy as ft
 
 VOCAB, NUM_CORRECT, NUM, GROUP = 6, 3, 64, 8
+CALL_BATCHES = 8  # batches per jitted call (--batches is rounded up to a multiple)
 LR, MIN_STEPS, STOP_RETURN, START_RETURN = 0.005, 128, 0.5, 1e-3
 DEFAULT_T = (16, 64, 256, 1024)
 DEFAULT_DRIFTS = ("s0", "s8", "s32", "s128", "noise0.3")
@@ -100,18 +101,20 @@ class Setting:
 def run_cell(setting: Setting, drift: str, seed: int, batches: int, stats_fn) -> dict:
   """One cell's summary (JSON-ready)."""
   t0 = time.time()
+  batches = -(-batches // CALL_BATCHES) * CALL_BATCHES
   mu = setting.behaviour(drift, seed)
   horizon = setting.pi.shape[0]
   pos = positions_of(horizon)
   key = jax.random.PRNGKey(2**20 + seed)
   proj, sq, ess_, w, rew, lrs = [], [], [], [], [], []
   grad_sum = None
-  for r in range(batches):
-    out = jax.device_get(stats_fn(jax.random.fold_in(key, r), setting.pi, mu, setting.g_star, setting.correct))
+  for start in range(0, batches, CALL_BATCHES):
+    keys = jnp.stack([jax.random.fold_in(key, r) for r in range(start, start + CALL_BATCHES)])
+    out = jax.device_get(stats_fn(keys, setting.pi, mu, setting.g_star, setting.correct))
     grad_sum = out.grad_sum if grad_sum is None else grad_sum + out.grad_sum
     proj.append(out.proj), sq.append(out.sq), ess_.append(out.ess), w.append(out.weights)
     rew.append(out.reward_mean), lrs.append(out.log_ratio_seq)
-  proj, sq, ess_, w, lrs = map(np.asarray, (proj, sq, ess_, w, lrs))  # w: [R, M, N, P]
+  proj, sq, ess_, w, lrs = (np.concatenate(x) for x in (proj, sq, ess_, w, lrs))  # w: [R, M, N, P]
   summary = ft.summarize(
       proj, sq, np.asarray(grad_sum) / batches, np.asarray(setting.g_star), reference=REFERENCE, seed=seed
   )
@@ -151,21 +154,29 @@ def run_cell(setting: Setting, drift: str, seed: int, batches: int, stats_fn) ->
 
 
 def _stats_fn(setting: Setting):
+  """jit of `fidelity_toy.batch_stats` over CALL_BATCHES keys at once (vmapped: the sampler's scan over T runs
+  once per call), the estimates summed over those batches."""
   horizon = setting.pi.shape[0]
-  return jax.jit(
-      lambda key, pi, mu, gs, correct: ft.batch_stats(
-          key,
-          pi,
-          mu,
-          gs,
-          correct,
-          tolerance=setting.tolerance,
-          num=NUM,
-          group=GROUP,
-          methods=ft.METHODS,
-          positions=positions_of(horizon),
-      )
-  )
+
+  def one(key, pi, mu, gs, correct):
+    return ft.batch_stats(
+        key,
+        pi,
+        mu,
+        gs,
+        correct,
+        tolerance=setting.tolerance,
+        num=NUM,
+        group=GROUP,
+        methods=ft.METHODS,
+        positions=positions_of(horizon),
+    )
+
+  def many(keys, pi, mu, gs, correct):
+    out = jax.vmap(one, in_axes=(0, None, None, None, None))(keys, pi, mu, gs, correct)
+    return out._replace(grad_sum=jnp.sum(out.grad_sum, axis=0))
+
+  return jax.jit(many)
 
 
 def run(out: str, horizons, tols, drifts, seeds, batches: int) -> int:
