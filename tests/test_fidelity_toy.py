@@ -149,3 +149,16 @@ def test_report_fills_the_doc_between_markers(tmp_path):
   assert "| s32, E0 | -0.4000 (2↑ 0↓ /2) |" in text  # eta(min) - eta(cispo), seeds whose paired interval is > 0
   assert fr.main([f"--out={out}", "--report", f"--doc={doc}"]) == 0 and doc.read_text() == text  # idempotent
   assert (out / "summary.md").exists() and (out / "eta_by_T.png").exists()
+
+
+def test_calibrated_start_and_adam_trajectory():
+  key = jax.random.PRNGKey(0)
+  correct = ft.random_correct_sets(key, 8, 4, 2)
+  assert correct.sum(1).tolist() == [2] * 8
+  bias = ft.calibrate_bias(key, correct, 1, 0.01)
+  theta0 = ft.init_logits(key, correct, bias)
+  assert float(ft.exact_return(theta0, correct, 1)) == pytest.approx(0.01, rel=1e-3)
+  thetas, k, returns = ft.adam_trajectory(theta0, correct, 1, lr=0.05, keep=4, min_steps=10, stop_return=0.5)
+  assert k >= 10 and returns[-1] >= 0.5 > max(returns[:-1]) and len(returns) == k + 1 and len(thetas) == 5
+  assert float(ft.exact_return(thetas[-1], correct, 1)) == pytest.approx(returns[-1])
+  assert np.all(np.diff(returns) > 0)  # exact-gradient ascent with a small step

@@ -103,14 +103,14 @@ def rewards(tokens: jax.Array, correct_tv: jax.Array, tolerance: int) -> jax.Arr
 
 
 def calibrate_bias(key, correct_tv, tolerance: int, target_return: float, scale: float = 1.0) -> float:
-  """The correct-token bias b of `init_logits` whose J is ``target_return`` (bisection to |dJ| < 1e-4 or 50
-  halvings)."""
+  """The correct-token bias b of `init_logits` whose J is ``target_return`` (bisection to a relative error of
+  1e-3 or 50 halvings)."""
   j_of = jax.jit(lambda b: exact_return(init_logits(key, correct_tv, b, scale), correct_tv, tolerance))
   lo, hi = -5.0, 40.0
   for _ in range(50):
     mid = 0.5 * (lo + hi)
     j = float(j_of(mid))
-    if abs(j - target_return) < 1e-4:
+    if abs(j - target_return) < 1e-3 * target_return:
       break
     lo, hi = (mid, hi) if j < target_return else (lo, mid)
   return mid
