@@ -103,6 +103,9 @@ def test_summarize_by_hand():
   s = ft.summarize(proj, sq, mean_grad, g_star)
   assert s["projection"] == [2.0]
   assert s["eta"] == [pytest.approx((2.0**2 - 2.0 / 2) / 6)]  # ((E a)^2 - var(a) / R) / E b, var(1, 3) = 2
+  assert ft.summarize(-proj, sq, -mean_grad, g_star)["eta"] == [pytest.approx(-0.5)]  # signed: a descent direction
+  assert ft.summarize(proj - 2.0, sq, mean_grad, g_star)["eta"] == [0.0]  # E a = 0 within its SE
+  assert np.isnan(ft.summarize(0 * proj, 0 * sq, 0 * mean_grad, g_star)["eta"][0])  # every estimate 0
   # tr Cov = sum of the per-coordinate sample variances: var(1, 3) + var(1, -1) = 2 + 2.
   assert s["trace_cov"] == [pytest.approx(4.0)]
   # |E g|^2 debiased: 4 - 4 / 2 = 2, so cos = 2 / sqrt(2) (over 1: the debiasing is loose at R = 2).

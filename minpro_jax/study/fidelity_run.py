@@ -61,6 +61,17 @@ def cell_name(horizon: int, tol: str, drift: str, seed: int) -> str:
   return f"T{horizon}-{tol}-{drift}-seed{seed}"
 
 
+def finite_or_none(x):
+  """``x`` (nested dicts / lists) with every non-finite float replaced by None (strict JSON)."""
+  if isinstance(x, dict):
+    return {k: finite_or_none(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [finite_or_none(v) for v in x]
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
+
+
 def _cpu() -> str:
   try:
     with open("/proc/cpuinfo") as f:
@@ -194,12 +205,13 @@ def run(out: str, horizons, tols, drifts, seeds, batches: int) -> int:
         fn = compiled[(horizon, tol)]
         for drift in todo:
           name = cell_name(horizon, tol, drift, seed)
-          res = run_cell(setting, drift, seed, batches, fn)
+          res = finite_or_none(run_cell(setting, drift, seed, batches, fn))
           path = os.path.join(out, name + ".json")
           with open(path + ".tmp", "w") as f:
-            json.dump(res, f, indent=None, separators=(",", ":"))
+            json.dump(res, f, indent=None, separators=(",", ":"), allow_nan=False)
           os.replace(path + ".tmp", path)
-          best = max(res["methods"], key=lambda m: res["methods"][m]["eta"])
+          etas = {m: v["eta"] for m, v in res["methods"].items() if v["eta"] is not None}
+          best = max(etas, key=etas.get) if etas else "none (every estimate 0)"
           print(f"{name}: {res['seconds']} s, J_pi {res['J_pi']:.3f} J_mu {res['J_mu']:.3f}, best eta {best}")
   return 0
 
@@ -216,7 +228,8 @@ def _by_cell(results):
     tol = "E0" if r["tolerance"] == 0 else "Ek"
     key = (r["T"], tol, r["drift"])
     for m, v in r["methods"].items():
-      eta[key][m].append(v["eta"])
+      if v["eta"] is not None:  # None: no batch had a nonzero estimate
+        eta[key][m].append(v["eta"])
     info[key].append((r["J_pi"], r["J_mu"], r["log_ratio_seq_sd"]))
   return eta, info
 
@@ -254,6 +267,8 @@ def contrast_table(results, a: str, b: str) -> str:
   for r in results:
     tol = "E0" if r["tolerance"] == 0 else "Ek"
     ma, mb = r["methods"][a], r["methods"][b]
+    if ma["eta"] is None or mb["eta"] is None:
+      continue
     up = ma["eta_diff_low"] > 0 and b == "cispo"
     down = ma["eta_diff_high"] < 0 and b == "cispo"
     cells[(r["drift"], tol, r["T"])].append((ma["eta"] - mb["eta"], up, down))
@@ -304,7 +319,7 @@ def plot(results, path: str) -> str:
       ax = axes[row][col]
       for i, m in enumerate(ft.METHOD_NAMES):
         ts = sorted(k[0] for k in eta if k[1:] == (tol, d))
-        ys = [np.mean(eta[(t, tol, d)][m]) for t in ts]
+        ys = [np.mean(eta[(t, tol, d)][m]) if eta[(t, tol, d)][m] else np.nan for t in ts]
         ax.plot(ts, ys, marker="o", ms=3, label=m, ls="-" if i < 5 else "--")
       ax.set_xscale("log", base=2)
       ax.set_yscale("symlog", linthresh=1e-3)

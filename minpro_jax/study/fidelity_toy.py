@@ -14,7 +14,7 @@ grad J is `jax.grad` of it. An objective's estimate g_hat from N responses of mu
 `jax.grad` of the loss w.r.t. its logp input) and one VJP of logp(theta) with every method's coefficients vmapped
 (`gradient_estimates`); advantages are `minpro_jax.rl.advantages.group_advantages` of the rewards. Metrics per
 batch: a = <g, g*>/|g*|^2 and b = |g|^2/|g*|^2, from which `summarize` gives the projection E a, the efficiency
-eta = (E a)^2 / E b (its square debiased), the bias cos(E g, g*) and tr Cov(g)/|g*|^2. Pure functions; the runner and the report are
+eta = (E a)^2 / E b (signed, its square debiased), the bias cos(E g, g*) and tr Cov(g)/|g*|^2. Pure functions; the runner and the report are
 `minpro_jax.study.fidelity_run` (`python -m minpro_jax.study.fidelity_toy` is its command line).
 """
 
@@ -269,10 +269,13 @@ def batch_stats(
 
 
 def _eta(proj: np.ndarray, sq: np.ndarray) -> np.ndarray:
-  """eta over the batch axis -2, its numerator (E a)^2 debiased by var(a)/R."""
+  """Signed eta over the batch axis -2: sign(E a) max((E a)^2 - var(a)/R, 0) / E b (the square debiased, so 0 when
+  E a is within its standard error of 0); NaN where every estimate is 0."""
   r = proj.shape[-2]
-  num = proj.mean(-2) ** 2 - proj.var(-2, ddof=1) / r
-  return num / sq.mean(-2)
+  mean = proj.mean(-2)
+  num = np.sign(mean) * np.maximum(mean**2 - proj.var(-2, ddof=1) / r, 0.0)
+  den = sq.mean(-2)
+  return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
 
 
 def summarize(
@@ -281,11 +284,13 @@ def summarize(
   """Per-method metrics from R batches that every method shares: proj, sq [R, M]; mean_grad [M, D] (the mean of
   the R estimates); g_star [D].
 
-  Returns a dict of [M] lists: ``projection`` (E a) and its ``projection_se``; ``eta`` = ((E a)^2 - var(a)/R) / E b
-  (the square debiased, so it can fall below 0 when E a is within noise of 0) with a 95 % percentile bootstrap
-  interval over batches (``eta_low``, ``eta_high``, 1000 resamples) and the paired interval of eta minus method
-  ``reference``'s on the same resamples (``eta_diff_low``, ``eta_diff_high``); ``trace_cov`` = tr Cov(g)/|g*|^2
-  (ddof 1); ``bias_cos`` = cos(E g, g*) with |E g|^2 debiased by tr Cov / R (None when that is not positive).
+  Returns a dict of [M] lists: ``projection`` (E a) and its ``projection_se``; ``sq_mean`` (E b); the signed
+  efficiency ``eta`` = sign(E a) max((E a)^2 - var(a)/R, 0) / E b (the issue's eta with the square debiased and the
+  sign of the projection kept: negative when the expected step descends J; NaN when every estimate is 0, e.g. no
+  batch with a nonzero advantage) with a 95 % percentile bootstrap interval over batches (``eta_low``,
+  ``eta_high``, 1000 resamples) and the paired interval of eta minus method ``reference``'s on the same resamples
+  (``eta_diff_low``, ``eta_diff_high``); ``trace_cov`` = tr Cov(g)/|g*|^2 (ddof 1); ``bias_cos`` = cos(E g, g*)
+  with |E g|^2 debiased by tr Cov / R (None when that is not positive).
   """
   r = proj.shape[0]
   if r < 2:
@@ -303,6 +308,7 @@ def summarize(
   return {
       "projection": proj.mean(0).tolist(),
       "projection_se": (proj.std(0, ddof=1) / math.sqrt(r)).tolist(),
+      "sq_mean": sq.mean(0).tolist(),
       "eta": _eta(proj, sq).tolist(),
       "eta_low": q(boot, 0.025),
       "eta_high": q(boot, 0.975),
