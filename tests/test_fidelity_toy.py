@@ -126,10 +126,11 @@ def test_runner_bad_flags_exit_2(flag, tmp_path, capsys):
 def test_report_fills_the_doc_between_markers(tmp_path):
   out = tmp_path / "cells"
   out.mkdir()
-  for seed in (0, 1):
+
+  def cell(drift, seed, eta_of):
     methods = {
         m: {
-            "eta": 0.1 * (i + 1) + seed,
+            "eta": eta_of(i),
             "eta_diff_low": 0.01 if m == "minpro:min" else -1.0,
             "eta_diff_high": 1.0,
             "weight_mean": [1.0],
@@ -139,17 +140,23 @@ def test_report_fills_the_doc_between_markers(tmp_path):
         }
         for i, m in enumerate(ft.METHOD_NAMES)
     }
-    cell = {"T": 16, "tolerance": 0, "drift": "s32", "seed": seed, "J_pi": 0.5, "J_mu": 0.3, "log_ratio_seq_sd": 1.0}
-    (out / f"{fr.cell_name(16, 'E0', 's32', seed)}.json").write_text(
-        json.dumps({**cell, "positions": [0], "methods": methods})
+    r = {"T": 16, "tolerance": 0, "drift": drift, "seed": seed, "J_pi": 0.5, "J_mu": 0.3, "log_ratio_seq_sd": 1.0}
+    (out / f"{fr.cell_name(16, 'E0', drift, seed)}.json").write_text(
+        json.dumps({**r, "positions": [0], "methods": methods})
     )
+
+  for seed in (0, 1):
+    cell("s0", seed, lambda i: 0.5)
+    cell("s32", seed, lambda i, seed=seed: 0.1 * (i + 1) + seed)
   doc = tmp_path / "doc.md"
   doc.write_text(f"intro\n{fr.BEGIN}\nstale\n{fr.END}\noutro\n")
   assert fr.main([f"--out={out}", "--report", f"--doc={doc}"]) == 0
   text = doc.read_text()
   assert text.startswith("intro\n") and text.endswith(f"{fr.END}\noutro\n") and "stale" not in text
-  assert "| minpro:min | 0.600 ±0.500 |" in text  # mean and SE over the two seeds: 0.1, 1.1
-  assert "| s32, E0 | -0.4000 (2↑ 0↓ /2) |" in text  # eta(min) - eta(cispo), seeds whose paired interval is > 0
+  # eta / on-policy eta: minpro:min's 0.1 and 1.1 over 0.5 are 0.2 and 2.2: mean 1.2, SE 1.
+  assert "| minpro:min | 1.2 ±1 |" in text
+  # (eta(min) - eta(cispo)) / on-policy eta = (0.1 - 0.5) / 0.5 in both seeds, whose paired intervals are above 0.
+  assert "| s32, E0 | -0.8 (2↑ 0↓ /2) |" in text
   assert fr.main([f"--out={out}", "--report", f"--doc={doc}"]) == 0 and doc.read_text() == text  # idempotent
   assert (out / "summary.md").exists() and (out / "eta_by_T.png").exists()
 

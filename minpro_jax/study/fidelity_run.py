@@ -45,7 +45,7 @@ DOC = os.path.join("docs", "mechanism.md")
 BEGIN, END = "<!-- tier-a:begin (python -m minpro_jax.study.fidelity_toy --report) -->", "<!-- tier-a:end -->"
 REFERENCE = ft.METHOD_NAMES.index("cispo")  # the paired eta differences are against cispo (= minpro "none")
 CONTRASTS = (("minpro:min", "cispo"), ("minpro:min", "minpro:prod"), ("minpro:prod", "cispo"))
-DOC_TABLES = (("s32", "E0"), ("s128", "E0"), ("noise0.3", "E0"), ("s128", "Ek"))
+DOC_TABLES = (("s32", "E0"), ("noise0.3", "E0"), ("s8", "Ek"), ("noise0.3", "Ek"))
 
 
 def tolerance_of(label: str, horizon: int) -> int:
@@ -221,15 +221,29 @@ def load(out: str) -> list[dict]:
   return [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out)) if f.endswith(".json")]
 
 
-def _by_cell(results):
-  """(T, tol label, drift) -> {method: [eta per seed]}, and the cells' J and drift numbers."""
+def _tol(r) -> str:
+  return "E0" if r["tolerance"] == 0 else "Ek"
+
+
+def on_policy_eta(results) -> dict:
+  """(T, tol label, seed) -> eta of the on-policy cell s0 (every method has the same one there)."""
+  return {(r["T"], _tol(r), r["seed"]): r["methods"]["cispo"]["eta"] for r in results if r["drift"] == "s0"}
+
+
+def _by_cell(results, relative: bool = False):
+  """(T, tol label, drift) -> {method: [eta per seed]} (``relative``: divided by the seed's on-policy eta, cells
+  without a finished positive s0 left out), and the cells' J and drift numbers."""
   eta, info = defaultdict(lambda: defaultdict(list)), defaultdict(list)
+  base = on_policy_eta(results)
   for r in results:
-    tol = "E0" if r["tolerance"] == 0 else "Ek"
+    tol = _tol(r)
     key = (r["T"], tol, r["drift"])
+    scale = base.get((r["T"], tol, r["seed"])) if relative else 1.0
+    if not scale or scale <= 0:
+      continue
     for m, v in r["methods"].items():
       if v["eta"] is not None:  # None: no batch had a nonzero estimate
-        eta[key][m].append(v["eta"])
+        eta[key][m].append(v["eta"] / scale)
     info[key].append((r["J_pi"], r["J_mu"], r["log_ratio_seq_sd"]))
   return eta, info
 
@@ -237,12 +251,13 @@ def _by_cell(results):
 def _fmt(vals):
   if not vals:
     return "—"
-  return f"{np.mean(vals):.3f}" + (f" ±{np.std(vals, ddof=1) / math.sqrt(len(vals)):.3f}" if len(vals) > 1 else "")
+  return f"{np.mean(vals):.3g}" + (f" ±{np.std(vals, ddof=1) / math.sqrt(len(vals)):.2g}" if len(vals) > 1 else "")
 
 
-def table(results, drift: str, tol: str) -> str:
-  """Markdown: eta (mean ± SE over seeds) per method (rows) and T (columns) at one drift and tolerance."""
-  eta, info = _by_cell(results)
+def table(results, drift: str, tol: str, relative: bool = False) -> str:
+  """Markdown: eta (mean ± SE over seeds; ``relative``: eta / the on-policy eta of the same T and seed) per method
+  (rows) and T (columns) at one drift and tolerance."""
+  eta, info = _by_cell(results, relative)
   horizons = sorted({k[0] for k in eta if k[1:] == (tol, drift)})
   if not horizons:
     return f"(no finished cells for drift {drift}, {tol})\n"
@@ -261,17 +276,20 @@ def table(results, drift: str, tol: str) -> str:
 
 
 def contrast_table(results, a: str, b: str) -> str:
-  """Markdown: eta(a) - eta(b) per (drift, tolerance) and T, the mean over seeds and how many seeds' paired 95 %
-  bootstrap intervals lie above / below 0 (only for b = cispo, the reference of the stored intervals)."""
+  """Markdown: (eta(a) - eta(b)) / the on-policy eta of the same T and seed, per (drift, tolerance) and T: the mean
+  over seeds and how many seeds' paired 95 % bootstrap intervals lie above / below 0 (only for b = cispo, the
+  reference of the stored intervals)."""
   cells = defaultdict(list)
+  base = on_policy_eta(results)
   for r in results:
-    tol = "E0" if r["tolerance"] == 0 else "Ek"
+    tol = _tol(r)
     ma, mb = r["methods"][a], r["methods"][b]
-    if ma["eta"] is None or mb["eta"] is None:
+    scale = base.get((r["T"], tol, r["seed"]))
+    if ma["eta"] is None or mb["eta"] is None or not scale or scale <= 0:
       continue
     up = ma["eta_diff_low"] > 0 and b == "cispo"
     down = ma["eta_diff_high"] < 0 and b == "cispo"
-    cells[(r["drift"], tol, r["T"])].append((ma["eta"] - mb["eta"], up, down))
+    cells[(r["drift"], tol, r["T"])].append(((ma["eta"] - mb["eta"]) / scale, up, down))
   horizons = sorted({k[2] for k in cells})
   rows = sorted({k[:2] for k in cells}, key=lambda k: (ALL_DRIFTS.index(k[0]) if k[0] in ALL_DRIFTS else 99, k[1]))
   lines = ["| drift, tol | " + " | ".join(f"T={t}" for t in horizons) + " |", "|---" * (len(horizons) + 1) + "|"]
@@ -283,7 +301,7 @@ def contrast_table(results, a: str, b: str) -> str:
         out.append("—")
         continue
       tag = f" ({sum(x[1] for x in v)}↑ {sum(x[2] for x in v)}↓ /{len(v)})" if b == "cispo" else f" (/{len(v)})"
-      out.append(f"{np.mean([x[0] for x in v]):+.4f}{tag}")
+      out.append(f"{np.mean([x[0] for x in v]):+.2g}{tag}")
     lines.append(f"| {d}, {tol} | " + " | ".join(out) + " |")
   return "\n".join(lines) + "\n"
 
@@ -305,14 +323,17 @@ def weight_table(results, drift: str) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot(results, path: str) -> str:
+def plot(results, path: str) -> str | None:
+  """PNG: eta / on-policy eta against T, one panel per drift (columns) and tolerance (rows), a line per method."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  eta, _ = _by_cell(results)
-  drifts = [d for d in ALL_DRIFTS if any(k[2] == d for k in eta)]
+  eta, _ = _by_cell(results, relative=True)
+  drifts = [d for d in ALL_DRIFTS if d != "s0" and any(k[2] == d for k in eta)]
+  if not drifts:
+    return None  # nothing to plot without an on-policy cell and a drifted one
   fig, axes = plt.subplots(2, len(drifts), figsize=(3.2 * len(drifts), 6.4), squeeze=False, sharey=True)
   for row, tol in enumerate(TOLERANCES):
     for col, d in enumerate(drifts):
@@ -322,12 +343,15 @@ def plot(results, path: str) -> str:
         ys = [np.mean(eta[(t, tol, d)][m]) if eta[(t, tol, d)][m] else np.nan for t in ts]
         ax.plot(ts, ys, marker="o", ms=3, label=m, ls="-" if i < 5 else "--")
       ax.set_xscale("log", base=2)
-      ax.set_yscale("symlog", linthresh=1e-3)
+      ax.set_xticks(DEFAULT_T, [str(t) for t in DEFAULT_T])
+      ax.set_yscale("symlog", linthresh=1e-2)
+      ax.axhline(1.0, color="k", lw=0.5, ls=":")
+      ax.axhline(0.0, color="k", lw=0.5)
       ax.set_title(f"{d}, {tol}", fontsize=9)
       ax.set_xlabel("T")
-  axes[0][0].set_ylabel("efficiency eta")
-  axes[1][0].set_ylabel("efficiency eta")
-  axes[0][-1].legend(fontsize=6)
+  axes[0][0].set_ylabel("eta / on-policy eta (E0)")
+  axes[1][0].set_ylabel("eta / on-policy eta (Ek)")
+  axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=90)
   plt.close(fig)
@@ -342,23 +366,37 @@ def report(out: str, doc: str = DOC) -> int:
   for tol in TOLERANCES:
     for d in ALL_DRIFTS:
       if any(r["drift"] == d for r in results):
-        parts += [f"\n## drift {d}, {tol}\n\n", table(results, d, tol)]
+        parts += [f"\n## eta, drift {d}, {tol}\n\n", table(results, d, tol)]
+        parts += [f"\n## eta / on-policy eta, drift {d}, {tol}\n\n", table(results, d, tol, relative=True)]
   for a, b in CONTRASTS:
     parts += [f"\n## eta({a}) - eta({b})\n\n", contrast_table(results, a, b)]
   for d in ("s128", "noise0.3"):
     parts += [f"\n## token weight by position (largest T, {d}, E0; seed 0)\n\n", weight_table(results, d)]
   with open(os.path.join(out, "summary.md"), "w") as f:
     f.write("".join(parts))
-  plot(results, os.path.join(out, "eta_by_T.png"))
+  png = plot(results, os.path.join(out, "eta_by_T.png"))
   if os.path.exists(doc):
     text = open(doc).read()
     if BEGIN in text and END in text:
-      body = "".join(f"\n**eta, {d}, {tol}**\n\n" + table(results, d, tol) for d, tol in DOC_TABLES)
-      body += "".join(f"\n**eta({a}) - eta({b})**\n\n" + contrast_table(results, a, b) for a, b in CONTRASTS[:2])
+      body = (
+          "\n**On-policy eta (s0; every method has the same)**\n\n"
+          + table(results, "s0", "E0").split("| minpro:mean")[0]
+      )
+      body += "".join(
+          f"\n**eta / on-policy eta, {d}, {tol}**\n\n" + table(results, d, tol, relative=True) for d, tol in DOC_TABLES
+      )
+      body += "".join(
+          f"\n**(eta({a}) - eta({b})) / on-policy eta**\n\n" + contrast_table(results, a, b) for a, b in CONTRASTS[:2]
+      )
       text = text[: text.index(BEGIN) + len(BEGIN)] + "\n" + body + "\n" + text[text.index(END) :]
       with open(doc, "w") as f:
         f.write(text)
-  print(f"wrote {out}/summary.md, {out}/eta_by_T.png" + (f", the table of {doc}" if os.path.exists(doc) else ""))
+  wrote = (
+      [os.path.join(out, "summary.md")]
+      + ([png] if png else [])
+      + ([f"the table of {doc}"] if os.path.exists(doc) else [])
+  )
+  print("wrote " + ", ".join(wrote))
   return 0
 
 
