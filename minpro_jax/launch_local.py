@@ -40,16 +40,22 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def with_device_count(xla_flags: str, devices: int | None) -> str:
+  """`xla_flags` (an `XLA_FLAGS` value) with its CPU device count (`--xla_force_host_platform_device_count`) set to
+  `devices`, or removed when `devices` is None; its other flags kept in order."""
+  flags = _DEVICE_FLAG.sub("", xla_flags).split()
+  return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices is not None else []))
+
+
 def process_env(index: int, num_processes: int, devices_per_process: int, port: int, base=None) -> dict[str, str]:
   """The environment of process `index`: `base` (default os.environ) plus the launch contract's variables."""
   env = dict(os.environ if base is None else base)
-  flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
   env.update(
       JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
       JAX_NUM_PROCESSES=str(num_processes),
       JAX_PROCESS_ID=str(index),
       JAX_PLATFORMS="cpu",
-      XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]),
+      XLA_FLAGS=with_device_count(env.get("XLA_FLAGS", ""), devices_per_process),
   )
   return env
 

@@ -70,7 +70,7 @@ def _launch_args(ov, num_processes=2, devices_per_process=2):
 def _env(devices=None):
   env = cli_env()
   if devices:
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    env["XLA_FLAGS"] = launch_local.with_device_count(env.get("XLA_FLAGS", ""), devices)
   return env
 
 

@@ -136,3 +136,14 @@ def test_one_device_leaves_are_replicated_on_the_mesh_and_others_checked():
     check_global(bad, mesh, "the state")
   with pytest.raises(ConfigError, match=r"leaf \['n'\] of the state is laid out on 1 device"):
     check_global(tree, mesh, "the state")
+
+
+def test_with_device_count_sets_or_removes_only_the_device_count():
+  flags = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8 --xla_cpu_foo=1"
+  assert launch_local.with_device_count(flags, 2) == (
+      "--xla_backend_optimization_level=0 --xla_cpu_foo=1 --xla_force_host_platform_device_count=2"
+  )
+  assert launch_local.with_device_count(flags, None) == "--xla_backend_optimization_level=0 --xla_cpu_foo=1"
+  assert launch_local.with_device_count("", 4) == "--xla_force_host_platform_device_count=4"
+  env = launch_local.process_env(1, 2, 3, 1234, {"XLA_FLAGS": flags})
+  assert env["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=3") and env["XLA_FLAGS"].count("device") == 1

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import sys
 
 from minpro_jax.configs import set_fields
+from minpro_jax.launch_local import with_device_count
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, "minpro_jax", "configs", "default.py")
@@ -82,9 +82,9 @@ def cli_args(overrides: dict, model: dict | None = None) -> list[str]:
 def cli_env() -> dict:
   env = dict(os.environ)
   # one CPU device, as a user would run it; the session's other XLA flags (tests/conftest.py) stay
-  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.pop("XLA_FLAGS", "")).split()
+  flags = with_device_count(env.pop("XLA_FLAGS", ""), None)
   if flags:
-    env["XLA_FLAGS"] = " ".join(flags)
+    env["XLA_FLAGS"] = flags
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   return env
