@@ -49,6 +49,7 @@ DOC_TABLES = (("s32", "E0"), ("noise0.3", "E0"), ("s8", "Ek"), ("noise0.3", "Ek"
 
 
 def tolerance_of(label: str, horizon: int) -> int:
+  """The errors E a correct response may make: 0 for "E0", else max(1, horizon // 32) (docs/mechanism.md)."""
   return 0 if label == "E0" else max(1, horizon // 32)
 
 
@@ -58,6 +59,7 @@ def positions_of(horizon: int) -> tuple[int, ...]:
 
 
 def cell_name(horizon: int, tol: str, drift: str, seed: int) -> str:
+  """The cell's file stem under the output folder, e.g. "T64-E0-s32-seed0"."""
   return f"T{horizon}-{tol}-{drift}-seed{seed}"
 
 
@@ -191,6 +193,8 @@ def _stats_fn(setting: Setting):
 
 
 def run(out: str, horizons, tols, drifts, seeds, batches: int) -> int:
+  """Runs every (T, tolerance, drift, seed) cell whose JSON is not yet in `out` (`batches` batches each) and writes
+  one JSON per finished cell; returns 0."""
   os.makedirs(out, exist_ok=True)
   compiled = {}
   for seed in seeds:
@@ -218,6 +222,7 @@ def run(out: str, horizons, tols, drifts, seeds, batches: int) -> int:
 
 # ------------------------------------------------------------------------------------------------- report
 def load(out: str) -> list[dict]:
+  """Every finished cell's record in `out`, in file-name order."""
   return [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out)) if f.endswith(".json")]
 
 
@@ -359,6 +364,8 @@ def plot(results, path: str) -> str | None:
 
 
 def report(out: str, doc: str = DOC) -> int:
+  """Writes `out`/summary.md, the eta plot and the tables between the markers of `doc` from the cells in `out`;
+  returns 0. Raises SystemExit (one line) when `out` holds no finished cell."""
   results = load(out)
   if not results:
     raise SystemExit(f"error: no finished cells in {out}; run the study first (without --report)")
@@ -411,6 +418,8 @@ def _ints(s: str, name: str) -> tuple[int, ...]:
 
 
 def main(argv=None) -> int:
+  """The command line (module docstring): runs the cells, or with --report regenerates the report; returns the exit
+  status (2 with one line on a bad flag)."""
   p = argparse.ArgumentParser(prog="python -m minpro_jax.study.fidelity_toy", description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default=os.path.join("runs", "fidelity_toy"))
   p.add_argument("--T", default=",".join(map(str, DEFAULT_T)), help="horizons (powers of two >= 2)")
