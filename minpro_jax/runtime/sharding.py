@@ -152,12 +152,18 @@ def check_global(tree, mesh: Mesh, what: str) -> None:
     )
 
 
-def batch_split(mesh_shape: dict[str, int], rules=DEFAULT_RULES) -> tuple[tuple[str, ...], int]:
-  """(the mesh axes `rules` map the logical "batch" axis to, the product of their sizes in `mesh_shape`, {axis:
-  size}, where a missing axis has size 1): a batch splits over the devices only in multiples of that product."""
-  axes = dict(rules).get("batch") or ()
+def logical_split(mesh_shape: dict[str, int], logical: str, rules=DEFAULT_RULES) -> tuple[tuple[str, ...], int]:
+  """(the mesh axes `rules` map the logical axis `logical` to, the product of their sizes in `mesh_shape` ({axis:
+  size}; a missing axis has size 1)): a dimension with that logical name splits over the devices only in multiples
+  of that product."""
+  axes = dict(rules).get(logical) or ()
   axes = axes if isinstance(axes, tuple) else (axes,)
   return axes, math.prod(int(mesh_shape.get(a, 1)) for a in axes)
+
+
+def batch_split(mesh_shape: dict[str, int], rules=DEFAULT_RULES) -> tuple[tuple[str, ...], int]:
+  """`logical_split` of the logical "batch" axis: a batch splits over the devices only in multiples of its product."""
+  return logical_split(mesh_shape, "batch", rules)
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules=None) -> P:

@@ -26,7 +26,7 @@ from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.quant import precision_config
 from minpro_jax.models.transformer import KVCache, Transformer
 from minpro_jax.runtime.inference_mesh import param_shardings
-from minpro_jax.runtime.sharding import DEFAULT_RULES
+from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS
 
 AUTO = "auto"
@@ -100,12 +100,6 @@ def tree_bytes_per_device(tree) -> int:
   return int(total)
 
 
-def _axes_size(mesh, rules, logical: str) -> int:
-  axes = dict(rules).get(logical)
-  names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-  return math.prod(mesh.shape[a] for a in names if a in mesh.shape)
-
-
 def sampler_memory(model_config: ModelConfig, precision: str, slots: int, mesh=None, rules=None) -> dict[str, int]:
   """What the sampler keeps on one device, from abstract shapes (nothing is allocated).
 
@@ -133,12 +127,12 @@ def sampler_memory(model_config: ModelConfig, precision: str, slots: int, mesh=N
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
     shape = shardings[jax.tree_util.keystr(path)].shard_shape(x.shape)
     weights += math.prod(shape) * np.dtype(x.dtype).itemsize
-  heads = _axes_size(mesh, rules, "act_kv_heads")
+  heads = logical_split(dict(mesh.shape), "act_kv_heads", rules)[1]
   heads = heads if cfg.num_kv_heads % heads == 0 else 1
   return {
       "weight_bytes": int(weights),
       "kv_bytes_per_row": kv // heads + seg,
-      "data_groups": _axes_size(mesh, rules, "batch"),
+      "data_groups": logical_split(dict(mesh.shape), "batch", rules)[1],
   }
 
 
