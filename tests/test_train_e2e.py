@@ -54,6 +54,8 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   # re-running it with a smaller total_steps is refused (its final evaluation would be logged at the wrong step)
   with pytest.raises(ConfigError, match=r"config\.total_steps: the run in .* has already done 4 global steps"):
     Trainer.from_config(make_config({**ov, "total_steps": 2})).run()
+  # the run leaves what `export` reads: its config and trained tokenizer; the export loads in transformers
+  _check_export(run, tmp_path / "hf")
   # a second run with the same SFT settings reuses the cached warm start (and tokenizer)
   ov2 = dict(ov, workdir=str(tmp_path / "run2"))
   tr2 = Trainer.from_config(make_config(ov2))
@@ -66,6 +68,24 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   with pytest.raises(OSError, match=r"config\.workdir: .*run2 has 0\.00 GB free"):
     tr2.run()
   assert not (tmp_path / "run2" / "metrics.jsonl").exists() and not (tmp_path / "run2" / "eval").exists()
+
+
+def _check_export(run, out):
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+
+  from minpro_jax import export, run_load
+
+  assert (run / "config.json").is_file() and (run / "tokenizer.model").is_file()
+  assert export.export(str(run), str(out), "final")["step"] == 3
+  loaded = run_load.load_run(str(run), "final")
+  tokens = np.array([loaded.tokenizer.encode("Compute 3 + 4.\nAnswer:")], np.int32)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+  with torch.no_grad():
+    ref = hf(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  assert float(np.abs(np.asarray(loaded.model(jnp.asarray(tokens)).out) - ref).max()) <= 1e-4
 
 
 @pytest.mark.slow

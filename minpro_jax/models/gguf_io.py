@@ -74,11 +74,13 @@ def _reader(path_or_reader):
 
 
 def gguf_config(reader, **overrides) -> ModelConfig:
-  """`ModelConfig` from the metadata of an open `gguf.GGUFReader`.
+  """`ModelConfig` from the metadata of a GGUF file (its path or an open `gguf.GGUFReader`).
 
   Raises:
+    FileNotFoundError: the path is not a file.
     ValueError: `general.architecture` is not llama/qwen3, a required key is missing, or RoPE scaling is set.
   """
+  reader = _reader(reader)
 
   def get(key, default: Any = KeyError):
     f = reader.fields.get(key)

@@ -135,11 +135,23 @@ def config_from_hf(config_json: Mapping[str, Any], **overrides) -> ModelConfig:
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
   """The `config.json` dict transformers needs to build the same model (legacy key names, which both
-  transformers 4.x and 5.x and serving stacks read)."""
+  transformers 4.x and 5.x and serving stacks read).
+
+  The model type follows the blocks the model has: a `qwen3` preset given experts (`num_experts > 0`, e.g. a scratch
+  MoE) is written as `qwen3_moe`, a `qwen3_moe` without experts as `qwen3`.
+
+  Raises:
+    ValueError: a `llama` model with experts (transformers has no such architecture).
+  """
   c = config
+  model_type = c.architecture
+  if c.architecture != "llama":
+    model_type = "qwen3_moe" if c.is_moe else "qwen3"
+  elif c.is_moe:
+    raise ValueError("a llama model with experts (num_experts > 0) has no Hugging Face architecture to export to")
   out: dict[str, Any] = {
-      "architectures": [_ARCH_CLASS[c.architecture]],
-      "model_type": c.architecture,
+      "architectures": [_ARCH_CLASS[model_type]],
+      "model_type": model_type,
       "vocab_size": c.vocab_size,
       "hidden_size": c.hidden_size,
       "intermediate_size": c.intermediate_size,
@@ -159,11 +171,11 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
       "use_cache": True,
       "torch_dtype": c.param_dtype,
   }
-  if c.architecture == "llama":
+  if model_type == "llama":
     out.update(mlp_bias=False, pretraining_tp=1)
   else:
     out.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
-  if c.architecture == "qwen3_moe":
+  if model_type == "qwen3_moe":
     out.update(
         num_experts=c.num_experts,
         num_experts_per_tok=c.num_experts_per_tok,

@@ -1,0 +1,151 @@
+"""Command line: a run's checkpoint as a Hugging Face folder that `transformers` and vLLM load.
+
+  python -m minpro_jax.export --workdir=runs/NAME [--which=best|final|STEP] --out=DIR
+
+writes to DIR: the weights (`model.safetensors`, split above 5 GB with an index), `config.json` (with the tokenizer's
+bos/eos/pad ids), `generation_config.json` (the run's sampling temperature, top-k/top-p and stop ids) and the
+tokenizer (`tokenizer.json` + `tokenizer_config.json`, loadable by `AutoTokenizer`; an `hf`-source run's own
+tokenizer files are copied as they are). The export is checked before it is reported: the tokenizer `transformers`
+loads from DIR must encode a sample of texts to the run's own ids, else nothing is reported as written and the
+command fails naming the text.
+
+Every model source (scratch, `hf`, `gguf`) and layout (scanned or not, dense or MoE) goes through
+`minpro_jax.models.hf_io.save_hf_checkpoint`, the inverse of the loader the runs use, so `--config.model.source=hf
+--config.model.path=DIR` starts a new run from the export. The parameters are restored on one device (host memory
+of about the parameters' size; the optimizer state is not read). docs/checkpoints.md describes the workdir's files.
+
+A bad flag, a missing run or checkpoint prints one line `error: ...` and exits with status 2 (`--debug` shows the
+traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from minpro_jax.errors import UserError
+
+EXIT_USER_ERROR = 2
+# texts the exported tokenizer must encode to the run's own ids: digits, spacing, newlines, LaTeX, non-ASCII
+CHECK_TEXTS = (
+    "Compute 12 + 7 - 3.\nAnswer: \\boxed{16}",
+    "  two  spaces,\ttab\n\nand blank lines",
+    "Let $x^2 = \\frac{3}{4}$; then x = ±√3/2 (ü, 😀).",
+)
+
+
+def generation_config(c, tokenizer) -> dict:
+  """`generation_config.json` of run config `c`: its sampling settings and the tokenizer's stop ids."""
+  s = c.sampling
+  out = {"do_sample": float(s.temperature) > 0, "temperature": float(s.temperature)}
+  if int(s.get("top_k", 0) or 0) > 0:
+    out["top_k"] = int(s.top_k)
+  if float(s.get("top_p", 1.0) or 1.0) < 1.0:
+    out["top_p"] = float(s.top_p)
+  out["max_new_tokens"] = int(s.max_new_tokens)
+  if tokenizer.bos_id >= 0:
+    out["bos_token_id"] = tokenizer.bos_id
+  if tokenizer.stop_ids:
+    out["eos_token_id"] = list(tokenizer.stop_ids)
+  if tokenizer.pad_id >= 0:
+    out["pad_token_id"] = tokenizer.pad_id
+  return out
+
+
+def special_ids(tokenizer) -> dict:
+  """The bos/eos/pad ids `config.json` carries (those the tokenizer has)."""
+  ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+  return {k: v for k, v in ids.items() if v >= 0}
+
+
+def save_tokenizer(c, tokenizer, out: str) -> None:
+  """Writes the run's tokenizer into `out` in a form `transformers.AutoTokenizer` loads."""
+  from minpro_jax.data.tokenizers import HFTokenizer
+  from minpro_jax.run_load import copy_tokenizer_source
+
+  if copy_tokenizer_source(c, out):
+    return
+  if isinstance(tokenizer, HFTokenizer):
+    tokenizer.save(out)
+    with open(os.path.join(out, "tokenizer_config.json")) as f:
+      cfg = json.load(f)
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+      json.dump(cfg, f, indent=1)
+    return
+  # sentencepiece: transformers converts the .model (its normalizer spec kept) into a fast tokenizer; saving that
+  # writes tokenizer.json, so loading the export needs neither sentencepiece nor a conversion
+  from transformers import AutoTokenizer
+
+  sp = tokenizer.sp
+  names = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id(), "unk_token": sp.unk_id()}
+  cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False}
+  cfg.update({k: sp.id_to_piece(i) for k, i in names.items() if i >= 0})
+  with tempfile.TemporaryDirectory() as tmp:
+    with open(os.path.join(tmp, "tokenizer.model"), "wb") as f:
+      f.write(sp.serialized_model_proto())
+    with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+      json.dump(cfg, f)
+    AutoTokenizer.from_pretrained(tmp).save_pretrained(out)
+
+
+def check_tokenizer(tokenizer, out: str, texts=CHECK_TEXTS) -> None:
+  """Raises ValueError when the tokenizer `transformers` loads from `out` encodes one of `texts` differently."""
+  from transformers import AutoTokenizer
+
+  hf = AutoTokenizer.from_pretrained(out)
+  for text in texts:
+    want, got = tokenizer.encode(text), hf.encode(text, add_special_tokens=False)
+    if want != got:
+      raise ValueError(
+          f"the exported tokenizer in {out} encodes {text!r} as {got[:12]}..., the run's as {want[:12]}...; the "
+          "tokenizer cannot be exported faithfully (report it with the run's tokenizer config)"
+      )
+
+
+def export(workdir: str, out: str, which: str = "best") -> dict:
+  """Exports checkpoint `which` of the run in `workdir` to the Hugging Face folder `out`; returns what it wrote.
+
+  Raises:
+    ConfigError / CheckpointError: as `run_load.load_run`; `out` is a non-empty folder holding no export.
+    ValueError: the exported tokenizer does not reproduce the run's ids (`check_tokenizer`).
+  """
+  from minpro_jax.errors import ConfigError
+  from minpro_jax.models.hf_io import save_hf_checkpoint
+  from minpro_jax.run_load import load_run
+
+  if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+    raise ConfigError(f"--out: {out} is a non-empty folder that holds no export; give a new or empty folder")
+  run = load_run(workdir, which)
+  os.makedirs(out, exist_ok=True)
+  files = save_hf_checkpoint(run.model, out, extra_config=special_ids(run.tokenizer))
+  with open(os.path.join(out, "generation_config.json"), "w") as f:
+    json.dump(generation_config(run.config, run.tokenizer), f, indent=2)
+  save_tokenizer(run.config, run.tokenizer, out)
+  check_tokenizer(run.tokenizer, out)
+  return {"out": os.path.abspath(out), "which": run.which, "step": run.step, "files": files}
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--workdir", required=True, help="the run's workdir (runs/NAME)")
+  ap.add_argument("--which", default="best", help="best (default) | final | a kept run checkpoint's global step")
+  ap.add_argument("--out", required=True, help="the folder to write (new or empty)")
+  ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
+  args = ap.parse_args(argv)
+  try:
+    info = export(args.workdir, args.out, args.which)
+  except UserError as e:
+    if args.debug:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USER_ERROR
+  print(json.dumps(info, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,186 @@
+"""A run's config, tokenizer and parameters, read back from its workdir (what `export` and `evaluate` load).
+
+The trainer writes two files for this at the start of a run (`save_run_files`, process 0):
+  * `workdir/config.json`: the run's whole config (`ConfigDict.to_json_best_effort`);
+  * `workdir/tokenizer.model`: the sentencepiece model of a run that trained one (`tokenizer.kind=train_spm`), which
+    otherwise lives only in `sft.cache_dir`. Other tokenizers are read from where the config points.
+A run started before these files existed is still read: the config from its `summary.json` (finished runs only), the
+trained tokenizer from `sft.cache_dir` (resolved against the current directory, as the run did).
+
+Parameters: `which="best"` reads `workdir/best` (the highest evaluation, as the papers select), `"final"` the newest
+run checkpoint, an int step that run checkpoint. Only the parameters are read from a run checkpoint (an orbax partial
+restore): the optimizer state never leaves the disk. The model is built on one device (`mesh=None`) or sharded on a
+mesh by the default logical-axis rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from minpro_jax import run_config
+from minpro_jax.errors import CheckpointError, ConfigError
+from minpro_jax.models import Transformer, get_preset
+from minpro_jax.models.config import ModelConfig
+from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+@dataclasses.dataclass
+class LoadedRun:
+  """A run's model at one checkpoint.
+
+  Attributes:
+    config: the run's config (a `ml_collections.ConfigDict`).
+    tokenizer: the run's tokenizer (`minpro_jax.data.tokenizers`).
+    model: the `Transformer` with the checkpoint's parameters.
+    which: "best", "final" or "step".
+    step: the checkpoint's step: the policy step of the best evaluation, or the run checkpoint's global step.
+  """
+
+  config: Any
+  tokenizer: Any
+  model: Transformer
+  which: str
+  step: int
+
+
+def save_run_files(workdir: str, c, tokenizer) -> None:
+  """Writes `config.json` (and `tokenizer.model` for a trained sentencepiece tokenizer) into `workdir`."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  with open(path + ".tmp", "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+  os.replace(path + ".tmp", path)
+  if c.tokenizer.kind == "train_spm":
+    with open(os.path.join(workdir, TOKENIZER_FILE + ".tmp"), "wb") as f:
+      f.write(tokenizer.sp.serialized_model_proto())
+    os.replace(os.path.join(workdir, TOKENIZER_FILE + ".tmp"), os.path.join(workdir, TOKENIZER_FILE))
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config of the run in `workdir`: its `config.json`, else the `config` of its `summary.json`.
+
+  Raises:
+    ConfigError: `workdir` is not a directory, or holds neither file (naming both and the fix).
+  """
+  if not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir: {workdir} is not a directory; give the workdir of a run (e.g. runs/NAME)")
+  for name, key in ((CONFIG_FILE, None), ("summary.json", "config")):
+    path = os.path.join(workdir, name)
+    if os.path.isfile(path):
+      with open(path) as f:
+        d = json.load(f)
+      return ml_collections.ConfigDict(d if key is None else d[key])
+  raise ConfigError(
+      f"--workdir: {workdir} has no {CONFIG_FILE} (written at the start of a run) and no summary.json (written at "
+      "its end); give the workdir of a run of minpro_jax.train"
+  )
+
+
+def load_run_tokenizer(workdir: str, c):
+  """The run's tokenizer: `workdir/tokenizer.model` when the run trained one, else as `run_setup` builds it."""
+  from minpro_jax.data.tokenizers import load_sentencepiece
+  from minpro_jax.run_setup import build_tokenizer, train_and_eval_problems
+
+  saved = os.path.join(workdir, TOKENIZER_FILE)
+  if c.tokenizer.kind == "train_spm" and os.path.isfile(saved):
+    return load_sentencepiece(saved, chat_format=c.tokenizer.chat_format or "plain")
+  problems = train_and_eval_problems(c)[0] if c.tokenizer.kind == "train_spm" else []
+  return build_tokenizer(c, problems)
+
+
+def model_config(c, tokenizer) -> ModelConfig:
+  """The run's `ModelConfig`, without reading any weights (scratch preset, HF config.json or GGUF metadata)."""
+  overrides = run_config.model_overrides(c)
+  if c.model.source == "scratch":
+    return get_preset(c.model.preset, vocab_size=tokenizer.vocab_size, **dict(c.model.overrides), **overrides)
+  if c.model.source == "hf":
+    from minpro_jax.models.hf_io import config_from_hf
+
+    with open(os.path.join(c.model.path, "config.json")) as f:
+      return config_from_hf(json.load(f), **overrides)
+  from minpro_jax.data.tokenizers import smollm2_gguf_path
+  from minpro_jax.models.gguf_io import gguf_config
+
+  return gguf_config(c.model.path or smollm2_gguf_path(), **overrides)
+
+
+def _which(workdir: str, which: str | int) -> tuple[str, str, int]:
+  """(kind, orbax manager directory, step) of `which` in `workdir`."""
+  best, ckpts = os.path.join(workdir, "best"), os.path.join(workdir, "checkpoints")
+  if which == "best":
+    steps = ocp.CheckpointManager(best).all_steps() if os.path.isdir(best) else []
+    if not steps:
+      raise CheckpointError(
+          f"--which=best: {workdir} has no best-parameter checkpoint (written at the first evaluation); "
+          "use --which=final"
+      )
+    return "best", best, max(steps)
+  steps = sorted(ocp.CheckpointManager(ckpts).all_steps()) if os.path.isdir(ckpts) else []
+  if not steps:
+    raise CheckpointError(f"--which={which}: {workdir} has no run checkpoint under checkpoints/; use --which=best")
+  if which == "final":
+    return "final", ckpts, steps[-1]
+  try:
+    step = int(which)
+  except (TypeError, ValueError):
+    raise ConfigError(f"--which={which!r}: use best, final or a global step of a run checkpoint ({steps})") from None
+  if step not in steps:
+    raise CheckpointError(f"--which={step}: no run checkpoint of that step in {ckpts}; the run keeps steps {steps}")
+  return "step", ckpts, step
+
+
+def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
+  """The model of the run in `workdir` at checkpoint `which` (see the module docstring).
+
+  Args:
+    workdir: a run's workdir.
+    which: "best", "final" or a global step (int or digits) of a kept run checkpoint.
+    mesh: a device mesh to shard the parameters on (default rules), or None for one device.
+
+  Raises:
+    ConfigError: no config in `workdir`, or `which` is not best/final/a step.
+    CheckpointError: the checkpoint asked for does not exist (the message lists those that do).
+  """
+  workdir = os.path.abspath(workdir)
+  c = load_run_config(workdir)
+  kind, directory, step = _which(workdir, which)
+  tokenizer = load_run_tokenizer(workdir, c)
+  cfg = model_config(c, tokenizer)
+  with nnx.use_eager_sharding(False) if mesh is None else use_mesh(mesh, DEFAULT_RULES):
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  template = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
+  mngr = ocp.CheckpointManager(directory)
+  if kind == "best":
+    args = ocp.args.Composite(params=ocp.args.StandardRestore(template))
+    restored = mngr.restore(step, args=args)["params"]
+  else:
+    item = {"params": template}
+    restore = ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+    )
+    restored = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]["params"]
+  mngr.close()
+  return LoadedRun(config=c, tokenizer=tokenizer, model=nnx.merge(graphdef, restored, rest), which=kind, step=step)
+
+
+def copy_tokenizer_source(c, out: str) -> bool:
+  """Copies the HF tokenizer files of an `hf`-source run's `model.path` into `out`; False when there are none."""
+  if c.model.source != "hf" or c.tokenizer.kind != "model":
+    return False
+  names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+  found = [n for n in names if os.path.isfile(os.path.join(c.model.path, n))]
+  for n in found:
+    shutil.copy(os.path.join(c.model.path, n), os.path.join(out, n))
+  return "tokenizer.json" in found

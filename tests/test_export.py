@@ -1,0 +1,146 @@
+"""`python -m minpro_jax.export`: a run's checkpoint as a Hugging Face folder (`minpro_jax.run_load`, `export`).
+
+A run directory is written here without training (config.json, tokenizer.model, a best-parameter and a run
+checkpoint of a tiny scanned MoE), so every path is exercised in seconds; `test_train_e2e` exports a trained run too.
+The weights' layout conversion itself is `save_hf_checkpoint`'s, tested against transformers in
+`test_model_hf_parity`.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from train_helpers import make_config, tiny_overrides
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from minpro_jax import export, run_config, run_load  # noqa: E402
+from minpro_jax.checkpoint import RunCheckpointer  # noqa: E402
+from minpro_jax.data.spm import train_sentencepiece  # noqa: E402
+from minpro_jax.data.tokenizers import load_hf_tokenizer, load_sentencepiece  # noqa: E402
+from minpro_jax.errors import CheckpointError, ConfigError  # noqa: E402
+from minpro_jax.models import init_model  # noqa: E402
+from minpro_jax.models.hf_io import hf_state_dict, load_hf_checkpoint  # noqa: E402
+from minpro_jax.rl.learner import TrainState  # noqa: E402
+
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "num_layers": 2}
+CORPUS = [f"Compute {a} + {b}.\nAnswer: \\boxed{{{a + b}}}" for a in range(40) for b in range(0, 40, 7)]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """A run's workdir as the trainer leaves it: config.json, tokenizer.model, best step 4, run checkpoints 5, 6."""
+  tmp = tmp_path_factory.mktemp("export")
+  c = make_config(tiny_overrides(tmp, **{"tokenizer.vocab_size": 320, "model.scan_layers": True}), model=MOE)
+  tokenizer = load_sentencepiece(train_sentencepiece(CORPUS, 320, str(tmp / "spm.model")))
+  cfg = run_load.model_config(c, tokenizer)
+  assert cfg.is_moe and cfg.scan_layers
+  workdir = str(tmp / "run")
+  os.makedirs(workdir)
+  run_load.save_run_files(workdir, c, tokenizer)
+  ckpt = RunCheckpointer(workdir, keep=2)
+  models = {}
+  for seed, (kind, step) in enumerate((("best", 4), ("step", 5), ("final", 6))):
+    model = init_model(cfg, seed=seed)
+    params = jax.tree.map(lambda p: 3 * p, nnx.state(model, nnx.Param))  # HF's 0.02 init gives flat logits
+    nnx.update(model, params)
+    if kind == "best":
+      ckpt.save_best(step, params, {"score": 0.5, "step": step})
+    else:
+      state = TrainState(params, optax.adam(1e-3).init(params), jnp.int32(step), jnp.int32(0))
+      buffer = {"steps": np.zeros(0, np.int64), "batches": {}}  # an empty delay buffer
+      ckpt.save(step, state, buffer, {"global_step": step})
+    models[kind] = model
+  ckpt.close()
+  return workdir, tokenizer, models
+
+
+def _logits(model, tokens):
+  return np.asarray(model(jnp.asarray(tokens)).out)
+
+
+def _tokens(tokenizer):
+  return np.array([tokenizer.encode("Compute 12 + 7.\nAnswer: \\boxed{19}")], np.int32)
+
+
+@pytest.mark.parametrize("which", ["best", "final", "5"])
+def test_export_loads_in_transformers_with_the_runs_logits(run_dir, which, tmp_path):
+  workdir, tokenizer, models = run_dir
+  out = str(tmp_path / "hf")
+  info = export.export(workdir, out, which)
+  want_kind, want_step = {"best": ("best", 4), "final": ("final", 6), "5": ("step", 5)}[which]
+  assert (info["which"], info["step"]) == (want_kind, want_step)
+  tokens = _tokens(tokenizer)
+  ours = _logits(models[want_kind], tokens)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  with torch.no_grad():
+    ref = hf(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  assert float(np.abs(ref).std()) > 0.3, "logits too flat for a meaningful comparison"
+  assert float(np.abs(ours - ref).max()) <= 1e-4
+  # each checkpoint is its own (the three were drawn with different seeds)
+  for other, m in models.items():
+    if other != want_kind:
+      assert float(np.abs(_logits(m, tokens) - ref).max()) > 1e-2
+  # re-imported as model.source=hf: the same parameters, bit for bit
+  reloaded, cfg = load_hf_checkpoint(out)
+  assert cfg.is_moe and cfg.num_experts == 4 and cfg.architecture == "qwen3_moe"
+  want = dict(hf_state_dict(models[want_kind]))
+  got = dict(hf_state_dict(reloaded))
+  assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+  # the tokenizer, as transformers loads it, gives the run's ids; the generation config its sampling settings
+  hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+  ours_tok = load_hf_tokenizer(out)  # what a run with model.source=hf, tokenizer.kind=model reads
+  assert (ours_tok.bos_id, ours_tok.eos_id, ours_tok.pad_id) == (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+  for text in CORPUS[:50:7] + list(export.CHECK_TEXTS):
+    assert hf_tok.encode(text, add_special_tokens=False) == tokenizer.encode(text) == ours_tok.encode(text)
+  gen = json.load(open(os.path.join(out, "generation_config.json")))
+  assert gen["eos_token_id"] == [tokenizer.eos_id] and gen["temperature"] == 1.0 and gen["max_new_tokens"] == 6
+  hf_cfg = json.load(open(os.path.join(out, "config.json")))
+  assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (2, 3, 0)
+
+
+def test_partial_restore_reads_only_the_parameters(run_dir):
+  workdir, _, models = run_dir
+  run = run_load.load_run(workdir, "final")
+  want = nnx.state(models["final"], nnx.Param)
+  got = nnx.state(run.model, nnx.Param)
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), want, got))
+  assert run.config.model.scan_layers is True and run.step == 6
+
+
+def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):
+  workdir, _, _ = run_dir
+  with pytest.raises(CheckpointError, match=r"--which=9: no run checkpoint of that step .* keeps steps \[5, 6\]"):
+    run_load.load_run(workdir, 9)
+  with pytest.raises(ConfigError, match=r"--which='latest': use best, final or a global step"):
+    run_load.load_run(workdir, "latest")
+  with pytest.raises(ConfigError, match=r"--workdir: .* is not a directory"):
+    run_load.load_run(str(tmp_path / "nope"))
+  os.makedirs(tmp_path / "empty")
+  with pytest.raises(ConfigError, match=r"has no config.json .* and no summary.json"):
+    run_load.load_run(str(tmp_path / "empty"))
+  (tmp_path / "busy").mkdir()
+  (tmp_path / "busy" / "notes.txt").write_text("mine")
+  with pytest.raises(ConfigError, match=r"--out: .*busy is a non-empty folder that holds no export"):
+    export.export(workdir, str(tmp_path / "busy"))
+  # the command line: one line, exit status 2
+  assert export.main(["--workdir", workdir, "--which", "3", "--out", str(tmp_path / "o")]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --which=3: no run checkpoint") and err.count("\n") == 1
+
+
+def test_summary_config_of_an_older_run(run_dir, tmp_path):
+  """A run from before config.json existed is read from its summary.json's config."""
+  workdir, _, _ = run_dir
+  c = run_load.load_run_config(workdir)
+  old = tmp_path / "old"
+  old.mkdir()
+  (old / "summary.json").write_text(json.dumps({"config": c.to_dict()}))
+  got = run_load.load_run_config(str(old))
+  assert got.model.overrides.num_experts == 4 and run_config.model_overrides(got) == run_config.model_overrides(c)
