@@ -218,7 +218,7 @@ def evaluate(
     results["samples"][bench] = [
         {"id": p.id, "answer": p.answer, "extracted": a, "correct": c} for p, a, c in zip(problems, answers, correct)
     ]
-  results["macro"] = _macro(results["benchmarks"])
+  results["macro"] = macro_average(results["benchmarks"])
   if out_dir is not None:
     write_report(results, out_dir, name)
   return results
@@ -231,7 +231,8 @@ def _metric_items(scores: Mapping[str, Any]) -> list[tuple[str, float]]:
   return items
 
 
-def _macro(bench_scores: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+def macro_average(bench_scores: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+  """Each metric's mean over benchmarks with equal weight (a metric some benchmark lacks is left out)."""
   per_metric: dict[str, list[float]] = collections.defaultdict(list)
   for scores in bench_scores.values():
     for metric, v in _metric_items(scores):

@@ -22,6 +22,7 @@ import shutil
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -46,6 +47,7 @@ class LoadedRun:
     model: the `Transformer` with the checkpoint's parameters.
     which: "best", "final" or "step".
     step: the checkpoint's step: the policy step of the best evaluation, or the run checkpoint's global step.
+    policy_step: the parameters' policy version (optimizer updates applied): the step the run evaluated them at.
   """
 
   config: Any
@@ -53,6 +55,7 @@ class LoadedRun:
   model: Transformer
   which: str
   step: int
+  policy_step: int
 
 
 def save_run_files(workdir: str, c, tokenizer) -> None:
@@ -164,15 +167,17 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
   mngr = ocp.CheckpointManager(directory)
   if kind == "best":
     args = ocp.args.Composite(params=ocp.args.StandardRestore(template))
-    restored = mngr.restore(step, args=args)["params"]
+    restored, policy_step = mngr.restore(step, args=args)["params"], step
   else:
-    item = {"params": template}
+    item = {"params": template, "step": jax.ShapeDtypeStruct((), jnp.int32)}
     restore = ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
     )
-    restored = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]["params"]
+    state = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
+    restored, policy_step = state["params"], int(state["step"])
   mngr.close()
-  return LoadedRun(config=c, tokenizer=tokenizer, model=nnx.merge(graphdef, restored, rest), which=kind, step=step)
+  model = nnx.merge(graphdef, restored, rest)
+  return LoadedRun(config=c, tokenizer=tokenizer, model=model, which=kind, step=step, policy_step=policy_step)
 
 
 def copy_tokenizer_source(c, out: str) -> bool:

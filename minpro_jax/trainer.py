@@ -53,10 +53,9 @@ from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 from minpro_jax.run_setup import RunParts, setup_run
 from minpro_jax.runtime import multihost
-from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
+from minpro_jax.sampler_setup import sampler_kwargs
 from minpro_jax.sampling import Sampler, SamplingParams
-from minpro_jax.sampling.rows import device_hbm_bytes, resolve_decode_rows, tree_bytes_per_device
 
 logger = logging.getLogger(__name__)
 
@@ -117,28 +116,8 @@ class Trainer:
     )
     self.sampling = run_config.sampling_params(c, self.tokenizer.stop_ids)
     run_config.check_routes_fit(c, self.model.config)  # scratch and hf were checked before the setup; gguf here
-    # the sampler's layout: the learner's mesh, or its own over the same devices (config.sampling.mesh)
-    sampler_mesh, sampler_rules = sampler_layout(c.sampling.get("mesh", ""), self.mesh, self.model.config)
-    decode_rows = resolve_decode_rows(  # "auto": as many as fit beside the weights and the learner's state
-        run_config.sampler_decode_rows(c),
-        self.model.config,
-        precision=c.sampling.precision,
-        slots=c.data.max_prompt_tokens + c.sampling.max_new_tokens,
-        mesh=sampler_mesh,
-        rules=sampler_rules,
-        hbm_bytes=device_hbm_bytes(jax.local_devices()),
-        other_resident_bytes=3 * tree_bytes_per_device(nnx.state(self.model, nnx.Param)),  # + AdamW's 2 moments
-    )
-    sampler_kw = self.sampler_kw = dict(
-        precision=c.sampling.precision,
-        **run_config.sampler_fp8_options(c),
-        continuous=c.sampling.continuous,
-        decode_rows=decode_rows,
-        mesh=sampler_mesh,
-        rules=sampler_rules,
-        pad_id=max(self.tokenizer.pad_id, 0),
-        prompt_buckets=_prompt_buckets(c.data.max_prompt_tokens),
-    )
+    # the sampler's layout (the learner's mesh, or its own: config.sampling.mesh), rows, precision, buckets
+    sampler_kw = self.sampler_kw = sampler_kwargs(c, self.model, self.tokenizer, self.mesh)
     record = bool(c.loss.router_replay or c.sampling.record_routes)
     self.sampler = Sampler(self.model.config, record_routes=record, **sampler_kw)
     # evaluation never needs routes (2 * layers * k bytes per token): its own sampler, the same compiled shapes
@@ -611,8 +590,3 @@ def _combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
     else:
       out[f"learn/{k}"] = float(vals.mean())
   return out
-
-
-def _prompt_buckets(max_prompt_tokens: int) -> tuple[int, ...]:
-  buckets = [b for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if b < max_prompt_tokens]
-  return tuple(buckets) + (max_prompt_tokens,)

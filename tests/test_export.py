@@ -144,3 +144,35 @@ def test_summary_config_of_an_older_run(run_dir, tmp_path):
   (old / "summary.json").write_text(json.dumps({"config": c.to_dict()}))
   got = run_load.load_run_config(str(old))
   assert got.model.overrides.num_experts == 4 and run_config.model_overrides(got) == run_config.model_overrides(c)
+
+
+def test_evaluate_an_export_and_bad_flags(run_dir, tmp_path, capsys):
+  from minpro_jax import evaluate
+
+  workdir, _, _ = run_dir
+  out = str(tmp_path / "hf")
+  export.export(workdir, out, "best")
+  small = [
+      "--data.max_prompt_tokens=512",
+      "--eval.num_problems=3",
+      "--eval.n=2",
+      "--eval.ks=1,2",
+      "--sampling.max_new_tokens=4",
+      "--no-progress",
+  ]
+  assert evaluate.main(["--hf", out, "--out", str(tmp_path / "ev"), *small]) == 0
+  got = json.load(open(tmp_path / "ev" / "eval.json"))
+  (bench,) = got["benchmarks"]
+  assert got["benchmarks"][bench]["num_problems"] == 3 and 0.0 <= got["macro"]["pass@1"] <= 1.0
+  assert got["config"]["n"] == 2 and got["config"]["max_new_tokens"] == 4
+  capsys.readouterr()
+  for argv, want in (
+      (["--hf", out], "error: --out: give the folder"),
+      (["--workdir", workdir, "--model.preset=qwen3_8b"], "error: --model.preset: cannot be set when evaluating"),
+      (["--workdir", workdir, "--eval.n=two"], "error: --eval.n='two': not a int"),
+      (["--workdir", workdir, "--eval.nn=2"], "error: --eval.nn: no such config field"),
+      (["--workdir", workdir, "stray"], "error: stray: give fields as --FIELD=VALUE"),
+  ):
+    assert evaluate.main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.startswith(want) and err.count("\n") == 1, (argv, err)

@@ -54,8 +54,10 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   # re-running it with a smaller total_steps is refused (its final evaluation would be logged at the wrong step)
   with pytest.raises(ConfigError, match=r"config\.total_steps: the run in .* has already done 4 global steps"):
     Trainer.from_config(make_config({**ov, "total_steps": 2})).run()
-  # the run leaves what `export` reads: its config and trained tokenizer; the export loads in transformers
+  # the run leaves what `export` and `evaluate` read: its config and trained tokenizer; the export loads in
+  # transformers; the best checkpoint, evaluated on its own, scores what the run logged for it
   _check_export(run, tmp_path / "hf")
+  _check_evaluate(run, on_disk["best"])
   # a second run with the same SFT settings reuses the cached warm start (and tokenizer)
   ov2 = dict(ov, workdir=str(tmp_path / "run2"))
   tr2 = Trainer.from_config(make_config(ov2))
@@ -86,6 +88,21 @@ def _check_export(run, out):
   with torch.no_grad():
     ref = hf(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
   assert float(np.abs(np.asarray(loaded.model(jnp.asarray(tokens)).out) - ref).max()) <= 1e-4
+
+
+def _check_evaluate(run, best):
+  from minpro_jax import evaluate
+
+  out = run / "eval" / "standalone" / f"best_{best['step']}"
+  assert evaluate.main(["--workdir", str(run), "--no-progress"]) == 0
+  got = json.loads((out / "eval.json").read_text())
+  assert got["macro"]["pass@1"] == best["score"]
+  logged = [json.loads(p.read_text()) for p in (run / "eval").glob("*.json")]
+  logged = next(r for r in logged if r["config"]["seed"] == got["config"]["seed"])  # the run's evaluation of it
+  assert got["benchmarks"] == logged["benchmarks"] and got["samples"] == logged["samples"]
+  # resumable: a second call reads the benchmark's file back; other settings in the same folder are refused
+  assert evaluate.main(["--workdir", str(run), "--no-progress"]) == 0
+  assert evaluate.main(["--workdir", str(run), "--no-progress", "--eval.n=1", "--eval.ks=1"]) == 2
 
 
 @pytest.mark.slow

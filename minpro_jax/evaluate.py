@@ -1,0 +1,230 @@
+"""Command line: evaluate a run's checkpoint, or a Hugging Face folder, on held-out benchmarks, on its own.
+
+  python -m minpro_jax.evaluate --workdir=runs/NAME [--which=best|final|STEP] [--out=DIR] [--FIELD=VALUE ...]
+  python -m minpro_jax.evaluate --hf=DIR --out=DIR [--FIELD=VALUE ...]
+
+The tables are the trainer's (`minpro_jax.evaluation`: pass@k, avg@n, maj@k per benchmark and their macro average),
+sampled with the run's sampler settings on the same programs, so a checkpoint scores here as it scored in its run
+(same `eval.seed`, same benchmarks: the run's held-out set and its `eval.path` files). Fields that may be set:
+`eval.*` (e.g. `--eval.path=math500=math500:data/math500.jsonl,aime24=jsonl:aime24.jsonl --eval.n=16
+--eval.ks=1,8,16 --eval.num_problems=500`), `data.template`, `data.max_prompt_tokens`, `sampling.max_new_tokens`,
+`sampling.decode_rows`, `sampling.precision`. `--hf=DIR` evaluates a folder (an export, or any Qwen3 / Llama
+checkpoint) with the default config's settings and its own tokenizer (`--data.template=chat` for chat models).
+
+Output (default `workdir/eval/standalone/<which>_<step>`): `<benchmark>.json` per benchmark as it finishes, then
+`eval.json` and `eval.md` over all of them. Re-running the same command skips the benchmarks already written
+(resumable), provided the settings are the same (else it refuses: use another `--out`). One process.
+
+A bad flag, run or file prints one line `error: ...` and exits with status 2 (`--debug` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from minpro_jax.errors import ConfigError, UserError
+
+EXIT_USER_ERROR = 2
+SETTABLE = ("eval.", "data.template", "data.max_prompt_tokens", "sampling.max_new_tokens", "sampling.decode_rows")
+SETTABLE += ("sampling.precision",)
+
+
+def apply_overrides(c, overrides: dict[str, str]) -> None:
+  """Sets `--FIELD=VALUE` strings on config `c`, converted to each field's type.
+
+  Raises:
+    ConfigError: a field that may not be set here (only `SETTABLE`), that does not exist, or a value of the wrong
+      type, naming the flag.
+  """
+  for field, text in overrides.items():
+    if not any(field == s or (s.endswith(".") and field.startswith(s)) for s in SETTABLE):
+      raise ConfigError(f"--{field}: cannot be set when evaluating; settable: {', '.join(SETTABLE)}*")
+    *groups, leaf = field.split(".")
+    node = c
+    try:
+      for g in groups:
+        node = node[g]
+      old = node[leaf]
+    except (KeyError, AttributeError):
+      raise ConfigError(f"--{field}: no such config field") from None
+    try:
+      node[leaf] = _convert(old, text)
+    except (TypeError, ValueError, SyntaxError) as e:
+      raise ConfigError(f"--{field}={text!r}: not a {type(old).__name__} ({e})") from None
+
+
+def _convert(old: Any, text: str) -> Any:
+  if isinstance(old, bool):
+    if text.lower() not in ("true", "false", "1", "0"):
+      raise ValueError("use true or false")
+    return text.lower() in ("true", "1")
+  if isinstance(old, int):
+    return int(text)
+  if isinstance(old, float):
+    return float(text)
+  if isinstance(old, (tuple, list)):
+    return tuple(ast.literal_eval(text if text.strip().startswith("(") else f"({text},)"))
+  return text
+
+
+def _default_config():
+  import importlib.util
+
+  import minpro_jax
+
+  path = os.path.join(os.path.dirname(minpro_jax.__file__), "configs", "default.py")
+  spec = importlib.util.spec_from_file_location("minpro_default_config", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config()
+
+
+def load_model(args, overrides: dict[str, str]):
+  """(config, tokenizer, model, the output folder) of `--workdir`/`--which` or `--hf`."""
+  from minpro_jax import run_config, run_load
+
+  if args.hf:
+    from minpro_jax.models.hf_io import load_hf_checkpoint
+    from minpro_jax.run_setup import build_tokenizer
+
+    if not args.out:
+      raise ConfigError("--out: give the folder for the tables (required with --hf)")
+    c = _default_config()
+    c.model.source, c.model.path, c.tokenizer.kind = "hf", args.hf, "model"
+    apply_overrides(c, overrides)
+    if not os.path.isfile(os.path.join(args.hf, "config.json")):
+      raise ConfigError(f"--hf: {args.hf} has no config.json; give a Hugging Face model folder")
+    model = load_hf_checkpoint(args.hf, **run_config.model_overrides(c))[0]
+    return c, build_tokenizer(c, []), model, args.out, 0
+  run = run_load.load_run(args.workdir, args.which)
+  apply_overrides(run.config, overrides)
+  out = args.out or os.path.join(args.workdir, "eval", "standalone", f"{run.which}_{run.step}")
+  return run.config, run.tokenizer, run.model, out, run.policy_step
+
+
+def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress: bool = True) -> dict[str, Any]:
+  """Evaluates `model` on config `c`'s held-out benchmarks; writes and returns the tables (module docstring).
+
+  `policy_step` offsets the seed as the trainer's evaluation at that policy step does (`eval.seed + policy_step`),
+  so a run's checkpoint gets the samples, and the scores, its run logged.
+
+  Raises:
+    ConfigError: `out` holds tables of other settings; a benchmark with no prompt that fits.
+  """
+  from flax import nnx
+  from tqdm import tqdm
+
+  from minpro_jax import evaluation, run_config
+  from minpro_jax.data import format_prompt
+  from minpro_jax.run_setup import eval_benchmarks, fit_eval_sets
+  from minpro_jax.sampler_setup import sampler_kwargs
+  from minpro_jax.sampling import Sampler, SamplingParams
+
+  e = c.eval
+  seed = e.seed + policy_step
+  settings = {"n": e.n, "ks": list(e.ks), "seed": seed, "temperature": e.temperature, "top_p": e.top_p}
+  settings.update(template=c.data.template, max_new_tokens=c.sampling.max_new_tokens, precision=c.sampling.precision)
+  os.makedirs(out, exist_ok=True)
+  _check_settings(out, settings)
+  benches = fit_eval_sets(c, tokenizer, eval_benchmarks(c))
+  sampler = Sampler(model.config, **sampler_kwargs(c, model, tokenizer, None, optimizer_copies=0))
+  params = sampler.prepare_params(nnx.state(model, nnx.Param))
+  run_sampling = run_config.sampling_params(c, tokenizer.stop_ids)
+  sp = SamplingParams(  # as `Trainer.generate_texts`
+      temperature=e.temperature,
+      top_p=e.top_p if e.top_p < 1.0 else None,
+      max_new_tokens=run_sampling.max_new_tokens,
+      stop_token_ids=run_sampling.stop_token_ids,
+  )
+  batch_size = max(1, 256 // e.n)  # as the trainer's evaluation
+  todo = {b: ps for b, ps in benches.items() if not os.path.isfile(os.path.join(out, f"{b}.json"))}
+  bar = tqdm(total=sum(math.ceil(len(ps) / batch_size) for ps in todo.values()), disable=not progress, unit="batch")
+
+  def generate(prompts, n, seed):
+    ids = [tokenizer.encode(p, add_bos=c.data.template == "plain") for p in prompts]
+    gen = sampler.generate(params, ids, sp, seed, group_size=n)
+    texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(gen.response_tokens, gen.response_mask)]
+    bar.update(1)
+    return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+  results: dict[str, Any] = {"benchmarks": {}, "macro": {}, "samples": {}, "config": settings}
+  for j, (bench, problems) in enumerate(benches.items()):
+    path = os.path.join(out, f"{bench}.json")
+    if bench in todo:  # seed as the trainer's single call over all benchmarks gives benchmark j
+      one = evaluation.evaluate(
+          generate,
+          {bench: problems},
+          n=e.n,
+          ks=tuple(e.ks),
+          seed=seed + 1000003 * j,
+          batch_size=batch_size,
+          prompt_fn=lambda p: format_prompt(p, tokenizer, c.data.template),
+          modes=e.reward_mode or c.reward.mode,
+      )
+      with open(path + ".tmp", "w") as f:
+        json.dump(one, f, indent=1)
+      os.replace(path + ".tmp", path)
+    with open(path) as f:
+      one = json.load(f)
+    results["benchmarks"][bench] = one["benchmarks"][bench]
+    results["samples"][bench] = one["samples"][bench]
+  bar.close()
+  results["macro"] = evaluation.macro_average(results["benchmarks"])
+  evaluation.write_report(results, out, "eval")
+  return results
+
+
+def _check_settings(out: str, settings: dict[str, Any]) -> None:
+  path = os.path.join(out, "settings.json")
+  if os.path.isfile(path):
+    with open(path) as f:
+      had = json.load(f)
+    if had != json.loads(json.dumps(settings)):
+      diff = {k: (had.get(k), v) for k, v in settings.items() if had.get(k) != json.loads(json.dumps(v))}
+      raise ConfigError(
+          f"--out: {out} holds tables evaluated with other settings {diff} (had, now); use another --out or delete it"
+      )
+    return
+  with open(path, "w") as f:
+    json.dump(settings, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  src = ap.add_mutually_exclusive_group(required=True)
+  src.add_argument("--workdir", help="a run's workdir (runs/NAME)")
+  src.add_argument("--hf", help="a Hugging Face model folder (e.g. an export)")
+  ap.add_argument("--which", default="best", help="with --workdir: best (default) | final | a run checkpoint's step")
+  ap.add_argument("--out", default="", help="the folder for the tables (default: under the run's eval/)")
+  ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+  ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
+  args, rest = ap.parse_known_args(argv)
+  try:
+    overrides = {}
+    for item in rest:
+      field, eq, value = item.removeprefix("--").partition("=")
+      if not item.startswith("--") or not eq:
+        raise ConfigError(f"{item}: give fields as --FIELD=VALUE (e.g. --eval.n=16)")
+      overrides[field] = value
+    c, tokenizer, model, out, policy_step = load_model(args, overrides)
+    results = run_evaluation(c, tokenizer, model, out, policy_step, progress=not args.no_progress)
+  except UserError as e:
+    if args.debug:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USER_ERROR
+  from minpro_jax.evaluation import to_markdown
+
+  print(to_markdown(results), end="")
+  print(f"tables: {os.path.join(out, 'eval.md')}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
