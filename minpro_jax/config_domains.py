@@ -64,6 +64,7 @@ DOMAINS: tuple[Domain, ...] = (
     Domain("sft.max_len", "int", 2, when=_SFT, why="a prompt token and a target token at least"),
     Domain("sft.boxed_fraction", "float", 0.0, 1.0, when=_SFT, why="a fraction of the SFT targets"),
     Domain("log.mismatch_every", "int", 1, why="global steps between the sampler-learner mismatch metrics (1 = every)"),
+    Domain("sampling.max_sampling_rounds", "int", 1, why="rounds of prompts_per_step prompts a step may sample"),
 )
 
 
@@ -117,6 +118,12 @@ def check_domains(c) -> None:
       f"top_k={s.top_k}, top_p={s.top_p} samples greedily: the group_size={c.group_size} responses of a prompt are "
       "all the same, so every group-normalised advantage is 0 and nothing is learnt; use top_k=0 and top_p=1 "
       "(off), or a wider top_k / top_p",
+  )
+  _need(
+      not s.drop_equal_reward_groups or c.group_size >= 2,
+      "sampling.drop_equal_reward_groups",
+      f"a group of group_size={c.group_size} always has equal rewards, so every group would be dropped; use "
+      "group_size >= 2 or turn dynamic sampling off",
   )
   _need(
       c.total_steps > c.delay,

@@ -30,6 +30,8 @@ RESUME_KEYS = (
     "sampling.precision",
     *(f"sampling.{field}" for field, _, _ in FP8_OPTIONS),
     "sampling.max_new_tokens",
+    "sampling.drop_equal_reward_groups",
+    "sampling.max_sampling_rounds",
     "advantage_mode",
     "reward",
     "mipu",
@@ -45,6 +47,10 @@ RESUME_KEYS = (
 
 # Keys added to RESUME_KEYS after checkpoints existed: a stored fingerprint without one ran with this value.
 RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS} | {"sft.target": "answer"}
+RESUME_DEFAULTS |= {"sampling.drop_equal_reward_groups": False, "sampling.max_sampling_rounds": 4}
+# Fields added later to a group that RESUME_KEYS compares whole (e.g. `reward`): a stored group without one ran with
+# this value.
+GROUP_DEFAULTS = {"reward.mask_truncated": False}
 # Keys added later whose value then is unknown: a stored fingerprint without one is not compared on them.
 UNRECORDED_KEYS = ("eval.n", "eval.reward_mode", "eval.temperature", "eval.top_p", "tfds")
 
@@ -136,6 +142,10 @@ def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
   if not stored:
     return
   stored = {**RESUME_DEFAULTS, **stored}
+  for key, default in GROUP_DEFAULTS.items():
+    group, field = key.split(".", 1)
+    if isinstance(stored.get(group), dict):
+      stored[group] = {field: default, **stored[group]}
   now = {k: v for k, v in resume_fingerprint(c).items() if k in stored or k not in UNRECORDED_KEYS}
   diff = [
       f

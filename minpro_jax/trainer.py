@@ -49,6 +49,7 @@ from minpro_jax.models.moe import route_mismatch
 from minpro_jax.rl import lr_decay, mipu
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.aggregation import mismatch_metrics
+from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 from minpro_jax.run_setup import RunParts, setup_run
@@ -153,19 +154,23 @@ class Trainer:
     return [self.tokenizer.decode(t[m].tolist()) for t, m in zip(gen.response_tokens, gen.response_mask)]
 
   def _rollout(
-      self, state, gen, problems, group_size: int, score: bool = True
+      self, state, gen, problems, group_size: int, score: bool = True, graded=None
   ) -> tuple[RolloutBatch, list[str], dict[str, Any]]:
-    """Grades `gen` (prompt-major rows of `problems`) and, with `score`, scores it with the learner at
-    `state.params` (else its `learner_logp` stays zero: `Trainer.scoring`).
+    """Grades `gen` (prompt-major rows of `problems`; `graded` = (texts, rewards, stats) when already graded) and,
+    with `score`, scores it with the learner at `state.params` (else its `learner_logp` stays zero:
+    `Trainer.scoring`). With `reward.mask_truncated` (DAPO's overlong filtering) truncated rows get no loss: their
+    response mask is cleared after the advantages are computed with their rewards.
 
     Returns:
       (the `RolloutBatch` with rewards, advantages and learner log-probs; the response texts; the grading stats,
       with the seconds spent grading under "seconds").
     """
     t0 = time.time()
-    texts, rewards, gstats = self.grade(gen, problems, group_size)
+    texts, rewards, gstats = graded or self.grade(gen, problems, group_size)
     adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=self.c.advantage_mode))
     batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=adv.astype(np.float32))
+    if self.c.reward.mask_truncated:
+      batch = batch.replace(response_mask=batch.response_mask & ~batch.truncated[:, None])
     gstats = {**gstats, "seconds": time.time() - t0}
     if not score:
       return batch, texts, gstats
@@ -251,9 +256,13 @@ class Trainer:
         group_ids=group_ids,
         policy_version=version,
     )
+    graded, dynamic = None, {}
+    if c.sampling.drop_equal_reward_groups:  # DAPO's dynamic sampling: rl/dynamic_sampling.py
+      filled, dynamic = self._fill_informative(state, step, gen, problems, group_ids, version)
+      gen, graded = filled.gen, (filled.texts, filled.rewards, filled.stats)
     t1 = time.time()
     score, logs_mismatch = self.scoring(step)
-    batch, texts, gstats = self._rollout(state, gen, problems, c.group_size, score=score)
+    batch, texts, gstats = self._rollout(state, gen, problems, c.group_size, score=score, graded=graded)
     t2, t_grade = time.time(), gstats["seconds"]
     n_tok = max(int(gen.response_mask.sum()), 1)
     metrics = {
@@ -273,6 +282,7 @@ class Trainer:
         "time/grade": t_grade,
         "time/score": t2 - t1 - t_grade,
         "throughput/sample_tokens_per_s": n_tok / max(t1 - t0, 1e-9),
+        **dynamic,
     }
     if logs_mismatch:  # the same steps whether or not the loss scored every step: runs stay comparable
       mm = jax.device_get(mismatch_metrics(batch.learner_logp, batch.behavior_logp, batch.response_mask))
@@ -280,6 +290,26 @@ class Trainer:
       if "router_mismatch" in gstats:
         metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
     return batch, metrics
+
+  def _fill_informative(self, state, step: int, gen, problems, group_ids, version: int):
+    """`dynamic_sampling.fill_informative` for global step `step`: round k > 0 draws the next `prompts_per_step`
+    prompts and samples them at the same parameters with its own seed."""
+    c = self.c
+
+    def sample_round(k: int, gen=None, problems=None) -> Round:
+      if gen is None:
+        problems = next(self.loader)
+        seed = self._step_seed(step, 1000 + k)
+        gen = self._generate(
+            state.params, problems, self.sampling, seed, c.group_size, group_ids=group_ids, policy_version=version
+        )
+      return Round(gen, *self.grade(gen, problems, c.group_size))
+
+    first = sample_round(0, gen, problems)
+    rounds = int(c.sampling.max_sampling_rounds)
+    return fill_informative(
+        first, sample_round, group_size=c.group_size, max_rounds=rounds, pad_id=self.sampler_kw["pad_id"]
+    )
 
   def learn_step(self, state, batch: RolloutBatch, lr_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
     """Step 4: one optimizer update per mini-batch of a released batch, at `lr_scale` x the scheduled rate."""

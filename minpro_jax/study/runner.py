@@ -54,6 +54,9 @@ ADDED_FIELDS = {
     "sampling.fp8_activations": "token",
     "loss.rollout_mis_bounds": None,
     "sft.target": "answer",
+    "sampling.drop_equal_reward_groups": False,
+    "sampling.max_sampling_rounds": 4,
+    "reward.mask_truncated": False,
 }
 _ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
