@@ -293,11 +293,14 @@ class Trainer:
 
   def _fill_informative(self, state, step: int, gen, problems, group_ids, version: int):
     """`dynamic_sampling.fill_informative` for global step `step`: round k > 0 draws the next `prompts_per_step`
-    prompts and samples them at the same parameters with its own seed."""
+    prompts and samples them at the same parameters with its own seed, unless the global steps to come need every
+    batch the loader has left."""
     c = self.c
 
-    def sample_round(k: int, gen=None, problems=None) -> Round:
+    def sample_round(k: int, gen=None, problems=None) -> Round | None:
       if gen is None:
+        if self.loader.remaining <= c.total_steps - step - 1:  # the steps to come need every batch left
+          return None
         problems = next(self.loader)
         seed = self._step_seed(step, 1000 + k)
         gen = self._generate(

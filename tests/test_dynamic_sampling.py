@@ -72,7 +72,12 @@ def test_fill_informative_samples_rounds_until_full_then_fills():
   sample = lambda k: calls.append(k) or round_(k)  # noqa: E731
   filled, metrics = fill_informative(round_(0), sample, group_size=g, max_rounds=2, pad_id=0)
   assert calls == [1]  # round 0 has 1 informative group of 3, round 1 one more: the cap of 2 rounds is reached
-  assert metrics == {"dynamic/rounds": 2, "dynamic/equal_frac": 4 / 6, "dynamic/filler_groups": 1}
+  assert metrics == {
+      "dynamic/rounds": 2,
+      "dynamic/equal_frac": 4 / 6,
+      "dynamic/filler_groups": 1,
+      "dynamic/out_of_data": 0,
+  }
   assert filled.texts == ["r0s2", "r0s3", "r1s0", "r1s1", "r0s0", "r0s1"]  # informative first, then the filler
   assert filled.rewards.tolist() == [0, 1, 1, 0, 1, 1]
   assert filled.gen.group_ids.tolist() == [100, 100, 101, 101, 102, 102]  # the step's own group ids
@@ -80,6 +85,10 @@ def test_fill_informative_samples_rounds_until_full_then_fills():
   calls.clear()
   filled, metrics = fill_informative(round_(0), sample, group_size=g, max_rounds=5, pad_id=0)
   assert calls == [1, 2, 3, 4] and metrics["dynamic/filler_groups"] == 1  # rounds 2.. give nothing informative
+  assert metrics["dynamic/out_of_data"] == 0
+  filled, metrics = fill_informative(round_(0), lambda k: None, group_size=g, max_rounds=5, pad_id=0)
+  assert metrics["dynamic/rounds"] == 1 and metrics["dynamic/out_of_data"] == 1
+  assert metrics["dynamic/filler_groups"] == 2 and filled.texts == ["r0s2", "r0s3", "r0s0", "r0s1", "r0s4", "r0s5"]
 
 
 def _coin_grade(texts, golds, **kwargs):
@@ -112,6 +121,14 @@ def test_trainer_drops_equal_groups_and_masks_truncated(tmp_path, monkeypatch):
   for _ in range(rounds):
     next(trainer.loader)
   assert trainer.loader.get_state() != loader_state
+  # with no batch to spare (the remaining global steps need every one left) a step samples one round and fills
+  trainer.loader.set_state(loader_state)
+  total = trainer.c.total_steps
+  trainer.c.total_steps = trainer.loader.remaining
+  _, m1 = trainer.sample_step(state, 0)
+  assert m1["dynamic/rounds"] == 1 and m1["dynamic/out_of_data"] == int(m1["dynamic/filler_groups"] > 0)
+  assert trainer.loader.remaining == trainer.c.total_steps - 1
+  trainer.c.total_steps = total
   trainer.loader.set_state(loader_state)
   trainer.c.sampling.drop_equal_reward_groups = False
   trainer.c.reward.mask_truncated = True

@@ -101,6 +101,11 @@ class ProblemLoader(Iterator[list[MathProblem]]):
     self._step += 1
     return batch
 
+  @property
+  def remaining(self) -> int:
+    """Batches left before the loader stops."""
+    return self.total_steps - self._step
+
   def get_state(self) -> dict[str, Any]:
     """JSON-serialisable state: the step plus the settings it is only valid for."""
     return {

@@ -118,24 +118,30 @@ class Round:
 
 def fill_informative(
     first: Round,
-    sample_round: Callable[[int], Round],
+    sample_round: Callable[[int], Round | None],
     *,
     group_size: int,
     max_rounds: int,
     pad_id: int,
 ) -> tuple[Round, dict[str, float]]:
   """Samples rounds (`sample_round(k)` for k = 1, 2, ...) until the groups with unequal rewards fill a batch of as
-  many groups as `first` has, or `max_rounds` rounds are sampled; returns the filled batch and its metrics.
+  many groups as `first` has, `max_rounds` rounds are sampled, or `sample_round` returns None (no data to spare);
+  returns the filled batch and its metrics.
 
   The returned round's rows are the chosen groups (`choose_groups`), its group ids those of `first` (a step's
   groups keep their ids whichever round sampled them), its stats the numeric grading stats summed over every round.
   Metrics: `dynamic/rounds`, `dynamic/equal_frac` (share of the sampled groups with equal rewards),
-  `dynamic/filler_groups` (equal-reward groups kept because the rounds ran out).
+  `dynamic/filler_groups` (equal-reward groups kept because the rounds ran out), `dynamic/out_of_data` (1 when a
+  round was refused for lack of data).
   """
   num_groups = len(first.rewards) // group_size
-  rounds, masks = [first], [unequal_groups(first.rewards, group_size)]
+  rounds, masks, out_of_data = [first], [unequal_groups(first.rewards, group_size)], 0
   while sum(int(m.sum()) for m in masks) < num_groups and len(rounds) < max_rounds:
-    rounds.append(sample_round(len(rounds)))
+    more = sample_round(len(rounds))
+    if more is None:  # no prompts to spare: the remaining global steps need the data that is left
+      out_of_data = 1
+      break
+    rounds.append(more)
     masks.append(unequal_groups(rounds[-1].rewards, group_size))
   groups, fillers = choose_groups(masks, num_groups)
   gen = take_groups([r.gen for r in rounds], groups, group_size, pad_id)
@@ -157,5 +163,6 @@ def fill_informative(
       "dynamic/rounds": len(rounds),
       "dynamic/equal_frac": float(sum(int((~m).sum()) for m in masks) / sampled),
       "dynamic/filler_groups": fillers,
+      "dynamic/out_of_data": out_of_data,
   }
   return filled, metrics
