@@ -6,6 +6,7 @@ import os
 import pytest
 
 from minpro_jax.aot import analysis
+from minpro_jax.aot.analysis import add_resident
 from minpro_jax.aot.programs import check_mesh_fits_model, run_shapes
 from minpro_jax.aot.sweep import fingerprint, parse_mesh, sharding_table, sweep
 from minpro_jax.aot.topologies import parse_slice
@@ -79,6 +80,21 @@ def test_remat_choices_are_compiled_side_by_side():
   rows = sweep(small_config(), CPU8, ["fsdp=8"], ["none", "block"], programs=["update"])
   assert [r["remat"] for r in rows] == ["none", "block"]
   assert rows[1]["flops"] == pytest.approx(rows[0]["flops"] * 4 / 3)  # block recomputes the forward
+
+
+def test_mipu_rollback_counts_its_snapshot_of_the_state():
+  """With mipu.rollback the update row's total holds a second copy of the donated state (parameters and moments)."""
+  plain = sweep(small_config(), CPU8, ["fsdp=8"], programs=["update"])[0]
+  mipu = sweep(small_config(**{"mipu.rollback": True}), CPU8, ["fsdp=8"], programs=["update"])[0]
+  assert (
+      "mipu_snapshot_bytes" not in plain
+      and fingerprint(small_config(**{"mipu.rollback": True})) != plain["fingerprint"]
+  )
+  assert mipu["mipu_snapshot_bytes"] == plain["alias_bytes"] > 0
+  assert mipu["total_bytes"] == plain["total_bytes"] + plain["alias_bytes"]
+  row = {"total_bytes": 10}
+  add_resident(row, "x_bytes", 5, hbm_bytes=12)
+  assert row == {"total_bytes": 15, "x_bytes": 5, "hbm_fraction": 1.25, "fits": False}
 
 
 def test_done_rows_are_not_compiled_again():

@@ -152,6 +152,17 @@ def analyze(compiled, *, hbm_bytes: int, peak_flops: float, hbm_bandwidth: float
   return row
 
 
+def add_resident(row: dict[str, Any], name: str, nbytes: int, hbm_bytes: int) -> None:
+  """Counts `nbytes` per device that stay allocated beside the program while it runs (e.g. MIPU's snapshot of the
+  learner state, `minpro_jax.rl.mipu.snapshot`) into the row's `total_bytes`, `hbm_fraction` and `fits`, recorded
+  under `name`. `hbm_bytes` 0 = unknown (CPU)."""
+  row[name] = int(nbytes)
+  row["total_bytes"] = int(row["total_bytes"]) + int(nbytes)
+  if hbm_bytes:
+    row["hbm_fraction"] = round(row["total_bytes"] / hbm_bytes, 4)
+    row["fits"] = row["total_bytes"] <= hbm_bytes
+
+
 # XLA:TPU's two phrasings: "Used 120.50G of 95.74G hbm" and "HLO temporaries (156.05G) exceeds available HBM"
 _TEMP_MESSAGE = re.compile(r"temporaries \(([\d.]+)([KMGT])i?B?\)")
 _HBM_MESSAGE = re.compile(r"[Uu]sed\s+([\d.]+)([KMGT]i?B?)\s+of\s+([\d.]+)([KMGT]i?B?)\s+hbm")

@@ -12,17 +12,18 @@ import time
 from typing import Any, Callable, Iterable
 
 from minpro_jax import run_config
-from minpro_jax.aot.analysis import analyze, does_not_fit, model_flops
+from minpro_jax.aot.analysis import add_resident, analyze, does_not_fit, model_flops
 from minpro_jax.aot.programs import PROGRAMS, RunPrograms, check_mesh_fits_model, model_config, run_shapes
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_dispatch import resolve_attention_impl
 from minpro_jax.runtime.sharding import make_mesh
 
-# Top-level config sections that never shape a compiled program (the run's bookkeeping); of `data`, only the
-# prompt length does. `mesh` is each row's own.
+# Top-level config sections that never shape a compiled program (the run's bookkeeping); of them, only the fields of
+# `_SHAPE_FIELDS` count: the prompt length, and MIPU's rollback (its snapshot of the state is counted into the
+# update row's memory). `mesh` is each row's own.
 _BOOKKEEPING = ("workdir", "seed", "total_steps", "delay", "log", "checkpoint", "eval", "reward", "sft", "mipu", "mesh")
-_DATA_SHAPES = ("data.max_prompt_tokens",)
+_SHAPE_FIELDS = ("data.max_prompt_tokens", "mipu.rollback")
 
 
 def fingerprint(c) -> str:
@@ -44,7 +45,7 @@ def fingerprint(c) -> str:
 
   def shapes_programs(key: str) -> bool:
     top = key.split(".", 1)[0]
-    return key in _DATA_SHAPES if top == "data" else top not in _BOOKKEEPING
+    return key in _SHAPE_FIELDS or (top != "data" and top not in _BOOKKEEPING)
 
   now = flat(json.loads(c.to_json_best_effort()))
   default = flat(json.loads(base_config().to_json_best_effort()))
@@ -206,6 +207,10 @@ def sweep(
       for prog in progs.programs(todo):
         row = {**common, "program": prog.name, "shapes": prog.shapes}
         row.update(_compile_one(prog, progs, sl, shapes, remat, dump_hlo, common["mesh"]))
+        if prog.name == "update" and c.mipu.rollback and "alias_bytes" in row:
+          # MIPU keeps a copy of the state (parameters and AdamW moments: the update's donated, aliased buffers)
+          # from before the step's updates until its Step-2 test decides
+          add_resident(row, "mipu_snapshot_bytes", row["alias_bytes"], sl.chip.hbm_bytes)
         rows.append(row)
         on_row(row)
   return rows
