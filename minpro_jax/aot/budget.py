@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from minpro_jax import run_config
-from minpro_jax.aot.analysis import analyze, does_not_fit, model_flops
+from minpro_jax.aot.analysis import add_resident, analyze, does_not_fit, model_flops
 from minpro_jax.aot.hlo_cost import HloCost, Rates
 from minpro_jax.aot.lengths import draw_lengths
 from minpro_jax.aot.programs import RunPrograms, check_mesh_fits_model, model_config, run_shapes
@@ -171,6 +171,8 @@ class Budget:
       mem = analyze(compiled, hbm_bytes=self.sl.chip.hbm_bytes, peak_flops=0.0, hbm_bandwidth=0.0,
                     flops_total=0.0, devices=self.sl.num_chips)  # fmt: skip
       memory = {k: mem[k] for k in ("total_bytes", "temp_bytes", "argument_bytes", "fits", "hbm_fraction")}
+      if name == "update" and self.c.mipu.rollback:  # MIPU's snapshot of the state (docs/aot.md)
+        add_resident(memory, "mipu_snapshot_bytes", mem["alias_bytes"], self.sl.chip.hbm_bytes)
       memory["compile_seconds"] = round(time.time() - t0, 1)
       text = compiled.as_text()
       self.log(f"{name}: compiled in {memory['compile_seconds']} s")
