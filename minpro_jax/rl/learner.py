@@ -521,10 +521,13 @@ class Learner:
     grad_fn = jax.grad(self._micro_objective, has_aux=True)
     bins = _position_bins(mask, arrays.segment_ids if _packed(arrays) else None)
     split_bins = bins.reshape(m // mb, mb, -1)
+    rows = m  # that run: packed, the micro-batches of padding rows are skipped (the router aux loss's mean)
+    if _packed(arrays):
+      rows = mb * jnp.sum(jnp.any(split.segment_ids != 0, axis=(1, 2))).astype(jnp.float32)
 
     def body(acc, xs):
       micro, mprepared, mbins = xs
-      grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, m, mprepared)
+      grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, rows, mprepared)
       g_acc, loss_acc, metric_acc, by_bin = acc
       g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
       valid = micro.response_mask.astype(jnp.float32)
