@@ -449,23 +449,23 @@ class Learner:
     mb = min(self.micro_batch_size, m)
     if m % mb:
       raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
-    arrays = self.update_inputs(batch, mb)
+    arrays, pad = self.update_inputs(batch, mb)
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
       self._update = self.jitted_update(shardings)
-    pad = packing.pad_fraction(np.asarray(arrays.segment_ids), mb)
     state, metrics = self._update(state, arrays, mb, np.asarray(lr_scale, np.float32))
     return state, {**to_host(metrics), "pad_fraction": np.float32(pad)}
 
-  def update_inputs(self, batch: RolloutBatch, mb: int) -> UpdateInputs:
-    """The device arrays an update of `batch` reads: its rows, or with `row_tokens` its packed rows (`mb` rows per
-    micro-batch, `minpro_jax.rl.packing`)."""
+  def update_inputs(self, batch: RolloutBatch, mb: int) -> tuple[UpdateInputs, float]:
+    """(the device arrays an update of `batch` reads: its rows, or with `row_tokens` its packed rows, `mb` rows per
+    micro-batch (`minpro_jax.rl.packing`); the padding fraction of the slots the update runs)."""
     replay = self.loss_cfg.router_replay
     if self.row_tokens is None:
-      return UpdateInputs.of(batch, replay)
+      return UpdateInputs.of(batch, replay), packing.pad_fraction(batch.segment_ids, mb)
     _replayed_routes(batch, replay)  # the same error as unpacked
     rows = packing.pack(batch, packing.plan(batch.segment_ids, self.row_tokens, mb), routes=replay)
-    return UpdateInputs(*(jnp.asarray(rows[f]) for f in packing.PACKED_FIELDS), routes=_device(rows.get("routes")))
+    arrays = UpdateInputs(*(jnp.asarray(rows[f]) for f in packing.PACKED_FIELDS), routes=_device(rows.get("routes")))
+    return arrays, packing.pad_fraction(rows["segment_ids"], mb)
 
   def jitted_update(self, state_shardings):
     """The jitted update `update` runs, `(state, UpdateInputs, micro_batch, lr_scale) -> (state, metrics)`: the state
