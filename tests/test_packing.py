@@ -236,3 +236,30 @@ def test_a_packed_trainer_step_equals_the_unpacked_one(tmp_path, monkeypatch):
     assert set(p) == set(u), step
     differ = [k for k in u if k != "learn/pad_fraction" and not _close(p[k], u[k])]
     assert not differ, (step, {k: (p[k], u[k]) for k in differ})
+
+
+def test_a_packed_update_on_a_mesh_equals_the_unpacked_one_on_one_device(model_and_batch):
+  """The packed rows split over data x fsdp (8 CPU devices) and the skipped micro-batches (`jax.lax.cond`) under
+  GSPMD: two updates equal the unpacked ones on one device."""
+  from minpro_jax.runtime.sharding import make_mesh, use_mesh
+
+  model1, batch = model_and_batch
+  mesh = make_mesh({"data": 2, "fsdp": 4})
+  cfg, opt = LossConfig(method="minpro"), OptimizerConfig(learning_rate=1e-2)
+  l1 = Learner(model1, cfg, opt, micro_batch_size=4)
+  s1 = l1.init_state(jax.tree.map(jnp.array, nnx.split(model1)[1]))
+  model8 = _model(mesh)
+  leaves8, treedef8 = jax.tree.flatten(nnx.split(model8)[1])
+  p8 = jax.tree.unflatten(
+      treedef8, [jax.device_put(np.asarray(a), b.sharding) for a, b in zip(jax.tree.leaves(s1.params), leaves8)]
+  )
+  l8 = Learner(model8, cfg, opt, micro_batch_size=4, mesh=mesh, row_tokens=20)
+  s8 = l8.init_state(p8)
+  for _ in range(2):
+    s1, m1 = l1.update(s1, batch)
+    with use_mesh(mesh):
+      s8, m8 = l8.update(s8, batch)
+  assert int(s8.step) == 2 and m8["pad_fraction"] < m1["pad_fraction"]
+  for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5, atol=1e-6)
