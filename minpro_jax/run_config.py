@@ -33,6 +33,7 @@ from minpro_jax.rl.advantages import ADVANTAGE_MODES
 from minpro_jax.rl.learner import LossConfig, OptimizerConfig
 from minpro_jax.rl.lr_decay import LrDecayConfig
 from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
+from minpro_jax.rl.packing import check_row_tokens
 from minpro_jax.runtime.inference_mesh import parse_sampling_mesh
 from minpro_jax.runtime.sharding import MESH_AXES, batch_split
 from minpro_jax.sampling import SamplingParams
@@ -110,6 +111,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
     ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
     _need(ok, "sft", "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
   check_domains(c)  # the fields no part checks itself, and settings under which nothing is learnt
+  check_row_tokens(c)
   check_sft_target(c.sft.get("target", "answer"), c.data)  # also shapes the tokenizer corpus, so checked without SFT
   _check_mesh(c, num_devices or len(jax.devices()))
 

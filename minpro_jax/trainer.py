@@ -51,6 +51,7 @@ from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.aggregation import mismatch_metrics
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner, staleness
+from minpro_jax.rl.packing import row_tokens
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 from minpro_jax.run_setup import RunParts, setup_run
 from minpro_jax.runtime import multihost
@@ -129,6 +130,7 @@ class Trainer:
         run_config.optimizer_config(c),
         micro_batch_size=run_config.learner_micro_batch(c),
         mesh=self.mesh,
+        row_tokens=row_tokens(c),
     )
     self.mipu_step = MipuStep(self) if c.mipu.rollback else None
     self.lr_decay = run_config.lr_decay_config(c)  # None when off

@@ -79,6 +79,7 @@ BAD: dict[str, tuple[tuple, dict]] = {
     "checkpoint.every": ((-1,), {}),
     "checkpoint.keep": ((0,), {}),
     "log.mismatch_every": ((0, -1), {}),
+    "learner.row_tokens": ((-1, 37), {}),  # below data.max_prompt_tokens + sampling.max_new_tokens = 38
 }
 # Numeric fields with no refused value, and why; and the groups whose fields their owner checks.
 ANY_VALUE = {

@@ -26,6 +26,11 @@ def base_config() -> ConfigDict:
   c.micro_batch_size = 128  # samples per micro-batch of gradient accumulation
   c.delay = 2  # d: global steps between sampling a batch and learning from it
 
+  # learner rows: 0 = one sample per row (prompt bucket + max_new_tokens); N = pack each mini-batch's samples into
+  # rows of N tokens (>= data.max_prompt_tokens + sampling.max_new_tokens), first-fit decreasing (docs/learner.md)
+  c.learner = ConfigDict()
+  c.learner.row_tokens = 0
+
   c.model = ConfigDict()
   c.model.source = "scratch"  # scratch | hf | gguf
   c.model.path = ""  # HF folder (hf) or .gguf file (gguf; empty = bundled SmolLM2)

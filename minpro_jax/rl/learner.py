@@ -11,7 +11,9 @@ gradient of the mini-batch loss (Tunix's `(unreduced_sum, denominator)` design).
 gets its rows of them (`minpro_jax.rl.objectives.Objective`).
 
 Batches are `minpro_jax.rl.rollout.RolloutBatch` records; the jitted functions receive only the arrays they
-read (`ScoreInputs`, `UpdateInputs`).
+read (`ScoreInputs`, `UpdateInputs`). With `row_tokens` the samples are packed into rows of that many tokens first
+(`minpro_jax.rl.packing`): per-token advantages ([R, W]) and segment ids then reach the loss, the micro-batches
+are `micro_batch_size` packed rows, and those that hold only padding are skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from flax import nnx
 
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.models.transformer import Transformer
+from minpro_jax.rl import packing
 from minpro_jax.rl.aggregation import k3
 from minpro_jax.rl.objectives import get_objective, policy_loss, resolve_hparams
 from minpro_jax.rl.rollout import RolloutBatch
@@ -68,7 +71,8 @@ def _replayed_routes(batch: RolloutBatch, replay: bool) -> jax.Array | None:
 
 
 class UpdateInputs(NamedTuple):
-  """What an update reads of a `RolloutBatch` (device arrays, the shapes and dtypes of `RolloutBatch`)."""
+  """What an update reads of a `RolloutBatch` (device arrays, the shapes and dtypes of `RolloutBatch`); packed
+  (`minpro_jax.rl.packing`), the [R, W] rows with advantages per token ([R, W] float32) instead of per sample."""
 
   tokens: jax.Array
   segment_ids: jax.Array
@@ -216,22 +220,62 @@ def _call_policy_loss(loss_cfg: LossConfig, logp, batch: UpdateInputs, prepared:
   if loss_cfg.reads_learner_logp:
     hp = {**hp, "rollout_logp": batch.behavior_logp}
     old = batch.learner_logp
+  if _packed(batch):  # one segment per sample: the objectives reduce per segment
+    hp = {**hp, "segment_ids": batch.segment_ids}
   return policy_loss(loss_cfg.method, logp, old, batch.advantages, batch.response_mask, **{**hp, **prepared})
 
 
-def _position_bins(response_mask: jax.Array) -> jax.Array:
-  """[N, L] int32 bin of each response token's index inside its response (bins of 2^k tokens, last open)."""
-  idx = jnp.cumsum(response_mask.astype(jnp.int32), axis=1) - 1
+def _packed(batch: UpdateInputs) -> bool:
+  """Whether `batch` is packed (static: per-token advantages)."""
+  return batch.advantages.ndim == 2
+
+
+def _position_bins(response_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  """[N, L] int32 bin of each response token's index inside its response (bins of 2^k tokens, last open); with
+  packed `segment_ids` the index restarts at every segment."""
+  count = jnp.cumsum(response_mask.astype(jnp.int32), axis=1)
+  if segment_ids is not None:  # subtract the count before the segment's start, carried along the segment
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    base = jnp.where(segment_ids != prev, count - response_mask.astype(jnp.int32), 0)
+    count = count - jax.lax.cummax(base, axis=1)
   edges = 2 ** jnp.arange(1, NUM_POSITION_BINS, dtype=jnp.int32) * 4  # 8, 16, 32, ..., 512
-  return jnp.sum(idx[..., None] >= edges, axis=-1)
+  return jnp.sum((count - 1)[..., None] >= edges, axis=-1)
+
+
+def _skip_padding(fn, out_shapes):
+  """`fn` of a micro-batch, or zeros of `out_shapes` when it holds only padding rows (every segment id 0):
+  `jax.lax.cond` runs one branch, so a packed mini-batch costs the micro-batches its samples fill."""
+
+  def run(x):
+    zeros = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)  # noqa: E731
+    return jax.lax.cond(jnp.any(x.segment_ids != 0), fn, zeros, x)
+
+  return run
+
+
+def _skip_micro_padding(body, logp_shape: jax.ShapeDtypeStruct):
+  """The accumulation loop's `body(acc, (micro, prepared, bins))`, or `(acc, zero log-probs)` for a micro-batch of
+  padding rows (every segment id 0): `jax.lax.cond` runs one branch, so it costs no forward or backward."""
+
+  def skip(acc, xs):
+    del xs
+    return acc, jnp.zeros(logp_shape.shape, logp_shape.dtype)
+
+  return lambda acc, xs: jax.lax.cond(jnp.any(xs[0].segment_ids != 0), body, skip, acc, xs)
+
+
+def _device(x):
+  return None if x is None else jnp.asarray(x)
 
 
 _METRIC_INIT = {"max": -jnp.inf, "min": jnp.inf}
 
 
 def _combine_metric(name: str, acc, value, weight):
-  """Micro-batch metrics: *_max / *_min are reduced exactly, the rest are token-weighted means."""
+  """Micro-batch metrics: *_max / *_min are reduced exactly, *_tokens summed, the rest are token-weighted means."""
   kind = name.rsplit("_", 1)[-1]
+  if kind == "tokens":
+    return acc + value
   if kind == "max":
     return jnp.maximum(acc, value)
   if kind == "min":
@@ -246,23 +290,42 @@ class Learner:
     model: a `Transformer` (only its graph definition and parameter shapes are kept).
     loss_cfg: objective and extra terms.
     opt_cfg: optimizer.
-    micro_batch_size: samples per micro-batch of the accumulation loop.
+    micro_batch_size: samples (packed: packed rows) per micro-batch of the accumulation loop.
     mesh: optional mesh; batches are placed along the "batch" logical axis.
+    row_tokens: None / 0 (rows of one sample each), or the token budget of packed rows (`learner.row_tokens`,
+      `minpro_jax.rl.packing`).
 
   Raises:
-    ValueError: micro_batch_size <= 0; `loss_cfg.method` not registered or hparams it does not take
-      (`minpro_jax.rl.objectives.resolve_hparams`).
+    ValueError: micro_batch_size <= 0; row_tokens < 0; `loss_cfg.method` not registered or hparams it does not
+      take (`minpro_jax.rl.objectives.resolve_hparams`); packing with `seq-mean-token-sum-norm` and no
+      `max_response_length` (its default, the row width, would change with packing).
   """
 
   def __init__(
-      self, model: Transformer, loss_cfg: LossConfig, opt_cfg: OptimizerConfig, *, micro_batch_size: int, mesh=None
+      self,
+      model: Transformer,
+      loss_cfg: LossConfig,
+      opt_cfg: OptimizerConfig,
+      *,
+      micro_batch_size: int,
+      mesh=None,
+      row_tokens: int | None = None,
   ):
     if micro_batch_size <= 0:
       raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+    if row_tokens is not None and row_tokens < 0:
+      raise ValueError(f"learner.row_tokens must be >= 0 (0 = no packing), got {row_tokens}")
+    hp = resolve_hparams(loss_cfg.method, loss_cfg.hparam_dict)
+    if row_tokens and hp["loss_agg_mode"] == "seq-mean-token-sum-norm" and hp["max_response_length"] is None:
+      raise ValueError(
+          "learner.row_tokens: loss_agg_mode='seq-mean-token-sum-norm' divides by max_response_length, which "
+          "defaults to the row width and so changes with packing; set loss max_response_length (e.g. "
+          "sampling.max_new_tokens) or turn packing off (row_tokens=0)"
+      )
+    self.row_tokens = row_tokens or None
     self.graphdef, _ = nnx.split(model)
     self.loss_cfg = loss_cfg
     self.objective = get_objective(loss_cfg.method)
-    resolve_hparams(loss_cfg.method, loss_cfg.hparam_dict)
     self.opt_cfg = opt_cfg
     self.optimizer = make_optimizer(opt_cfg)
     self.schedule = make_schedule(opt_cfg)
@@ -325,7 +388,18 @@ class Learner:
     mb = min(self.micro_batch_size, n)
     if n % mb:
       raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size {mb}")
-    logp, routes = to_host(self.jitted_score(params, ScoreInputs.of(batch, self.loss_cfg.router_replay), mb))
+    replay = self.loss_cfg.router_replay
+    if self.row_tokens is None:
+      logp, routes = to_host(self.jitted_score(params, ScoreInputs.of(batch, replay), mb))
+      return (logp, routes) if return_routes else logp
+    _replayed_routes(batch, replay)  # the same error as unpacked
+    plan = packing.plan(batch.segment_ids, self.row_tokens, mb)
+    rows = packing.pack(batch, plan, packing.SCORE_FIELDS, routes=replay)
+    inputs = ScoreInputs(*(jnp.asarray(rows[f]) for f in packing.SCORE_FIELDS), routes=_device(rows.get("routes")))
+    logp, routes = to_host(self.jitted_score(params, inputs, mb))
+    logp = packing.unpack(logp, plan, batch.tokens.shape)
+    if routes is not None:
+      routes = packing.unpack(routes, plan, batch.tokens.shape, fill=packing.NO_ROUTE)
     return (logp, routes) if return_routes else logp
 
   def _score_impl(self, params, arrays: ScoreInputs, mb):
@@ -344,6 +418,8 @@ class Learner:
       )
       return lp.logp, lp.routes
 
+    if self.row_tokens is not None:  # packed: skip the micro-batches of padding rows
+      one = _skip_padding(one, jax.eval_shape(one, jax.tree.map(lambda a: a[:mb], arrays)))
     split = jax.tree.map(lambda a: a.reshape(-1, mb, *a.shape[1:]), arrays)
     logp, routes = jax.lax.map(one, split)
     merge = lambda a: a.reshape(arrays.tokens.shape[0], *a.shape[2:])  # noqa: E731
@@ -362,22 +438,34 @@ class Learner:
         moments do not depend on it, so scaling the update is the update at the scaled rate.
 
     Returns:
-      (new state, metrics dict of numpy scalars / arrays). If the loss or gradient is not finite the update
-      is skipped: parameters and optimizer state are unchanged and `skipped` increments.
+      (new state, metrics dict of numpy scalars / arrays, with "pad_fraction": the share of the token slots run
+      that are padding, `packing.pad_fraction`). If the loss or gradient is not finite the update is skipped:
+      parameters and optimizer state are unchanged and `skipped` increments.
 
     Raises:
-      ValueError: M not divisible by the micro-batch size.
+      ValueError: M not divisible by the micro-batch size; replay without routes in the batch.
     """
     m = batch.size
     mb = min(self.micro_batch_size, m)
     if m % mb:
       raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
-    arrays = UpdateInputs.of(batch, self.loss_cfg.router_replay)
+    arrays, pad = self.update_inputs(batch, mb)
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
       self._update = self.jitted_update(shardings)
     state, metrics = self._update(state, arrays, mb, np.asarray(lr_scale, np.float32))
-    return state, to_host(metrics)
+    return state, {**to_host(metrics), "pad_fraction": np.float32(pad)}
+
+  def update_inputs(self, batch: RolloutBatch, mb: int) -> tuple[UpdateInputs, float]:
+    """(the device arrays an update of `batch` reads: its rows, or with `row_tokens` its packed rows, `mb` rows per
+    micro-batch (`minpro_jax.rl.packing`); the padding fraction of the slots the update runs)."""
+    replay = self.loss_cfg.router_replay
+    if self.row_tokens is None:
+      return UpdateInputs.of(batch, replay), packing.pad_fraction(batch.segment_ids, mb)
+    _replayed_routes(batch, replay)  # the same error as unpacked
+    rows = packing.pack(batch, packing.plan(batch.segment_ids, self.row_tokens, mb), routes=replay)
+    arrays = UpdateInputs(*(jnp.asarray(rows[f]) for f in packing.PACKED_FIELDS), routes=_device(rows.get("routes")))
+    return arrays, packing.pad_fraction(rows["segment_ids"], mb)
 
   def jitted_update(self, state_shardings):
     """The jitted update `update` runs, `(state, UpdateInputs, micro_batch, lr_scale) -> (state, metrics)`: the state
@@ -431,12 +519,15 @@ class Learner:
     split = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), arrays)
     split_prepared = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), prepared)
     grad_fn = jax.grad(self._micro_objective, has_aux=True)
-    bins = _position_bins(mask)
+    bins = _position_bins(mask, arrays.segment_ids if _packed(arrays) else None)
     split_bins = bins.reshape(m // mb, mb, -1)
+    rows = m  # that run: packed, the micro-batches of padding rows are skipped (the router aux loss's mean)
+    if _packed(arrays):
+      rows = mb * jnp.sum(jnp.any(split.segment_ids != 0, axis=(1, 2))).astype(jnp.float32)
 
     def body(acc, xs):
       micro, mprepared, mbins = xs
-      grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, m, mprepared)
+      grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, rows, mprepared)
       g_acc, loss_acc, metric_acc, by_bin = acc
       g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
       valid = micro.response_mask.astype(jnp.float32)
@@ -449,6 +540,8 @@ class Learner:
       metric_acc = {k: _combine_metric(k, metric_acc[k], v, w) for k, v in out.metrics.items()}
       return (g_acc, loss_acc + out.loss_sum, metric_acc, by_bin), lp.logp
 
+    if _packed(arrays):  # a micro-batch of padding rows adds nothing: skip its forward and backward
+      body = _skip_micro_padding(body, jax.ShapeDtypeStruct((mb, *arrays.tokens.shape[1:]), jnp.float32))
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first, first_prepared = jax.tree.map(lambda a: a[0], (split, split_prepared))
     metric_shape = jax.eval_shape(lambda: _call_policy_loss(lc, first.behavior_logp, first, first_prepared).metrics)
