@@ -1,0 +1,205 @@
+"""The analysis of the MIPU power study (`minpro_jax.study.mipu_power`; docs/mechanism.md, part 2).
+
+    python -m minpro_jax.study.mipu_power --out=runs/mipu_power --report
+
+Reads every finished pair `<out>/k<k>_u<j>.json` and writes `<out>/summary.md` and the tables between the markers
+`<!-- mipu-power:begin -->` / `<!-- mipu-power:end -->` of docs/mechanism.md. Per statistic (`mipu.STATISTICS`) and
+validation size n:
+
+  * AUC: the ROC area of -statistic for "the update lowered J(mu)" (truth < 0), over every (pair, sub-draw); its 95 %
+    bootstrap interval resamples pairs (a pair's sub-draws share its truth);
+  * SE(n): the mean of the sub-draws' standard errors;
+  * the signal: the spread, across the candidate updates of one checkpoint, of the statistic's expectation (the
+    pooled within-checkpoint variance of the per-pair means at the largest n, less their mean squared SE): how much
+    the statistic moves with the update, in its own units;
+  * n_half: the n at which SE(n) = signal / 2, from the largest n's SE at the 1/sqrt(n) rate; for delta_j also
+    against the literal "typical true change", the median |J(mu') - J(mu_k)|.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+from collections import defaultdict
+
+import numpy as np
+
+from minpro_jax.rl import mipu
+
+DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "mechanism.md")
+BEGIN, END = "<!-- mipu-power:begin (python -m minpro_jax.study.mipu_power --report) -->", "<!-- mipu-power:end -->"
+BOOT = 1000
+Z_CALIBRATED, C_FIXED = 2.0, 1e-4  # the tolerances whose rollback rates the report shows
+
+
+def load(out: str) -> list[dict]:
+  """The finished pairs, ordered by (checkpoint, candidate)."""
+  rows = [json.load(open(p)) for p in glob.glob(os.path.join(out, "k*_u*.json"))]
+  return sorted(rows, key=lambda r: (r["checkpoint"], r["candidate"]))
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+  """The ROC area (Mann-Whitney, ties counted half) of `scores` for the True `labels`; nan without both classes."""
+  pos, neg = scores[labels], scores[~labels]
+  if not pos.size or not neg.size:
+    return math.nan
+  greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+  return float(greater / (pos.size * neg.size))
+
+
+def _values(pairs, stat: str, n: str) -> tuple[list[np.ndarray], np.ndarray]:
+  return [np.array([d[stat] for d in p["by_n"][n]]) for p in pairs], np.array([p["truth"] < 0 for p in pairs])
+
+
+def auc_with_interval(pairs, stat: str, n: str, rng) -> tuple[float, float, float]:
+  """AUC of -stat for truth < 0 over every (pair, sub-draw), and its bootstrap 95 % interval over pairs."""
+  vals, lowered = _values(pairs, stat, n)
+
+  def one(idx):
+    s = np.concatenate([vals[i] for i in idx])
+    lab = np.concatenate([np.full(vals[i].size, lowered[i]) for i in idx])
+    return auc(-s, lab)
+
+  point = one(range(len(pairs)))
+  boots = [one(rng.integers(0, len(pairs), len(pairs))) for _ in range(BOOT)]
+  boots = np.array([b for b in boots if math.isfinite(b)])
+  if not boots.size:
+    return point, math.nan, math.nan
+  return point, float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
+
+
+def signal_sd(pairs, stat: str, n: str) -> float:
+  """The within-checkpoint spread of the statistic's expectation across candidate updates (debiased by SE^2)."""
+  by_k = defaultdict(list)
+  for p in pairs:
+    d = p["by_n"][n]
+    by_k[p["checkpoint"]].append((np.mean([x[stat] for x in d]), np.mean([x[f"{stat}_se"] ** 2 for x in d]) / len(d)))
+  ss, dof, noise = 0.0, 0, []
+  for v in by_k.values():
+    if len(v) < 2:
+      continue
+    m = np.array([a for a, _ in v])
+    ss += float(((m - m.mean()) ** 2).sum())
+    dof += len(m) - 1
+    noise += [b for _, b in v]
+  if not dof:
+    return math.nan
+  return float(math.sqrt(max(ss / dof - np.mean(noise), 0.0)))
+
+
+def rollback_rates(pairs, n: str, c_calibrated: float) -> list[tuple[str, float, float]]:
+  """(rule, rollback rate, fraction of rollbacks whose update truly lowered J) over every (pair, sub-draw)."""
+  rules = (
+      (f"t_post, fixed c = {C_FIXED:g}", "t_post", C_FIXED),
+      (f"t_post, calibrated c = {c_calibrated:.2g} (z = {Z_CALIBRATED:g})", "t_post", c_calibrated),
+      ("delta_t, c = 0", "delta_t", 0.0),
+      ("delta_j, c = 0", "delta_j", 0.0),
+  )
+  out = []
+  for name, stat, c in rules:
+    vals, lowered = _values(pairs, stat, n)
+    back = np.concatenate([~np.array([mipu.accept_update(x, c) for x in v]) for v in vals])
+    lab = np.concatenate([np.full(v.size, lo) for v, lo in zip(vals, lowered)])
+    out.append((name, float(back.mean()), float(lab[back].mean()) if back.any() else math.nan))
+  return out
+
+
+def tables(pairs: list[dict]) -> str:
+  """The report's markdown (also written into docs/mechanism.md)."""
+  rng = np.random.default_rng(0)
+  sizes = sorted(pairs[0]["by_n"], key=int)
+  n_max = sizes[-1]
+  truth = np.array([p["truth"] for p in pairs])
+  truth_se = np.array([p["truth_se"] for p in pairs])
+  ks = sorted({p["checkpoint"] for p in pairs})
+  plan = pairs[0]["plan"]
+  lines = [
+      f"{len(pairs)} updates theta_k -> theta' at checkpoints k = {', '.join(map(str, ks))} of the GRPO run; truth "
+      f"from {plan['truth']} coupled fp8 samples per policy (paired SE median {np.median(truth_se):.4f}); "
+      f"{plan['val_prompts']} x {plan['val_group']} validation samples per pair, cut into sub-draws. "
+      f"{pairs[0]['date']} to {pairs[-1]['date']}, {pairs[0]['cpu']}.",
+      "",
+      f"Truth J(mu') - J(mu_k): mean {truth.mean():+.4f}, sd {truth.std(ddof=1) if truth.size > 1 else math.nan:.4f}, "
+      f"median |.| {np.median(np.abs(truth)):.4f}; lowered J in {int((truth < 0).sum())} of {truth.size} updates "
+      f"({int((truth < -2 * truth_se).sum())} by more than 2 SE; {int((truth > 2 * truth_se).sum())} raised it by "
+      "more than 2 SE).",
+      "",
+      "| checkpoint k | J(mu_k) | truth per candidate (x 1e-3) |",
+      "|---:|---:|---|",
+  ]
+  for k in ks:
+    ps = [p for p in pairs if p["checkpoint"] == k]
+    per = ", ".join(f"{1e3 * p['truth']:+.1f}" for p in ps)
+    lines.append(f"| {k} | {ps[0]['j_before']:.3f} | {per} |")
+  lines += [
+      "",
+      '**AUC for "the update lowered J(mu)"** (ROC area of -statistic; [95 % bootstrap over updates]):',
+      "",
+      "| statistic | " + " | ".join(f"n = {n}" for n in sizes) + " |",
+      "|---|" + "---:|" * len(sizes),
+  ]
+  for stat in mipu.STATISTICS:
+    cells = []
+    for n in sizes:
+      a, lo, hi = auc_with_interval(pairs, stat, n, rng)
+      cells.append(f"{a:.2f} [{lo:.2f}, {hi:.2f}]")
+    lines.append(f"| `{stat}` | " + " | ".join(cells) + " |")
+  lines += [
+      "",
+      "**Standard error against the signal** (SE: mean over sub-draws; signal: sd of the statistic's expectation "
+      f"across one checkpoint's updates, at n = {n_max}; n_half: the n where SE = signal / 2 at 1/sqrt(n); r: "
+      f"Pearson correlation with the truth at n = {n_max}):",
+      "",
+      "| statistic | " + " | ".join(f"SE, n = {n}" for n in sizes) + " | signal | n_half | r |",
+      "|---|" + "---:|" * (len(sizes) + 3),
+  ]
+  for stat in mipu.STATISTICS:
+    se = [np.mean([d[f"{stat}_se"] for p in pairs for d in p["by_n"][n]]) for n in sizes]
+    sig = signal_sd(pairs, stat, n_max)
+    n_half = int(n_max) * (se[-1] / (0.5 * sig)) ** 2 if sig > 0 else math.inf
+    full = np.array([np.mean([d[stat] for d in p["by_n"][n_max]]) for p in pairs])
+    r = float(np.corrcoef(full, truth)[0, 1]) if truth.size > 2 and full.std() > 0 else math.nan
+    lines.append(f"| `{stat}` | " + " | ".join(f"{x:.2e}" for x in se) + f" | {sig:.2e} | {n_half:,.0f} | {r:+.2f} |")
+  se_j = np.mean([d["delta_j_se"] for p in pairs for d in p["by_n"][n_max]])
+  typical = float(np.median(np.abs(truth)))
+  lines += [
+      "",
+      f"`delta_j` against the literal criterion: SE = median |truth| / 2 = {typical / 2:.4f} at n = "
+      f"{int(n_max) * (se_j / (typical / 2)) ** 2:,.0f} (SE {se_j:.4f} at n = {n_max}).",
+  ]
+  t0 = [d["t_before"] for p in pairs if p["checkpoint"] == ks[0] and p["candidate"] == 0 for d in p["by_n"][sizes[0]]]
+  if len(t0) >= 2:
+    c_cal = mipu.calibrated_tolerance(t0, Z_CALIBRATED)
+    lines += [
+        "",
+        f"**Rollback rules at n = {sizes[0]}** (calibrated c from the {len(t0)} sub-draws of T(theta_0) at n = "
+        f"{sizes[0]}: mean {np.mean(t0):+.2e}, sd {np.std(t0, ddof=1):.2e}):",
+        "",
+        "| rule | rollback rate | rollbacks that lowered J | base rate of lowering |",
+        "|---|---:|---:|---:|",
+    ]
+    base = float((truth < 0).mean())
+    for name, rate, prec in rollback_rates(pairs, sizes[0], c_cal):
+      lines.append(f"| {name} | {rate:.0%} | {prec:.0%} | {base:.0%} |")
+  return "\n".join(lines)
+
+
+def report(out: str, doc: str = DOC) -> str:
+  """Writes `<out>/summary.md` and the docs/mechanism.md section between the markers; returns the markdown."""
+  pairs = load(out)
+  if not pairs:
+    raise SystemExit(f"error: no finished pair under {out}; run the study first")
+  md = tables(pairs)
+  with open(os.path.join(out, "summary.md"), "w") as f:
+    f.write("# MIPU power study (minpro_jax.study.mipu_power)\n\n" + md + "\n")
+  if os.path.exists(doc):
+    text = open(doc).read()
+    if BEGIN in text and END in text:
+      text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n\n{md}\n\n{END}", text, flags=re.S)
+      with open(doc, "w") as f:
+        f.write(text)
+  print(md)
+  return md
