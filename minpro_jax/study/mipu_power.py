@@ -19,8 +19,8 @@ candidate its own batch); the trajectory goes on with candidate 0. For every pai
     errors (`mipu.t_post_standard_error`, `mipu.paired_difference`).
 
 The truth and the validation draws use different prompts' seeds. Each finished pair is one small JSON
-`<out>/k<k>_u<j>.json` (written atomically, last), skipped on a rerun; the trajectory's state at each checkpoint is
-saved under `<out>/states/` (not committed) so a rerun resumes there. The analysis is `mipu_power_report`.
+`<out>/k<k>_u<j>.json` (written atomically, last), skipped on a rerun; a rerun replays the trajectory (every batch
+is a function of the seed and the step) and computes only the missing pairs. The analysis is `mipu_power_report`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,11 @@ import argparse
 import datetime
 import json
 import os
-import pickle
 import platform
 import sys
+import tempfile
 import time
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -44,12 +43,13 @@ from minpro_jax.configs.studies import mipu as mipu_study
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
 
-CHECKPOINTS = (0, 8, 16, 24)
-CANDIDATES = 6
+CHECKPOINTS = (0, 6, 12, 18, 24)
+CANDIDATES = 8
 VAL_PROMPTS, VAL_GROUP = 256, 8  # one validation draw per pair: 2048 samples, split into sub-draws
 SUB_SIZES = (128, 512, 2048)  # validation sizes n (samples); each a multiple of VAL_GROUP
 TRUTH = 8192  # prompts of the truth draw, one sample each
 SEED = 1
+DECODE_ROWS = 256  # the continuous sampler's rows: 4x the CPU default, ~2x faster on these large draws
 _SALT_TRAIN, _SALT_VAL, _SALT_TRUTH = 1, 101, 102
 
 
@@ -59,6 +59,7 @@ def study_config(workdir: str, seed: int = SEED):
   c = set_fields(get_config(), {**g.fixed, "seed": seed, **mipu_study.FP8, "sampling.precision": "fp8"})
   c.workdir = workdir
   c.eval.every = 0
+  c.sampling.decode_rows = DECODE_ROWS
   return c
 
 
@@ -134,35 +135,19 @@ def _atomic_json(path: str, obj) -> None:
   os.replace(tmp, path)
 
 
-def _save_state(path: str, state) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    pickle.dump(jax.device_get(state), f)
-  os.replace(tmp, path)
-
-
-def _load_state(path: str, like):
-  with open(path, "rb") as f:
-    host = pickle.load(f)
-  return jax.tree.map(lambda ref, x: jax.device_put(np.asarray(x), ref.sharding), like, host)
-
-
 def run(out: str, checkpoints, candidates: int, val_prompts: int, truth: int, sizes, seed: int = SEED) -> None:
   """Runs (or resumes) the plan; see the module docstring."""
   from minpro_jax.trainer import Trainer  # heavy import, after the flags are checked
 
-  os.makedirs(os.path.join(out, "states"), exist_ok=True)
+  os.makedirs(out, exist_ok=True)
   todo = [(k, j) for k in checkpoints for j in range(candidates) if not os.path.exists(f"{out}/k{k}_u{j}.json")]
   if not todo:
     print("nothing to do", flush=True)
     return
-  c = study_config(os.path.join(out, "workdir"), seed)
+  c = study_config(tempfile.mkdtemp(prefix="mipu_power_"), seed)  # the trainer's workdir: nothing kept there
   tr = Trainer.from_config(c)
   state = tr.learner.init_state(nnx.split(tr.model)[1])
   step = 0
-  saved = sorted(k for k in checkpoints if os.path.exists(f"{out}/states/k{k}.pkl") and k <= todo[0][0])
-  if saved:
-    state, step = _load_state(f"{out}/states/k{saved[-1]}.pkl", state), saved[-1]
   n_val = len(tr.train_problems)
   cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
   for k in checkpoints:
@@ -172,7 +157,6 @@ def run(out: str, checkpoints, candidates: int, val_prompts: int, truth: int, si
       state, r = train_step(tr, state, (step, _SALT_TRAIN))
       step += 1
       print(f"trajectory step {step}: batch reward {r:.3f}", flush=True)
-    _save_state(f"{out}/states/k{k}.pkl", state)
     t0 = time.time()
     val = [tr.train_problems[i] for i in mipu.validation_indices(n_val, val_prompts, _seed(seed, k, _SALT_VAL))]
     tru = [tr.train_problems[i] for i in mipu.validation_indices(n_val, truth, _seed(seed, k, _SALT_TRUTH, 0))]

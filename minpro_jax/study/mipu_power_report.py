@@ -9,11 +9,10 @@ validation size n:
   * AUC: the ROC area of -statistic for "the update lowered J(mu)" (truth < 0), over every (pair, sub-draw); its 95 %
     bootstrap interval resamples pairs (a pair's sub-draws share its truth);
   * SE(n): the mean of the sub-draws' standard errors;
-  * the signal: the spread, across the candidate updates of one checkpoint, of the statistic's expectation (the
-    pooled within-checkpoint variance of the per-pair means at the largest n, less their mean squared SE): how much
-    the statistic moves with the update, in its own units;
-  * n_half: the n at which SE(n) = signal / 2, from the largest n's SE at the 1/sqrt(n) rate; for delta_j also
-    against the literal "typical true change", the median |J(mu') - J(mu_k)|.
+  * the typical true change, in the statistic's units: for T (t_post, delta_t) the root mean square over updates of
+    E[T(theta') - T(theta_k)], for J (delta_j) of J(mu') - J(mu_k) (`typical_change`);
+  * n_half: the n at which SE(n) = typical change / 2, from the largest n's SE at the 1/sqrt(n) rate; for delta_j
+    also against the median |J(mu') - J(mu_k)|.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import json
 import math
 import os
 import re
-from collections import defaultdict
 
 import numpy as np
 
@@ -71,23 +69,17 @@ def auc_with_interval(pairs, stat: str, n: str, rng) -> tuple[float, float, floa
   return point, float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
 
 
-def signal_sd(pairs, stat: str, n: str) -> float:
-  """The within-checkpoint spread of the statistic's expectation across candidate updates (debiased by SE^2)."""
-  by_k = defaultdict(list)
+def typical_change(pairs, stat: str, n: str) -> float:
+  """The root mean square over updates of the statistic's expectation, debiased by its noise: sqrt(mean_p(mean_p^2 -
+  SE_p^2 / m_p)), mean_p the mean of pair p's m_p sub-draws at size n. For `delta_j` the truth is used instead
+  (sqrt(mean(truth^2 - truth_se^2))): the same quantity measured more precisely."""
+  if stat == "delta_j":
+    return float(math.sqrt(max(np.mean([p["truth"] ** 2 - p["truth_se"] ** 2 for p in pairs]), 0.0)))
+  sq = []
   for p in pairs:
     d = p["by_n"][n]
-    by_k[p["checkpoint"]].append((np.mean([x[stat] for x in d]), np.mean([x[f"{stat}_se"] ** 2 for x in d]) / len(d)))
-  ss, dof, noise = 0.0, 0, []
-  for v in by_k.values():
-    if len(v) < 2:
-      continue
-    m = np.array([a for a, _ in v])
-    ss += float(((m - m.mean()) ** 2).sum())
-    dof += len(m) - 1
-    noise += [b for _, b in v]
-  if not dof:
-    return math.nan
-  return float(math.sqrt(max(ss / dof - np.mean(noise), 0.0)))
+    sq.append(np.mean([x[stat] for x in d]) ** 2 - np.mean([x[f"{stat}_se"] ** 2 for x in d]) / len(d))
+  return float(math.sqrt(max(np.mean(sq), 0.0)))
 
 
 def rollback_rates(pairs, n: str, c_calibrated: float) -> list[tuple[str, float, float]]:
@@ -147,22 +139,35 @@ def tables(pairs: list[dict]) -> str:
       a, lo, hi = auc_with_interval(pairs, stat, n, rng)
       cells.append(f"{a:.2f} [{lo:.2f}, {hi:.2f}]")
     lines.append(f"| `{stat}` | " + " | ".join(cells) + " |")
+  change_t, change_j = typical_change(pairs, "delta_t", n_max), typical_change(pairs, "delta_j", n_max)
   lines += [
       "",
-      "**Standard error against the signal** (SE: mean over sub-draws; signal: sd of the statistic's expectation "
-      f"across one checkpoint's updates, at n = {n_max}; n_half: the n where SE = signal / 2 at 1/sqrt(n); r: "
-      f"Pearson correlation with the truth at n = {n_max}):",
+      "**Standard error against the typical true change** (SE: mean over sub-draws; the change an update makes to "
+      f"the statistic's expectation, root mean square over the updates: for T, E[T(theta') - T(theta_k)] = "
+      f"{change_t:.2e} (from `delta_t` at n = {n_max}, debiased); for J, J(mu') - J(mu_k) = {change_j:.2e} (from the "
+      "truth, debiased); n_half: the n where SE = change / 2 at 1/sqrt(n) from the largest n; r: Pearson correlation "
+      f"with the truth at n = {n_max}):",
       "",
-      "| statistic | " + " | ".join(f"SE, n = {n}" for n in sizes) + " | signal | n_half | r |",
+      "| statistic | " + " | ".join(f"SE, n = {n}" for n in sizes) + " | typical change | n_half | r |",
       "|---|" + "---:|" * (len(sizes) + 3),
   ]
   for stat in mipu.STATISTICS:
     se = [np.mean([d[f"{stat}_se"] for p in pairs for d in p["by_n"][n]]) for n in sizes]
-    sig = signal_sd(pairs, stat, n_max)
-    n_half = int(n_max) * (se[-1] / (0.5 * sig)) ** 2 if sig > 0 else math.inf
+    change = change_j if stat == "delta_j" else change_t
+    n_half = int(n_max) * (se[-1] / (0.5 * change)) ** 2 if change > 0 else math.inf
     full = np.array([np.mean([d[stat] for d in p["by_n"][n_max]]) for p in pairs])
     r = float(np.corrcoef(full, truth)[0, 1]) if truth.size > 2 and full.std() > 0 else math.nan
-    lines.append(f"| `{stat}` | " + " | ".join(f"{x:.2e}" for x in se) + f" | {sig:.2e} | {n_half:,.0f} | {r:+.2f} |")
+    lines.append(
+        f"| `{stat}` | " + " | ".join(f"{x:.2e}" for x in se) + f" | {change:.2e} | {n_half:,.0f} | {r:+.2f} |"
+    )
+  pairs_t = np.array([(d["t_post"], d["t_before"]) for p in pairs for d in p["by_n"][sizes[0]]])
+  pairs_j = np.array([(d["delta_j"], d["delta_j_se"]) for p in pairs for d in p["by_n"][sizes[0]]])
+  lines += [
+      "",
+      f"Coupling at n = {sizes[0]}: the correlation of T(theta') with T(theta_k) on the same sub-draw is "
+      f"{np.corrcoef(pairs_t.T)[0, 1]:+.2f}; `delta_j` is exactly 0 on {np.mean(pairs_j[:, 0] == 0):.0%} of the "
+      "sub-draws.",
+  ]
   se_j = np.mean([d["delta_j_se"] for p in pairs for d in p["by_n"][n_max]])
   typical = float(np.median(np.abs(truth)))
   lines += [
