@@ -2,7 +2,8 @@
 
     python -m minpro_jax.study.mipu_power --out=runs/mipu_power --report
 
-Reads every finished pair `<out>/k<k>_u<j>.json` and writes `<out>/summary.md` and the tables between the markers
+Reads every finished pair `<out>/k<k>_u<j>.json` and writes `<out>/summary.md`, `<out>/power.png` (ROC per n, SE
+against n) and the tables between the markers
 `<!-- mipu-power:begin -->` / `<!-- mipu-power:end -->` of docs/mechanism.md. Per statistic (`mipu.STATISTICS`) and
 validation size n:
 
@@ -192,12 +193,57 @@ def tables(pairs: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def roc_curve(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(false-positive rates, true-positive rates) of the rule "score >= threshold" over every threshold."""
+  order = np.argsort(-scores, kind="stable")
+  lab = labels[order]
+  tpr = np.concatenate([[0.0], np.cumsum(lab) / max(lab.sum(), 1)])
+  fpr = np.concatenate([[0.0], np.cumsum(~lab) / max((~lab).sum(), 1)])
+  return fpr, tpr
+
+
+def plot(pairs: list[dict], path: str) -> None:
+  """ROC per validation size (one panel each, one curve per statistic) and SE vs n, into one PNG at `path`."""
+  import matplotlib
+  import matplotlib.ticker
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  sizes = sorted(pairs[0]["by_n"], key=int)
+  fig, axes = plt.subplots(1, len(sizes) + 1, figsize=(4 * (len(sizes) + 1), 3.6))
+  for ax, n in zip(axes, sizes):
+    for stat in mipu.STATISTICS:
+      vals, lowered = _values(pairs, stat, n)
+      lab = np.concatenate([np.full(v.size, lo) for v, lo in zip(vals, lowered)])
+      fpr, tpr = roc_curve(-np.concatenate(vals), lab)
+      ax.plot(fpr, tpr, label=f"{stat} ({auc(-np.concatenate(vals), lab):.2f})")
+    ax.plot([0, 1], [0, 1], color="gray", lw=0.5)
+    ax.set(title=f"n = {n}: roll back iff stat < -c", xlabel="false rollbacks (J rose)", ylabel="lowered J caught")
+    ax.legend(fontsize=7)
+  ns = [int(n) for n in sizes]
+  for stat in mipu.STATISTICS:
+    se = [np.mean([d[f"{stat}_se"] for p in pairs for d in p["by_n"][n]]) for n in sizes]
+    change = typical_change(pairs, "delta_j" if stat == "delta_j" else "delta_t", sizes[-1])
+    axes[-1].loglog(ns, np.array(se) / change, marker="o", label=stat)
+  axes[-1].axhline(0.5, color="gray", lw=0.5)
+  axes[-1].set_xticks(ns, [str(n) for n in ns], minor=False)
+  axes[-1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  axes[-1].set_ylim(bottom=0.3)
+  axes[-1].set(title="SE / typical true change", xlabel="validation samples n")
+  axes[-1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
 def report(out: str, doc: str = DOC) -> str:
   """Writes `<out>/summary.md` and the docs/mechanism.md section between the markers; returns the markdown."""
   pairs = load(out)
   if not pairs:
     raise SystemExit(f"error: no finished pair under {out}; run the study first")
-  md = tables(pairs)
+  md = tables(pairs) + "\n\n![ROC and SE vs n](../runs/mipu_power/power.png)"
+  plot(pairs, os.path.join(out, "power.png"))
   with open(os.path.join(out, "summary.md"), "w") as f:
     f.write("# MIPU power study (minpro_jax.study.mipu_power)\n\n" + md + "\n")
   if os.path.exists(doc):
