@@ -201,7 +201,11 @@ def test_power_study_statistics_on_a_coupled_draw():
   rng = np.random.default_rng(0)
   g = np.repeat(np.arange(4), 8)
   old = {"terms": rng.normal(size=32), "has": np.ones(32, bool), "group_ids": g, "rewards": rng.random(32)}
+  old["tokens"] = rng.integers(0, 5, (32, 6))
   res = mipu_power.evaluate_pair(old, old, np.ones(10), np.ones(10), (8, 32))
+  assert res["same_response_frac"] == 1.0
+  new = {**old, "tokens": np.concatenate([old["tokens"][:8], old["tokens"][8:] + 1])}
+  assert mipu_power.evaluate_pair(new, old, np.ones(10), np.ones(10), (32,))["same_response_frac"] == 0.25
   assert [len(res["by_n"][n]) for n in ("8", "32")] == [4, 1] and res["truth"] == 0.0
   assert all(d["delta_t"] == 0.0 and d["delta_j"] == 0.0 for d in res["by_n"]["8"])
   whole = res["by_n"]["32"][0]

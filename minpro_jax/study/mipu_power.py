@@ -85,12 +85,14 @@ def draw(tr, params, problems, seed: int, group: int, score_state=None) -> dict[
   if score_state is None:
     return {"rewards": np.asarray(tr.grade(gen, problems, group)[1], np.float64)}
   batch, _, _ = tr._rollout(score_state, gen, problems, group)
+  tokens = np.where(gen.response_mask, gen.response_tokens, -1)  # to count the rows both draws share
   terms, has = inference_gap_terms(batch.learner_logp, batch.behavior_logp, batch.advantages, batch.response_mask)
   return {
       "rewards": np.asarray(batch.rewards, np.float64),
       "terms": np.asarray(terms, np.float64),
       "has": np.asarray(has, bool),
       "group_ids": np.asarray(batch.group_ids),
+      "tokens": tokens,
   }
 
 
@@ -122,6 +124,8 @@ def evaluate_pair(new: dict, old: dict, truth_new: np.ndarray, truth_old: np.nda
       "j_after": float(truth_new.mean()),
       "by_n": {},
   }
+  if "tokens" in new and new["tokens"].shape == old["tokens"].shape:  # rows whose response is the same tokens
+    out["same_response_frac"] = float(np.mean(np.all(new["tokens"] == old["tokens"], axis=1)))
   total = new["rewards"].size
   for n in sizes:
     out["by_n"][str(n)] = [statistics(new, old, slice(i, i + n)) for i in range(0, total - n + 1, n)]

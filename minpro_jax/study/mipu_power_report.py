@@ -161,13 +161,20 @@ def tables(pairs: list[dict]) -> str:
     lines.append(
         f"| `{stat}` | " + " | ".join(f"{x:.2e}" for x in se) + f" | {change:.2e} | {n_half:,.0f} | {r:+.2f} |"
     )
+  same = [p["same_response_frac"] for p in pairs if "same_response_frac" in p]
   pairs_t = np.array([(d["t_post"], d["t_before"]) for p in pairs for d in p["by_n"][sizes[0]]])
   pairs_j = np.array([(d["delta_j"], d["delta_j_se"]) for p in pairs for d in p["by_n"][sizes[0]]])
   lines += [
       "",
       f"Coupling at n = {sizes[0]}: the correlation of T(theta') with T(theta_k) on the same sub-draw is "
       f"{np.corrcoef(pairs_t.T)[0, 1]:+.2f}; `delta_j` is exactly 0 on {np.mean(pairs_j[:, 0] == 0):.0%} of the "
-      "sub-draws.",
+      "sub-draws."
+      + (
+          f" Of the validation responses, {np.mean(same):.0%} are the same tokens at theta' and theta_k (mean of the "
+          f"{len(same)} pairs that record it)."
+          if same
+          else ""
+      ),
   ]
   se_j = np.mean([d["delta_j_se"] for p in pairs for d in p["by_n"][n_max]])
   typical = float(np.median(np.abs(truth)))
