@@ -70,17 +70,23 @@ def auc_with_interval(pairs, stat: str, n: str, rng) -> tuple[float, float, floa
   return point, float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
 
 
-def typical_change(pairs, stat: str, n: str) -> float:
-  """The root mean square over updates of the statistic's expectation, debiased by its noise: sqrt(mean_p(mean_p^2 -
-  SE_p^2 / m_p)), mean_p the mean of pair p's m_p sub-draws at size n. For `delta_j` the truth is used instead
-  (sqrt(mean(truth^2 - truth_se^2))): the same quantity measured more precisely."""
+def typical_change(pairs, stat: str, n: str) -> tuple[float, float]:
+  """The root mean square over updates of the statistic's expectation, debiased by its noise, and its one-sided 95 %
+  upper bound: q_p = mean_p^2 - SE_p^2 / m_p (mean_p the mean of pair p's m_p sub-draws at size n) estimates
+  E[stat_p]^2 without bias; returns (sqrt(max(mean q, 0)), sqrt(max(mean q + 1.645 SE(mean q), 0))). For `delta_j`
+  the truth is used instead (q_p = truth^2 - truth_se^2): the same quantity measured more precisely."""
   if stat == "delta_j":
-    return float(math.sqrt(max(np.mean([p["truth"] ** 2 - p["truth_se"] ** 2 for p in pairs]), 0.0)))
-  sq = []
-  for p in pairs:
-    d = p["by_n"][n]
-    sq.append(np.mean([x[stat] for x in d]) ** 2 - np.mean([x[f"{stat}_se"] ** 2 for x in d]) / len(d))
-  return float(math.sqrt(max(np.mean(sq), 0.0)))
+    q = np.array([p["truth"] ** 2 - p["truth_se"] ** 2 for p in pairs])
+  else:
+    q = np.array(
+        [
+            np.mean([x[stat] for x in p["by_n"][n]]) ** 2
+            - np.mean([x[f"{stat}_se"] ** 2 for x in p["by_n"][n]]) / len(p["by_n"][n])
+            for p in pairs
+        ]
+    )
+  upper = q.mean() + 1.645 * (q.std(ddof=1) / math.sqrt(q.size) if q.size > 1 else math.inf)
+  return float(math.sqrt(max(q.mean(), 0.0))), float(math.sqrt(max(upper, 0.0)))
 
 
 def rollback_rates(pairs, n: str, c_calibrated: float) -> list[tuple[str, float, float]]:
@@ -140,26 +146,28 @@ def tables(pairs: list[dict]) -> str:
       a, lo, hi = auc_with_interval(pairs, stat, n, rng)
       cells.append(f"{a:.2f} [{lo:.2f}, {hi:.2f}]")
     lines.append(f"| `{stat}` | " + " | ".join(cells) + " |")
-  change_t, change_j = typical_change(pairs, "delta_t", n_max), typical_change(pairs, "delta_j", n_max)
+  (change_t, upper_t), (change_j, upper_j) = (typical_change(pairs, s, n_max) for s in ("delta_t", "delta_j"))
   lines += [
       "",
       "**Standard error against the typical true change** (SE: mean over sub-draws; the change an update makes to "
-      f"the statistic's expectation, root mean square over the updates: for T, E[T(theta') - T(theta_k)] = "
-      f"{change_t:.2e} (from `delta_t` at n = {n_max}, debiased); for J, J(mu') - J(mu_k) = {change_j:.2e} (from the "
-      "truth, debiased); n_half: the n where SE = change / 2 at 1/sqrt(n) from the largest n; r: Pearson correlation "
-      f"with the truth at n = {n_max}):",
+      "the statistic's expectation, root mean square over the updates [one-sided 95 % upper bound]: for T, "
+      f"E[T(theta') - T(theta_k)] = {change_t:.1e} [{upper_t:.1e}] (from `delta_t` at n = {n_max}, debiased); for J, "
+      f"J(mu') - J(mu_k) = {change_j:.1e} [{upper_j:.1e}] (from the truth, debiased); n_half: the n where SE = change "
+      "/ 2 at 1/sqrt(n) from the largest n (at least the value from the upper bound); r: Pearson correlation with "
+      f"the truth at n = {n_max}):",
       "",
       "| statistic | " + " | ".join(f"SE, n = {n}" for n in sizes) + " | typical change | n_half | r |",
       "|---|" + "---:|" * (len(sizes) + 3),
   ]
   for stat in mipu.STATISTICS:
     se = [np.mean([d[f"{stat}_se"] for p in pairs for d in p["by_n"][n]]) for n in sizes]
-    change = change_j if stat == "delta_j" else change_t
-    n_half = int(n_max) * (se[-1] / (0.5 * change)) ** 2 if change > 0 else math.inf
+    change, upper = (change_j, upper_j) if stat == "delta_j" else (change_t, upper_t)
+    half = lambda c: int(n_max) * (se[-1] / (0.5 * c)) ** 2 if c > 0 else math.inf  # noqa: E731
+    n_half = f"{half(change):,.0f} (>= {half(upper):,.0f})" if change > 0 else f">= {half(upper):,.0f}"
     full = np.array([np.mean([d[stat] for d in p["by_n"][n_max]]) for p in pairs])
     r = float(np.corrcoef(full, truth)[0, 1]) if truth.size > 2 and full.std() > 0 else math.nan
     lines.append(
-        f"| `{stat}` | " + " | ".join(f"{x:.2e}" for x in se) + f" | {change:.2e} | {n_half:,.0f} | {r:+.2f} |"
+        f"| `{stat}` | " + " | ".join(f"{x:.2e}" for x in se) + f" | {change:.1e} [{upper:.1e}] | {n_half} | {r:+.2f} |"
     )
   same = [p["same_response_frac"] for p in pairs if "same_response_frac" in p]
   pairs_t = np.array([(d["t_post"], d["t_before"]) for p in pairs for d in p["by_n"][sizes[0]]])
@@ -231,13 +239,13 @@ def plot(pairs: list[dict], path: str) -> None:
   ns = [int(n) for n in sizes]
   for stat in mipu.STATISTICS:
     se = [np.mean([d[f"{stat}_se"] for p in pairs for d in p["by_n"][n]]) for n in sizes]
-    change = typical_change(pairs, "delta_j" if stat == "delta_j" else "delta_t", sizes[-1])
+    change = typical_change(pairs, "delta_j" if stat == "delta_j" else "delta_t", sizes[-1])[1]
     axes[-1].loglog(ns, np.array(se) / change, marker="o", label=stat)
   axes[-1].axhline(0.5, color="gray", lw=0.5)
   axes[-1].set_xticks(ns, [str(n) for n in ns], minor=False)
   axes[-1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
   axes[-1].set_ylim(bottom=0.3)
-  axes[-1].set(title="SE / typical true change", xlabel="validation samples n")
+  axes[-1].set(title="SE / typical true change (its upper bound)", xlabel="validation samples n")
   axes[-1].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
