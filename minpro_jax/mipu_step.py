@@ -8,6 +8,12 @@ decide whether to keep them, and roll back to the snapshot taken before them whe
     `mipu.ground_truth`, the same prompts are also sampled from pi' (a learner-precision sampler, the same seed, so
     the two draws share their randomness) and J(mu') - J(pi') = the difference of the two reward means is logged:
     the quantity T_post estimates, measured directly (possible here because the learner policy can be sampled).
+    `mipu.statistic` picks what is tested against -c: `t_post` (the paper), `delta_t` = T(theta') - T(theta_k) or
+    `delta_j` = J(mu') - J(mu_k) (the mean validation reward): the paired ones also sample the same prompts with the
+    same seed at theta_k (the snapshot) and score them there, so the sampler's per-row, per-position keys couple the
+    two draws; T(theta_k), both differences and their paired standard errors are logged. `mipu.tolerance=calibrated`
+    sets c once, at the first check, from `calibration_draws` validation draws of T at the weights before its
+    updates (`mipu.calibrated_tolerance`); c is kept in the run's progress, so a resumed run keeps it.
   * "random" (the paper's random-rollback ablation): roll back with probability `random_rate`, or the rollback rate
     measured in the finished run `match_rate_of`; the decision is a pure function of (seed, step) and nothing is
     sampled.
@@ -49,26 +55,64 @@ class MipuStep:
     if m.ground_truth and m.mode == "gap":
       self.truth_sampler = Sampler(trainer.model.config, **{**trainer.sampler_kw, "precision": LEARNER_PRECISION})
 
-  def check(self, state, step: int) -> tuple[mipu.GapCheck, dict[str, Any], Any]:
-    """The T_post test of `state.params` (just updated; read only). Returns the check, its metrics and the
-    validation batch (a `RolloutBatch`: the sampler's mu' and the learner's pi' log-probs of its tokens)."""
+  def _draw(self, state, problems, seed: int):
+    """The validation draw of `problems` at `state.params` (sampler precision), scored by the learner there:
+    (the `RolloutBatch`, the T terms, their mask, T)."""
     tr, m = self.trainer, self.cfg
-    idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(step, 3))
-    problems = [tr.train_problems[i] for i in idx]
-    seed = tr._step_seed(step, 4)
     gen = tr._generate(state.params, problems, tr.sampling, seed, m.val_group_size, policy_version=int(state.step))
     batch, _, _ = tr._rollout(state, gen, problems, m.val_group_size)
     terms, has = inference_gap_terms(batch.learner_logp, batch.behavior_logp, batch.advantages, batch.response_mask)
     terms, has = np.asarray(terms), np.asarray(has)
-    t_post = float(terms.sum() / max(has.sum(), 1))
+    return batch, terms, has, float(terms.sum() / max(has.sum(), 1))
+
+  def calibrate(self, state) -> float:
+    """`mipu.tolerance=calibrated`'s c from `calibration_draws` validation draws of T at `state.params`."""
+    tr, m = self.trainer, self.cfg
+    t = []
+    for d in range(m.calibration_draws):
+      idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(d, 5))
+      t.append(self._draw(state, [tr.train_problems[i] for i in idx], tr._step_seed(d, 6))[3])
+    return mipu.calibrated_tolerance(t, float(m.calibration_z))
+
+  def check(
+      self, state, step: int, before=None, tolerance: float | None = None
+  ) -> tuple[mipu.GapCheck, dict[str, Any], Any]:
+    """The Step-2 test of `state.params` (just updated; read only) against `-tolerance` (default
+    `mipu.gap_tolerance`). `before`, the state at theta_k (read only), is needed by the paired statistics. Returns
+    the check, its metrics and the validation batch (a `RolloutBatch`: the sampler's mu' and the learner's pi'
+    log-probs of its tokens).
+
+    Raises:
+      ValueError: a paired `mipu.statistic` without `before`.
+    """
+    tr, m = self.trainer, self.cfg
+    tolerance = float(m.gap_tolerance) if tolerance is None else tolerance
+    idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(step, 3))
+    problems = [tr.train_problems[i] for i in idx]
+    seed = tr._step_seed(step, 4)
+    batch, terms, has, t_post = self._draw(state, problems, seed)
+    paired = {}
+    if m.statistic != "t_post":
+      if before is None:
+        raise ValueError(f"mipu.statistic={m.statistic!r} compares with theta_k: pass its state as `before`")
+      old, old_terms, old_has, t_before = self._draw(before, problems, seed)  # same prompts and keys: coupled
+      d_t, d_t_se = mipu.paired_difference(terms, has, old_terms, old_has, batch.group_ids)
+      ones = np.ones(batch.size, bool)
+      d_j, d_j_se = mipu.paired_difference(batch.rewards, ones, old.rewards, ones, batch.group_ids)
+      paired = dict(t_before=t_before, delta_t=d_t, delta_t_se=d_t_se, delta_j=d_j, delta_j_se=d_j_se)
+    value = {"t_post": t_post, **paired}[m.statistic]
     check = mipu.GapCheck(
         t_post=t_post,
         t_post_se=mipu.t_post_standard_error(terms, has, batch.group_ids),
-        accepted=mipu.accept_update(t_post, float(m.gap_tolerance)),
+        accepted=mipu.accept_update(value, tolerance),
         reward_mean=float(batch.rewards.mean()),
         num_samples=batch.size,
+        statistic=value,
+        **paired,
     )
     metrics = {"mipu/t_post": check.t_post, "mipu/t_post_se": check.t_post_se, "mipu/val_reward": check.reward_mean}
+    metrics.update({f"mipu/{k}": v for k, v in paired.items()})
+    metrics["mipu/tolerance"] = tolerance
     if self.truth_sampler is not None:
       truth = tr._generate(state.params, problems, tr.sampling, seed, m.val_group_size, sampler=self.truth_sampler)
       j_pi = float(tr.grade(truth, problems, m.val_group_size)[1].mean())
@@ -82,7 +126,12 @@ class MipuStep:
     if self.rate is not None:
       accepted, metrics = not mipu.random_rollback(self.trainer.c.seed, step, self.rate), {}
     else:
-      check, metrics, self.last_batch = self.check(state, step)
+      tolerance = None
+      if self.cfg.tolerance == "calibrated":
+        if progress.mipu_tolerance is None:  # the first check: measured at the weights before its updates
+          progress.mipu_tolerance = self.calibrate(before)
+        tolerance = progress.mipu_tolerance
+      check, metrics, self.last_batch = self.check(state, step, before=before, tolerance=tolerance)
       accepted = check.accepted
       if "mipu/j_gap" in metrics:
         progress.mipu_ground_truth.append([check.t_post, metrics["mipu/j_gap"]])

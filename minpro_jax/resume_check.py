@@ -55,9 +55,15 @@ GROUP_DEFAULTS = {"reward.mask_truncated": False}
 UNRECORDED_KEYS = ("eval.n", "eval.reward_mode", "eval.temperature", "eval.top_p", "tfds")
 
 
+# mipu fields added after checkpoints existed: a stored fingerprint without one ran with this value
+MIPU_DEFAULTS = {"statistic": "t_post", "tolerance": "fixed", "calibration_draws": 8, "calibration_z": 2.0}
+
+
 def _mipu_equivalent(now: Any, stored: Any) -> bool:
   """The mipu settings change the experiment only when rollback is on."""
   off = lambda v: not (v or {}).get("rollback", False)  # noqa: E731
+  if isinstance(now, dict) and isinstance(stored, dict):
+    stored = {**MIPU_DEFAULTS, **stored}
   return now == stored or (off(now) and off(stored))
 
 

@@ -396,11 +396,26 @@ def random_rollback_rate(c) -> float:
 def _check_mipu(c) -> None:
   m = c.mipu
   if not m.rollback:  # the Step-2 settings do nothing without rollback: a set one would be a silent plain run
-    for field, unset in (("mode", "gap"), ("random_rate", None), ("match_rate_of", ""), ("ground_truth", False)):
+    unset_fields = (("mode", "gap"), ("random_rate", None), ("match_rate_of", ""), ("ground_truth", False))
+    for field, unset in unset_fields + (("statistic", "t_post"), ("tolerance", "fixed")):
       msg = f"{m[field]!r} needs mipu.rollback=True (MIPU Step 2: no rollback without it); set it or unset mipu.{field}"
       _need(m[field] == unset, f"mipu.{field}", msg)
     return
   _need(m.mode in mipu.MODES, "mipu.mode", f"must be one of {mipu.MODES}, got {m.mode!r}")
+  _need(m.statistic in mipu.STATISTICS, "mipu.statistic", f"must be one of {mipu.STATISTICS}, got {m.statistic!r}")
+  _need(m.tolerance in mipu.TOLERANCES, "mipu.tolerance", f"must be one of {mipu.TOLERANCES}, got {m.tolerance!r}")
+  if m.mode == "random":
+    for field, unset in (("statistic", "t_post"), ("tolerance", "fixed")):
+      _need(m[field] == unset, f"mipu.{field}", "is for mode=gap (random rollbacks test nothing); unset it")
+  if m.tolerance == "calibrated":
+    _need(
+        m.statistic == "t_post",
+        "mipu.tolerance",
+        f"calibrated sets c against the standing gap of T_post; {m.statistic} is a paired difference with no "
+        "standing gap (its value at theta' = theta_k is 0): use tolerance=fixed with gap_tolerance (e.g. 0)",
+    )
+    _need(m.calibration_draws >= 2, "mipu.calibration_draws", f"must be >= 2, got {m.calibration_draws}")
+    _need(math.isfinite(m.calibration_z), "mipu.calibration_z", f"must be a finite number, got {m.calibration_z}")
   if m.mode == "random":
     _need(
         (m.random_rate is None) != (not m.match_rate_of),

@@ -18,6 +18,7 @@ class RunProgress:
     sft_info: what the warm start did (`run_setup.warm_start`).
     mipu_checks / mipu_rollbacks: MIPU Step-2 tests run / updates rolled back.
     mipu_ground_truth: [T_post, J(mu') - J(pi')] of each check with `mipu.ground_truth` (`minpro_jax.mipu_step`).
+    mipu_tolerance: the c of `mipu.tolerance=calibrated`, once measured at the first check (None before).
     lr_decay: the length-surge trigger's `lr_decay.SurgeState` (as JSON).
   """
 
@@ -28,6 +29,7 @@ class RunProgress:
   mipu_checks: int = 0
   mipu_rollbacks: int = 0
   mipu_ground_truth: list[list[float]] = dataclasses.field(default_factory=list)
+  mipu_tolerance: float | None = None
   lr_decay: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def improves(self, score: float | None) -> bool:

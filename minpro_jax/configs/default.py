@@ -164,6 +164,12 @@ def base_config() -> ConfigDict:
   c.mipu.random_rate = _unset(float)  # mode=random: the rollback probability; unset = the rate of match_rate_of
   c.mipu.match_rate_of = ""  # mode=random: a finished run's workdir (or a sibling of this one); its rollback rate
   c.mipu.ground_truth = False  # gap: also sample the validation prompts at fp32 and log J(mu') - J(pi')
+  # gap: the statistic tested against -c: t_post (the paper: T at the new weights) | delta_t (T(theta') - T(theta_k),
+  # the same prompts and seed) | delta_j (J(mu') - J(mu_k), paired rewards); the deltas sample at theta_k too
+  c.mipu.statistic = "t_post"
+  c.mipu.tolerance = "fixed"  # fixed: c = gap_tolerance | calibrated: c from draws of T at the first check's start
+  c.mipu.calibration_draws = 8  # tolerance=calibrated: validation draws of T at the starting weights
+  c.mipu.calibration_z = 2.0  # tolerance=calibrated: accept T_post >= mean - z * sd of those draws
 
   c.eval = ConfigDict()
   c.eval.every = 10  # global steps; 0 = only at start and end

@@ -38,6 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 MODES = ("gap", "random")  # the T_post test (the paper's Step 2) | rollback at random (its ablation)
+# mode=gap's statistic: the paper's T_post at theta' | T(theta') - T(theta_k), paired | J(mu') - J(mu_k), paired
+STATISTICS = ("t_post", "delta_t", "delta_j")
+TOLERANCES = ("fixed", "calibrated")  # c = mipu.gap_tolerance | c from draws of T at the starting weights
 _RANDOM_SALT = 0x4D495055  # "MIPU": keeps the rollback draws apart from every other draw of (seed, step)
 
 
@@ -49,6 +52,10 @@ class GapCheck(NamedTuple):
   accepted: bool, t_post >= -gap_tolerance (a non-finite t_post is rejected).
   reward_mean: float, mean reward of the validation samples (J(mu') estimated).
   num_samples: int, validation responses scored.
+  statistic: float, the value tested against -c (`config.mipu.statistic`: t_post, delta_t or delta_j).
+  t_before, delta_t, delta_t_se, delta_j, delta_j_se: with a paired statistic (delta_t, delta_j; else nan): T at
+    theta_k on the same prompts and seed, T_post - t_before and J(mu') - J(mu_k) with their paired standard errors
+    (`paired_difference`).
   """
 
   t_post: float
@@ -56,6 +63,12 @@ class GapCheck(NamedTuple):
   accepted: bool
   reward_mean: float
   num_samples: int
+  statistic: float = math.nan
+  t_before: float = math.nan
+  delta_t: float = math.nan
+  delta_t_se: float = math.nan
+  delta_j: float = math.nan
+  delta_j_se: float = math.nan
 
 
 def t_post_standard_error(terms: np.ndarray, has: np.ndarray, group_ids: np.ndarray) -> float:
@@ -84,6 +97,66 @@ def t_post_standard_error(terms: np.ndarray, has: np.ndarray, group_ids: np.ndar
   t = s_g.sum() / n_g.sum()
   num_groups = len(s_g)
   return float(math.sqrt(num_groups / (num_groups - 1) * np.sum((s_g - t * n_g) ** 2)) / n_g.sum())
+
+
+def paired_difference(
+    terms_new: np.ndarray, has_new: np.ndarray, terms_old: np.ndarray, has_old: np.ndarray, group_ids: np.ndarray
+) -> tuple[float, float]:
+  """D = T_new - T_old of two ratio means T = sum(terms[has]) / sum(has) over the same rows, and D's paired
+  standard error with the validation groups as the units.
+
+  The two draws share their prompts and sampler keys row by row (the sampler keys each row and position, so at
+  equal weights they are the same tokens), so their difference is far less noisy than either. The linearised
+  (delta-method) contribution of group g is u_g = (S'_g - T' n'_g) / N' - (S_g - T n_g) / N (S_g the group's sum
+  of terms, n_g its rows with tokens, N the total), and SE(D) = sqrt(G / (G - 1) * sum_g u_g^2): for one draw alone
+  this is `t_post_standard_error`; with every row present, the standard deviation (ddof 1) of the per-group
+  differences of means over sqrt(G). `delta_t` passes `inference_gap_terms` of both draws, `delta_j` the rewards
+  (with `has` all True).
+
+  Args:
+    terms_new, has_new: [B] float, [B] bool of the draw at the new weights.
+    terms_old, has_old: the same rows at the old weights.
+    group_ids: [B] int, the prompt group of each row (the same in both draws).
+
+  Returns (D, SE): SE is nan with fewer than 2 groups; D is nan when either draw has no row. Raises ValueError on
+  mismatched shapes.
+  """
+  arrays = [np.asarray(a) for a in (terms_new, has_new, terms_old, has_old, group_ids)]
+  if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1:
+    raise ValueError(
+        f"terms_new, has_new, terms_old, has_old, group_ids must be [B] arrays; got {[a.shape for a in arrays]}"
+    )
+  t_new, h_new, t_old, h_old = (np.asarray(a, np.float64) for a in arrays[:4])
+  _, g = np.unique(arrays[4], return_inverse=True)
+  if not h_new.sum() or not h_old.sum():
+    return math.nan, math.nan
+  num_groups = int(g.max()) + 1
+  infl = np.zeros(num_groups)
+  mean = {}
+  for sign, t, h in ((1.0, t_new, h_new), (-1.0, t_old, h_old)):
+    s_g = np.bincount(g, weights=t * h, minlength=num_groups)
+    n_g = np.bincount(g, weights=h, minlength=num_groups)
+    mean[sign] = s_g.sum() / n_g.sum()
+    infl += sign * (s_g - mean[sign] * n_g) / n_g.sum()
+  diff = float(mean[1.0] - mean[-1.0])
+  if num_groups < 2:
+    return diff, math.nan
+  return diff, float(math.sqrt(num_groups / (num_groups - 1) * np.sum(infl**2)))
+
+
+def calibrated_tolerance(t_start: Sequence[float], z: float) -> float:
+  """`mipu.tolerance="calibrated"`'s c from T at the starting weights over several validation draws: the test then
+  accepts T_post >= mean - z * sd (sd with ddof 1), i.e. c = z * sd - mean. The standing training-inference gap
+  (mean < 0 with an fp8 sampler, docs/mipu.md) no longer rejects by itself; an update must lower the gap by more
+  than z draws' standard deviations to be rolled back.
+
+  Raises:
+    ValueError: fewer than 2 finite values, or z is not finite.
+  """
+  t = np.asarray(t_start, np.float64)
+  if t.ndim != 1 or t.size < 2 or not np.isfinite(t).all() or not math.isfinite(z):
+    raise ValueError(f"calibration needs >= 2 finite T values and a finite z; got {t.tolist()} and z={z}")
+  return float(z * t.std(ddof=1) - t.mean())
 
 
 def random_rollback(seed: int, step: int, rate: float) -> bool:
