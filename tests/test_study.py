@@ -5,6 +5,7 @@ aggregation outputs; and (slow) the smoke grid end to end: dry run, a run stoppe
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -697,3 +698,25 @@ def test_a_sampler_mode_with_the_same_samples_does_not_make_a_run_stale():
   assert config_differences(stored, {"sampling": {"continuous": True, "temperature": 0.5}, "seed": 1}) == [
       "sampling.temperature"
   ]
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMITTED_STUDIES = sorted(
+    d
+    for d in os.listdir(os.path.join(REPO_ROOT, "runs"))
+    if os.path.isfile(os.path.join(REPO_ROOT, "runs", d, "study.json"))
+)
+
+
+@pytest.mark.parametrize("study", COMMITTED_STUDIES)
+def test_committed_finished_runs_stay_done_under_todays_defaults(study, capsys):
+  """A config field added since a committed study ran must be in `runner.ADDED_FIELDS` (at the value that keeps the
+  old behaviour), else the runner calls every finished run stale and refuses to go on."""
+  from minpro_jax.study.__main__ import main
+
+  workdir = os.path.join(REPO_ROOT, "runs", study)
+  with open(os.path.join(workdir, "study.json")) as f:
+    spec = json.load(f)["grid"]
+  assert main([f"--grid={os.path.join(REPO_ROOT, spec)}", f"--workdir={workdir}", "--dry-run"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"\b0 stale", out), [line for line in out.splitlines() if line.startswith("stale")][:1]

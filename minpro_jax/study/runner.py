@@ -57,6 +57,11 @@ ADDED_FIELDS = {
     "sampling.drop_equal_reward_groups": False,
     "sampling.max_sampling_rounds": 4,
     "reward.mask_truncated": False,
+    "learner.row_tokens": 0,
+    "mipu.statistic": "t_post",
+    "mipu.tolerance": "fixed",
+    "mipu.calibration_draws": 8,
+    "mipu.calibration_z": 2.0,
 }
 _ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
