@@ -13,7 +13,8 @@ checkpoint) with the default config's settings and its own tokenizer (`--data.te
 
 Output (default `workdir/eval/standalone/<which>_<step>`): `<benchmark>.json` per benchmark as it finishes, then
 `eval.json` and `eval.md` over all of them. Re-running the same command skips the benchmarks already written
-(resumable), provided the settings are the same (else it refuses: use another `--out`). One process.
+(resumable), provided the settings (every `eval` field, the template, the lengths, the precision, the grader) are the
+same, else it refuses: use another `--out`. Ctrl-C keeps the finished benchmarks (exit status 130). One process.
 
 A bad flag, run or file prints one line `error: ...` and exits with status 2 (`--debug` shows the traceback).
 """
@@ -31,6 +32,7 @@ from typing import Any
 from minpro_jax.errors import ConfigError, UserError
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
 SETTABLE = ("eval.", "data.template", "data.max_prompt_tokens", "sampling.max_new_tokens", "sampling.decode_rows")
 SETTABLE += ("sampling.precision",)
 
@@ -44,7 +46,8 @@ def apply_overrides(c, overrides: dict[str, str]) -> None:
   """
   for field, text in overrides.items():
     if not any(field == s or (s.endswith(".") and field.startswith(s)) for s in SETTABLE):
-      raise ConfigError(f"--{field}: cannot be set when evaluating; settable: {', '.join(SETTABLE)}*")
+      names = ", ".join(s + "*" if s.endswith(".") else s for s in SETTABLE)
+      raise ConfigError(f"--{field}: cannot be set when evaluating; settable: {names}")
     *groups, leaf = field.split(".")
     node = c
     try:
@@ -90,22 +93,46 @@ def load_model(args, overrides: dict[str, str]):
   from minpro_jax import run_config, run_load
 
   if args.hf:
+    from minpro_jax.errors import FileFormatError
     from minpro_jax.models.hf_io import load_hf_checkpoint
     from minpro_jax.run_setup import build_tokenizer
 
     if not args.out:
       raise ConfigError("--out: give the folder for the tables (required with --hf)")
+    if args.which is not None:
+      raise ConfigError("--which: chooses a checkpoint of a run (--workdir); an --hf folder holds one model")
     c = _default_config()
     c.model.source, c.model.path, c.tokenizer.kind = "hf", args.hf, "model"
     apply_overrides(c, overrides)
+    _check(c, args.out)
     if not os.path.isfile(os.path.join(args.hf, "config.json")):
       raise ConfigError(f"--hf: {args.hf} has no config.json; give a Hugging Face model folder")
-    model = load_hf_checkpoint(args.hf, **run_config.model_overrides(c))[0]
-    return c, build_tokenizer(c, []), model, args.out, 0
-  run = run_load.load_run(args.workdir, args.which)
+    try:
+      model = load_hf_checkpoint(args.hf, **run_config.model_overrides(c))[0]
+      tokenizer = build_tokenizer(c, [])
+    except UserError:
+      raise
+    except Exception as e:  # noqa: BLE001 - a folder that does not load is a bad folder: name it
+      raise FileFormatError(f"--hf: {args.hf} does not load as a model ({type(e).__name__}: {e})") from e
+    return c, tokenizer, model, args.out, 0
+  run = run_load.load_run(args.workdir, args.which or "best")
   apply_overrides(run.config, overrides)
   out = args.out or os.path.join(args.workdir, "eval", "standalone", f"{run.which}_{run.step}")
+  _check(run.config, out)
   return run.config, run.tokenizer, run.model, out, run.policy_step
+
+
+def _check(c, out: str) -> None:
+  """The evaluation's settings and `--out`, before any model is loaded. Raises ConfigError naming the field."""
+  from minpro_jax import run_config
+
+  run_config.check_eval(c)
+  for field in ("data.max_prompt_tokens", "sampling.max_new_tokens"):
+    group, leaf = field.split(".")
+    if int(c[group][leaf]) < 1:
+      raise ConfigError(f"--{field}: must be >= 1, got {c[group][leaf]}")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ConfigError(f"--out: {out} is a file; give a folder")
 
 
 def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress: bool = True) -> dict[str, Any]:
@@ -128,11 +155,12 @@ def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress
 
   e = c.eval
   seed = e.seed + policy_step
-  settings = {"n": e.n, "ks": list(e.ks), "seed": seed, "temperature": e.temperature, "top_p": e.top_p}
-  settings.update(template=c.data.template, max_new_tokens=c.sampling.max_new_tokens, precision=c.sampling.precision)
+  settings = {k: v for k, v in json.loads(e.to_json_best_effort()).items() if k != "every"}
+  settings.update(seed=seed, template=c.data.template, max_prompt_tokens=c.data.max_prompt_tokens)  # the seed used
+  settings.update(max_new_tokens=c.sampling.max_new_tokens, precision=c.sampling.precision, reward_mode=c.reward.mode)
+  benches = fit_eval_sets(c, tokenizer, eval_benchmarks(c))
   os.makedirs(out, exist_ok=True)
   _check_settings(out, settings)
-  benches = fit_eval_sets(c, tokenizer, eval_benchmarks(c))
   sampler = Sampler(model.config, **sampler_kwargs(c, model, tokenizer, None, optimizer_copies=0))
   params = sampler.prepare_params(nnx.state(model, nnx.Param))
   run_sampling = run_config.sampling_params(c, tokenizer.stop_ids)
@@ -185,13 +213,15 @@ def _check_settings(out: str, settings: dict[str, Any]) -> None:
   if os.path.isfile(path):
     with open(path) as f:
       had = json.load(f)
-    if had != json.loads(json.dumps(settings)):
+    tables = [f for f in os.listdir(out) if f.endswith(".json") and f != "settings.json"]
+    if had != json.loads(json.dumps(settings)) and tables:
       diff = {k: (had.get(k), v) for k, v in settings.items() if had.get(k) != json.loads(json.dumps(v))}
       raise ConfigError(
           f"--out: {out} holds tables evaluated with other settings {diff} (had, now); use another --out or delete it"
       )
-    return
-  with open(path, "w") as f:
+    if tables:
+      return
+  with open(path, "w") as f:  # a new folder, or one whose earlier evaluation wrote no table yet
     json.dump(settings, f, indent=1)
 
 
@@ -200,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
   src = ap.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="a run's workdir (runs/NAME)")
   src.add_argument("--hf", help="a Hugging Face model folder (e.g. an export)")
-  ap.add_argument("--which", default="best", help="with --workdir: best (default) | final | a run checkpoint's step")
+  ap.add_argument("--which", default=None, help="with --workdir: best (default) | final | a run checkpoint's step")
   ap.add_argument("--out", default="", help="the folder for the tables (default: under the run's eval/)")
   ap.add_argument("--no-progress", action="store_true", help="no progress bar")
   ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -219,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
       raise
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USER_ERROR
+  except KeyboardInterrupt:
+    print("interrupted: the finished benchmarks are kept; re-run the same command to go on", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)  # at once: JAX's teardown after an interrupt can crash the interpreter
   from minpro_jax.evaluation import to_markdown
 
   print(to_markdown(results), end="")

@@ -29,6 +29,7 @@ import tempfile
 from minpro_jax.errors import UserError
 
 EXIT_USER_ERROR = 2
+MARKER = "minpro_export.json"  # what marks a folder as an export (so that only an export is ever overwritten)
 # texts the exported tokenizer must encode to the run's own ids: digits, spacing, newlines, LaTeX, non-ASCII
 CHECK_TEXTS = (
     "Compute 12 + 7 - 3.\nAnswer: \\boxed{16}",
@@ -106,21 +107,34 @@ def check_tokenizer(tokenizer, out: str, texts=CHECK_TEXTS) -> None:
       )
 
 
+def check_out(out: str, workdir: str) -> None:
+  """Raises ConfigError unless `out` is new, an empty folder, or an earlier export (it holds `MARKER`)."""
+  from minpro_jax.errors import ConfigError
+
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ConfigError(f"--out: {out} is a file; give a folder (new or empty)")
+  if os.path.abspath(out) == os.path.abspath(workdir):
+    raise ConfigError(f"--out: {out} is the run's workdir; give another folder (e.g. {os.path.join(out, 'hf')})")
+  if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
+    raise ConfigError(f"--out: {out} is a non-empty folder that holds no export; give a new or empty folder")
+
+
 def export(workdir: str, out: str, which: str = "best") -> dict:
   """Exports checkpoint `which` of the run in `workdir` to the Hugging Face folder `out`; returns what it wrote.
 
   Raises:
-    ConfigError / CheckpointError: as `run_load.load_run`; `out` is a non-empty folder holding no export.
+    ConfigError / CheckpointError: as `run_load.load_run`; `out` is a file, the workdir, or a non-empty folder
+      holding no export (`check_out`).
     ValueError: the exported tokenizer does not reproduce the run's ids (`check_tokenizer`).
   """
-  from minpro_jax.errors import ConfigError
   from minpro_jax.models.hf_io import save_hf_checkpoint
   from minpro_jax.run_load import load_run
 
-  if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
-    raise ConfigError(f"--out: {out} is a non-empty folder that holds no export; give a new or empty folder")
+  check_out(out, workdir)
   run = load_run(workdir, which)
   os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, MARKER), "w") as f:  # first: a half-written export is still known as one
+    json.dump({"workdir": os.path.abspath(workdir), "which": run.which, "step": run.step}, f)
   files = save_hf_checkpoint(run.model, out, extra_config=special_ids(run.tokenizer))
   with open(os.path.join(out, "generation_config.json"), "w") as f:
     json.dump(generation_config(run.config, run.tokenizer), f, indent=2)

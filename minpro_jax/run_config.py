@@ -105,7 +105,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
       f"must lie in [0, sampling.max_new_tokens={c.sampling.max_new_tokens}] (0 = off), got {r.overlong_buffer}",
   )
   _need(r.overlong_factor >= 0, "reward.overlong_factor", f"must be >= 0, got {r.overlong_factor}")
-  _check_eval(c)
+  check_eval(c)
   _check_mipu(c)
   if c.sft.enabled:
     ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
@@ -336,7 +336,8 @@ def _check_optimizer(c) -> None:
   )
 
 
-def _check_eval(c) -> None:
+def check_eval(c) -> None:
+  """The `config.eval` fields (the trainer's evaluations and `minpro_jax.evaluate`). Raises ConfigError naming one."""
   e = c.eval
   _need(e.n >= 1, "eval.n", f"must be >= 1, got {e.n}")
   _need(e.num_problems >= 1, "eval.num_problems", f"must be >= 1, got {e.num_problems}")
@@ -350,7 +351,17 @@ def _check_eval(c) -> None:
       f"{e.reward_mode!r}; choose one of {REWARD_MODES}, or leave it unset for reward.mode",
   )
   for name, fmt, path in eval_files(c):
-    _need(bool(name and fmt and path), "eval.path", f"cannot parse {name}={fmt}:{path}; write name=fmt:path")
+    _need(
+        bool(name and fmt and path),
+        "eval.path",
+        f"cannot parse an item into name={name!r}, fmt={fmt!r}, path={path!r}; write each item as name=fmt:path "
+        "(e.g. math500=math500:data/math500.jsonl)",
+    )
+    _need(
+        fmt in FORMATS or fmt == "tfds",
+        "eval.path",
+        f"{name}={fmt}:{path}: unknown format {fmt!r}; use one of {FORMATS}",
+    )
     if fmt == "tfds":  # name=tfds:DATASET/SPLIT@DATA_DIR (minpro_jax.data.tfds_source)
       from minpro_jax.data.tfds_source import dataset_dir_exists, parse_tfds_ref
 

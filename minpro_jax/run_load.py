@@ -1,6 +1,7 @@
 """A run's config, tokenizer and parameters, read back from its workdir (what `export` and `evaluate` load).
 
-The trainer writes two files for this at the start of a run (`save_run_files`, process 0):
+The trainer writes two files for this when a run starts or resumes, after the resume check (`save_run_files`,
+process 0):
   * `workdir/config.json`: the run's whole config (`ConfigDict.to_json_best_effort`);
   * `workdir/tokenizer.model`: the sentencepiece model of a run that trained one (`tokenizer.kind=train_spm`), which
     otherwise lives only in `sft.cache_dir`. Other tokenizers are read from where the config points.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 from typing import Any
@@ -32,6 +34,8 @@ from minpro_jax.errors import CheckpointError, ConfigError
 from minpro_jax.models import Transformer, get_preset
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
@@ -81,9 +85,18 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   for name, key in ((CONFIG_FILE, None), ("summary.json", "config")):
     path = os.path.join(workdir, name)
     if os.path.isfile(path):
-      with open(path) as f:
-        d = json.load(f)
-      return ml_collections.ConfigDict(d if key is None else d[key])
+      try:
+        with open(path) as f:
+          d = json.load(f)
+        d = d if key is None else d[key]
+        if not isinstance(d, dict) or "model" not in d or "tokenizer" not in d:
+          raise ValueError("not a run config (no model and tokenizer sections)")
+      except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"--workdir: {path} does not hold a run's config ({type(e).__name__}: {e}); it is damaged or not a "
+            "run's workdir (re-running the run's train command rewrites it)"
+        ) from e
+      return ml_collections.ConfigDict(d)
   raise ConfigError(
       f"--workdir: {workdir} has no {CONFIG_FILE} (written at the start of a run) and no summary.json (written at "
       "its end); give the workdir of a run of minpro_jax.train"
@@ -98,6 +111,8 @@ def load_run_tokenizer(workdir: str, c):
   saved = os.path.join(workdir, TOKENIZER_FILE)
   if c.tokenizer.kind == "train_spm" and os.path.isfile(saved):
     return load_sentencepiece(saved, chat_format=c.tokenizer.chat_format or "plain")
+  if c.tokenizer.kind == "train_spm":
+    logger.warning("%s has no %s: the run's tokenizer is read from sft.cache_dir or trained again", workdir, saved)
   problems = train_and_eval_problems(c)[0] if c.tokenizer.kind == "train_spm" else []
   return build_tokenizer(c, problems)
 
@@ -165,19 +180,31 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   template = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
   mngr = ocp.CheckpointManager(directory)
-  if kind == "best":
-    args = ocp.args.Composite(params=ocp.args.StandardRestore(template))
-    restored, policy_step = mngr.restore(step, args=args)["params"], step
-  else:
-    item = {"params": template, "step": jax.ShapeDtypeStruct((), jnp.int32)}
-    restore = ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
-    )
-    state = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
-    restored, policy_step = state["params"], int(state["step"])
-  mngr.close()
+  try:
+    restored, policy_step = _restore(mngr, kind, step, template)
+  except Exception as e:  # noqa: BLE001 - a checkpoint that does not read back: name it
+    raise CheckpointError(
+        f"--which={which}: the checkpoint {directory}/{step} does not read back ({type(e).__name__}: "
+        f"{str(e).strip().splitlines()[0][:300] if str(e) else ''}); it is damaged, or the run's config.json no "
+        "longer describes its model"
+    ) from e
+  finally:
+    mngr.close()
   model = nnx.merge(graphdef, restored, rest)
   return LoadedRun(config=c, tokenizer=tokenizer, model=model, which=kind, step=step, policy_step=policy_step)
+
+
+def _restore(mngr, kind: str, step: int, template) -> tuple[Any, int]:
+  """(parameters, policy step) of checkpoint `step`: the best parameters, or a run checkpoint's (partial restore)."""
+  if kind == "best":
+    args = ocp.args.Composite(params=ocp.args.StandardRestore(template))
+    return mngr.restore(step, args=args)["params"], step
+  item = {"params": template, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+  restore = ocp.args.PyTreeRestore(
+      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+  )
+  state = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
+  return state["params"], int(state["step"])
 
 
 def copy_tokenizer_source(c, out: str) -> bool:

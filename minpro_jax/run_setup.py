@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minpro_jax import pidlock, run_config, run_load
+from minpro_jax import pidlock, run_config
 from minpro_jax.checkpoint import RunCheckpointer
 from minpro_jax.data import encode_prompts, format_prompt, load_file, train_sentencepiece
 from minpro_jax.data.records import MathProblem
@@ -110,8 +110,6 @@ def setup_run(c) -> RunParts:
     checkpointer = RunCheckpointer(workdir, keep=c.checkpoint.keep)
     resuming = checkpointer.latest_step() is not None  # the checkpoint holds the weights: no warm start needed
     tokenizer = build_tokenizer(c, problems)
-    if multihost.is_primary():
-      run_load.save_run_files(workdir, c, tokenizer)  # what `export` and `evaluate` read back
     if c.model.source == "hf":  # before the weights load: config.json holds the vocabulary and special ids
       check_tokenizer_matches(c, tokenizer, run_config.hf_model_config(c.model.path).vocab_size, _hf_eos_ids(c))
     model = build_model(c, tokenizer, mesh)

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from minpro_jax import resume_check, run_config
+from minpro_jax import resume_check, run_config, run_load
 from minpro_jax.checkpoint import buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, format_prompt
 from minpro_jax.data.rewards import overlong_penalty
@@ -398,6 +398,8 @@ class Trainer:
     self.ckpt.check_disk_space(state, state.params)  # before any work a full disk would lose
     buffer = RolloutBuffer(c.delay)
     state, progress, start = self._restore(state, buffer, RunProgress(sft_info=self.sft_info))
+    if multihost.is_primary():  # after the resume check: what `export` and `evaluate` read back
+      run_load.save_run_files(self.workdir, c, self.tokenizer)
     writer = MetricsWriter(
         self.workdir,
         resume_step=start - 1 if start else None,

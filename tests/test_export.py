@@ -129,6 +129,23 @@ def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):
   (tmp_path / "busy" / "notes.txt").write_text("mine")
   with pytest.raises(ConfigError, match=r"--out: .*busy is a non-empty folder that holds no export"):
     export.export(workdir, str(tmp_path / "busy"))
+  # only a new folder, an empty one or an earlier export is written; never the run's workdir or a file
+  with pytest.raises(ConfigError, match=r"--out: .* is the run's workdir"):
+    export.export(workdir, workdir)
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(ConfigError, match=r"--out: .*afile is a file"):
+    export.export(workdir, str(tmp_path / "afile"))
+  (tmp_path / "model").mkdir()
+  (tmp_path / "model" / "config.json").write_text("{}")  # somebody's model folder, not an export
+  with pytest.raises(ConfigError, match=r"--out: .*model is a non-empty folder that holds no export"):
+    export.export(workdir, str(tmp_path / "model"))
+  # a damaged config.json names the file
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  for text in ("{", "[1, 2]", '{"model": {}}'):
+    (bad / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=r"--workdir: .*config.json does not hold a run's config"):
+      run_load.load_run_config(str(bad))
   # the command line: one line, exit status 2
   assert export.main(["--workdir", workdir, "--which", "3", "--out", str(tmp_path / "o")]) == 2
   err = capsys.readouterr().err
@@ -166,8 +183,21 @@ def test_evaluate_an_export_and_bad_flags(run_dir, tmp_path, capsys):
   assert got["benchmarks"][bench]["num_problems"] == 3 and 0.0 <= got["macro"]["pass@1"] <= 1.0
   assert got["config"]["n"] == 2 and got["config"]["max_new_tokens"] == 4
   capsys.readouterr()
+  fewer = [a if not a.startswith("--eval.num_problems") else "--eval.num_problems=2" for a in small]
+  assert evaluate.main(["--hf", out, "--out", str(tmp_path / "ev"), *fewer]) == 2  # its tables are of 3 problems
+  assert "holds tables evaluated with other settings {'num_problems': (3, 2)}" in capsys.readouterr().err
+  (tmp_path / "afile").write_text("x")
   for argv, want in (
       (["--hf", out], "error: --out: give the folder"),
+      (["--hf", out, "--out", str(tmp_path / "o"), "--which", "final"], "error: --which: chooses a checkpoint"),
+      (["--workdir", workdir, "--out", str(tmp_path / "afile")], "error: --out: "),
+      (["--workdir", workdir, "--eval.n=0"], "error: config.eval.n: must be >= 1"),
+      (["--workdir", workdir, "--eval.n=2", "--eval.ks=3"], "error: config.eval.ks: every k must lie in [1, eval.n=2]"),
+      (
+          ["--workdir", workdir, "--eval.path=x=nosuch:/etc/hosts"],
+          "error: config.eval.path: x=nosuch:/etc/hosts: unknown",
+      ),
+      (["--workdir", workdir, "--eval.path=/tmp/a.jsonl"], "error: config.eval.path: cannot parse an item"),
       (["--workdir", workdir, "--model.preset=qwen3_8b"], "error: --model.preset: cannot be set when evaluating"),
       (["--workdir", workdir, "--eval.n=two"], "error: --eval.n='two': not a int"),
       (["--workdir", workdir, "--eval.nn=2"], "error: --eval.nn: no such config field"),

@@ -54,6 +54,7 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   # re-running it with a smaller total_steps is refused (its final evaluation would be logged at the wrong step)
   with pytest.raises(ConfigError, match=r"config\.total_steps: the run in .* has already done 4 global steps"):
     Trainer.from_config(make_config({**ov, "total_steps": 2})).run()
+  assert json.loads((run / "config.json").read_text())["total_steps"] == 4  # a refused resume writes nothing
   # the run leaves what `export` and `evaluate` read: its config and trained tokenizer; the export loads in
   # transformers; the best checkpoint, evaluated on its own, scores what the run logged for it
   _check_export(run, tmp_path / "hf")
