@@ -68,11 +68,18 @@ def _mipu_equivalent(now: Any, stored: Any) -> bool:
 
 
 def _differing_fields(key: str, now: Any, stored: Any) -> list[str]:
-  """`key`, or `key.field` for each differing field when the values are dicts (absent = empty)."""
+  """`key`, or `key.field` for each differing field when the values are dicts (absent = empty), each with the
+  checkpoint's and the config's value."""
   if isinstance(now, dict) or isinstance(stored, dict):
     now, stored = now if isinstance(now, dict) else {}, stored if isinstance(stored, dict) else {}
-    return [f"{key}.{k}" for k in sorted(set(now) | set(stored)) if now.get(k) != stored.get(k)]
-  return [key]
+    keys = [k for k in sorted(set(now) | set(stored)) if now.get(k) != stored.get(k)]
+    return [f"{key}.{k} ({_short(stored.get(k))} in the checkpoint, {_short(now.get(k))} now)" for k in keys]
+  return [f"{key} ({_short(stored)} in the checkpoint, {_short(now)} now)"]
+
+
+def _short(value: Any, width: int = 40) -> str:
+  text = repr(value)
+  return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def resume_fingerprint(c) -> dict[str, Any]:
