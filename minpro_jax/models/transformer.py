@@ -213,9 +213,11 @@ class Attention(nnx.Module):
         k_new = jnp.swapaxes(k_new, 2, 3)  # [B, K, hd, T]
       k_at = (0, 0, 0, cache_index) if hd_major else (0, 0, cache_index, 0)
       if jnp.ndim(cache_index) == 1:  # one slot per row (T = 1, per-layer cache): a scatter of B columns
+        # indexed by (row, head, slot), each update one head_dim vector: XLA:TPU scatters that in the cache's own
+        # tiled layout ((row, slot) with a [K, head_dim] window made it relayout every layer's cache and back)
         rows, heads, slots = jnp.arange(b)[:, None], jnp.arange(kh)[None, :], cache_index[:, None]
         if hd_major:
-          k_all = k_cache = k_cache.at[rows, :, :, cache_index].set(k_new[..., 0])
+          k_all = k_cache = k_cache.at[rows[:, 0], :, :, cache_index].set(k_new[..., 0])
         else:
           k_all = k_cache = k_cache.at[rows, heads, slots].set(k_new[:, :, 0])
         v_all = v_cache = v_cache.at[rows, heads, slots].set(v_new[:, :, 0])
