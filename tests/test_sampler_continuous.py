@@ -164,3 +164,47 @@ def test_live_length_decode_equals_full_cache_decode_at_every_step(state):
   diff, scale = jax.device_get(run(prompt))
   assert diff.shape == (steps,) and scale.min() > 0.1
   assert diff.max() <= 1e-5, (int(diff.argmax()), float(diff.max()))
+
+
+# The trainer's sampler as the step budget compiles it (Qwen3-8B's layers on v5p-64, data=8 x tensor=4, bf16),
+# cut to 2 layers and short lengths: its whole call (`Sampler._c_all`) for TPU, and every `copy` in the
+# computations its `while` loop runs (the decode and refill branches, the live-length switch, nested loops).
+_TPU_CACHE_COPIES = """
+from minpro_jax.aot import hlo_text
+from minpro_jax.aot.__main__ import run_config_of
+from minpro_jax.aot.programs import RunPrograms, model_config, run_shapes
+from minpro_jax.aot.topologies import parse_slice
+from minpro_jax.runtime.sharding import make_mesh
+sl = parse_slice("v5p-64")
+_, c = run_config_of(["--config=minpro_jax/configs/paper/qwen3_8b.py", "--config.sampling.mesh=auto",
+                      "--config.sampling.decode_rows=64", "--config.sampling.max_new_tokens=1024",
+                      "--config.data.max_prompt_tokens=256"])
+cfg = model_config(c)[0].replace(num_layers=2)
+progs = RunPrograms(c, cfg, make_mesh({"fsdp": 32}, devices=sl.devices()), run_shapes(c), hbm_bytes=sl.chip.hbm_bytes)
+comps = hlo_text.parse_hlo(progs.lower_continuous(512).compile().as_text())
+entry = next(x for x in comps.values() if x.entry)
+seen, todo = set(), [b for i in entry.instrs if i.opcode == "while" for b in hlo_text.called(i.attrs, "body")]
+while todo:
+  name = todo.pop()
+  if name not in seen and name in comps:
+    seen.add(name)
+    todo += [n for i in comps[name].instrs for k in ("calls", "body", "condition", "branch_computations")
+             for n in hlo_text.called(i.attrs, k)]
+s = progs.trainer_sampler
+rows, tensor = s.continuous_rows(512)[0] // s.mesh.shape["data"], s.mesh.shape["tensor"]
+layer = sorted([rows, cfg.num_kv_heads // tensor, 256 + 1024, cfg.head_dim])  # one layer's K (or V) per chip
+copies = [i for x in seen for i in comps[x].instrs if i.opcode == "copy" and sorted(hlo_text.dims(i.shape)) == layer]
+print(f"RESULT computations={len(seen)} layer={','.join(map(str, layer))} cache_copies={len(copies)}")
+"""
+
+
+def test_the_compiled_tpu_decode_loop_writes_its_kv_cache_in_place():
+  """No copy of a layer's KV cache inside the sampler's loop on TPU (issue 36): the token write used to relayout
+  every layer's cache to [B, S, K, hd] tiles and back (4 copies a layer), and each live-length branch copied it
+  again (2 a layer)."""
+  from tests.tpu_helpers import run_with_libtpu
+
+  (r,) = run_with_libtpu(_TPU_CACHE_COPIES, timeout=400)
+  assert int(r["computations"]) > 10  # the loop's branches and nested loops were walked
+  assert r["layer"] == "2,8,128,1280"  # 64 rows / data=8, 8 KV heads / tensor=4, 256 + 1024 slots, head_dim
+  assert r["cache_copies"] == "0", r

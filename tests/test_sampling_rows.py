@@ -81,8 +81,8 @@ def test_resolve_decode_rows():
   assert resolve_decode_rows(16, CFG, hbm_bytes=GIB, **kw) == 16  # an int stays
   assert resolve_decode_rows("auto", CFG, hbm_bytes=None, **kw) == CPU_ROWS == 64  # no HBM figure (CPU)
   mem = sampler_memory(CFG, "fp32", 24)
-  hbm = (mem["weight_bytes"] + 1000 + 75.5 * mem["kv_bytes_per_row"]) / 0.9  # 37 rows held twice -> bucket 32
-  assert CACHE_COPIES == 2
+  hbm = (mem["weight_bytes"] + 1000 + 37.5 * mem["kv_bytes_per_row"]) / 0.9  # 37 rows held once -> bucket 32
+  assert CACHE_COPIES == 1
   assert resolve_decode_rows("auto", CFG, hbm_bytes=hbm, other_resident_bytes=1000, **kw) == 32
   assert device_hbm_bytes(jax.devices("cpu")[:1]) is None
 
@@ -125,8 +125,8 @@ def test_auto_rows_fill_a_v5p_chip_beside_qwen3_8b():
   kv = math.ceil(mem["kv_bytes_per_row"] / 4)  # KV heads over tensor=4
   # (85.5 GiB - 4.1 GB - 3.1 GB) / 0.83 GB = 101 rows per group, x 8 = 808 -> 512 (one cache)
   assert auto_decode_rows(kv_bytes_per_row=kv, data_groups=8, **kw) == 512
-  # the compiled loop holds the cache twice (CACHE_COPIES): 50 rows per group, x 8 = 400 -> 256
-  assert auto_decode_rows(kv_bytes_per_row=CACHE_COPIES * kv, data_groups=8, **kw) == 256
+  # the compiled loop holds the cache once (CACHE_COPIES; twice, before it wrote it in place, gave 256)
+  assert auto_decode_rows(kv_bytes_per_row=CACHE_COPIES * kv, data_groups=8, **kw) == 512
 
 
 def test_the_trainer_resolves_auto_to_an_int(tmp_path):
@@ -156,11 +156,11 @@ print(f"RESULT data={s.mesh.shape['data']} tensor={s.mesh.shape['tensor']} rows=
 
 def test_auto_layout_and_rows_of_the_paper_setting_on_v5p_64():
   """A compile-only TPU slice's "auto" mesh keeps tensor groups on one host (4 chips), not this process's devices,
-  and "auto" rows fill each chip, the cache counted twice (`test_auto_rows_fill_a_v5p_chip_beside_qwen3_8b`)."""
+  and "auto" rows fill each chip, the cache counted once (`test_auto_rows_fill_a_v5p_chip_beside_qwen3_8b`)."""
   from tests.tpu_helpers import run_with_libtpu
 
   (r,) = run_with_libtpu(_TPU_LAYOUT, timeout=300)
-  assert (r["data"], r["tensor"], r["rows"]) == ("8", "4", "256")
+  assert (r["data"], r["tensor"], r["rows"]) == ("8", "4", "512")
 
 
 def test_the_budget_rows_name_the_sampler_layout_and_rows():

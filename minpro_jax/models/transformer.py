@@ -213,12 +213,14 @@ class Attention(nnx.Module):
         k_new = jnp.swapaxes(k_new, 2, 3)  # [B, K, hd, T]
       k_at = (0, 0, 0, cache_index) if hd_major else (0, 0, cache_index, 0)
       if jnp.ndim(cache_index) == 1:  # one slot per row (T = 1, per-layer cache): a scatter of B columns
-        rows = jnp.arange(b)
+        # indexed by (row, head, slot), each update one head_dim vector: XLA:TPU scatters that in the cache's own
+        # tiled layout ((row, slot) with a [K, head_dim] window made it relayout every layer's cache and back)
+        rows, heads, slots = jnp.arange(b)[:, None], jnp.arange(kh)[None, :], cache_index[:, None]
         if hd_major:
-          k_all = k_cache = k_cache.at[rows, :, :, cache_index].set(k_new[..., 0])
+          k_all = k_cache = k_cache.at[rows[:, 0], :, :, cache_index].set(k_new[..., 0])
         else:
-          k_all = k_cache = k_cache.at[rows, :, cache_index].set(k_new[:, :, 0])
-        v_all = v_cache = v_cache.at[rows, :, cache_index].set(v_new[:, :, 0])
+          k_all = k_cache = k_cache.at[rows, heads, slots].set(k_new[:, :, 0])
+        v_all = v_cache = v_cache.at[rows, heads, slots].set(v_new[:, :, 0])
       elif layer is None:  # this layer's own cache: updated in place and read without a copy
         k_all = k_cache = jax.lax.dynamic_update_slice(k_cache, k_new, k_at)
         v_all = v_cache = jax.lax.dynamic_update_slice(v_cache, v_new, (0, 0, cache_index, 0))
@@ -467,7 +469,9 @@ class Transformer(nnx.Module):
       if jnp.ndim(cache_index) == 1:
         if t != 1 or c.stack_layers:
           raise ValueError("a per-row cache_index needs T = 1 and a per-layer cache (stack_layers=False)")
-        kv_segment = cache.segment_ids.at[jnp.arange(b), cache_index].set(segment_ids_bt[:, 0])
+        # a select, not a scatter: [B, S] int32 is small beside the caches, and XLA:TPU keeps it in place
+        at_slot = jnp.arange(cache.segment_ids.shape[1])[None, :] == cache_index[:, None]
+        kv_segment = jnp.where(at_slot, segment_ids_bt[:, :1], cache.segment_ids)
       else:
         kv_segment = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids_bt, (0, cache_index))
     else:

@@ -33,10 +33,10 @@ AUTO = "auto"
 CPU_ROWS = 64  # "auto" without an HBM figure (CPU): the Sampler's default
 logger = logging.getLogger(__name__)
 HEADROOM = 0.1  # the share of HBM "auto" leaves for temporaries (logits, a refill's prefill) and the runtime
-# KV caches the continuous sampler's compiled `while_loop` holds at once: XLA copies the carried cache through the
-# refill / decode `cond` (512 rows of Qwen3-8B on a v5p-64 compile to 105.4 GiB per chip, 2 x 49.5 GiB of cache;
-# benchmarks/README.md, "Step budget"). 1 once the loop updates its cache in place.
-CACHE_COPIES = 2
+# KV caches the continuous sampler's compiled `while_loop` holds at once: 1, the loop updates its cache in place
+# (256 rows of Qwen3-8B on a v5p-64 compile to 35.5 GiB per chip with 24.8 GiB of cache; it was 2 while XLA copied
+# the carried cache through the refill / decode `cond`: benchmarks/README.md, "Step budget").
+CACHE_COPIES = 1
 
 
 def auto_decode_rows(
