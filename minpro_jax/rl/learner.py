@@ -39,17 +39,25 @@ NUM_POSITION_BINS = 8
 
 
 class ScoreInputs(NamedTuple):
-  """What scoring reads of a `RolloutBatch`: [N, L] int32 tokens, segment_ids and positions (device arrays), and
-  the [N, L, layers, k] routes to replay (or None)."""
+  """What scoring reads of a `RolloutBatch`: [N, L] int32 tokens, segment_ids and positions (device arrays), the
+  [N, L, layers, k] routes to replay (or None) and the [N, L] float32 kept-set thresholds of truncated sampling
+  (or None: full-vocabulary log-probs)."""
 
   tokens: jax.Array
   segment_ids: jax.Array
   positions: jax.Array
   routes: jax.Array | None = None
+  kept_logp_threshold: jax.Array | None = None
 
   @classmethod
   def of(cls, batch: RolloutBatch, replay: bool = False) -> "ScoreInputs":
-    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields[:-1]), _replayed_routes(batch, replay))
+    arrays = (jnp.asarray(getattr(batch, f)) for f in cls._fields[:-2])
+    return cls(*arrays, _replayed_routes(batch, replay), _kept_threshold(batch))
+
+
+def _kept_threshold(batch: RolloutBatch) -> jax.Array | None:
+  """The batch's kept-set thresholds as a device array, None when the sampling did not truncate."""
+  return None if batch.kept_logp_threshold is None else jnp.asarray(batch.kept_logp_threshold)
 
 
 def _replayed_routes(batch: RolloutBatch, replay: bool) -> jax.Array | None:
@@ -78,13 +86,15 @@ class UpdateInputs(NamedTuple):
   learner_logp: jax.Array
   advantages: jax.Array
   routes: jax.Array | None = None
+  kept_logp_threshold: jax.Array | None = None
 
   @classmethod
   def of(cls, batch: RolloutBatch, replay: bool = False) -> "UpdateInputs":
-    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields[:-1]), _replayed_routes(batch, replay))
+    arrays = (jnp.asarray(getattr(batch, f)) for f in cls._fields[:-2])
+    return cls(*arrays, _replayed_routes(batch, replay), _kept_threshold(batch))
 
   def score_inputs(self) -> ScoreInputs:
-    return ScoreInputs(self.tokens, self.segment_ids, self.positions, self.routes)
+    return ScoreInputs(self.tokens, self.segment_ids, self.positions, self.routes, self.kept_logp_threshold)
 
 
 @flax.struct.dataclass
@@ -312,7 +322,8 @@ class Learner:
   def score(self, params, batch: RolloutBatch, *, return_routes: bool = False):
     """[N, L] float32 teacher-forced log-probs (sampler temperature) of `batch.tokens` under `params`, in
     micro-batches (the log-prob of token t at index t; values off `response_mask` are not meaningful). With
-    `LossConfig.router_replay` the forward replays `batch.routes`.
+    `LossConfig.router_replay` the forward replays `batch.routes`; with `batch.kept_logp_threshold` (truncated
+    sampling) they are renormalised over the sampler's top-k / top-p sets, as in the update.
 
     Args:
       return_routes: also return the [N, L, layers, k] int16 experts the learner's router chose (MoE; None for a
@@ -341,6 +352,7 @@ class Learner:
           temperature=self.loss_cfg.temperature,
           chunk_size=self.loss_cfg.logprob_chunk_size,
           routes_btlk=x.routes,
+          kept_logp_threshold_bt=x.kept_logp_threshold,
       )
       return lp.logp, lp.routes
 
@@ -397,6 +409,7 @@ class Learner:
         chunk_size=lc.logprob_chunk_size,
         return_entropy=need_entropy,
         routes_btlk=micro.routes,
+        kept_logp_threshold_bt=micro.kept_logp_threshold,
     )
     out = _call_policy_loss(lc, lp.logp, micro, prepared)
     mask = micro.response_mask.astype(jnp.float32)
