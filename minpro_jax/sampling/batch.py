@@ -25,7 +25,8 @@ class GenerationBatch:
     behavior_logp: [N, R] float32 log-prob of each token under the distribution it was drawn from:
       log_softmax(logits / T)[token] (T = 1 for greedy), renormalised over the top-k / top-p set when the sampling
       truncates; 0 where masked. See `minpro_jax.sampling.methods`.
-    entropy: [N, R] float32 entropy (nats) of the same distribution (0 where masked), or None.
+    entropy: [N, R] float32 entropy (nats) of the full tempered distribution, before any top-k / top-p (0 where
+      masked), or None.
     lengths: [N] int32 response lengths (= response_mask.sum(-1)).
     finish_reason: [N] str array, "stop" or "length".
     group_ids: [N] int64 group id (one per prompt) carried by every sample of that prompt.

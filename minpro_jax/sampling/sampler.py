@@ -244,9 +244,7 @@ class Sampler:
     self.jitted_prepare = jax.jit(self._prepare_impl)
     self.jitted_prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
     self.jitted_decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
-    self._c_init = jax.jit(
-        self._c_init_impl, static_argnames=("rows", "num_requests", "slots", "max_new_tokens", "truncates")
-    )
+    self._c_init = jax.jit(self._c_init_impl, static_argnames=("rows", "num_requests", "slots", "sampling"))
     self._c_refill = jax.jit(self._c_refill_impl, static_argnames=("sampling",), donate_argnums=(1,))
     self._c_all = jax.jit(self._c_all_impl, static_argnames=("sampling", "p_len", "rows", "refill"))
     self._c_decode = jax.jit(self._c_decode_impl, static_argnames=("sampling", "p_len"), donate_argnums=(1,))
@@ -306,10 +304,9 @@ class Sampler:
 
     return decode_loop(step_fn, loop_state, sampling, self.pad_id)
 
-  def _c_init_impl(self, *, rows, num_requests, slots, max_new_tokens, truncates):
-    return cb.init_state(
-        self.config, rows, num_requests, slots, max_new_tokens, self.pad_id, self.record_routes, truncates
-    )
+  def _c_init_impl(self, *, rows, num_requests, slots, sampling: SamplingParams):
+    r, routes, truncates = sampling.max_new_tokens, self.record_routes, sampling.truncates
+    return cb.init_state(self.config, rows, num_requests, slots, r, self.pad_id, routes, truncates)
 
   def _c_refill_impl(
       self, state, st, tokens_mp, segs_mp, rows_m, reqs_m, groups_m, keys_m, *, sampling: SamplingParams
@@ -396,15 +393,7 @@ class Sampler:
       requests = (tokens, segs, row_group.astype(np.int32), keys)
       out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at)
       return to_host(out)
-    st = settle(
-        self._c_init(
-            rows=rows,
-            num_requests=n,
-            slots=p_len + sampling.max_new_tokens,
-            max_new_tokens=sampling.max_new_tokens,
-            truncates=sampling.truncates,
-        )
-    )
+    st = settle(self._c_init(rows=rows, num_requests=n, slots=p_len + sampling.max_new_tokens, sampling=sampling))
     done = np.ones(rows, bool)
     nxt = 0  # next waiting request
     while True:
