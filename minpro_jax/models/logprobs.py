@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from minpro_jax.models.dense import dense
 from minpro_jax.models.transformer import Transformer
@@ -98,12 +99,22 @@ def _chunked_fwd(h_nbcd, head_dv, y_nbc, thr_nbc, inv_t, return_entropy, n_vtile
   return (logp, ent), (h_nbcd, head_dv, y_nbc, thr_nbc, lse, lse_kept, ent)
 
 
+def _chunked_fwd_rule(h_nbcd, head_dv, y_nbc, thr_nbc, inv_t, return_entropy, n_vtiles):
+  """The custom VJP's forward (symbolic zeros: the primal inputs come wrapped as `CustomVJPPrimal`)."""
+  value = lambda x: jax.tree.map(lambda p: p.value, x, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))  # noqa: E731
+  return _chunked_fwd(value(h_nbcd), value(head_dv), value(y_nbc), value(thr_nbc), inv_t, return_entropy, n_vtiles)
+
+
 def _chunked_bwd(inv_t, return_entropy, n_vtiles, res, g):
   # With z = logits / T and p = softmax(z): d logp / dz = onehot(y) - p and
   # d entropy / dz = -p * (z - sum_i p_i z_i), where sum_i p_i z_i = lse - entropy. With a kept set K, the
   # log-prob's p is the softmax over K (0 outside it); the entropy's stays the full one.
   h_nbcd, head_dv, y_nbc, thr_nbc, lse_nbc, lse_kept_nbc, ent_nbc = res
   g_logp, g_ent = g
+  # an entropy nothing differentiates (a metric) adds no work to the backward pass
+  return_entropy = return_entropy and not isinstance(g_ent, SymbolicZero)
+  zeros = lambda x: jnp.zeros(x.aval.shape, x.aval.dtype) if isinstance(x, SymbolicZero) else x  # noqa: E731
+  g_logp, g_ent = zeros(g_logp), zeros(g_ent)
   vt = head_dv.shape[1] // n_vtiles
 
   def chunk_bwd(dw_dv, xs):
@@ -147,7 +158,7 @@ def _chunked_bwd(inv_t, return_entropy, n_vtiles, res, g):
   return dh, dw, None, None
 
 
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+_chunked.defvjp(_chunked_fwd_rule, _chunked_bwd, symbolic_zeros=True)
 
 
 def logprobs_from_hidden(
