@@ -73,6 +73,11 @@ def test_kept_set_logprobs_and_gradients_equal_a_naive_masked_softmax(chunk_size
   want = jax.grad(loss(lambda h, w: (naive(h, w), entropy(h, w))), argnums=(0, 1))(h, w)
   for g, r in zip(got, want):
     np.testing.assert_allclose(g, r, atol=1e-4)
+  # an entropy only read as a metric (a symbolic-zero cotangent): the log-prob's gradient alone
+  got = jax.grad(lambda h, w: jnp.sum(ours(h, w)[0] * weights), argnums=(0, 1))(h, w)
+  want = jax.grad(lambda h, w: jnp.sum(naive(h, w) * weights), argnums=(0, 1))(h, w)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
