@@ -561,7 +561,7 @@ def _combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
   By response-position bin (None for bins no response reached), token-weighted over the updates: the mean weight,
   the mean learner-behaviour |log ratio|, and the weights' effective sample size as a fraction of the bin's tokens,
   ESS / n = (sum w)^2 / (n sum w^2) (Kish's effective sample size;
-  1: equal weights)."""
+  1: equal weights). The learner's entropy and K3 are also listed update by update (`*_by_update`)."""
   out: dict[str, Any] = {}
   per_bin = {}
   if "tokens_by_position_bin" in ups[0]:
@@ -591,4 +591,7 @@ def _combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
       out["learn/updates"] = len(ups)
     else:
       out[f"learn/{k}"] = float(vals.mean())
+  for k in ("entropy_mean", "learner_behavior/k3"):  # how they move over the step's updates (staleness grows)
+    if k in ups[0]:
+      out[f"learn/{k}_by_update"] = [float(u[k]) for u in ups]
   return out

@@ -171,6 +171,33 @@ def test_accumulation_check_detects_per_micro_batch_means(model_and_batch):
   assert _max_abs_diff(wrong, full) > 1e-4
 
 
+def test_update_reports_the_learner_entropy_and_k3_against_the_behavior(model_and_batch):
+  """Issue 39 item 5: token means over the response tokens, at the parameters before the update, accumulated over
+  micro-batches: the entropy of the learner's distribution and k3 = mean(exp(d) - 1 - d), d = behavior - learner."""
+  model, batch = model_and_batch
+  _, metrics, _ = _sgd_delta(model, LossConfig(method="grpo"), batch, mb=2)
+  lp = token_logprobs(
+      model,
+      jnp.asarray(batch.tokens),
+      jnp.asarray(batch.segment_ids),
+      jnp.asarray(batch.positions),
+      return_entropy=True,
+  )
+  m = batch.response_mask
+  d = (batch.behavior_logp - np.asarray(lp.logp, np.float64))[m]
+  np.testing.assert_allclose(metrics["entropy_mean"], np.asarray(lp.entropy)[m].mean(), rtol=1e-5)
+  np.testing.assert_allclose(metrics["learner_behavior/k3"], np.mean(np.expm1(d) - d), rtol=1e-4)
+  assert 0.02 < float(metrics["learner_behavior/k3"]) < 0.1  # behavior = learner + N(0, 0.3^2): k3 ~ 0.045
+  assert 0.0 < float(metrics["entropy_mean"]) <= np.log(VOCAB)
+  # the step record: the mean over its updates and the values update by update
+  from minpro_jax.trainer import _combine_update_metrics
+
+  ups = [{"entropy_mean": np.float32(e), "learner_behavior/k3": np.float32(k)} for e, k in ((1.0, 0.25), (2.0, 0.5))]
+  rec = _combine_update_metrics(ups)
+  assert rec["learn/entropy_mean"] == 1.5 and rec["learn/entropy_mean_by_update"] == [1.0, 2.0]
+  assert rec["learn/learner_behavior/k3"] == 0.375 and rec["learn/learner_behavior/k3_by_update"] == [0.25, 0.5]
+
+
 SHARDED_UPDATE_CASES = [
     ("tiny", {"data": 2, "fsdp": 4}, "fsdp"),
     ("tiny-moe", {"expert": 4, "data": 2}, "expert"),

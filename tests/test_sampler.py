@@ -45,6 +45,7 @@ def _learner_logp(model, batch):
       jnp.asarray(la.positions),
       temperature=batch.temperature,
       return_entropy=True,
+      kept_logp_threshold_bt=None if la.kept_logp_threshold is None else jnp.asarray(la.kept_logp_threshold),
   )
   return la, np.asarray(lp.logp), np.asarray(lp.entropy)
 
@@ -60,6 +61,7 @@ def test_behavior_logp_equals_teacher_forced(model, state, sampler, sampling):
   resp_ent = np.concatenate([np.zeros_like(batch.prompt_tokens, np.float32), batch.entropy], 1)
   np.testing.assert_allclose(resp_ent[m], ent[m], atol=1e-4, rtol=0)
   assert np.all(batch.finish_reason == "length") and np.all(batch.lengths == 9)
+  assert (batch.kept_logp_threshold is None) == (not sampling.truncates)  # recorded only when truncating
   if not sampling.greedy:  # samples of one prompt differ (independent keys)
     assert not np.array_equal(batch.response_tokens[0], batch.response_tokens[1])
 
@@ -125,8 +127,10 @@ def _draw(logits, sp, n=1000, seed=0):
 def test_b11_argmax_cases(kw):
   out = _draw([1.0, 3.0, 2.0], SamplingParams(temperature=1.0, **kw))
   assert np.all(np.asarray(out.tokens) == 1)
-  np.testing.assert_allclose(np.asarray(out.logp), np.log(0.66524096), atol=1e-6)  # full-vocab log-prob
+  np.testing.assert_allclose(np.asarray(out.logp), 0.0, atol=1e-6)  # the kept set is {1}: log(p1 / S) = 0
   assert np.all(np.isfinite(np.asarray(out.logp)))
+  # the threshold lies between token 1 (kept, log .66524) and token 2 (dropped, log .24473)
+  np.testing.assert_allclose(np.asarray(out.kept_logp_threshold), np.log(0.66524096 * 0.24472847) / 2, atol=1e-6)
 
 
 def test_b11_top_p_keeps_crossing_token():
@@ -219,9 +223,10 @@ def test_rows_draw_independently_of_batch_composition():
 
 
 def test_b12_temperature_logp_and_greedy():
-  out = _draw([2.0, 1.0, 0.0], SamplingParams(temperature=0.6, top_k=1), n=4)
-  assert np.all(np.asarray(out.tokens) == 0)
-  np.testing.assert_allclose(np.asarray(out.logp), -0.20257, atol=1e-5)  # not raw -0.40761, not raw/T -0.67934
+  out = _draw([2.0, 1.0, 0.0], SamplingParams(temperature=0.6), n=64)
+  toks, logp = np.asarray(out.tokens), np.asarray(out.logp)
+  assert np.sum(toks == 0) > 30 and out.kept_logp_threshold is None  # p0 = .8166; no truncation recorded
+  np.testing.assert_allclose(logp[toks == 0], -0.20257, atol=1e-5)  # not raw -0.40761, not raw/T -0.67934
   for t in (0.0, 1e-7):
     g = _draw([2.0, 1.0, 0.0, -1e30], SamplingParams(temperature=t), n=4)
     assert np.all(np.asarray(g.tokens) == 0)
@@ -229,12 +234,15 @@ def test_b12_temperature_logp_and_greedy():
     assert np.all(np.isfinite(np.asarray(g.logp))) and np.all(np.isfinite(np.asarray(g.entropy)))
 
 
-def test_b13_truncation_does_not_renormalise_logp():
+def test_b13_truncation_records_the_sampled_distribution():
+  # the learner side of B13 (ratio 1 once it renormalises over this set) is tests/test_truncation.py
   out = _draw([3.0, 2.0, 1.0, 0.0], SamplingParams(temperature=1.0, top_p=0.8), n=2000)
   toks, logp = np.asarray(out.tokens), np.asarray(out.logp)
   assert set(toks.tolist()) == {0, 1}
-  np.testing.assert_allclose(logp[toks == 0], -0.440190, atol=1e-6)  # not log(p0 / S) = -0.313262
-  np.testing.assert_allclose(logp[toks == 1], -1.440190, atol=1e-6)
+  np.testing.assert_allclose(logp[toks == 0], -0.313262, atol=1e-6)  # log(p0 / S), S = .880797 (full: -0.440190)
+  np.testing.assert_allclose(logp[toks == 1], -1.313262, atol=1e-6)
+  # kept {0, 1}: threshold midway between log p1 = -1.440190 and log p2 = -2.440190
+  np.testing.assert_allclose(np.asarray(out.kept_logp_threshold), -1.940190, atol=1e-6)
 
 
 def test_versions_are_stamped(state, sampler):

@@ -53,6 +53,9 @@ def _assert_same(got, want):
     np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
   np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
   np.testing.assert_allclose(got.entropy, want.entropy, atol=1e-5, rtol=0)
+  assert (got.kept_logp_threshold is None) == (want.kept_logp_threshold is None)  # recorded when truncating
+  if want.kept_logp_threshold is not None:
+    np.testing.assert_allclose(got.kept_logp_threshold, want.kept_logp_threshold, atol=1e-5, rtol=0)
   assert got.policy_version == want.policy_version and got.temperature == want.temperature
 
 

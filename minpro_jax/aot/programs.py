@@ -252,6 +252,8 @@ class RunPrograms:
         "learner_logp": _replicated(m, shape, jnp.float32),
         "advantages": _replicated(m, (n,), jnp.float32),
         "routes": None,
+        # truncated sampling: the learner renormalises over the sampler's kept sets (`models.logprobs`)
+        "kept_logp_threshold": _replicated(m, shape, jnp.float32) if self.sampling.truncates else None,
     }
     if self.replay:
       out["routes"] = _replicated(m, (*shape, self.cfg.num_layers, self.cfg.num_experts_per_tok), jnp.int16)

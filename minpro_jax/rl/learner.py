@@ -42,17 +42,25 @@ NUM_POSITION_BINS = 8
 
 
 class ScoreInputs(NamedTuple):
-  """What scoring reads of a `RolloutBatch`: [N, L] int32 tokens, segment_ids and positions (device arrays), and
-  the [N, L, layers, k] routes to replay (or None)."""
+  """What scoring reads of a `RolloutBatch`: [N, L] int32 tokens, segment_ids and positions (device arrays), the
+  [N, L, layers, k] routes to replay (or None) and the [N, L] float32 kept-set thresholds of truncated sampling
+  (or None: full-vocabulary log-probs)."""
 
   tokens: jax.Array
   segment_ids: jax.Array
   positions: jax.Array
   routes: jax.Array | None = None
+  kept_logp_threshold: jax.Array | None = None
 
   @classmethod
   def of(cls, batch: RolloutBatch, replay: bool = False) -> "ScoreInputs":
-    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields[:-1]), _replayed_routes(batch, replay))
+    arrays = (jnp.asarray(getattr(batch, f)) for f in cls._fields[:-2])
+    return cls(*arrays, _replayed_routes(batch, replay), _kept_threshold(batch))
+
+
+def _kept_threshold(batch: RolloutBatch) -> jax.Array | None:
+  """The batch's kept-set thresholds as a device array, None when the sampling did not truncate."""
+  return None if batch.kept_logp_threshold is None else jnp.asarray(batch.kept_logp_threshold)
 
 
 def _replayed_routes(batch: RolloutBatch, replay: bool) -> jax.Array | None:
@@ -82,13 +90,15 @@ class UpdateInputs(NamedTuple):
   learner_logp: jax.Array
   advantages: jax.Array
   routes: jax.Array | None = None
+  kept_logp_threshold: jax.Array | None = None
 
   @classmethod
   def of(cls, batch: RolloutBatch, replay: bool = False) -> "UpdateInputs":
-    return cls(*(jnp.asarray(getattr(batch, f)) for f in cls._fields[:-1]), _replayed_routes(batch, replay))
+    arrays = (jnp.asarray(getattr(batch, f)) for f in cls._fields[:-2])
+    return cls(*arrays, _replayed_routes(batch, replay), _kept_threshold(batch))
 
   def score_inputs(self) -> ScoreInputs:
-    return ScoreInputs(self.tokens, self.segment_ids, self.positions, self.routes)
+    return ScoreInputs(self.tokens, self.segment_ids, self.positions, self.routes, self.kept_logp_threshold)
 
 
 @flax.struct.dataclass
@@ -375,7 +385,8 @@ class Learner:
   def score(self, params, batch: RolloutBatch, *, return_routes: bool = False):
     """[N, L] float32 teacher-forced log-probs (sampler temperature) of `batch.tokens` under `params`, in
     micro-batches (the log-prob of token t at index t; values off `response_mask` are not meaningful). With
-    `LossConfig.router_replay` the forward replays `batch.routes`.
+    `LossConfig.router_replay` the forward replays `batch.routes`; with `batch.kept_logp_threshold` (truncated
+    sampling) they are renormalised over the sampler's top-k / top-p sets, as in the update.
 
     Args:
       return_routes: also return the [N, L, layers, k] int16 experts the learner's router chose (MoE; None for a
@@ -415,6 +426,7 @@ class Learner:
           temperature=self.loss_cfg.temperature,
           chunk_size=self.loss_cfg.logprob_chunk_size,
           routes_btlk=x.routes,
+          kept_logp_threshold_bt=x.kept_logp_threshold,
       )
       return lp.logp, lp.routes
 
@@ -438,9 +450,12 @@ class Learner:
         moments do not depend on it, so scaling the update is the update at the scaled rate.
 
     Returns:
-      (new state, metrics dict of numpy scalars / arrays, with "pad_fraction": the share of the token slots run
-      that are padding, `packing.pad_fraction`). If the loss or gradient is not finite the update is skipped:
-      parameters and optimizer state are unchanged and `skipped` increments.
+      (new state, metrics dict of numpy scalars / arrays). If the loss or gradient is not finite the update
+      is skipped: parameters and optimizer state are unchanged and `skipped` increments. Among the metrics:
+      "pad_fraction", the share of the token slots run that are padding (`packing.pad_fraction`); at the
+      parameters before the update and token-means over the response tokens, `entropy_mean` (nats) of the
+      learner's full tempered distribution, `learner_behavior/k3` the k3 estimate of KL(pi_theta || mu) against
+      the behavior log-probs (the `kl_coef` term's; 0 on-policy) and `learner_behavior/abs_log_ratio_mean`.
 
     Raises:
       ValueError: M not divisible by the micro-batch size; replay without routes in the batch.
@@ -475,7 +490,7 @@ class Learner:
   def _micro_objective(self, params, micro: UpdateInputs, denom, num_tokens, num_rows, prepared):
     lc = self.loss_cfg
     model = self.model(params)
-    need_entropy = lc.entropy_coef != 0.0
+    # the entropy is always computed: the `entropy_mean` metric (a few elementwise passes over each chunk's logits)
     lp = token_logprobs(
         model,
         micro.tokens,
@@ -483,13 +498,14 @@ class Learner:
         micro.positions,
         temperature=lc.temperature,
         chunk_size=lc.logprob_chunk_size,
-        return_entropy=need_entropy,
+        return_entropy=True,
         routes_btlk=micro.routes,
+        kept_logp_threshold_bt=micro.kept_logp_threshold,
     )
     out = _call_policy_loss(lc, lp.logp, micro, prepared)
     mask = micro.response_mask.astype(jnp.float32)
     total = out.loss_sum / denom
-    if need_entropy:
+    if lc.entropy_coef != 0.0:
       total = total - lc.entropy_coef * jnp.sum(lp.entropy * mask) / num_tokens
     if lc.kl_coef:
       delta = jnp.clip(jnp.where(mask > 0, micro.behavior_logp - lp.logp, 0.0), -20.0, 20.0)
@@ -534,7 +550,10 @@ class Learner:
       onehot = jax.nn.one_hot(mbins, NUM_POSITION_BINS) * valid[..., None]
       tw = out.token_weights.astype(jnp.float32)
       abs_log_ratio = jnp.abs(lp.logp - micro.behavior_logp)
-      per_token = jnp.stack([jnp.ones_like(tw), tw, tw * tw, abs_log_ratio])  # [4, n, l]: summed per position bin
+      # the k3 estimate of KL(pi_theta || mu) the `kl_coef` term penalises (clamped as there)
+      kl_k3 = k3(jnp.clip(jnp.where(valid > 0, micro.behavior_logp - lp.logp, 0.0), -20.0, 20.0))
+      ent = jax.lax.stop_gradient(lp.entropy)
+      per_token = jnp.stack([jnp.ones_like(tw), tw, tw * tw, abs_log_ratio, kl_k3, ent])  # [6, n, l]: per position bin
       by_bin = by_bin + jnp.einsum("nlb,knl->kb", onehot, jnp.where(valid > 0, per_token, 0.0))
       w = jnp.sum(valid) / num_tokens
       metric_acc = {k: _combine_metric(k, metric_acc[k], v, w) for k, v in out.metrics.items()}
@@ -552,10 +571,11 @@ class Learner:
         zero_grads,
         jnp.zeros((), jnp.float32),
         zero_metrics,
-        jnp.zeros((4, NUM_POSITION_BINS), jnp.float32),  # tokens, sum of w, of w^2, of |log ratio| per bin
+        # per bin: tokens, sums of w, w^2, |log ratio|, k3, entropy
+        jnp.zeros((6, NUM_POSITION_BINS), jnp.float32),
     )
     (grads, loss_sum, metrics, by_bin), logp = jax.lax.scan(body, init, (split, split_prepared, split_bins))
-    wcnt, wsum, wsq, abs_lr = by_bin
+    wcnt, wsum, wsq, abs_lr, kl_k3, ent = by_bin
     logp = logp.reshape(mask.shape)
     loss = loss_sum / denom
     grad_norm = optax.global_norm(grads)
@@ -583,6 +603,8 @@ class Learner:
             "lr": self.schedule(state.step) * lr_scale,
             "update_skipped": ~finite,
             "learner_behavior/abs_log_ratio_mean": jnp.sum(jnp.abs(delta)) / num_tokens,
+            "learner_behavior/k3": jnp.sum(kl_k3) / num_tokens,
+            "entropy_mean": jnp.sum(ent) / num_tokens,
             "weight_by_position_bin": wsum / jnp.maximum(wcnt, 1.0),
             "weight_sq_by_position_bin": wsq / jnp.maximum(wcnt, 1.0),
             "abs_log_ratio_by_position_bin": abs_lr / jnp.maximum(wcnt, 1.0),

@@ -45,7 +45,8 @@ class RolloutBatch:
     positions: [N, L] int32 RoPE positions (count real tokens only).
     response_mask: [N, L] bool, True on response tokens (up to and including the stop token).
     behavior_logp: [N, L] float32 sampler log-prob of each response token (0 elsewhere), under the
-      temperature-scaled full-vocabulary distribution it was sampled from.
+      temperature-scaled distribution it was sampled from (renormalised over the top-k / top-p set when the
+      sampling truncated).
     learner_logp: [N, L] float32 learner (training-precision) log-prob of the same tokens under the same
       parameter version, computed at sampling time; equals behavior_logp up to the sampler's precision
       (MIPU's pi_k; TIS/MIS rollout correction uses it).
@@ -58,6 +59,9 @@ class RolloutBatch:
     routes: None, or [N, L, layers, k] int16 MoE experts that fed each token forward in the sampler (router
       replay, `loss.router_replay`): set on response tokens the sampler fed forward, NO_ROUTE (-1) on prompt,
       padding and the last response token.
+    kept_logp_threshold: None when the sampling did not truncate, else [N, L] float32 threshold of each response
+      token's top-k / top-p set (`GenerationBatch.kept_logp_threshold`), -inf elsewhere; the learner renormalises
+      its log-probs over the same sets (`minpro_jax.models.logprobs`).
 
   Raises (on construction, when every field is an array):
     ValueError: a field whose shape is not [N, L] / [N] (names the field).
@@ -76,6 +80,7 @@ class RolloutBatch:
   response_lengths: np.ndarray
   truncated: np.ndarray
   routes: np.ndarray | None = None
+  kept_logp_threshold: np.ndarray | None = None
 
   def __post_init__(self):
     # pytree transforms rebuild the batch with placeholder leaves (None, sentinels): only arrays are checked
@@ -90,6 +95,9 @@ class RolloutBatch:
         raise ValueError(f"RolloutBatch.{name} has shape {getattr(self, name).shape}, expected {(n,)}")
     if hasattr(self.routes, "shape") and (self.routes.ndim != 4 or self.routes.shape[:2] != (n, length)):
       raise ValueError(f"RolloutBatch.routes has shape {self.routes.shape}, expected {(n, length)} + (layers, k)")
+    thr = self.kept_logp_threshold
+    if hasattr(thr, "shape") and thr.shape != (n, length):
+      raise ValueError(f"RolloutBatch.kept_logp_threshold has shape {thr.shape}, expected {(n, length)}")
 
   @classmethod
   def from_generation(
@@ -104,7 +112,8 @@ class RolloutBatch:
 
     The left-padded prompt ends at column P - 1 and the response starts at column P, so every row is one
     contiguous segment; `token_logprobs(model, tokens, segment_ids, positions, temperature=gen.temperature)`
-    reproduces `behavior_logp` on `response_mask` (exactly, at equal parameters and precision): the
+    (with `kept_logp_threshold_bt=kept_logp_threshold` when the sampling truncated) reproduces `behavior_logp` on
+    `response_mask` (exactly, at equal parameters and precision): the
     log-prob of token t sits at index t, as `token_logprobs` aligns it.
 
     Args:
@@ -132,6 +141,10 @@ class RolloutBatch:
     if gen.routes is not None:
       prompt_routes = np.full((n, p, *gen.routes.shape[2:]), NO_ROUTE, gen.routes.dtype)
       routes = np.concatenate([prompt_routes, gen.routes], axis=1)
+    kept = None
+    if gen.kept_logp_threshold is not None:
+      kept = np.concatenate([np.full((n, p), -np.inf, np.float32), gen.kept_logp_threshold], axis=1)
+      kept = kept.astype(np.float32)
     return cls(
         tokens=tokens,
         segment_ids=real.astype(np.int32),
@@ -146,6 +159,7 @@ class RolloutBatch:
         response_lengths=gen.lengths,
         truncated=gen.truncated,
         routes=routes,
+        kept_logp_threshold=kept,
     )
 
   @property
@@ -168,7 +182,7 @@ class RolloutBatch:
     return [self.select(slice(i * m, (i + 1) * m)) for i in range(num)]
 
   def to_dict(self) -> dict[str, np.ndarray]:
-    """The fields that are set (routes only when recorded), for checkpoints."""
+    """The fields that are set (routes and kept_logp_threshold only when recorded), for checkpoints."""
     return {f: getattr(self, f) for f in _FIELDS if getattr(self, f) is not None}
 
   @classmethod

@@ -22,9 +22,11 @@ class GenerationBatch:
     prompt_mask: [N, P] bool, True on real prompt tokens.
     response_tokens: [N, R] int32, pad id after the stop token / at unused steps.
     response_mask: [N, R] bool, True up to and including the stop token.
-    behavior_logp: [N, R] float32 log_softmax(logits / T)[token] over the full vocabulary (T = 1 for greedy),
-      0 where masked. See `minpro_jax.sampling.methods`.
-    entropy: [N, R] float32 entropy (nats) of the same distribution (0 where masked), or None.
+    behavior_logp: [N, R] float32 log-prob of each token under the distribution it was drawn from:
+      log_softmax(logits / T)[token] (T = 1 for greedy), renormalised over the top-k / top-p set when the sampling
+      truncates; 0 where masked. See `minpro_jax.sampling.methods`.
+    entropy: [N, R] float32 entropy (nats) of the full tempered distribution, before any top-k / top-p (0 where
+      masked), or None.
     lengths: [N] int32 response lengths (= response_mask.sum(-1)).
     finish_reason: [N] str array, "stop" or "length".
     group_ids: [N] int64 group id (one per prompt) carried by every sample of that prompt.
@@ -34,6 +36,9 @@ class GenerationBatch:
     temperature: the temperature the log-probs are reported at (1.0 for greedy); pass it to `token_logprobs`.
     routes: None, or [N, R, L, k] int16 MoE experts that fed each response token forward in each layer
       (`Sampler(record_routes=True)`); NO_ROUTE (-1) where no forward ran (the last token, padding).
+    kept_logp_threshold: None when the sampling does not truncate, else [N, R] float32: token v was in the
+      top-k / top-p set of a position iff log_softmax(logits / T)[v] > the threshold (-inf where masked).
+      The learner renormalises over it (`minpro_jax.models.logprobs`; docs/truncation.md).
   """
 
   prompt_tokens: np.ndarray
@@ -49,6 +54,7 @@ class GenerationBatch:
   policy_version: int
   temperature: float = 1.0
   routes: np.ndarray | None = None
+  kept_logp_threshold: np.ndarray | None = None
 
   def __len__(self) -> int:
     return int(self.response_tokens.shape[0])

@@ -46,6 +46,7 @@ class ContinuousState(NamedTuple):
   tokens / logp / entropy / mask: [N, R] outputs by request (pad id / 0 / 0 / False where not generated).
   stopped: [N] bool, the request emitted a stop id.
   routes: None, or [N, R, L, k] int16 MoE experts that fed each response token forward (`LoopState.routes`).
+  kept_logp_threshold: None, or [N, R] float32 kept-set thresholds when the sampling truncates (`LoopState`).
   """
 
   step: jax.Array
@@ -62,12 +63,25 @@ class ContinuousState(NamedTuple):
   mask: jax.Array
   stopped: jax.Array
   routes: jax.Array | None = None
+  kept_logp_threshold: jax.Array | None = None
+
+  def outputs(self) -> tuple:
+    """(tokens, logp, entropy, mask, stopped, routes, kept_logp_threshold): what the sampler returns."""
+    return self.tokens, self.logp, self.entropy, self.mask, self.stopped, self.routes, self.kept_logp_threshold
 
 
 def init_state(
-    config, rows: int, num_requests: int, slots: int, max_new_tokens: int, pad_id: int, record_routes: bool = False
+    config,
+    rows: int,
+    num_requests: int,
+    slots: int,
+    max_new_tokens: int,
+    pad_id: int,
+    record_routes: bool = False,
+    truncates: bool = False,
 ) -> ContinuousState:
-  """Every decode row empty (done, request N); outputs [N, R] empty. Traceable."""
+  """Every decode row empty (done, request N); outputs [N, R] empty (`truncates`: with kept-set thresholds,
+  `SamplingParams.truncates`). Traceable."""
   shape = (num_requests, max_new_tokens)
   route_shape = (*shape, config.num_layers, config.num_experts_per_tok)
   z = jnp.zeros((rows,), jnp.int32)
@@ -86,6 +100,7 @@ def init_state(
       mask=jnp.zeros(shape, bool),
       stopped=jnp.zeros((num_requests,), bool),
       routes=jnp.full(route_shape, NO_ROUTE, ROUTE_DTYPE) if record_routes else None,
+      kept_logp_threshold=jnp.full(shape, -jnp.inf, jnp.float32) if truncates else None,
   )
 
 
@@ -127,6 +142,9 @@ def record(
       mask=st.mask.at[at, col].set(True, mode="drop"),
       stopped=st.stopped.at[at].set(is_stop, mode="drop"),
   )
+  if st.kept_logp_threshold is not None:
+    thr = st.kept_logp_threshold.at[at, col].set(nxt.kept_logp_threshold, mode="drop")
+    st = st._replace(kept_logp_threshold=thr)
   new_step = jnp.where(live_b, step_b + 1, step_b)
   done = ~live_b | is_stop | (new_step >= r)
   return st, new_step, done, jnp.where(live_b, nxt.tokens, pad_id)

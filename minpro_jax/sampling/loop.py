@@ -30,6 +30,8 @@ class LoopState(NamedTuple):
   model_carry: opaque state of `step_fn` (the KV cache and positions).
   routes: None, or [B, R, L, k] int16 MoE experts per response token and layer (router replay): index i holds
     the experts that fed response token i forward (the step that sampled index i + 1); NO_ROUTE (-1) elsewhere.
+  kept_logp_threshold: None, or [B, R] float32 threshold of each token's top-k / top-p set when the sampling
+    truncates (`NextTokens`; -inf where masked).
   """
 
   step: jax.Array
@@ -42,6 +44,11 @@ class LoopState(NamedTuple):
   keys: jax.Array
   model_carry: Any
   routes: jax.Array | None = None
+  kept_logp_threshold: jax.Array | None = None
+
+  def outputs(self) -> tuple:
+    """(tokens, logp, entropy, mask, stopped, routes, kept_logp_threshold): what the sampler returns."""
+    return self.tokens, self.logp, self.entropy, self.mask, self.stopped, self.routes, self.kept_logp_threshold
 
 
 def init_loop_state(
@@ -51,9 +58,11 @@ def init_loop_state(
     model_carry,
     pad_id: int = 0,
     route_shape: tuple[int, int] | None = None,
+    truncates: bool = False,
 ) -> LoopState:
   """An empty carry for B rows; rows with active_b False start done (batch-bucket padding). `route_shape` (L, k)
-  records MoE routes (`LoopState.routes`)."""
+  records MoE routes (`LoopState.routes`); `truncates` (`SamplingParams.truncates`) records the kept-set
+  thresholds."""
   b = active_b.shape[0]
   shape = (b, max_new_tokens)
   routes = None if route_shape is None else jnp.full((*shape, *route_shape), NO_ROUTE, ROUTE_DTYPE)
@@ -68,6 +77,7 @@ def init_loop_state(
       keys=row_keys,
       model_carry=model_carry,
       routes=routes,
+      kept_logp_threshold=jnp.full(shape, -jnp.inf, jnp.float32) if truncates else None,
   )
 
 
@@ -85,6 +95,10 @@ def sample_step(state: LoopState, logits_bv: jax.Array, sampling: SamplingParams
   stop_ids = jnp.asarray(sampling.stop_token_ids, jnp.int32)
   is_stop = live & jnp.any(nxt.tokens[:, None] == stop_ids[None, :], axis=-1) if stop_ids.size else jnp.zeros_like(live)
   col = lambda a, x: jax.lax.dynamic_update_slice(a, x[:, None].astype(a.dtype), (0, i))
+  if state.kept_logp_threshold is not None:
+    state = state._replace(
+        kept_logp_threshold=col(state.kept_logp_threshold, jnp.where(live, nxt.kept_logp_threshold, -jnp.inf))
+    )
   return state._replace(
       step=i + 1,
       tokens=col(state.tokens, tok),

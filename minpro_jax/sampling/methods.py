@@ -1,15 +1,20 @@
 """Sampling parameters and the pure next-token function of the sampler.
 
-The behavior log-prob contract (cases B12 and B13 of tests/CASES.md; tests/test_sampler.py):
+The behavior log-prob contract (cases B12 and B13 of tests/CASES.md; tests/test_sampler.py,
+tests/test_truncation.py): the recorded log-prob is that of the distribution the token was drawn from,
 
-  behavior_logp(token) = log_softmax(logits / T)[token], over the FULL vocabulary.
+  no top-k / top-p:  behavior_logp(token) = log_softmax(logits / T)[token], over the full vocabulary;
+  top-k and/or top-p: behavior_logp(token) = log_softmax(logits / T)[token] - log S, with S the probability mass
+                      of the kept set K (the truncated, renormalised distribution),
 
-Top-k and top-p only change *which* token is drawn, never how its log-prob is reported, so the learner,
-which recomputes `token_logprobs(..., temperature=T)` with a full-vocabulary softmax, gets a ratio of
-exactly 1 at identical parameters (renormalising over the nucleus would bias every ratio by the surviving
-mass S; reporting raw logits at T != 1 would be off by the temperature). Greedy decoding (T <= 1e-6)
-returns the argmax and reports log_softmax(logits) at T = 1 (`SamplingParams.logprob_temperature`), which
-is finite for every token, so no NaN or inf can appear.
+and, when truncating, the sampler also records `kept_logp_threshold`: a full-distribution log-prob between the
+lowest kept token's and the highest dropped token's (the midpoint of that gap), so K = {v : log_softmax(logits /
+T)[v] > threshold}. The learner renormalises its own distribution over that set (`models.logprobs`,
+`kept_logp_threshold_bt`), so its ratio is 1 at identical parameters; a learner scoring over the full vocabulary
+would be off by exactly S on every token (trl#6789, trl#7269; docs/truncation.md says why a threshold and not the
+kept ids). Reporting raw logits at T != 1 would be off by the temperature (B12). Greedy decoding (T <= 1e-6)
+returns the argmax and reports log_softmax(logits) at T = 1 (`SamplingParams.logprob_temperature`), which is
+finite for every token, so no NaN or inf can appear.
 
 Order of truncation (HF / vLLM convention): temperature, then top-k, then top-p (nucleus sampling, Holtzman
 et al. 2020) on the renormalised top-k distribution. The nucleus keeps the smallest prefix of tokens (sorted
@@ -105,13 +110,22 @@ class SamplingParams:
     """
     return 1.0 if self.greedy else self.temperature
 
+  @property
+  def truncates(self) -> bool:
+    """True when tokens are drawn from a top-k / top-p set (not greedy, top_k > 0 or top_p < 1): the behavior
+    log-probs are then renormalised over that set and the sampler records `kept_logp_threshold`."""
+    return not self.greedy and (bool(self.top_k) or (self.top_p is not None and self.top_p < 1.0))
+
 
 class NextTokens(NamedTuple):
-  """tokens: [B] int32; logp: [B] float32 behavior log-prob; entropy: [B] float32 (nats) of that distribution."""
+  """tokens: [B] int32; logp: [B] float32 behavior log-prob (module docstring); entropy: [B] float32 (nats) of
+  the full tempered distribution; kept_logp_threshold: [B] float32 full-distribution log-prob threshold of the
+  kept set when `SamplingParams.truncates` (-inf when nothing was dropped), else None."""
 
   tokens: jax.Array
   logp: jax.Array
   entropy: jax.Array
+  kept_logp_threshold: jax.Array | None = None
 
 
 # top-p alone first sorts only this many candidates (a full-vocabulary sort per row and step is expensive);
@@ -233,8 +247,9 @@ def get_next_tokens(logits_bv: jax.Array, keys_b: jax.Array, sampling: SamplingP
     sampling: the `SamplingParams` (static).
 
   Returns:
-    `NextTokens`: tokens [B] int32, logp [B] = log_softmax(logits / T)[token] over the full vocabulary
-    (T = 1 for greedy), entropy [B] of the same full distribution. Greedy picks the lowest id among equal
+    `NextTokens`: tokens [B] int32; logp [B] = log_softmax(logits / T)[token] over the full vocabulary (T = 1
+    for greedy), minus log S (the kept mass) when `sampling.truncates`; entropy [B] of the full tempered
+    distribution; kept_logp_threshold [B] when truncating (else None). Greedy picks the lowest id among equal
     maxima (as `argmax`); sampling uses `sample_categorical` on the (truncated) softmax weights.
   """
   scaled = logits_bv.astype(jnp.float32) / sampling.logprob_temperature
@@ -249,9 +264,19 @@ def get_next_tokens(logits_bv: jax.Array, keys_b: jax.Array, sampling: SamplingP
     iota = jnp.arange(v, dtype=jnp.int32)[None, :]
     tokens = jnp.min(jnp.where(shifted == 0, iota, v), axis=-1)  # first maximum; a cheap vector reduction
     tokens = jnp.where(tokens < v, tokens, 0).astype(jnp.int32)  # all-NaN row (broken model): token 0
-  else:
-    cand = truncation_logits(scaled, sampling.top_k, sampling.top_p)
-    weights = e if cand is scaled else jnp.where(jnp.isfinite(cand), e, 0.0)
+  elif sampling.truncates:
+    kept = jnp.isfinite(truncation_logits(scaled, sampling.top_k, sampling.top_p))
+    weights = jnp.where(kept, e, 0.0)
     tokens = sample_categorical(weights, keys_b)
+    log_z = jnp.log(z)
+    # the midpoint of the gap between the lowest kept and the highest dropped log-prob: the learner's own log-probs
+    # may round differently from these, and a threshold inside the gap keeps the same set for either rounding
+    lowest_kept = jnp.min(jnp.where(kept, shifted, jnp.inf), axis=-1)
+    highest_dropped = jnp.max(jnp.where(kept, -jnp.inf, shifted), axis=-1)
+    threshold = 0.5 * (lowest_kept + highest_dropped) - log_z  # -inf when nothing was dropped
+    logp = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - jnp.log(jnp.sum(weights, axis=-1))
+    return NextTokens(tokens, logp, entropy, threshold)
+  else:
+    tokens = sample_categorical(e, keys_b)
   logp = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - jnp.log(z)
   return NextTokens(tokens, logp, entropy)

@@ -157,7 +157,8 @@ def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows:
   pool = paged.init_pool(
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype, **sizes
   )
-  st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes)._replace(cache=pool)
+  st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes, sampling.truncates)
+  st = st._replace(cache=pool)
   cos_s, sin_s = rope_tables(jnp.arange(p_len + r)[None], cfg)
 
   def step_fn(cache, tokens_b, pos_b):
@@ -174,7 +175,7 @@ def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows:
   st = decode_with_refills(
       st, step_fn, prefill, requests, refill, sampling, sampler.pad_id, hd_major, sampler.logits_processor
   )
-  return st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes, st.cache.errors
+  return *st.outputs(), st.cache.errors
 
 
 def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: SamplingParams):

@@ -29,8 +29,8 @@ shapes, dtypes and shardings never recompile (`Sampler.trace_count` counts trace
 Randomness: row r of prompt group g, sample s gets key_row = fold_in(fold_in(key(seed), g), s) and step i
 uses fold_in(key_row, i), so a row's draws do not depend on what else is in the batch.
 
-Behavior log-probs: see `minpro_jax.sampling.methods` (full-vocabulary log-softmax at the sampling
-temperature, T = 1 for greedy).
+Behavior log-probs: see `minpro_jax.sampling.methods` (log-softmax at the sampling temperature, T = 1 for
+greedy, renormalised over the top-k / top-p set when the sampling truncates, with that set's threshold).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class Sampler:
     self.jitted_prepare = jax.jit(self._prepare_impl)
     self.jitted_prefill = jax.jit(self._prefill_impl, static_argnames=("sampling",))
     self.jitted_decode = jax.jit(self._decode_impl, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
-    self._c_init = jax.jit(self._c_init_impl, static_argnames=("rows", "num_requests", "slots", "max_new_tokens"))
+    self._c_init = jax.jit(self._c_init_impl, static_argnames=("rows", "num_requests", "slots", "sampling"))
     self._c_refill = jax.jit(self._c_refill_impl, static_argnames=("sampling",), donate_argnums=(1,))
     self._c_all = jax.jit(self._c_all_impl, static_argnames=("sampling", "p_len", "rows", "refill"))
     self._c_decode = jax.jit(self._c_decode_impl, static_argnames=("sampling", "p_len"), donate_argnums=(1,))
@@ -276,7 +276,9 @@ class Sampler:
       logits = self.logits_processor(logits, jnp.zeros((b,), jnp.int32), group)
     carry = (out.cache, positions[:, -1] + 1, jnp.zeros((b,), jnp.int32) if row_group is None else row_group)
     route_shape = (self.config.num_layers, self.config.num_experts_per_tok) if self.record_routes else None
-    st = init_loop_state(row_keys, active_b, sampling.max_new_tokens, carry, self.pad_id, route_shape)
+    st = init_loop_state(
+        row_keys, active_b, sampling.max_new_tokens, carry, self.pad_id, route_shape, sampling.truncates
+    )
     return sample_step(st, logits, sampling, self.pad_id)
 
   def _decode_impl(self, state, loop_state: LoopState, *, sampling: SamplingParams, cache_offset: int):
@@ -302,8 +304,9 @@ class Sampler:
 
     return decode_loop(step_fn, loop_state, sampling, self.pad_id)
 
-  def _c_init_impl(self, *, rows, num_requests, slots, max_new_tokens):
-    return cb.init_state(self.config, rows, num_requests, slots, max_new_tokens, self.pad_id, self.record_routes)
+  def _c_init_impl(self, *, rows, num_requests, slots, sampling: SamplingParams):
+    r, routes, truncates = sampling.max_new_tokens, self.record_routes, sampling.truncates
+    return cb.init_state(self.config, rows, num_requests, slots, r, self.pad_id, routes, truncates)
 
   def _c_refill_impl(
       self, state, st, tokens_mp, segs_mp, rows_m, reqs_m, groups_m, keys_m, *, sampling: SamplingParams
@@ -358,9 +361,9 @@ class Sampler:
     self.trace_count += 1
     model = nnx.merge(self._graphdef, state)
     n = requests[0].shape[0]
-    st = cb.init_state(
-        self.config, rows, n, p_len + sampling.max_new_tokens, sampling.max_new_tokens, self.pad_id, self.record_routes
-    )
+    slots = p_len + sampling.max_new_tokens
+    routes, truncates = self.record_routes, sampling.truncates
+    st = cb.init_state(self.config, rows, n, slots, sampling.max_new_tokens, self.pad_id, routes, truncates)
     step_fn = self._c_step_fn(model, p_len + sampling.max_new_tokens)
 
     def prefill(tokens, positions, segs):
@@ -372,7 +375,7 @@ class Sampler:
     st = cb.decode_with_refills(
         st, step_fn, prefill, requests, refill, sampling, self.pad_id, p_len, hd_major, self.logits_processor
     )
-    return st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes
+    return st.outputs()
 
   def _generate_continuous(self, state, tokens, segs, row_keys, row_group, n: int, sampling: SamplingParams):
     """The continuous-batching decode of the N request rows `tokens` / `segs` [N, P] -> outputs [N, R]."""
@@ -390,11 +393,7 @@ class Sampler:
       requests = (tokens, segs, row_group.astype(np.int32), keys)
       out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at)
       return to_host(out)
-    st = settle(
-        self._c_init(
-            rows=rows, num_requests=n, slots=p_len + sampling.max_new_tokens, max_new_tokens=sampling.max_new_tokens
-        )
-    )
+    st = settle(self._c_init(rows=rows, num_requests=n, slots=p_len + sampling.max_new_tokens, sampling=sampling))
     done = np.ones(rows, bool)
     nxt = 0  # next waiting request
     while True:
@@ -415,7 +414,7 @@ class Sampler:
       done = to_host(st.done)
       if not waiting and done.all():
         break
-    return to_host((st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes))
+    return to_host(st.outputs())
 
   def continuous_rows(self, num_requests: int) -> tuple[int, int]:
     """(decode rows, rows per refill) the continuous sampler runs a call of `num_requests` rows on: `decode_rows`
@@ -542,7 +541,7 @@ class Sampler:
     state = self.prepare_params(params).state
     with self.mesh_context():
       if self.continuous:
-        tok, logp, ent, mask, stopped, routes = self._generate_continuous(
+        tok, logp, ent, mask, stopped, routes, kept = self._generate_continuous(
             state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling
         )
       else:
@@ -550,9 +549,7 @@ class Sampler:
             self.jitted_prefill(state, tokens, segs, row_keys, active, g_all.astype(np.int32), sampling=sampling)
         )
         st = self.jitted_decode(state, st, sampling=sampling, cache_offset=p_len)
-        tok, logp, ent, mask, stopped, routes = to_host(
-            (st.tokens, st.logp, st.entropy, st.mask, st.stopped, st.routes)
-        )
+        tok, logp, ent, mask, stopped, routes, kept = to_host(st.outputs())
     mask = mask[:n]
     return GenerationBatch(
         prompt_tokens=tokens[:n],
@@ -568,6 +565,7 @@ class Sampler:
         policy_version=version,
         temperature=sampling.logprob_temperature,
         routes=None if routes is None else routes[:n],
+        kept_logp_threshold=None if kept is None else kept[:n],
     )
 
   def _check_prompts(self, prompts) -> list[list[int]]:
