@@ -166,6 +166,23 @@ def test_packed_score_equals_unpacked(model_and_batch):
   assert not got[batch.segment_ids == 0].any()
 
 
+def test_packed_truncated_sampling_keeps_its_kept_sets(model_and_batch):
+  """The sampler's kept-set thresholds (top-k / top-p, docs/truncation.md) travel through the packer: packed score
+  and update equal unpacked ones, and differ from the full-vocabulary ones."""
+  model, batch = model_and_batch
+  thr = np.where(batch.response_mask, np.float32(-4.0), np.float32(0.0)).astype(np.float32)
+  truncated = batch.replace(kept_logp_threshold=thr)
+  params = nnx.split(model)[1]
+  cfg = LossConfig(method="minpro")
+  want = Learner(model, cfg, OptimizerConfig(), micro_batch_size=4).score(params, truncated)
+  got = Learner(model, cfg, OptimizerConfig(), micro_batch_size=4, row_tokens=16).score(params, truncated)
+  full = Learner(model, cfg, OptimizerConfig(), micro_batch_size=4).score(params, batch)
+  resp = batch.response_mask
+  np.testing.assert_allclose(got[resp], want[resp], rtol=1e-5, atol=1e-6)
+  assert float(np.abs(want[resp] - full[resp]).max()) > 1e-2  # the kept sets matter here
+  _assert_same_update(_sgd_step(model, cfg, truncated, 2, None), _sgd_step(model, cfg, truncated, 2, 20), "top-p")
+
+
 def test_packed_update_with_router_replay_equals_unpacked():
   model = _model(preset="tiny-moe")
   batch = _batch(model, n=8, length=12, seed=1)

@@ -406,7 +406,11 @@ class Learner:
     _replayed_routes(batch, replay)  # the same error as unpacked
     plan = packing.plan(batch.segment_ids, self.row_tokens, mb)
     rows = packing.pack(batch, plan, packing.SCORE_FIELDS, routes=replay)
-    inputs = ScoreInputs(*(jnp.asarray(rows[f]) for f in packing.SCORE_FIELDS), routes=_device(rows.get("routes")))
+    inputs = ScoreInputs(
+        *(jnp.asarray(rows[f]) for f in packing.SCORE_FIELDS),
+        routes=_device(rows.get("routes")),
+        kept_logp_threshold=_device(rows.get("kept_logp_threshold")),
+    )
     logp, routes = to_host(self.jitted_score(params, inputs, mb))
     logp = packing.unpack(logp, plan, batch.tokens.shape)
     if routes is not None:
@@ -479,7 +483,11 @@ class Learner:
       return UpdateInputs.of(batch, replay), packing.pad_fraction(batch.segment_ids, mb)
     _replayed_routes(batch, replay)  # the same error as unpacked
     rows = packing.pack(batch, packing.plan(batch.segment_ids, self.row_tokens, mb), routes=replay)
-    arrays = UpdateInputs(*(jnp.asarray(rows[f]) for f in packing.PACKED_FIELDS), routes=_device(rows.get("routes")))
+    arrays = UpdateInputs(
+        *(jnp.asarray(rows[f]) for f in packing.PACKED_FIELDS),
+        routes=_device(rows.get("routes")),
+        kept_logp_threshold=_device(rows.get("kept_logp_threshold")),
+    )
     return arrays, packing.pad_fraction(rows["segment_ids"], mb)
 
   def jitted_update(self, state_shardings):

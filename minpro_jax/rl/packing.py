@@ -155,7 +155,7 @@ def pack(batch: RolloutBatch, p: PackPlan, fields=PACKED_FIELDS, routes: bool = 
   """The per-token `fields` of `batch` in the packed rows of `p` (host arrays, the batch's dtypes).
 
   `segment_ids` are the plan's; `advantages` ([N] per sample) become [R, W] per token; padding is 0 (False), and
-  NO_ROUTE in `routes` ([R, W, layers, k], with `routes=True`).
+  NO_ROUTE in `routes` ([R, W, layers, k], with `routes=True`); `kept_logp_threshold` too when the batch has it.
   """
   out = {}
   for f in fields:
@@ -168,6 +168,8 @@ def pack(batch: RolloutBatch, p: PackPlan, fields=PACKED_FIELDS, routes: bool = 
       out[f] = _gather(getattr(batch, f), p)
   if routes:
     out["routes"] = _gather(batch.routes, p, fill=NO_ROUTE)
+  if batch.kept_logp_threshold is not None:  # the sampler's kept set (truncated sampling, docs/truncation.md)
+    out["kept_logp_threshold"] = _gather(batch.kept_logp_threshold, p)
   return out
 
 
