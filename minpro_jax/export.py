@@ -79,7 +79,7 @@ def save_tokenizer(c, tokenizer, out: str) -> None:
     return
   # sentencepiece: transformers converts the .model (its normalizer spec kept) into a fast tokenizer; saving that
   # writes tokenizer.json, so loading the export needs neither sentencepiece nor a conversion
-  from transformers import AutoTokenizer
+  AutoTokenizer = _auto_tokenizer()
 
   sp = tokenizer.sp
   names = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "pad_token": sp.pad_id(), "unk_token": sp.unk_id()}
@@ -93,11 +93,22 @@ def save_tokenizer(c, tokenizer, out: str) -> None:
     AutoTokenizer.from_pretrained(tmp).save_pretrained(out)
 
 
+def _auto_tokenizer():
+  """`transformers.AutoTokenizer`; a ConfigError saying how to install it when it is missing."""
+  try:
+    from transformers import AutoTokenizer
+  except ImportError as e:
+    from minpro_jax.errors import ConfigError
+
+    raise ConfigError(
+        f"export needs transformers ({e}): pip install 'minpro_jax[export]' (or transformers>=5.23)"
+    ) from e
+  return AutoTokenizer
+
+
 def check_tokenizer(tokenizer, out: str, texts=CHECK_TEXTS) -> None:
   """Raises ValueError when the tokenizer `transformers` loads from `out` encodes one of `texts` differently."""
-  from transformers import AutoTokenizer
-
-  hf = AutoTokenizer.from_pretrained(out)
+  hf = _auto_tokenizer().from_pretrained(out)
   for text in texts:
     want, got = tokenizer.encode(text), hf.encode(text, add_special_tokens=False)
     if want != got:

@@ -92,7 +92,10 @@ def test_resume_refuses_another_grader_or_eval_sampling(tmp_path):
   stored = resume_check.resume_fingerprint(c)
   for field, value in (("n", 4), ("reward_mode", "math"), ("temperature", 0.6), ("top_p", 0.95)):
     other = make_config(tiny_overrides(tmp_path, **{f"eval.{field}": value}))
-    with pytest.raises(ConfigError, match=rf"config\.workdir: .* different eval\.{field}; resuming would mix"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"config\.workdir: .* different eval\.{field} \(.* in the checkpoint, .* now\); resuming would mix",
+    ):
       resume_check.check_resume(other, stored, "runs/x")
   old = {k: v for k, v in stored.items() if k not in resume_check.UNRECORDED_KEYS}  # a checkpoint from before
   resume_check.check_resume(make_config(tiny_overrides(tmp_path, **{"eval.n": 4})), old, "runs/x")
@@ -108,7 +111,10 @@ def test_resume_sees_a_tfds_dataset_rebuilt_under_the_same_name(tmp_path):
   resume_check.check_resume(c, stored, "runs/x")
   time.sleep(0.01)
   shard.write_bytes(b"second build")  # rebuilt: its held-out rows differ
-  with pytest.raises(ConfigError, match=r"different tfds\.my_math@.*tfds; resuming would mix two experiments"):
+  with pytest.raises(
+      ConfigError,
+      match=r"different tfds\.my_math@.*tfds \(.* in the checkpoint, .* now\); resuming would mix two experiments",
+  ):
     resume_check.check_resume(c, stored, "runs/x")
   train_c = make_config(
       tiny_overrides(
