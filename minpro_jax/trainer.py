@@ -296,6 +296,7 @@ class Trainer:
         "staleness/min": int(stale.min()),
         "staleness/mean": float(stale.mean()),
         "staleness/max": int(stale.max()),
+        "staleness/histogram": np.bincount(stale).tolist(),  # [k]: samples used k updates after they were drawn
         "time/learn": dt,
         "throughput/learn_tokens_per_s": float(batch.segment_ids.sum()) / max(dt, 1e-9),
     }

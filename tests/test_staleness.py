@@ -122,6 +122,8 @@ def test_trainer_staleness_paper_setting(paper_run):
   for s in (4, 5):  # after warm-up: exactly [32, 47], both ends attained
     assert (recs[s]["staleness/min"], recs[s]["staleness/max"]) == (32, 47)
     assert recs[s]["staleness/mean"] == pytest.approx(39.5)
+    hist = recs[s]["staleness/histogram"]  # each of the 16 updates' mini-batch at one staleness
+    assert len(hist) == 48 and not any(hist[:32]) and len(set(hist[32:])) == 1 and hist[32] > 0
     assert recs[s]["policy_version"] == (s - 1) * 16
     assert recs[s]["sample/policy_version"] == (s - 2) * 16
 
