@@ -41,6 +41,7 @@ def _gen(prompt_width: int, response_width: int, groups: int, group_size: int, t
       sample_index=np.tile(np.arange(group_size), groups).astype(np.int32),
       policy_version=7,
       routes=np.zeros((n, response_width, 1, 2), np.int16) if routes else None,
+      kept_logp_threshold=np.full((n, response_width), -2.0, np.float32) + rows if routes else None,
   )
 
 
@@ -54,6 +55,8 @@ def test_take_groups_pads_rounds_of_other_widths():
   np.testing.assert_array_equal(out.response_tokens[2:], [[10, 10, 10, 0], [11, 11, 11, 0]])
   np.testing.assert_array_equal(out.response_mask[2:, 3], [False, False])
   assert out.behavior_logp[2, 3] == 0.0 and out.entropy[2, 3] == 0.0 and out.routes[2, 3, 0, 0] == -1
+  np.testing.assert_array_equal(out.kept_logp_threshold[:, 0], [0.0, 1.0, -2.0, -1.0])  # the chosen rows' own
+  assert out.kept_logp_threshold[2, 3] == -np.inf
   assert out.group_ids.tolist() == [201, 201, 100, 100] and out.policy_version == 7
   with pytest.raises(ValueError, match="share one policy version"):
     take_groups([a, dataclasses.replace(b, policy_version=8)], [(0, 0)], 2, 0)

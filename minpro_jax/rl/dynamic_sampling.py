@@ -71,10 +71,11 @@ def take_groups(
 
   Rounds may differ in prompt width (their prompt bucket) and response width: prompts are left-padded and responses
   right-padded to the widest, with the padding conventions of `GenerationBatch` (pad id, mask False, log-prob and
-  entropy 0, routes `no_route`).
+  entropy 0, routes `no_route`, kept-set thresholds -inf).
 
   Raises:
     ValueError: the rounds differ in temperature or policy version (a step samples every round at one version).
+    NotImplementedError: `GenerationBatch` has a per-row field this function does not take.
   """
   if len({g.policy_version for g in gens}) != 1 or len({g.temperature for g in gens}) != 1:
     raise ValueError("the rounds of a step must share one policy version and temperature")
@@ -88,11 +89,17 @@ def take_groups(
       "behavior_logp": (_pad_right, r, 0.0),
       "entropy": (_pad_right, r, 0.0),
       "routes": (_pad_right, r, no_route),
+      "kept_logp_threshold": (_pad_right, r, -np.inf),
       "lengths": None,
       "finish_reason": None,
       "group_ids": None,
       "sample_index": None,
   }
+  arrays_of_rows = {f.name for f in dataclasses.fields(GenerationBatch)} - {"policy_version", "temperature"}
+  if arrays_of_rows != set(widths):  # a field added to GenerationBatch must be taken here too, never left stale
+    raise NotImplementedError(
+        f"take_groups does not know GenerationBatch fields {sorted(arrays_of_rows ^ set(widths))}"
+    )
   out = {}
   for field, how in widths.items():
     arrays = [getattr(g, field) for g in gens]
