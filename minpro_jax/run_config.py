@@ -1,4 +1,4 @@
-"""A training config (`minpro_jax/configs/default.py`) checked and turned into the typed configs of its parts.
+"""A training config (`configs/default.py`) checked and turned into the typed configs of its parts.
 
 `validate_config` runs before anything expensive. Each field is checked once, against the choices of the module
 that owns it (imported, never copied), and a failure is a `ConfigError` whose message starts with
@@ -81,7 +81,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
   """Checks every field and cross-field constraint of a training config.
 
   Args:
-    c: the `ml_collections.ConfigDict` of `minpro_jax/configs/default.py` (or a config built on it).
+    c: the `ml_collections.ConfigDict` of `configs/default.py` (or a config built on it).
     num_devices: devices the mesh must use (default `len(jax.devices())`).
 
   Raises:

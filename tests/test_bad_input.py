@@ -112,7 +112,7 @@ def _study(argv, capsys):
     "body, arg, words",
     [
         (
-            "def get_grid(arg=None):\n  return Grid(base='minpro_jax/configs/default.py', fixed=smoke.TINY,\n"
+            "def get_grid(arg=None):\n  return Grid(base='configs/default.py', fixed=smoke.TINY,\n"
             "      axes={'delay': [0, 1]}, derived=lambda cell: {'total_steps': 3 + cell['loss.method']})\n",
             "",
             "grid.derived: raised KeyError: 'loss.method' for the cell {'delay': 0} at seed 0; it gets only the cell's",
@@ -123,7 +123,7 @@ def _study(argv, capsys):
             "get_grid('huge') failed (KeyError: 'huge'); pass an argument the grid file takes after the ':' (arg: small",
         ),
         (
-            "def get_grid(arg=None):\n  return Grid(base='minpro_jax/configs/default.py', fixed=smoke.TINY,\n"
+            "def get_grid(arg=None):\n  return Grid(base='configs/default.py', fixed=smoke.TINY,\n"
             "      axes={'delay': [0, 1]}, seeds=3)\n",
             "",
             "grid.seeds: must be a tuple of ints, got the int 3; write e.g. seeds=(0,) for one seed",
