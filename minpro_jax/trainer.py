@@ -51,7 +51,7 @@ from minpro_jax.rl.aggregation import mismatch_metrics
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.packing import row_tokens
-from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
+from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.run_progress import RunProgress
 from minpro_jax.run_setup import RunParts, setup_run
 from minpro_jax.runtime import multihost
@@ -137,7 +137,7 @@ class Trainer:
     adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=self.c.advantage_mode))
     batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=adv.astype(np.float32))
     if self.c.reward.mask_truncated:
-      batch = batch.replace(response_mask=batch.response_mask & ~batch.truncated[:, None])
+      batch = mask_truncated(batch)
     gstats = {**gstats, "seconds": time.time() - t0}
     if not score:
       return batch, texts, gstats

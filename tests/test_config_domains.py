@@ -1,7 +1,7 @@
 """Every numeric field of the training config has a domain that `validate_config` enforces, naming the field; and
 the settings under which a run would learn nothing are refused up front (minpro_jax/config_domains.py).
 
-The table holds, for each numeric field of `minpro_jax/configs/default.py`, values outside its domain; a field
+The table holds, for each numeric field of `configs/default.py`, values outside its domain; a field
 that takes any value of its type says why instead. `test_every_numeric_field_is_in_the_table` keeps the table
 complete: a field added to the config without a domain fails it.
 """

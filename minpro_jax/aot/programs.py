@@ -170,7 +170,7 @@ class RunPrograms:
   """Builds the run's programs for one model config on one mesh (the learner and sampler the trainer would).
 
   Args:
-    c: the run config (`minpro_jax/configs/default.py` layout), validated by the caller.
+    c: the run config (`configs/default.py` layout), validated by the caller.
     cfg: its `ModelConfig` (`model_config(c)`, with any remat override applied).
     mesh: the mesh to compile for (its devices may be abstract TPU devices).
     shapes: `run_shapes(c)`.
