@@ -5,9 +5,10 @@ With a split, the sampler's layout (`inference_mesh.sampler_layout`) spans its o
 (`minpro_jax.overlap`). Without one (0, the default) both span every device, one after the other.
 
 Which devices: the same share of every process's devices, the last ones of each process in `jax.devices()` order,
-go to the sampler; so every process holds devices of both sides (each process drives its own devices, and a weight
-transfer then stays within hosts where the layouts allow) and, on one process, the learner keeps device 0 (the
-default device, where a run without `mesh.shape` puts it).
+go to the sampler; so every process would hold devices of both sides and, on one process, the learner keeps device 0
+(the default device, where a run without `mesh.shape` puts it). A run of several processes cannot split yet: JAX
+0.10.2 moves a multi-process array only within its device set (`jax.device_put` raises "For a cross-host reshard in
+multi-controller JAX, input and target sharding should have the same set of devices"; TPU's TFRT runtime aside).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ def sampler_device_count(value, num_devices: int, process_count: int = 1) -> int
     value: 0 (no split: sampler and learner share every device), an int count in [1, num_devices), or a fraction in
       (0, 1) of the devices (rounded to the nearest count).
     num_devices: the run's devices, all processes together.
-    process_count: the run's processes; the count must be a multiple of it (the same share of each process).
+    process_count: the run's processes (a split needs one today).
 
   Raises:
     ConfigError: naming `config.sampling.devices`: not an int or a float, a count that leaves the learner or the
-      sampler no device, a count that does not split evenly over the processes.
+      sampler no device, a split in a run of several processes.
   """
   field = "config.sampling.devices"
   if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -58,10 +59,12 @@ def sampler_device_count(value, num_devices: int, process_count: int = 1) -> int
         f"{field}: {what} leaves the {'sampler' if count < 1 else 'learner'} no device; give the sampler between 1 "
         f"and {num_devices - 1} of the {num_devices} devices (or 0: sampler and learner share every device)"
     )
-  if count % process_count:
+  if process_count > 1:  # jax 0.10.2: "a cross-host reshard ... should have the same set of devices"
     raise ConfigError(
-        f"{field}: {what} does not split evenly over the {process_count} processes (each gives the sampler the "
-        f"same share of its devices); use a multiple of {process_count}"
+        f"{field}: a run of {process_count} processes cannot split its devices yet: the weight transfer moves the "
+        "learner's parameters onto other devices, which multi-controller JAX does only within one device set "
+        "(TPU's TFRT runtime aside); use sampling.devices=0 (the sampler's own layout over every device: "
+        "sampling.mesh), or one process"
     )
   return count
 
