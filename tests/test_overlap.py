@@ -198,3 +198,14 @@ def test_overlapped_run_equals_sequential_run_after_sigkill_and_resume(tmp_path)
   assert all(first[s] == ref[s] for s in first if s <= restored)
   assert ref[STEPS - 1]["policy_version"] == (STEPS - 2) * 2
   assert ref[2]["sampler_learner/mismatch_k3"] != ref[4]["sampler_learner/mismatch_k3"]  # the policy moved
+
+
+def test_the_compile_only_tool_refuses_a_split():
+  from minpro_jax.aot.budget import Budget
+  from minpro_jax.aot.topologies import parse_slice
+  from minpro_jax.configs import set_fields
+  from minpro_jax.configs.default import get_config
+
+  c = set_fields(get_config(), {"sampling.devices": 4, "micro_batch_size": 16, "sampling.max_new_tokens": 8})
+  with pytest.raises(ConfigError, match=r"^--config\.sampling\.devices=4: the compile-only tool compiles the prog"):
+    Budget(c, parse_slice("cpu:8"), "fsdp=8", lengths="const:4", prompt_len=6)
