@@ -13,6 +13,8 @@ One global step s:
   5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.mipu_step`): sample validation prompts with the updated
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
+With `config.sampling.devices` and delay >= 1, steps 2-3 and 4 run at the same time on disjoint devices, with the
+same samples and updates (`minpro_jax.overlap`).
 
 Randomness is a pure function of (seed, global step), and checkpoints hold parameters, optimizer state, the data
 iterator state, the waiting rollout batches and the `RunProgress`, so a run killed at any point and re-run with the
@@ -393,8 +395,7 @@ class Trainer:
       self.close()
 
   def close(self) -> None:
-    """Ends the learner's worker thread and releases the workdir (its lock); `run` calls it when it ends, however it
-    ends."""
+    """Ends the learner's worker thread, releases the workdir (its lock); `run` calls it however it ends."""
     self.steps.close()
     if self.parts.lock is not None:
       self.parts.lock.close()
