@@ -7,10 +7,13 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 import types
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -20,6 +23,7 @@ from minpro_jax.errors import ConfigError
 from minpro_jax.launch_local import with_device_count
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.overlap import StepRunner
+from minpro_jax.rl.rollout import RolloutBuffer
 from minpro_jax.run_config import validate_config
 from minpro_jax.runtime.device_split import sampler_device_count, split_devices
 from minpro_jax.runtime.inference_mesh import sampler_layout
@@ -87,6 +91,75 @@ def test_delay_zero_runs_sequentially_and_says_so(tmp_path, caplog):
   assert not StepRunner(fake(2, overlap=False)).overlapped
   runner = StepRunner(fake(1))
   assert runner.overlapped
+  runner.close()
+
+
+class _State(NamedTuple):
+  params: dict
+  step: jax.Array
+
+
+class _FakeTrainer:
+  """What `StepRunner` reads of a trainer: sample_step waits for learn_step to have started (so it returns only
+  if the two run at the same time) and records what it was given."""
+
+  def __init__(self, tmp_path, delay=1, fail=False):
+    self.c = make_config(tiny_overrides(tmp_path, delay=delay))
+    self.parts = types.SimpleNamespace(device_split=split_devices(4, jax.devices()))
+    self.mesh = None
+    self.sampler = types.SimpleNamespace(prepare_params=lambda p: ("prepared", p))
+    self.learning, self.learnt, self.fail, self.seen = threading.Event(), threading.Event(), fail, {}
+
+  def scoring(self, step):
+    return True, True
+
+  def sample_step(self, state, step, prepared):
+    self.seen.update(
+        thread=threading.current_thread() is threading.main_thread(),
+        concurrent=self.learning.wait(timeout=10),
+        params=state.params,
+        version=int(state.step),
+        prepared=prepared,
+    )
+    if self.fail:
+      raise RuntimeError("sampling failed")
+    return f"batch {step}", {"reward/mean": 0.5}
+
+  def learn_step(self, state, batch, lr_scale):
+    self.seen.update(learner_thread=threading.current_thread().name, released=batch)
+    self.learning.set()
+    time.sleep(0.2)
+    self.learnt.set()
+    return _State({"w": state.params["w"] + 1}, state.step + 2), {"time/learn": 0.2}
+
+
+def test_the_runner_learns_in_a_worker_thread_while_the_main_thread_samples(tmp_path):
+  tr = _FakeTrainer(tmp_path)
+  runner = StepRunner(tr)
+  buffer = RolloutBuffer(1)
+  buffer.push(0, "batch 0")
+  state = _State({"w": jnp.arange(3.0)}, jnp.asarray(4))
+  w = state.params["w"]
+  try:
+    new, before, metrics = runner.run(state, 1, buffer, 1.0)
+  finally:
+    runner.close()
+  seen = tr.seen
+  assert seen["thread"] and seen["concurrent"] and seen["learner_thread"].startswith("learner")
+  assert seen["released"] == "batch 0" and seen["version"] == 4 and seen["prepared"][1]["w"] is w
+  assert seen["params"]["w"] is not w and np.array_equal(seen["params"]["w"], w)  # a copy for the score pass
+  assert int(new.step) == 6 and before is None and buffer.pop(2) == "batch 1"
+  assert set(metrics) == {"reward/mean", "time/learn", "time/weight_transfer"}
+
+
+def test_a_sampling_error_waits_for_the_updates_then_raises(tmp_path):
+  tr = _FakeTrainer(tmp_path, fail=True)
+  runner = StepRunner(tr)
+  buffer = RolloutBuffer(1)
+  buffer.push(0, "batch 0")
+  with pytest.raises(RuntimeError, match="sampling failed"):
+    runner.run(_State({"w": jnp.zeros(2)}, jnp.asarray(0)), 1, buffer, 1.0)
+  assert tr.learnt.is_set()
   runner.close()
 
 
