@@ -23,6 +23,7 @@ from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
 from minpro_jax.models.hf_io import config_from_hf
 from minpro_jax.rl import mipu
+from minpro_jax.runtime.device_split import sampler_device_count
 from minpro_jax.runtime.inference_mesh import parse_sampling_mesh
 from minpro_jax.runtime.sharding import MESH_AXES, batch_split
 
@@ -333,6 +334,8 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
 
 
 def check_mesh(c, num_devices: int) -> None:
+  sampler_devices = sampler_device_count(c.sampling.get("devices", 0), num_devices, jax.process_count())
+  num_devices -= sampler_devices  # the learner's mesh spans the rest (runtime/device_split.py)
   shape = parse_mesh_shape(c.mesh.shape)
   need(
       bool(shape) or jax.process_count() == 1,
@@ -344,12 +347,14 @@ def check_mesh(c, num_devices: int) -> None:
     try:
       shape = resolve_mesh_shape(shape, num_devices)
     except ValueError as e:
-      raise ConfigError(f"config.mesh.shape: {c.mesh.shape!r}: {e}") from e
+      split = f" (sampling.devices={c.sampling.devices} gives the sampler {sampler_devices}; or change that)"
+      raise ConfigError(f"config.mesh.shape: {c.mesh.shape!r}: {e}{split if sampler_devices else ''}") from e
   check_micro_batch_split(c, shape or {}, num_devices)
   spec = c.sampling.get("mesh", "")
   heads = _model_heads(c)
   if spec and (heads or spec != "auto"):  # the sampler's mesh spans the learner mesh's devices (one without a mesh)
-    parse_sampling_mesh(spec, math.prod(shape.values()) if shape else 1, *(heads or (None, None)))
+    n = sampler_devices or (math.prod(shape.values()) if shape else 1)  # or its own
+    parse_sampling_mesh(spec, n, *(heads or (None, None)))
 
 
 def check_micro_batch_split(c, mesh_shape: dict[str, int], num_devices: int) -> None:

@@ -35,6 +35,7 @@ BAD: dict[str, tuple[tuple, dict]] = {
     "sampling.top_k": ((-1,), {}),
     "sampling.max_new_tokens": ((0,), {}),
     "sampling.decode_rows": ((0, -1), {}),
+    "sampling.devices": ((-1, 1, 1.5, 0.1), {}),  # of 1 device: none left to the learner, a fraction giving 0
     "reward.format_reward": ((1.0, 2.0, -0.5, INF, NAN), {}),
     "reward.overlong_buffer": ((-1, 7), {}),  # above sampling.max_new_tokens=6
     "reward.overlong_factor": ((-1.0, INF, NAN), {}),

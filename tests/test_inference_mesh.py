@@ -191,7 +191,7 @@ def test_parse_sampling_mesh_and_auto():
     "spec, devices, match",
     [
         ("fsdp=8", 8, "unknown axis 'fsdp'"),
-        ("data=4,tensor=4", 8, r"spans 16 devices.*learner mesh's 8"),
+        ("data=4,tensor=4", 8, r"spans 16 devices, but the sampler's mesh spans 8"),
         ("data=2", 8, r"spans 2 devices.*e.g. 'data=8,tensor=1'"),
         ("tensor=4,data=2", 8, r"tensor=4 does not divide.*2 KV heads; choose tensor in \[1, 2\]"),
         ("tensor", 8, "cannot parse 'tensor'"),
@@ -221,7 +221,7 @@ def test_validate_config_names_the_sampling_fields(tmp_path):
     run_config.validate_config(c, num_devices=8)
   c.sampling.mesh = "data=4,tensor=2"
   c.mesh.shape = ""  # one learner device: the sampler's mesh must span one
-  with pytest.raises(ConfigError, match=r"^config\.sampling\.mesh: .*learner mesh's 1"):
+  with pytest.raises(ConfigError, match=r"^config\.sampling\.mesh: .*the sampler's mesh spans 1 \(the learner mesh's"):
     run_config.validate_config(c, num_devices=8)
   c.mesh.shape = "fsdp=8"
   c.sampling.decode_rows = 0

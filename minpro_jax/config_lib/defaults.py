@@ -80,6 +80,11 @@ def base_config() -> ConfigDict:
   # the sampler's own mesh over the learner's devices (runtime/inference_mesh.py): "" = the learner's mesh and rules;
   # "tensor=4", "data=4,tensor=2" (weights split over tensor, replicated over data), or "auto"
   c.sampling.mesh = ""
+  # devices of the sampler's own (runtime/device_split.py): 0 = every device, shared with the learner; a count or a
+  # fraction in (0, 1) of the devices (the learner's mesh.shape spans the rest). With delay >= 1 and overlap, step
+  # s is sampled while the learner applies step s's updates (minpro_jax/overlap.py); the same samples and updates
+  c.sampling.devices = config_dict.FieldReference(0, field_type=object)
+  c.sampling.overlap = True  # False: one after the other on the split devices (what the overlapped run equals)
 
   c.reward = ConfigDict()
   c.reward.mode = "integer"  # integer | math

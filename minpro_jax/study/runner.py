@@ -63,6 +63,8 @@ ADDED_FIELDS = {
     "mipu.tolerance": "fixed",
     "mipu.calibration_draws": 8,
     "mipu.calibration_z": 2.0,
+    "sampling.devices": 0,
+    "sampling.overlap": True,
 }
 _ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
