@@ -15,23 +15,37 @@ and small prefills; a query with no visible key (an idle row, a padding token) g
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from minpro_jax.models.attention_core import NEG_INF
 
+KERNELS = ("xla", "pallas")  # `paged_decode_attention` (plain JAX) or `pallas_decode_attention` (TPU)
 
-class PagedKVCache(NamedTuple):
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["kv_pages", "page", "slot", "lengths", "page_table"],
+    meta_fields=["kernel", "num_kv_pages_per_block", "num_queries_per_block"],
+)
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
   """What a decode step of `Transformer` reads and writes with a paged cache (one new token per row; built by
-  the sampler from `sampling.paged.append_slots`).
+  the sampler from `sampling.paged.append_slots`). A pytree whose arrays are its leaves; the kernel choice is
+  static.
 
   kv_pages: L arrays [num_pages, page_size, 2K, head_dim] (one array inside a layer).
   page, slot: [B] int32 page and slot the row's new token goes to (page num_pages: no write).
   lengths: [B] int32 tokens of each row, the new one included (0: an idle row).
   page_table: [B, pages_per_row] int32.
+  kernel: the decode attention `attend` runs, one of `KERNELS`: "xla" (`paged_decode_attention`, any
+    platform) or "pallas" (`pallas_decode_attention`, TPU only).
+  num_kv_pages_per_block, num_queries_per_block: the Pallas kernel's block sizes (None: its tuned table, which
+    needs a TPU runtime; give both to compile for TPU on another host).
   """
 
   kv_pages: tuple[jax.Array, ...] | jax.Array
@@ -39,6 +53,26 @@ class PagedKVCache(NamedTuple):
   slot: jax.Array
   lengths: jax.Array
   page_table: jax.Array
+  kernel: str = "xla"
+  num_kv_pages_per_block: int | None = None
+  num_queries_per_block: int | None = None
+
+  def __post_init__(self):
+    if self.kernel not in KERNELS:
+      raise ValueError(f"PagedKVCache.kernel={self.kernel!r}; choose one of {KERNELS}")
+
+  def _replace(self, **changes) -> "PagedKVCache":
+    return dataclasses.replace(self, **changes)
+
+  def attend(self, q_rhd: jax.Array, kv_pages: jax.Array) -> jax.Array:
+    """Decode attention of one query per row [rows, q_heads, head_dim] over one layer's `kv_pages` (the new
+    token already written), by `kernel`."""
+    if self.kernel == "pallas":
+      blocks = dict(
+          num_kv_pages_per_block=self.num_kv_pages_per_block, num_queries_per_block=self.num_queries_per_block
+      )
+      return pallas_decode_attention(q_rhd, kv_pages, self.lengths, self.page_table, **blocks)
+    return paged_decode_attention(q_rhd, kv_pages, self.lengths, self.page_table)
 
 
 def combine_kv(k: jax.Array, v: jax.Array) -> jax.Array:
