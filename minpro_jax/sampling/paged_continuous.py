@@ -26,6 +26,7 @@ from minpro_jax.models.paged_attention import KERNELS, PagedKVCache
 from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, keys_head_dim_major
 from minpro_jax.runtime.multihost import to_host
+from minpro_jax.runtime.sharding import constrain
 from minpro_jax.sampling import paged
 from minpro_jax.sampling.continuous import ContinuousState, init_state, record, refill_rule, start_rows
 from minpro_jax.sampling.methods import SamplingParams
@@ -254,6 +255,8 @@ def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows:
   pool = paged.init_pool(
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype, **sizes
   )
+  # the pages split by KV head like the dense cache (and the Pallas kernel's shard_map), whole over row groups
+  pool = pool._replace(kv_pages=tuple(constrain(p, (None, None, "act_kv_heads", None)) for p in pool.kv_pages))
   st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes, sampling.truncates)
   st = st._replace(cache=pool)
   cos_s, sin_s = rope_tables(jnp.arange(p_len + r)[None], cfg)
