@@ -1,12 +1,14 @@
 """Continuous batching on a paged KV cache (`Sampler(paged_kv=PagedKV(...))`; off by default).
 
 The loop of `continuous.decode_with_refills` with the dense per-row cache replaced by a `paged.PagePool`
-(carried in `ContinuousState.cache`): a refill prefills the waiting prompts and writes only their real tokens
-into fresh pages; a decode step allocates a page where a row crosses a page boundary and attends to each row's
-own pages (`models.paged_attention`); a row's pages go back to the pool the step it stops. A refill admits
-only the waiting requests, in order, whose pages at full length fit the pool next to the live rows' reserved
-growth (`paged.can_admit`), so a full pool delays them and never truncates one. Row keys, positions and the
-stop rule are `continuous`'s, so every response equals the static sampler's token for token.
+(carried in `ContinuousState.cache`): a refill prefills each waiting prompt once for the samples of its group
+it admits (`refill_units`: one row gets the prompt's real tokens in fresh pages, the others share its full
+pages and copy its partial last one); a decode step allocates a page where a row crosses a page boundary and
+attends to each row's own pages (`models.paged_attention`, the Pallas kernel on TPU: `PagedKV.kernel`); a
+row's pages go back to the pool the step it stops. A refill admits only the waiting units, in order, whose
+pages at full length fit the pool next to the live rows' reserved growth (`admissible`, as `paged.can_admit`),
+so a full pool delays them and never truncates one. Row keys, positions and the stop rule are `continuous`'s,
+so every response equals the static sampler's token for token.
 
 A row holds P + R - 1 tokens at most (P its real prompt, R = max_new_tokens: the last sampled token is never
 fed back), which is its admitted capacity.
