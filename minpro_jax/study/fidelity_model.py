@@ -50,6 +50,7 @@ from minpro_jax.study import fidelity_toy as ft
 from minpro_jax.study.fidelity_run import REFERENCE, _cpu, finite_or_none
 from minpro_jax.study.mipu_power import _seed, train_step
 
+FP8 = "fp8"  # the drift of an fp8 sampler at pi's weights (MIPU's mismatch), beside the s<s> drifts
 POSITIONS = tuple(range(8))  # reported response positions (answers are ~6 tokens)
 TRUTH_CFG = LossConfig("cispo", (("loss_agg_mode", "seq-mean-token-sum"),))
 _SALT_TRAIN, _SALT_TRUTH, _SALT_STALE = 1, 201, 202
@@ -114,14 +115,14 @@ def adam_nu(opt_state):
 def trajectory(tr, state, plan: Plan, folder: str):
   """{drift: mu params}, pi params, Adam's nu_hat at k (params pytrees): loaded from `folder` or run and saved."""
   ups = tr.c.num_updates_per_step
-  lags = {d: int(d[1:]) for d in plan.drifts}
+  lags = {d: int(d[1:]) for d in plan.drifts if d != FP8}
   if plan.updates % ups or any(s % ups or s > plan.updates for s in lags.values()):
     raise ValueError(
         f"--updates ({plan.updates}) and every drift's s ({sorted(lags.values())}) must be multiples of "
         f"num_updates_per_step ({ups}) with s <= --updates"
     )
   os.makedirs(folder, exist_ok=True)
-  keep = sorted({plan.updates - s for s in lags.values()})
+  keep = sorted({plan.updates - s for s in lags.values()} | {plan.updates})
   paths = {u: os.path.join(folder, f"params_{u}.npz") for u in keep}
   nu_path = os.path.join(folder, f"nu_hat_{plan.updates}.npz")
   if not all(os.path.exists(p) for p in [*paths.values(), nu_path]):
@@ -140,7 +141,10 @@ def trajectory(tr, state, plan: Plan, folder: str):
     _save(nu_path, jax.tree.map(lambda v: v / (1.0 - b2 ** count.astype(jnp.float32)), nu))
   like = state.params
   params = {u: _load(p, like) for u, p in paths.items()}
-  return {d: params[plan.updates - s] for d, s in lags.items()}, params[plan.updates], _load(nu_path, like)
+  mus = {d: params[plan.updates - s] for d, s in lags.items()}
+  if FP8 in plan.drifts:
+    mus[FP8] = params[plan.updates]
+  return mus, params[plan.updates], _load(nu_path, like)
 
 
 # ------------------------------------------------------------------------------------------------- batches
@@ -226,8 +230,13 @@ def _weight_summary(w: np.ndarray, has: np.ndarray) -> dict[str, list]:
   return out
 
 
+def _drift_id(drift: str) -> int:
+  return 10_000 if drift == FP8 else int(drift[1:])
+
+
 def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a, g_b, precond) -> dict:
-  """One drift's record (JSON-ready): the metrics of every method in the Euclidean and Adam's metric."""
+  """One drift's record (JSON-ready): the metrics of every method in the Euclidean and Adam's metric; ``tr``'s
+  sampler draws the stale batches (for drift `FP8` a trainer with the fp8 sampler)."""
   t0 = time.time()
   g_star = 0.5 * (g_a + g_b)
   metrics = {"euclid": (1.0, g_star, float(g_a @ g_b))}
@@ -237,7 +246,7 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
   gsum = {k: 0.0 for k in metrics}
   weights, reach, rewards, lr_seq = [], [], [], []
   for r in range(plan.batches):
-    seed = _seed(plan.seed, _SALT_STALE, int(drift[1:]), r)
+    seed = _seed(plan.seed, _SALT_STALE, _drift_id(drift), r)
     b = draw(tr, mu, pi_state, _problems(tr, plan.prompts, seed), seed + 1, width)
     out = grad_fn(pi_state.params, UpdateInputs.of(b))
     g = -np.asarray(flatten(out.grads), np.float64)  # [M, D] ascent directions
@@ -249,6 +258,8 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
     w, has = _position_weights(np.asarray(out.token_weights), b.response_mask)
     weights.append(w), reach.append(has), rewards.append(b.rewards)
     lr_seq.append(np.sum(np.where(b.response_mask, b.learner_logp - b.behavior_logp, 0.0), axis=1))
+    if (r + 1) % 4 == 0:
+      print(f"{drift}: batch {r + 1}/{plan.batches}, {time.time() - t0:.0f} s", flush=True)
   w, has = np.concatenate(weights, axis=1), np.concatenate(reach)
   methods = {name: {} for name in ft.METHOD_NAMES}
   for k, (_, gs, norm2) in metrics.items():
@@ -287,6 +298,7 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
 
 def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
   """Runs every drift of `plan` whose JSON is not yet in `out` (module docstring); returns 0."""
+  from minpro_jax.configs.studies import mipu as mipu_study
   from minpro_jax.trainer import Trainer  # heavy import, after the flags are checked
 
   os.makedirs(out, exist_ok=True)
@@ -309,7 +321,15 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
     precond = np.asarray(flatten(jax.tree.map(lambda v: (1.0 / (jnp.sqrt(v) + eps))[None], nu_hat))[0], np.float64)
     precond = np.sqrt(precond)  # scaling both vectors by sqrt(P) gives the inner product <a, P b>
     for drift in todo:
-      res = run_cell(tr, pi_state, mus[drift], plan, drift, grad_fn, width, g_a, g_b, precond)
+      sampler_tr = tr
+      if drift == FP8:  # the MIPU study's fp8 sampler (its own trainer: the same warm start, data and learner)
+        fp8 = {**(overrides or {}), **mipu_study.FP8, "sampling.precision": "fp8"}
+        sampler_tr = Trainer.from_config(study_config(tempfile.mkdtemp(prefix="fidelity_model_"), plan.seed, fp8))
+      try:
+        res = run_cell(sampler_tr, pi_state, mus[drift], plan, drift, grad_fn, width, g_a, g_b, precond)
+      finally:
+        if sampler_tr is not tr:
+          sampler_tr.close()
       res.update(
           J_pi=j_pi,
           truth_samples_per_half=samples,
@@ -336,7 +356,7 @@ def main(argv=None) -> int:
   d = Plan()
   p.add_argument("--out", default=os.path.join("runs", "fidelity_model"))
   p.add_argument("--updates", type=int, default=d.updates, help="k: optimizer updates of the GRPO trajectory")
-  p.add_argument("--drifts", default=",".join(d.drifts), help="s<s>: mu = the parameters s updates before k")
+  p.add_argument("--drifts", default=",".join(d.drifts), help="s<s>: mu = the parameters s updates before k; fp8")
   p.add_argument("--prompts", type=int, default=d.prompts, help="prompts (x group) per stale batch")
   p.add_argument("--batches", type=int, default=d.batches, help="stale batches per drift")
   p.add_argument("--truth-prompts", type=int, default=d.truth_prompts, help="prompts (x group) per truth half")
@@ -349,9 +369,9 @@ def main(argv=None) -> int:
 
     return fidelity_model_report.report(a.out)
   drifts = tuple(x for x in a.drifts.split(",") if x)
-  bad = [x for x in drifts if not (x[:1] == "s" and x[1:].isdigit())]
+  bad = [x for x in drifts if not (x[:1] == "s" and x[1:].isdigit()) and x != FP8]
   if bad or not drifts:
-    print(f"error: --drifts must list s<s> (s >= 0 an integer), got {a.drifts!r}", file=sys.stderr)
+    print(f"error: --drifts must list s<s> (s >= 0 an integer) or {FP8}, got {a.drifts!r}", file=sys.stderr)
     return 2
   if a.batches < 2 or min(a.prompts, a.chunk_prompts, a.updates) < 1 or a.truth_prompts % a.chunk_prompts:
     print(

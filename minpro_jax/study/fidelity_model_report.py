@@ -2,7 +2,7 @@
 
     python -m minpro_jax.study.fidelity_model --out=runs/fidelity_model --report
 
-Reads the finished cells `<out>/s<s>.json` and writes `<out>/summary.md` (every table), `<out>/eta_by_drift.png`
+Reads the finished cells `<out>/s<s>.json` and `<out>/fp8.json` and writes `<out>/summary.md` (every table), `<out>/eta_by_drift.png`
 and the tables between the Tier B markers of docs/mechanism.md. Raises SystemExit (one line) when `<out>` holds no
 finished cell.
 """
@@ -23,8 +23,8 @@ END = "<!-- tier-b:end -->"
 
 def load(out: str) -> list[dict]:
   """The finished cells of `out`, by drift s."""
-  cells = [json.load(open(os.path.join(out, f))) for f in os.listdir(out) if f.startswith("s") and f.endswith(".json")]
-  return sorted(cells, key=lambda r: int(r["drift"][1:]))
+  cells = [json.load(open(os.path.join(out, f))) for f in os.listdir(out) if f.endswith(".json")]
+  return sorted(cells, key=lambda r: (r["drift"] == "fp8", int(r["drift"][1:]) if r["drift"] != "fp8" else 0))
 
 
 def _ci(v: dict, prefix: str) -> str:
@@ -111,6 +111,7 @@ def plot(cells, path: str) -> str | None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  cells = [r for r in cells if r["drift"] != "fp8"]
   if len(cells) < 2:
     return None
   s = [int(r["drift"][1:]) for r in cells]
@@ -141,7 +142,9 @@ def report(out: str, doc: str = DOC) -> int:
   eta += "\n**Paired differences against cispo (= minpro `none`)**\n\n" + contrast_table(cells)
   parts = ["# Tier B gradient fidelity (tiny transformer, T ~ 6)\n\n", setting_line(cells), eta]
   parts += ["\n## projection / bias cos / tr Cov\n\n", other_table(cells)]
-  parts += ["\n## token weight by response position\n\n", weight_table(cells[-1])]
+  parts += ["\n## token weight by response position\n\n"] + [
+      weight_table(r) + "\n" for r in cells if r["drift"] != "s0"
+  ]
   with open(os.path.join(out, "summary.md"), "w") as f:
     f.write("".join(parts))
   png = plot(cells, os.path.join(out, "eta_by_drift.png"))
@@ -149,7 +152,8 @@ def report(out: str, doc: str = DOC) -> int:
   if os.path.exists(doc):
     text = open(doc).read()
     if BEGIN in text and END in text:
-      body = "\n" + setting_line(cells) + eta + "\n**Token weight by response position**\n\n" + weight_table(cells[-1])
+      last = [r for r in cells if r["drift"] != "fp8"][-1]  # the largest drift s
+      body = "\n" + setting_line(cells) + eta + "\n**Token weight by response position**\n\n" + weight_table(last)
       text = text[: text.index(BEGIN) + len(BEGIN)] + "\n" + body + "\n" + text[text.index(END) :]
       with open(doc, "w") as f:
         f.write(text)
