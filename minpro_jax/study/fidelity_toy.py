@@ -279,10 +279,18 @@ def _eta(proj: np.ndarray, sq: np.ndarray) -> np.ndarray:
 
 
 def summarize(
-    proj: np.ndarray, sq: np.ndarray, mean_grad: np.ndarray, g_star: np.ndarray, *, reference: int = 0, seed: int = 0
+    proj: np.ndarray,
+    sq: np.ndarray,
+    mean_grad: np.ndarray,
+    g_star: np.ndarray,
+    *,
+    reference: int = 0,
+    seed: int = 0,
+    g_star_norm2: float | None = None,
 ) -> dict[str, list]:
   """Per-method metrics from R batches that every method shares: proj, sq [R, M]; mean_grad [M, D] (the mean of
-  the R estimates); g_star [D].
+  the R estimates); g_star [D]; ``g_star_norm2`` replaces |g_star|^2 where g* is itself estimated (Tier B: the
+  unbiased <g_A, g_B> of two independent halves; proj and sq must be normalised by the same number).
 
   Returns a dict of [M] lists: ``projection`` (E a) and its ``projection_se``; ``sq_mean`` (E b); the signed
   efficiency ``eta`` = sign(E a) max((E a)^2 - var(a)/R, 0) / E b (the issue's eta with the square debiased and the
@@ -296,7 +304,7 @@ def summarize(
   if r < 2:
     raise ValueError(f"summarize needs at least 2 batches, got {r}.")
   gs = g_star.reshape(-1)
-  norm2 = float(gs @ gs)
+  norm2 = float(gs @ gs) if g_star_norm2 is None else float(g_star_norm2)
   mean_sq_norm = np.sum(mean_grad * mean_grad, axis=1) / norm2
   trace_cov = (sq.mean(0) - mean_sq_norm) * r / (r - 1)
   eg2 = mean_sq_norm - trace_cov / r

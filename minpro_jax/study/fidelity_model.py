@@ -1,0 +1,388 @@
+"""Gradient fidelity on the real (tiny) transformer (issue 38, part 1, Tier B; docs/mechanism.md).
+
+    python -m minpro_jax.study.fidelity_model --out=runs/fidelity_model                # the default plan, resumable
+    python -m minpro_jax.study.fidelity_model --out=runs/fidelity_model --report       # tables + plot, no runs
+
+The setting is the staleness study's at delay 0 (`configs/studies/mipu.py`'s fixed fields: three-term chain_sum,
+answers of ~6 tokens, 8 updates per global step on 32 prompts x 8, lr 1e-4, GRPO) with an fp32 sampler, seed 1.
+A GRPO trajectory runs from the SFT warm start for k = `--updates` optimizer updates; the parameters at k (pi),
+at k - s for each drift ``s<s>`` (mu) and Adam's second moments at k are kept under `<out>/trajectory/` (not
+committed; a rerun reloads them). Then:
+
+  * the truth g* = grad J(pi): two independent on-policy halves of `--truth-prompts` x 8 samples each, every
+    half's gradient the sequence-sum REINFORCE estimate (cispo on-policy, `seq-mean-token-sum`, leave-one-out
+    advantages: unbiased for grad J up to one constant), in chunks of `--chunk-prompts` prompts; |g*|^2 is
+    estimated without bias by <g_A, g_B> and <g, g*> by <g, (g_A + g_B) / 2> (g independent of both);
+  * per drift, `--batches` batches of `--prompts` x 8 samples of mu, each scored by the learner at pi and given
+    GRPO advantages, and every method of `fidelity_toy.METHODS` (the same objectives and hparams as Tier A) gets
+    its estimate g = -dL/dtheta from one VJP (`minpro_jax.rl.policy_gradient`). The metrics are Tier A's
+    (`fidelity_toy.summarize`, with |g*|^2 := <g_A, g_B>), once in the Euclidean metric and once in Adam's
+    (inner products weighted by 1 / (sqrt(nu_hat) + eps), the optimizer's preconditioner at k); per response
+    position the token weight's mean, 5/95 % quantiles and ESS.
+
+Each finished cell (drift) is one small JSON `<out>/<drift>.json`, written atomically last, skipped on a rerun; the
+truth is `<out>/trajectory/truth.npz`. The report is `minpro_jax.study.fidelity_model_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minpro_jax.rl import mipu
+from minpro_jax.rl.advantages import group_advantages
+from minpro_jax.rl.learner import LossConfig, UpdateInputs
+from minpro_jax.rl.policy_gradient import flatten, make_gradient_fn
+from minpro_jax.rl.rollout import RolloutBatch
+from minpro_jax.study import fidelity_toy as ft
+from minpro_jax.study.fidelity_run import REFERENCE, _cpu, finite_or_none
+from minpro_jax.study.mipu_power import _seed, train_step
+
+FP8 = "fp8"  # the drift of an fp8 sampler at pi's weights (MIPU's mismatch), beside the s<s> drifts
+POSITIONS = tuple(range(8))  # reported response positions (answers are ~6 tokens)
+TRUTH_CFG = LossConfig("cispo", (("loss_agg_mode", "seq-mean-token-sum"),))
+_SALT_TRAIN, _SALT_TRUTH, _SALT_STALE = 1, 201, 202
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The study's sizes (module docstring); drifts ``s<s>`` with s a multiple of the updates per global step."""
+
+  updates: int = 128
+  drifts: tuple[str, ...] = ("s0", "s8", "s32", "s128")
+  prompts: int = 8
+  batches: int = 32
+  truth_prompts: int = 256
+  chunk_prompts: int = 32
+  seed: int = 1
+
+
+def loss_configs(temperature: float) -> tuple[LossConfig, ...]:
+  """Tier A's methods (`fidelity_toy.METHODS`) as learner loss configs; ``seq_is`` reads `learner_logp` = pi's."""
+  out = []
+  for m in ft.METHODS:
+    hp = m.hparams + ((("rollout_is", "sequence"), ("tis_cap", ft.SEQUENCE_IS_CAP)) if m.sequence_is else ())
+    out.append(LossConfig(m.objective, hp, temperature=temperature))
+  return tuple(out)
+
+
+def study_config(workdir: str, seed: int, overrides: dict | None = None):
+  """The MIPU study's fixed fields (GRPO at delay 0) with an fp32 sampler at `seed`, then `overrides`."""
+  from minpro_jax.configs import set_fields
+  from minpro_jax.configs.default import get_config
+  from minpro_jax.configs.studies import mipu as mipu_study
+
+  c = set_fields(get_config(), {**mipu_study.get_grid().fixed, "seed": seed, **(overrides or {})})
+  c.workdir = workdir
+  c.eval.every = 0
+  return c
+
+
+# ------------------------------------------------------------------------------------------------- trajectory
+def _save(path: str, tree) -> None:
+  leaves = jax.tree.leaves(tree)
+  with open(path + ".tmp", "wb") as f:
+    np.savez(f, *[np.asarray(x) for x in leaves])
+  os.replace(path + ".tmp", path)
+
+
+def _load(path: str, like):
+  with np.load(path) as z:
+    leaves = [jnp.asarray(z[f"arr_{i}"]) for i in range(len(z.files))]
+  return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def adam_nu(opt_state):
+  """(nu, count) of the first `ScaleByAdamState` in an optax state (the learner's AdamW)."""
+  for s in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "nu") and hasattr(x, "count")):
+    if hasattr(s, "nu"):
+      return s.nu, s.count
+  raise ValueError("the optimizer state holds no Adam second moments (ScaleByAdamState)")
+
+
+def trajectory(tr, state, plan: Plan, folder: str):
+  """{drift: mu params}, pi params, Adam's nu_hat at k (params pytrees): loaded from `folder` or run and saved."""
+  ups = tr.c.num_updates_per_step
+  lags = {d: int(d[1:]) for d in plan.drifts if d != FP8}
+  if plan.updates % ups or any(s % ups or s > plan.updates for s in lags.values()):
+    raise ValueError(
+        f"--updates ({plan.updates}) and every drift's s ({sorted(lags.values())}) must be multiples of "
+        f"num_updates_per_step ({ups}) with s <= --updates"
+    )
+  os.makedirs(folder, exist_ok=True)
+  keep = sorted({plan.updates - s for s in lags.values()} | {plan.updates})
+  paths = {u: os.path.join(folder, f"params_{u}.npz") for u in keep}
+  nu_path = os.path.join(folder, f"nu_hat_{plan.updates}.npz")
+  if not all(os.path.exists(p) for p in [*paths.values(), nu_path]):
+    step = 0
+    if 0 in paths:
+      _save(paths[0], state.params)
+    while step * ups < plan.updates:
+      state, r = train_step(tr, state, (step, _SALT_TRAIN))
+      step += 1
+      u = int(state.step)
+      print(f"trajectory: update {u}, batch reward {r:.3f}", flush=True)
+      if u in paths:
+        _save(paths[u], state.params)
+    nu, count = adam_nu(state.opt_state)
+    b2 = tr.learner.opt_cfg.b2
+    _save(nu_path, jax.tree.map(lambda v: v / (1.0 - b2 ** count.astype(jnp.float32)), nu))
+  like = state.params
+  params = {u: _load(p, like) for u, p in paths.items()}
+  mus = {d: params[plan.updates - s] for d, s in lags.items()}
+  if FP8 in plan.drifts:
+    mus[FP8] = params[plan.updates]
+  return mus, params[plan.updates], _load(nu_path, like)
+
+
+# ------------------------------------------------------------------------------------------------- batches
+_COLUMNS = ("tokens", "segment_ids", "positions", "response_mask", "behavior_logp", "learner_logp")
+
+
+def fit_width(batch: RolloutBatch, length: int) -> RolloutBatch:
+  """``batch`` without its columns that are padding in every row, right-padded to ``length`` columns (token 0,
+  segment 0, no response), so that batches of every prompt bucket share one compiled program of the width the
+  rows need. Raises ValueError when the rows need more than ``length``."""
+  real = np.flatnonzero(np.any(batch.segment_ids != 0, axis=0))
+  lo, hi = (int(real[0]), int(real[-1]) + 1) if real.size else (0, 0)
+  if hi - lo > length:
+    raise ValueError(f"rows of {hi - lo} columns exceed the fitted width {length}")
+  fit = lambda a: np.pad(a[:, lo:hi], ((0, 0), (0, length - (hi - lo))))  # noqa: E731
+  return batch.replace(**{f: fit(getattr(batch, f)) for f in _COLUMNS})
+
+
+def draw(tr, params, pi_state, problems, seed: int, width: int) -> RolloutBatch:
+  """Samples of `params` (the trainer's sampler), graded, GRPO advantages, scored by the learner at pi."""
+  gen = tr._generate(params, problems, tr.sampling, seed, tr.c.group_size)
+  batch, _, _ = tr._rollout(pi_state, gen, problems, tr.c.group_size)
+  return fit_width(batch, width)
+
+
+def _problems(tr, num: int, seed: int):
+  return [tr.train_problems[i] for i in mipu.validation_indices(len(tr.train_problems), num, seed)]
+
+
+def truth(tr, pi_state, plan: Plan, grad_fn, width: int, path: str):
+  """(g_A, g_B) [D] f64, the rewards' mean and the halves' size, from `path` or computed and saved."""
+  if os.path.exists(path):
+    with np.load(path) as z:
+      return z["g_a"], z["g_b"], float(z["reward"]), int(z["samples"])
+  halves, rewards = [], []
+  for h in range(2):
+    total, chunks = None, plan.truth_prompts // plan.chunk_prompts
+    for c in range(chunks):
+      seed = _seed(plan.seed, _SALT_TRUTH, h, c)
+      b = draw(tr, pi_state.params, pi_state, _problems(tr, plan.chunk_prompts, seed), seed + 1, width)
+      adv = group_advantages(jnp.asarray(b.rewards), jnp.asarray(b.group_ids), mode="rloo")
+      b = b.replace(behavior_logp=b.learner_logp, advantages=np.asarray(adv, np.float32))
+      g = np.asarray(flatten(grad_fn(pi_state.params, UpdateInputs.of(b)).grads)[0], np.float64)
+      total = g if total is None else total + g
+      rewards.append(b.rewards)
+      print(f"truth half {h}: chunk {c + 1}/{chunks}", flush=True)
+    halves.append(-total / chunks)  # ascent direction
+  reward = float(np.mean(np.concatenate(rewards)))
+  samples = plan.truth_prompts * tr.c.group_size
+  np.savez(path + ".tmp.npz", g_a=halves[0], g_b=halves[1], reward=reward, samples=samples)
+  os.replace(path + ".tmp.npz", path)
+  return halves[0], halves[1], reward, samples
+
+
+def _position_weights(weights: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """([M, N, P] the token weights at response positions `POSITIONS`, [N, P] whether the response reaches them)."""
+  idx = np.cumsum(mask, axis=1) - 1  # response position of each column
+  m, n, _ = weights.shape
+  out, has = np.zeros((m, n, len(POSITIONS))), np.zeros((n, len(POSITIONS)), bool)
+  for j, p in enumerate(POSITIONS):
+    hit = mask & (idx == p)
+    has[:, j] = hit.any(1)
+    col = hit.argmax(1)
+    out[:, :, j] = np.take_along_axis(weights, col[None, :, None], axis=2)[..., 0]
+  return out, has
+
+
+def _weight_summary(w: np.ndarray, has: np.ndarray) -> dict[str, list]:
+  """Per position over the rows that reach it: mean, 5/95 % quantiles and the ESS fraction (sum w)^2/(n sum w^2)."""
+  keys = ("weight_mean", "weight_q05", "weight_q95", "ess")
+  out = {k: [] for k in keys}
+  for j in range(w.shape[1]):
+    x = w[has[:, j], j]
+    if x.size == 0:
+      for k in keys:
+        out[k].append(None)
+      continue
+    s2 = float(np.sum(x * x))
+    out["weight_mean"].append(float(x.mean()))
+    out["weight_q05"].append(float(np.quantile(x, 0.05)))
+    out["weight_q95"].append(float(np.quantile(x, 0.95)))
+    out["ess"].append(float(np.sum(x) ** 2 / (x.size * s2)) if s2 > 0 else 0.0)
+  return out
+
+
+def _drift_id(drift: str) -> int:
+  return 10_000 if drift == FP8 else int(drift[1:])
+
+
+def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a, g_b, precond) -> dict:
+  """One drift's record (JSON-ready): the metrics of every method in the Euclidean and Adam's metric; ``tr``'s
+  sampler draws the stale batches (for drift `FP8` a trainer with the fp8 sampler)."""
+  t0 = time.time()
+  g_star = 0.5 * (g_a + g_b)
+  metrics = {"euclid": (1.0, g_star, float(g_a @ g_b))}
+  metrics["adam"] = (precond, precond * g_star, float((precond * g_a) @ (precond * g_b)))
+  proj = {k: [] for k in metrics}
+  sq = {k: [] for k in metrics}
+  gsum = {k: 0.0 for k in metrics}
+  weights, reach, rewards, lr_seq = [], [], [], []
+  for r in range(plan.batches):
+    seed = _seed(plan.seed, _SALT_STALE, _drift_id(drift), r)
+    b = draw(tr, mu, pi_state, _problems(tr, plan.prompts, seed), seed + 1, width)
+    out = grad_fn(pi_state.params, UpdateInputs.of(b))
+    g = -np.asarray(flatten(out.grads), np.float64)  # [M, D] ascent directions
+    for k, (scale, gs, norm2) in metrics.items():
+      gk = g * scale
+      proj[k].append(gk @ gs / norm2)
+      sq[k].append(np.sum(gk * gk, axis=1) / norm2)
+      gsum[k] = gsum[k] + gk
+    w, has = _position_weights(np.asarray(out.token_weights), b.response_mask)
+    weights.append(w), reach.append(has), rewards.append(b.rewards)
+    lr_seq.append(np.sum(np.where(b.response_mask, b.learner_logp - b.behavior_logp, 0.0), axis=1))
+    if (r + 1) % 4 == 0:
+      print(f"{drift}: batch {r + 1}/{plan.batches}, {time.time() - t0:.0f} s", flush=True)
+  w, has = np.concatenate(weights, axis=1), np.concatenate(reach)
+  methods = {name: {} for name in ft.METHOD_NAMES}
+  for k, (_, gs, norm2) in metrics.items():
+    s = ft.summarize(
+        np.asarray(proj[k]),
+        np.asarray(sq[k]),
+        gsum[k] / plan.batches,
+        gs,
+        reference=REFERENCE,
+        seed=plan.seed,
+        g_star_norm2=norm2,
+    )
+    for i, name in enumerate(ft.METHOD_NAMES):
+      methods[name].update({(f"{key}" if k == "euclid" else f"adam_{key}"): v[i] for key, v in s.items()})
+  for i, name in enumerate(ft.METHOD_NAMES):
+    methods[name].update(_weight_summary(w[i], has))
+  lr_seq = np.concatenate(lr_seq)
+  return {
+      "drift": drift,
+      "updates": plan.updates,
+      "seed": plan.seed,
+      "J_pi": None,  # filled by the caller (the truth draw's reward mean)
+      "reward_mu": float(np.mean(np.concatenate(rewards))),
+      "log_ratio_seq_mean": float(lr_seq.mean()),
+      "log_ratio_seq_sd": float(lr_seq.std()),
+      "batches": plan.batches,
+      "num": plan.prompts * tr.c.group_size,
+      "group": tr.c.group_size,
+      "positions": list(POSITIONS),
+      "methods": methods,
+      "seconds": round(time.time() - t0, 1),
+      "date": datetime.date.today().isoformat(),
+      "cpu": _cpu(),
+  }
+
+
+def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
+  """Runs every drift of `plan` whose JSON is not yet in `out` (module docstring); returns 0."""
+  from minpro_jax.configs.studies import mipu as mipu_study
+  from minpro_jax.trainer import Trainer  # heavy import, after the flags are checked
+
+  os.makedirs(out, exist_ok=True)
+  todo = [d for d in plan.drifts if not os.path.exists(os.path.join(out, f"{d}.json"))]
+  if not todo:
+    print("nothing to do", flush=True)
+    return 0
+  tr = Trainer.from_config(study_config(tempfile.mkdtemp(prefix="fidelity_model_"), plan.seed, overrides))
+  try:
+    state = tr.learner.init_state(nnx.split(tr.model)[1])
+    folder = os.path.join(out, "trajectory")
+    mus, pi, nu_hat = trajectory(tr, state, plan, folder)
+    pi_state = types.SimpleNamespace(params=pi)  # what `Trainer._rollout` reads of a state
+    width = max(len(tr.prompt_ids[p.id]) for p in tr.train_problems) + tr.c.sampling.max_new_tokens
+    cfgs = loss_configs(tr.learner.loss_cfg.temperature)
+    grad_fn = make_gradient_fn(tr.learner.graphdef, cfgs)
+    truth_fn = make_gradient_fn(tr.learner.graphdef, (dataclasses.replace(TRUTH_CFG, temperature=cfgs[0].temperature),))
+    g_a, g_b, j_pi, samples = truth(tr, pi_state, plan, truth_fn, width, os.path.join(folder, "truth.npz"))
+    eps = tr.learner.opt_cfg.eps
+    precond = np.asarray(flatten(jax.tree.map(lambda v: (1.0 / (jnp.sqrt(v) + eps))[None], nu_hat))[0], np.float64)
+    precond = np.sqrt(precond)  # scaling both vectors by sqrt(P) gives the inner product <a, P b>
+    for drift in todo:
+      sampler_tr = tr
+      if drift == FP8:  # the MIPU study's fp8 sampler (its own trainer: the same warm start, data and learner)
+        fp8 = {**(overrides or {}), **mipu_study.FP8, "sampling.precision": "fp8"}
+        sampler_tr = Trainer.from_config(study_config(tempfile.mkdtemp(prefix="fidelity_model_"), plan.seed, fp8))
+      try:
+        res = run_cell(sampler_tr, pi_state, mus[drift], plan, drift, grad_fn, width, g_a, g_b, precond)
+      finally:
+        if sampler_tr is not tr:
+          sampler_tr.close()
+      res.update(
+          J_pi=j_pi,
+          truth_samples_per_half=samples,
+          truth_cos=float(g_a @ g_b / np.sqrt((g_a @ g_a) * (g_b @ g_b))),
+          g_star_norm2=float(g_a @ g_b),
+          adam_truth_cos=float(
+              (precond * g_a) @ (precond * g_b) / np.linalg.norm(precond * g_a) / np.linalg.norm(precond * g_b)
+          ),
+      )
+      path = os.path.join(out, f"{drift}.json")
+      with open(path + ".tmp", "w") as f:
+        json.dump(finite_or_none(res), f, indent=None, separators=(",", ":"), allow_nan=False)
+      os.replace(path + ".tmp", path)
+      eta = {m: v["eta"] for m, v in res["methods"].items()}
+      print(f"{drift}: {res['seconds']} s, eta min {eta['minpro:min']}, cispo {eta['cispo']}", flush=True)
+  finally:
+    tr.close()
+  return 0
+
+
+def main(argv=None) -> int:
+  """The command line (module docstring); exit status 2 with one line `error: ...` for bad flags."""
+  p = argparse.ArgumentParser(prog="python -m minpro_jax.study.fidelity_model", description=__doc__.split("\n")[0])
+  d = Plan()
+  p.add_argument("--out", default=os.path.join("runs", "fidelity_model"))
+  p.add_argument("--updates", type=int, default=d.updates, help="k: optimizer updates of the GRPO trajectory")
+  p.add_argument("--drifts", default=",".join(d.drifts), help="s<s>: mu = the parameters s updates before k; fp8")
+  p.add_argument("--prompts", type=int, default=d.prompts, help="prompts (x group) per stale batch")
+  p.add_argument("--batches", type=int, default=d.batches, help="stale batches per drift")
+  p.add_argument("--truth-prompts", type=int, default=d.truth_prompts, help="prompts (x group) per truth half")
+  p.add_argument("--chunk-prompts", type=int, default=d.chunk_prompts, help="prompts per VJP of the truth")
+  p.add_argument("--seed", type=int, default=d.seed)
+  p.add_argument("--report", action="store_true", help="only write the tables and the plot")
+  a = p.parse_args(argv)
+  if a.report:
+    from minpro_jax.study import fidelity_model_report
+
+    return fidelity_model_report.report(a.out)
+  drifts = tuple(x for x in a.drifts.split(",") if x)
+  bad = [x for x in drifts if not (x[:1] == "s" and x[1:].isdigit()) and x != FP8]
+  if bad or not drifts:
+    print(f"error: --drifts must list s<s> (s >= 0 an integer) or {FP8}, got {a.drifts!r}", file=sys.stderr)
+    return 2
+  if a.batches < 2 or min(a.prompts, a.chunk_prompts, a.updates) < 1 or a.truth_prompts % a.chunk_prompts:
+    print(
+        "error: --batches >= 2, --prompts, --chunk-prompts, --updates >= 1, and --truth-prompts a multiple of "
+        "--chunk-prompts",
+        file=sys.stderr,
+    )
+    return 2
+  plan = Plan(a.updates, drifts, a.prompts, a.batches, a.truth_prompts, a.chunk_prompts, a.seed)
+  return run(a.out, plan)
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
