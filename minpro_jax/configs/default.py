@@ -88,6 +88,12 @@ def base_config() -> ConfigDict:
   # the sampler's own mesh over the learner's devices (runtime/inference_mesh.py): "" = the learner's mesh and rules;
   # "tensor=4", "data=4,tensor=2" (weights split over tensor, replicated over data), or "auto"
   c.sampling.mesh = ""
+  # the continuous sampler's KV cache (docs/sampler.md#paged-kv): "dense" = prompt bucket + max_new_tokens slots per
+  # decode row; "paged" = a pool of pages per layer, allocated as a row grows and freed when it stops
+  # (sampling/paged_continuous.py). Same responses either way.
+  c.sampling.kv_cache = "dense"
+  c.sampling.page_size = 64  # kv_cache=paged: tokens per page
+  c.sampling.num_pages = 0  # kv_cache=paged: pages per layer; 0 = auto (the dense cache's memory: no request waits)
 
   c.reward = ConfigDict()
   c.reward.mode = "integer"  # integer | math
