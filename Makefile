@@ -1,7 +1,7 @@
 # Every target creates .venv on first use, so a fresh clone needs nothing else.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
-CONFIG ?= minpro_jax/configs/default.py
+CONFIG ?= configs/default.py
 
 $(VENV_STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -33,7 +33,7 @@ test-fast: $(VENV_STAMP)
 	$(PYTEST_N2) -m "not slow" tests
 
 ## One formatter (pyink: 2-space, 120 columns) and one linter (ruff: unused names and imports, import order).
-LINT_PATHS := minpro_jax tests benchmarks colab
+LINT_PATHS := minpro_jax configs tests benchmarks colab
 lint: $(VENV_STAMP)
 	.venv/bin/pyink --check --quiet $(LINT_PATHS)
 	.venv/bin/ruff check --quiet $(LINT_PATHS)

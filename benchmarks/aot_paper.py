@@ -5,7 +5,7 @@ a call resumes from its file (rows already compiled are kept), so this script ca
 number of times, and `--only` picks entries by substring. `--summary` writes benchmarks/results/aot/README.md
 (every row of every file, one table per file) without compiling anything.
 
-Settings: MinPRO (arXiv 2601.22718) through its paper configs (minpro_jax/configs/paper/qwen3_*.py: 256 prompts x
+Settings: MinPRO (arXiv 2601.22718) through its paper configs (configs/paper/qwen3_*.py: 256 prompts x
 16 responses per step, 16 updates per step, 2,048 + 20,480 tokens, micro-batches of 16, fp32 parameters, bf16
 compute, remat block, scanned layers; delay 2). MIPU (arXiv 2606.29526) trains Qwen3-1.7B/4B; its rows were
 compiled before its paper configs (configs/paper/mipu_qwen3_*.py) existed, so they reuse the Qwen3-8B config with
@@ -28,7 +28,7 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "aot"
-PAPER = "minpro_jax/configs/paper"
+PAPER = "configs/paper"
 # the Qwen3-8B config at the micro-batch these rows were compiled with (it is sized for v5p-64 now: 32)
 QWEN3_8B = [f"--config={PAPER}/qwen3_8b.py", "--config.micro_batch_size=16"]
 MIPU_1P7B = [*QWEN3_8B, "--config.model.preset=qwen3-1.7b"]

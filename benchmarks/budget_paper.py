@@ -25,7 +25,7 @@ import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "aot"
-PAPER = "minpro_jax/configs/paper"
+PAPER = "configs/paper"
 MINPRO_LENGTHS = ["--lengths=gamma:mean=8192", "--prompt-len=256"]
 MIPU_LENGTHS = ["--lengths=gamma:mean=3000", "--prompt-len=256"]
 

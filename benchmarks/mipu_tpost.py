@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flax import nnx  # noqa: E402
 
-from minpro_jax.configs import set_fields  # noqa: E402
-from minpro_jax.configs.default import get_config  # noqa: E402
+from minpro_jax.config_lib import set_fields  # noqa: E402
+from minpro_jax.config_lib.defaults import get_config  # noqa: E402
 from minpro_jax.rl.aggregation import mismatch_metrics  # noqa: E402
 from minpro_jax.trainer import Trainer  # noqa: E402
 
@@ -42,7 +42,9 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "mipu_
 
 def study_setting(c, precision: str):
   """The MIPU study's setting (`configs/studies/mipu.py`: its fixed fields, seed 1, its fp8 options)."""
-  from minpro_jax.configs.studies import mipu as study
+  from minpro_jax.config_lib.files import load_module
+
+  study = load_module("configs/studies/mipu.py")
 
   g = study.get_grid()
   fields = {**g.fixed, "seed": 1}

@@ -29,9 +29,7 @@ from minpro_jax.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 
 
 def _config(name: str):
-  spec = importlib.util.spec_from_file_location(
-      f"cfg_{name}", os.path.join(REPO, "minpro_jax", "configs", f"{name}.py")
-  )
+  spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(REPO, "configs", f"{name}.py"))
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod.get_config()

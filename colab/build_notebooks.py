@@ -81,7 +81,7 @@ np.testing.assert_allclose(np.asarray(w[0]), [1.105171, 0.904837, 0.860708, 0.81
         """\
 ## Train the tiny default config through the Python API
 
-`minpro_jax.configs.default.get_config()` is the embedded default (`make train` runs all 40 global steps of it);
+`minpro_jax.config_lib.defaults.get_config()` is the embedded default (`make train` runs all 40 global steps of it);
 here it is shrunk to a few global steps of a smaller model so the cell takes a minute or two on a CPU.
 `setup_run` builds the run's parts (problems, tokenizer, model, SFT warm start); `Trainer.run` trains with a
 progress bar and writes everything to the workdir. Re-running the cell resumes from the workdir's checkpoint.""",
@@ -89,7 +89,7 @@ progress bar and writes everything to the workdir. Re-running the cell resumes f
     (
         "code",
         """\
-from minpro_jax.configs.default import get_config
+from minpro_jax.config_lib.defaults import get_config
 from minpro_jax.run_setup import setup_run
 from minpro_jax.trainer import Trainer
 

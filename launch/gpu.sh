@@ -3,7 +3,7 @@
 #
 #   MODEL_PATH=/ckpt/Qwen3-8B-Base launch/gpu.sh --dry-run     # show what it would do
 #   MODEL_PATH=/ckpt/Qwen3-8B-Base launch/gpu.sh               # setup (once) + run
-#   STEPS=run CONFIG=minpro_jax/configs/default.py EXTRA_ARGS="--config.mesh.shape=data=8" launch/gpu.sh
+#   STEPS=run CONFIG=configs/default.py EXTRA_ARGS="--config.mesh.shape=data=8" launch/gpu.sh
 #
 # One node = one process that sees every local GPU (jax.devices()); `--config.mesh.shape` (the paper configs use
 # "fsdp=-1": all GPUs on the fsdp axis) spreads the model over them, so nothing is initialised across processes.
@@ -17,7 +17,7 @@
 #          wheels bring CUDA and cuDNN themselves)
 #   run    .venv/bin/python -m minpro_jax.train --config=$CONFIG [--config.model.path=$MODEL_PATH]
 #          [--config.workdir=$WORKDIR] $EXTRA_ARGS
-# Environment: CONFIG (default minpro_jax/configs/paper/qwen3_8b.py:minpro,2), MODEL_PATH, WORKDIR, EXTRA_ARGS (word-split),
+# Environment: CONFIG (default configs/paper/qwen3_8b.py:minpro,2), MODEL_PATH, WORKDIR, EXTRA_ARGS (word-split),
 # JAX_CUDA_PIP, CUDA_VISIBLE_DEVICES (subset of GPUs). JAX preallocates 75% of each GPU's memory; set
 # XLA_PYTHON_CLIENT_MEM_FRACTION to change it. A hang at the first rollout on some PCIe boxes: try NCCL_P2P_DISABLE=1.
 set -euo pipefail
@@ -31,7 +31,7 @@ for arg in "$@"; do
   esac
 done
 
-CONFIG="${CONFIG:-minpro_jax/configs/paper/qwen3_8b.py:minpro,2}"
+CONFIG="${CONFIG:-configs/paper/qwen3_8b.py:minpro,2}"
 MODEL_PATH="${MODEL_PATH:-}"
 WORKDIR="${WORKDIR:-}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"

@@ -6,13 +6,13 @@
 #
 #   launch/sweep_sharding.sh                                   # compile the 8B paper config for v5p-8, 3 shapes
 #   TOPOLOGY=v5p-64 SHAPES="fsdp=-1 data=2,fsdp=-1" OUT=reports/8b_v5p64.json launch/sweep_sharding.sh
-#   TOPOLOGY=cpu:8 CONFIG=minpro_jax/configs/default.py SHAPES="data=8 fsdp=8" launch/sweep_sharding.sh
+#   TOPOLOGY=cpu:8 CONFIG=configs/default.py SHAPES="data=8 fsdp=8" launch/sweep_sharding.sh
 #   SHAPES="fsdp=-1 data=2,fsdp=-1" EXTRA_ARGS="--config.total_steps=5" launch/sweep_sharding.sh --run
 #   LAUNCHER=tpu TPU_NAME=my-v5p ZONE=us-east5-a MODEL_PATH=/mnt/ckpt/Qwen3-8B-Base launch/sweep_sharding.sh --run
 #
 # Environment: SHAPES (space-separated mesh shapes; axes data, fsdp, tensor, expert; one size may be -1 = the
 # remaining devices; default "fsdp=-1 data=2,fsdp=-1 fsdp=-1,tensor=2"); CONFIG (default
-# minpro_jax/configs/paper/qwen3_8b.py:minpro,2); EXTRA_ARGS (added to every command).
+# configs/paper/qwen3_8b.py:minpro,2); EXTRA_ARGS (added to every command).
 # Compile-only: TOPOLOGY (default v5p-8; v4-N, v5e-N, v5p-N, v6e-N or cpu:N), PROGRAMS (default
 # update,score,prefill,decode), REMAT (space-separated remat policies; default the config's), OUT (JSON report; a
 # rerun keeps the rows it already has), DUMP_HLO (folder for the optimized HLO and shardings). See docs/aot.md.
@@ -35,7 +35,7 @@ for arg in "$@"; do
 done
 
 SHAPES="${SHAPES:-fsdp=-1 data=2,fsdp=-1 fsdp=-1,tensor=2}"
-CONFIG="${CONFIG:-minpro_jax/configs/paper/qwen3_8b.py:minpro,2}"
+CONFIG="${CONFIG:-configs/paper/qwen3_8b.py:minpro,2}"
 WORKDIR_PREFIX="${WORKDIR_PREFIX:-runs/sweep}"
 MODEL_PATH="${MODEL_PATH:-}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"

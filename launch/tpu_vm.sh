@@ -15,7 +15,7 @@
 #   run     MINPRO_DISTRIBUTED=1 .venv/bin/python -m minpro_jax.train --config=$CONFIG ... on every worker
 #           (minpro_jax.runtime.distributed then calls jax.distributed.initialize; a single-host VM is simply 1 process)
 #
-# Environment: TPU_NAME, ZONE (required); PROJECT; CONFIG (default minpro_jax/configs/paper/qwen3_8b.py:minpro,2);
+# Environment: TPU_NAME, ZONE (required); PROJECT; CONFIG (default configs/paper/qwen3_8b.py:minpro,2);
 # MODEL_PATH (--config.model.path; must exist on every worker: copy it there or use a shared mount);
 # WORKDIR (--config.workdir; orbax multi-host checkpoints need a path all workers share: an NFS or gcsfuse mount);
 # EXTRA_ARGS (more --config.FIELD=VALUE flags, word-split); REMOTE_DIR (default minpro_jax, relative to $HOME);
@@ -36,7 +36,7 @@ done
 : "${TPU_NAME:?set TPU_NAME (the TPU VM name)}"
 : "${ZONE:?set ZONE (e.g. us-east5-a)}"
 PROJECT="${PROJECT:-}"
-CONFIG="${CONFIG:-minpro_jax/configs/paper/qwen3_8b.py:minpro,2}"
+CONFIG="${CONFIG:-configs/paper/qwen3_8b.py:minpro,2}"
 MODEL_PATH="${MODEL_PATH:-}"
 WORKDIR="${WORKDIR:-}"
 EXTRA_ARGS="${EXTRA_ARGS:-}"

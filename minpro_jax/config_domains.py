@@ -12,7 +12,7 @@ which a run cannot learn.
   credit for a wrong answer as large as the credit for a right one (`reward.format_reward >= 1`), and
   `total_steps <= delay` (every rollout is still in the delay buffer at the end).
 
-`tests/test_config_domains.py` walks every numeric field of `minpro_jax/configs/default.py` and checks that each
+`tests/test_config_domains.py` walks every numeric field of `configs/default.py` and checks that each
 has a refused value (or is listed as taking any value).
 """
 

@@ -78,15 +78,9 @@ def _convert(old: Any, text: str) -> Any:
 
 
 def _default_config():
-  import importlib.util
+  from minpro_jax.config_lib.defaults import base_config
 
-  import minpro_jax
-
-  path = os.path.join(os.path.dirname(minpro_jax.__file__), "configs", "default.py")
-  spec = importlib.util.spec_from_file_location("minpro_default_config", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config()
+  return base_config()
 
 
 def load_model(args, overrides: dict[str, str]):

@@ -1,7 +1,7 @@
 """Runs one multi-process JAX job on this machine: the same command in N processes, as on N hosts of a pod.
 
     python -m minpro_jax.launch_local --num_processes=2 --devices_per_process=2 -- \\
-        --config=minpro_jax/configs/default.py --config.mesh.shape=data=2,fsdp=2
+        --config=configs/default.py --config.mesh.shape=data=2,fsdp=2
 
 starts `python -m minpro_jax.train <the arguments after -->` N times, each with JAX_COORDINATOR_ADDRESS (a free
 localhost port), JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_PLATFORMS=cpu and XLA_FLAGS giving it

@@ -46,6 +46,7 @@ from minpro_jax.models.hf_io import load_hf_checkpoint
 from minpro_jax.rl.learner import Learner, make_optimizer
 from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_target
 from minpro_jax.runtime import multihost
+from minpro_jax.runtime.device_split import DeviceSplit, sampler_device_count, split_devices
 from minpro_jax.runtime.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class RunParts:
   Attributes:
     config: the validated config.
     workdir: absolute path of `config.workdir` (created, writable).
-    mesh: the device mesh of `config.mesh.shape`, or None for one device.
+    mesh: the learner's device mesh of `config.mesh.shape`, or None for one device.
     checkpointer: the run's `RunCheckpointer` (run checkpoints and best parameters under workdir).
     model: the policy `Transformer` (warm-started unless the run resumes from a checkpoint).
     tokenizer: the run's tokenizer (`minpro_jax.data.tokenizers`).
@@ -70,6 +71,7 @@ class RunParts:
     sft_info: what the warm start did (JSON-able; `{"enabled": False}` without one).
     setup_seconds: wall time of `setup_run`.
     lock: the open lock file that keeps a second process off this workdir (released when the process exits).
+    device_split: the sampler's and the learner's devices of `config.sampling.devices`, or None (shared).
   """
 
   config: Any
@@ -84,6 +86,7 @@ class RunParts:
   sft_info: dict[str, Any]
   setup_seconds: float
   lock: Any = None
+  device_split: DeviceSplit | None = None
 
 
 def setup_run(c) -> RunParts:
@@ -99,8 +102,9 @@ def setup_run(c) -> RunParts:
   multihost.check_shared_dir(workdir, "workdir")  # every process must write into one workdir (orbax, metrics)
   lock = lock_workdir(workdir) if multihost.is_primary() else None  # one lock per run; process 0 holds it
   try:
+    split = split_devices(sampler_device_count(c.sampling.get("devices", 0), jax.device_count(), jax.process_count()))
     shape = run_config.parse_mesh_shape(c.mesh.shape)
-    mesh = make_mesh(shape) if shape else None
+    mesh = make_mesh(shape, devices=split and split.learner) if shape else None
     problems, eval_sets = train_and_eval_problems(c)
     check_gradable(c, problems, eval_sets)
     check_data_lasts(c, len(problems))  # an upper bound: prompts too long for the sampler are dropped below
@@ -137,6 +141,7 @@ def setup_run(c) -> RunParts:
         config=c,
         workdir=workdir,
         mesh=mesh,
+        device_split=split,
         checkpointer=checkpointer,
         model=model,
         tokenizer=tokenizer,

@@ -78,7 +78,7 @@ def decode_rows(
   )
 
 
-def sampler_kwargs(c, model, tokenizer, mesh, *, optimizer_copies: int = 2) -> dict[str, Any]:
+def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: int = 2) -> dict[str, Any]:
   """`Sampler(model.config, **sampler_kwargs(...))` for run config `c`.
 
   Args:
@@ -88,8 +88,12 @@ def sampler_kwargs(c, model, tokenizer, mesh, *, optimizer_copies: int = 2) -> d
     mesh: the learner's mesh, or None; the sampler's own layout comes from `config.sampling.mesh`.
     optimizer_copies: parameter-sized buffers resident beside the sampler besides the parameters (AdamW's 2
       moments in training, 0 for an evaluation on its own).
+    split: the run's `device_split.DeviceSplit` (`config.sampling.devices`), or None (the sampler uses the
+      learner's devices). With one, the sampler's layout spans its own devices, with no learner state beside it.
   """
-  sampler_mesh, sampler_rules = sampler_layout(c.sampling.get("mesh", ""), mesh, model.config)
+  devices = None if split is None else split.sampler
+  sampler_mesh, sampler_rules = sampler_layout(c.sampling.get("mesh", ""), mesh, model.config, devices)
+  learner_copies = 0 if devices is not None else 1 + optimizer_copies
   paged_kv = run_config.sampler_paged_kv(c)
   rows = decode_rows(  # "auto": as many as fit beside the weights (and the learner's state)
       c,
@@ -99,7 +103,7 @@ def sampler_kwargs(c, model, tokenizer, mesh, *, optimizer_copies: int = 2) -> d
       mesh=sampler_mesh,
       rules=sampler_rules,
       hbm_bytes=device_hbm_bytes(jax.local_devices()),
-      other_resident_bytes=(1 + optimizer_copies) * tree_bytes_per_device(nnx.state(model, nnx.Param)),
+      other_resident_bytes=learner_copies * tree_bytes_per_device(nnx.state(model, nnx.Param)),
   )
   return dict(
       precision=c.sampling.precision,

@@ -1,4 +1,4 @@
-"""Command line: `python -m minpro_jax.train --config=minpro_jax/configs/default.py [--config.FIELD=VALUE ...]`.
+"""Command line: `python -m minpro_jax.train --config=configs/default.py [--config.FIELD=VALUE ...]`.
 
 Any config field can be overridden on the command line (ml_collections), e.g.
 `--config.loss.method=grpo --config.delay=4 --config.workdir=runs/grpo_d4`. Re-running the same command resumes
@@ -28,9 +28,11 @@ os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".ca
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from minpro_jax.config_lib import files  # noqa: E402
 from minpro_jax.errors import UserError  # noqa: E402
 
-DEFAULT_CONFIG = "minpro_jax/configs/default.py"
+DEFAULT_CONFIG = "configs/default.py"  # found from the current directory or the repository root (`_find_config`)
+DEFAULTS_FILE = "minpro_jax/config_lib/defaults.py"  # every field and its default
 DEBUG_ENV = "MINPRO_DEBUG"
 EXIT_USER_ERROR = 2
 _NOISY_LOGGERS = ("absl", "jax._src", "orbax", "math_verify", "latex2sympy2_extended", "asyncio")
@@ -44,16 +46,35 @@ def parse_config(argv: list[str]):
       message names the flag.
   """
   fv = flags.FlagValues()
+  found = [_find_config(a) if a.startswith("--config=") else a for a in argv]
   try:
     holder = config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG, "Experiment config file.", flag_values=fv, lock_config=True, sys_argv=list(argv)
+        "config",
+        _find_config(f"--config={DEFAULT_CONFIG}")[len("--config=") :],
+        "Experiment config file.",
+        flag_values=fv,
+        lock_config=True,
+        sys_argv=found,
     )
-    fv(argv)
+    fv(found)
     config = holder.value
     config.keys()  # the file loads lazily: make its errors happen here
     return config
   except (OSError, AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
     raise UserError(_flag_message(argv, e)) from e
+
+
+def _find_config(flag: str) -> str:
+  """`--config=PATH[:ARG]` with PATH found by `config_lib.files.resolve` when it is not there as given: from the
+  repository root, or in `configs/` for a path into the configs' old folder `minpro_jax/configs/` (said on
+  stderr). Unchanged when it is found nowhere (the loader then names it)."""
+  path, sep, arg = flag[len("--config=") :].partition(":")
+  found = None if os.path.isfile(path) else files.resolve(path)
+  if found is None:
+    return flag
+  if files.canonical(path) != path:
+    print(f"note: --config={path}: the configs moved to configs/; reading {found}", file=sys.stderr)
+  return f"--config={found}{sep}{arg}"
 
 
 def _flag_message(argv: list[str], e: BaseException) -> str:
@@ -68,7 +89,7 @@ def _flag_message(argv: list[str], e: BaseException) -> str:
   if isinstance(e, (AttributeError, KeyError)):  # an override names a field the config does not have
     key = text.strip("\"'")
     flag = next((a.split("=", 1)[0] for a in argv if re.match(rf"--config\.(.+\.)?{re.escape(key)}=", a)), key)
-    return f"{flag.lstrip('-')}: the config has no such field; see {DEFAULT_CONFIG} for the fields"
+    return f"{flag.lstrip('-')}: the config has no such field; see {DEFAULTS_FILE} for the fields"
   return text.splitlines()[0] if text else type(e).__name__
 
 

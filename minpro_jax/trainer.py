@@ -13,6 +13,8 @@ One global step s:
   5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.mipu_step`): sample validation prompts with the updated
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
+With `config.sampling.devices` and delay >= 1, steps 2-3 and 4 run at the same time on disjoint devices, with the
+same samples and updates (`minpro_jax.overlap`).
 
 Randomness is a pure function of (seed, global step), and checkpoints hold parameters, optimizer state, the data
 iterator state, the waiting rollout batches and the `RunProgress`, so a run killed at any point and re-run with the
@@ -45,13 +47,14 @@ from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
 from minpro_jax.mipu_step import MipuStep
 from minpro_jax.mipu_step import summary as mipu_summary
 from minpro_jax.models.moe import route_mismatch
-from minpro_jax.rl import lr_decay, mipu
+from minpro_jax.overlap import StepRunner
+from minpro_jax.rl import lr_decay
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.aggregation import mismatch_metrics
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.packing import row_tokens
-from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
+from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.run_progress import RunProgress
 from minpro_jax.run_setup import RunParts, setup_run
 from minpro_jax.runtime import multihost
@@ -83,8 +86,8 @@ class Trainer:
     )
     self.sampling = run_config.sampling_params(c, self.tokenizer.stop_ids)
     run_config.check_routes_fit(c, self.model.config)  # scratch and hf were checked before the setup; gguf here
-    # the sampler's layout (the learner's mesh, or its own: config.sampling.mesh), rows, precision, buckets
-    sampler_kw = self.sampler_kw = sampler_kwargs(c, self.model, self.tokenizer, self.mesh)
+    # the sampler's layout (the learner's mesh, or its own: config.sampling.mesh and .devices), rows, precision
+    sampler_kw = self.sampler_kw = sampler_kwargs(c, self.model, self.tokenizer, self.mesh, parts.device_split)
     record = bool(c.loss.router_replay or c.sampling.record_routes)
     self.sampler = Sampler(self.model.config, record_routes=record, **sampler_kw)
     # evaluation never needs routes (2 * layers * k bytes per token): its own sampler, the same compiled shapes
@@ -98,6 +101,7 @@ class Trainer:
         row_tokens=row_tokens(c),
     )
     self.mipu_step = MipuStep(self) if c.mipu.rollback else None
+    self.steps = StepRunner(self)  # a step's sampling and learning: in sequence, or overlapped (minpro_jax/overlap.py)
     self.lr_decay = run_config.lr_decay_config(c)  # None when off
     self._stop_signal: int | None = None
     self._final_eval = False  # set once the last step is checkpointed: a signal then exits at once
@@ -137,7 +141,7 @@ class Trainer:
     adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=self.c.advantage_mode))
     batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=adv.astype(np.float32))
     if self.c.reward.mask_truncated:
-      batch = batch.replace(response_mask=batch.response_mask & ~batch.truncated[:, None])
+      batch = mask_truncated(batch)
     gstats = {**gstats, "seconds": time.time() - t0}
     if not score:
       return batch, texts, gstats
@@ -207,15 +211,17 @@ class Trainer:
     logs = step % self.c.log.mismatch_every == 0
     return logs or self.learner.loss_cfg.reads_learner_logp, logs
 
-  def sample_step(self, state, step: int) -> tuple[RolloutBatch, dict[str, Any]]:
-    """Steps 1-3 of the module docstring for global step `step`; returns the rollout batch and its metrics."""
+  def sample_step(self, state, step: int, sampler_params=None) -> tuple[RolloutBatch, dict[str, Any]]:
+    """Steps 1-3 of the module docstring for global step `step` at `state` (its `params` and `step`); returns the
+    rollout batch and its metrics. `sampler_params`: `state.params` already prepared for the sampler."""
     c = self.c
     t0 = time.time()
     problems = next(self.loader)
     version = int(state.step)
+    params = state.params if sampler_params is None else sampler_params
     group_ids = step * c.prompts_per_step + np.arange(len(problems))
     gen = self._generate(
-        state.params,
+        params,
         problems,
         self.sampling,
         self._step_seed(step, 1),
@@ -225,7 +231,7 @@ class Trainer:
     )
     graded, dynamic = None, {}
     if c.sampling.drop_equal_reward_groups:  # DAPO's dynamic sampling: rl/dynamic_sampling.py
-      filled, dynamic = self._fill_informative(state, step, gen, problems, group_ids, version)
+      filled, dynamic = self._fill_informative(params, step, gen, problems, group_ids, version)
       gen, graded = filled.gen, (filled.texts, filled.rewards, filled.stats)
     t1 = time.time()
     score, logs_mismatch = self.scoring(step)
@@ -258,7 +264,7 @@ class Trainer:
         metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
     return batch, metrics
 
-  def _fill_informative(self, state, step: int, gen, problems, group_ids, version: int):
+  def _fill_informative(self, params, step: int, gen, problems, group_ids, version: int):
     """`dynamic_sampling.fill_informative` for global step `step`: round k > 0 draws the next `prompts_per_step`
     prompts and samples them at the same parameters with its own seed, unless the global steps to come need every
     batch the loader has left."""
@@ -271,7 +277,7 @@ class Trainer:
         problems = next(self.loader)
         seed = self._step_seed(step, 1000 + k)
         gen = self._generate(
-            state.params, problems, self.sampling, seed, c.group_size, group_ids=group_ids, policy_version=version
+            params, problems, self.sampling, seed, c.group_size, group_ids=group_ids, policy_version=version
         )
       return Round(gen, *self.grade(gen, problems, c.group_size))
 
@@ -389,7 +395,8 @@ class Trainer:
       self.close()
 
   def close(self) -> None:
-    """Releases the workdir (its lock); `run` calls it when it ends, however it ends."""
+    """Ends the learner's worker thread, releases the workdir (its lock); `run` calls it however it ends."""
+    self.steps.close()
     if self.parts.lock is not None:
       self.parts.lock.close()
 
@@ -422,18 +429,12 @@ class Trainer:
     watch = _RunWatch(self.model.config.vocab_size)
     for step in range(start, c.total_steps):
       t0 = time.time()
-      batch, metrics = self.sample_step(state, step)
-      buffer.push(step, batch)
-      released = buffer.pop(step)
       surge = lr_decay.SurgeState.from_json(progress.lr_decay)
       lr_scale = lr_decay.multiplier(surge, self.lr_decay) if self.lr_decay else 1.0
-      if released is not None:
-        before = mipu.snapshot(state) if c.mipu.rollback else None
-        state, learn_metrics = self.learn_step(state, released, lr_scale)
-        metrics.update(learn_metrics)
-        if before is not None:
-          state, mipu_metrics = self.mipu_step(state, before, step, progress)
-          metrics.update(mipu_metrics)
+      state, before, metrics = self.steps.run(state, step, buffer, lr_scale)  # sample_step and learn_step
+      if before is not None:  # MIPU Step 2: after the updates
+        state, mipu_metrics = self.mipu_step(state, before, step, progress)
+        metrics.update(mipu_metrics)
       if self.lr_decay:  # this step's length moves the trigger for the next steps
         surge, lr_metrics = lr_decay.observe(surge, metrics["response/length_mean"], lr_scale, self.lr_decay)
         progress.lr_decay = surge.to_json()

@@ -46,6 +46,7 @@ import pytest  # noqa: E402
 SLOWEST_FIRST = (
     "test_multihost",
     "test_train_resume",
+    "test_overlap",  # two CLI runs on 8 devices and a SIGKILL + resume (~150 s)
     "study_smoke",
     "test_colab_notebook",
     "aot_tpu",

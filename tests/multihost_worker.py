@@ -72,7 +72,7 @@ def primitives(out_dir: str) -> dict:
 def _micro_batch_error(out_dir: str) -> str | None:
   """The trainer's config check of micro-batches of 2 on fsdp=-1: the mesh spans both processes' 4 devices."""
   from minpro_jax import run_config
-  from minpro_jax.configs.default import get_config
+  from minpro_jax.config_lib.defaults import get_config
 
   c = get_config()
   c.update_from_flattened_dict(

@@ -10,8 +10,8 @@ from minpro_jax.aot.analysis import add_resident
 from minpro_jax.aot.programs import check_mesh_fits_model, run_shapes
 from minpro_jax.aot.sweep import fingerprint, parse_mesh, sharding_table, sweep
 from minpro_jax.aot.topologies import parse_slice
-from minpro_jax.configs import set_fields
-from minpro_jax.configs.default import get_config
+from minpro_jax.config_lib import set_fields
+from minpro_jax.config_lib.defaults import get_config
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.config import get_preset
 from tests.tpu_helpers import run_with_libtpu
@@ -105,7 +105,7 @@ def test_done_rows_are_not_compiled_again():
 
 
 def test_fingerprint_follows_the_fields_that_shape_programs(monkeypatch):
-  from minpro_jax.configs import default
+  from minpro_jax.config_lib import defaults
 
   fp = fingerprint(small_config())
   assert fingerprint(small_config(workdir="/elsewhere", seed=7, total_steps=3)) == fp  # bookkeeping
@@ -125,7 +125,7 @@ def test_fingerprint_follows_the_fields_that_shape_programs(monkeypatch):
 
   grown = with_new_field(small_config)()
   assert fingerprint(grown) != fp  # unknown to the defaults: counted
-  monkeypatch.setattr(default, "base_config", with_new_field(default.base_config))
+  monkeypatch.setattr(defaults, "base_config", with_new_field(defaults.base_config))
   assert fingerprint(grown) == fp  # at the default of the grown defaults: not counted
   with grown.unlocked():
     grown.loss.new_knob = 0.25
@@ -291,7 +291,9 @@ def test_command_line_mistakes_exit_2_naming_the_field(args, message, capsys):
 
 def test_an_absent_checkpoint_falls_back_on_the_named_preset():
   from minpro_jax.aot.programs import model_config
-  from minpro_jax.configs.paper import qwen3_8b
+  from minpro_jax.config_lib.files import load_module
+
+  qwen3_8b = load_module("configs/paper/qwen3_8b.py")
 
   cfg, where = model_config(qwen3_8b.get_config())
   assert (cfg.hidden_size, cfg.num_layers, cfg.remat, cfg.dtype) == (4096, 36, "block", "bfloat16")

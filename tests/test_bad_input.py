@@ -22,7 +22,7 @@ from minpro_jax.run_config import validate_config
 from minpro_jax.study import __main__ as study_cli
 from minpro_jax.study import grid, runner
 
-SMOKE = os.path.join(REPO, "minpro_jax", "configs", "studies", "smoke.py")
+SMOKE = os.path.join(REPO, "configs", "studies", "smoke.py")
 ROWS = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(30)]
 
 
@@ -112,7 +112,7 @@ def _study(argv, capsys):
     "body, arg, words",
     [
         (
-            "def get_grid(arg=None):\n  return Grid(base='minpro_jax/configs/default.py', fixed=smoke.TINY,\n"
+            "def get_grid(arg=None):\n  return Grid(base='configs/default.py', fixed=smoke.TINY,\n"
             "      axes={'delay': [0, 1]}, derived=lambda cell: {'total_steps': 3 + cell['loss.method']})\n",
             "",
             "grid.derived: raised KeyError: 'loss.method' for the cell {'delay': 0} at seed 0; it gets only the cell's",
@@ -123,7 +123,7 @@ def _study(argv, capsys):
             "get_grid('huge') failed (KeyError: 'huge'); pass an argument the grid file takes after the ':' (arg: small",
         ),
         (
-            "def get_grid(arg=None):\n  return Grid(base='minpro_jax/configs/default.py', fixed=smoke.TINY,\n"
+            "def get_grid(arg=None):\n  return Grid(base='configs/default.py', fixed=smoke.TINY,\n"
             "      axes={'delay': [0, 1]}, seeds=3)\n",
             "",
             "grid.seeds: must be a tuple of ints, got the int 3; write e.g. seeds=(0,) for one seed",
@@ -190,7 +190,7 @@ def test_aggregate_only_reports_around_a_damaged_study_json(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------ compile-only tool
 def _aot(args, tmp_path):
-  config = os.path.join(REPO, "minpro_jax", "configs", "default.py")
+  config = os.path.join(REPO, "configs", "default.py")
   cmd = [sys.executable, "-m", "minpro_jax.aot", "--topology=cpu:2", f"--config={config}", *args]
   return subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=300)
 

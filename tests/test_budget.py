@@ -249,8 +249,8 @@ def test_length_models(tmp_path):
 
 # ----------------------------------------------------------------------------------- the whole budget
 def _small(**fields):
-  from minpro_jax.configs import set_fields
-  from minpro_jax.configs.default import get_config
+  from minpro_jax.config_lib import set_fields
+  from minpro_jax.config_lib.defaults import get_config
 
   c = get_config()
   c.prompts_per_step, c.group_size, c.num_updates_per_step, c.micro_batch_size = 8, 2, 1, 16

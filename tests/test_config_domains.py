@@ -1,7 +1,7 @@
 """Every numeric field of the training config has a domain that `validate_config` enforces, naming the field; and
 the settings under which a run would learn nothing are refused up front (minpro_jax/config_domains.py).
 
-The table holds, for each numeric field of `minpro_jax/configs/default.py`, values outside its domain; a field
+The table holds, for each numeric field of `configs/default.py`, values outside its domain; a field
 that takes any value of its type says why instead. `test_every_numeric_field_is_in_the_table` keeps the table
 complete: a field added to the config without a domain fails it.
 """
@@ -37,6 +37,7 @@ BAD: dict[str, tuple[tuple, dict]] = {
     "sampling.decode_rows": ((0, -1), {}),
     "sampling.page_size": ((0, -1), {}),
     "sampling.num_pages": ((-1, 4), {"sampling.kv_cache": "paged", "sampling.page_size": 8}),  # 37 tokens: 5 pages
+    "sampling.devices": ((-1, 1, 1.5, 0.1), {}),  # of 1 device: none left to the learner, a fraction giving 0
     "reward.format_reward": ((1.0, 2.0, -0.5, INF, NAN), {}),
     "reward.overlong_buffer": ((-1, 7), {}),  # above sampling.max_new_tokens=6
     "reward.overlong_factor": ((-1.0, INF, NAN), {}),

@@ -9,7 +9,7 @@ from flax import nnx
 
 from minpro_jax import run_config
 from minpro_jax.aot.hlo_text import called, parse_hlo
-from minpro_jax.configs import default
+from minpro_jax.config_lib import defaults
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.runtime.inference_mesh import INFERENCE_RULES, auto_shape, parse_sampling_mesh, sampler_layout
@@ -191,7 +191,7 @@ def test_parse_sampling_mesh_and_auto():
     "spec, devices, match",
     [
         ("fsdp=8", 8, "unknown axis 'fsdp'"),
-        ("data=4,tensor=4", 8, r"spans 16 devices.*learner mesh's 8"),
+        ("data=4,tensor=4", 8, r"spans 16 devices, but the sampler's mesh spans 8"),
         ("data=2", 8, r"spans 2 devices.*e.g. 'data=8,tensor=1'"),
         ("tensor=4,data=2", 8, r"tensor=4 does not divide.*2 KV heads; choose tensor in \[1, 2\]"),
         ("tensor", 8, "cannot parse 'tensor'"),
@@ -204,7 +204,7 @@ def test_parse_sampling_mesh_errors(spec, devices, match):
 
 
 def _config(**sampling):
-  c = default.get_config()
+  c = defaults.get_config()
   c.mesh.shape = "fsdp=8"
   for k, v in sampling.items():
     c.sampling[k] = v
@@ -221,14 +221,14 @@ def test_validate_config_names_the_sampling_fields(tmp_path):
     run_config.validate_config(c, num_devices=8)
   c.sampling.mesh = "data=4,tensor=2"
   c.mesh.shape = ""  # one learner device: the sampler's mesh must span one
-  with pytest.raises(ConfigError, match=r"^config\.sampling\.mesh: .*learner mesh's 1"):
+  with pytest.raises(ConfigError, match=r"^config\.sampling\.mesh: .*the sampler's mesh spans 1 \(the learner mesh's"):
     run_config.validate_config(c, num_devices=8)
   c.mesh.shape = "fsdp=8"
   c.sampling.decode_rows = 0
   with pytest.raises(ConfigError, match=r"^config\.sampling\.decode_rows: must be an int >= 1"):
     run_config.validate_shapes_config(c)
-  assert run_config.sampler_decode_rows(default.get_config()) == 64  # today's Sampler default
-  assert default.get_config().sampling.mesh == ""
+  assert run_config.sampler_decode_rows(defaults.get_config()) == 64  # today's Sampler default
+  assert defaults.get_config().sampling.mesh == ""
 
 
 def test_the_step_budget_compiles_the_sampler_on_its_own_layout():
@@ -237,9 +237,9 @@ def test_the_step_budget_compiles_the_sampler_on_its_own_layout():
   every step, tests/test_budget.py)."""
   from minpro_jax.aot.budget import Budget, _param_bytes
   from minpro_jax.aot.topologies import parse_slice
-  from minpro_jax.configs import set_fields
+  from minpro_jax.config_lib import set_fields
 
-  c = default.get_config()
+  c = defaults.get_config()
   c.prompts_per_step, c.group_size, c.num_updates_per_step, c.micro_batch_size = 8, 2, 1, 16
   c.sampling.max_new_tokens, c.data.max_prompt_tokens = 8, 16
   c = set_fields(c, {"sampling.mesh": "data=4,tensor=2", "sampling.decode_rows": 8})

@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch")
 SCRIPTS = ("tpu_vm.sh", "gpu.sh", "sweep_sharding.sh")
-PAPER_CONFIG = "minpro_jax/configs/paper/qwen3_8b.py:minpro,2"
+PAPER_CONFIG = "configs/paper/qwen3_8b.py:minpro,2"
 
 
 def _bash(script, *args, env=None, cwd=ROOT):
@@ -172,7 +172,7 @@ done
       "minpro_jax/runtime/distributed.py",
       "launch/tpu_vm.sh",
       "Makefile",
-      "minpro_jax/configs/paper/qwen3_8b.py",
+      "configs/paper/qwen3_8b.py",
   } <= names
   assert not any(n.startswith((".venv/", "runs/", "cache/")) for n in names)
   assert (home / "minpro_jax" / "minpro_jax" / "runtime" / "distributed.py").is_file()  # unpacked on the "worker"
@@ -200,21 +200,21 @@ def test_gpu_dry_run():
   assert cmds[-1] == (
       f".venv/bin/python -m minpro_jax.train --config={PAPER_CONFIG} " "--config.model.path=/ckpt/Qwen3-8B-Base"
   )
-  proc = _bash("gpu.sh", "-n", env={"STEPS": "run", "CONFIG": "minpro_jax/configs/default.py", "EXTRA_ARGS": ""})
+  proc = _bash("gpu.sh", "-n", env={"STEPS": "run", "CONFIG": "configs/default.py", "EXTRA_ARGS": ""})
   assert proc.returncode == 0, proc.stderr
-  assert _commands(proc.stdout)[-1] == ".venv/bin/python -m minpro_jax.train --config=minpro_jax/configs/default.py"
+  assert _commands(proc.stdout)[-1] == ".venv/bin/python -m minpro_jax.train --config=configs/default.py"
   proc = _bash(
       "gpu.sh",
       "-n",
       env={
           "STEPS": "run",
-          "CONFIG": "minpro_jax/configs/default.py",
+          "CONFIG": "configs/default.py",
           "EXTRA_ARGS": "--config.total_steps=2\n  --config.eval.ks=(1,)",
       },
   )
   assert proc.returncode == 0, proc.stderr
   assert _commands(proc.stdout)[-1] == (
-      ".venv/bin/python -m minpro_jax.train --config=minpro_jax/configs/default.py "
+      ".venv/bin/python -m minpro_jax.train --config=configs/default.py "
       "--config.total_steps=2 '--config.eval.ks=(1,)'"
   )
 
@@ -261,14 +261,14 @@ def test_sweep_tpu_launcher_composes_tpu_vm(tmp_path):
 def test_sweep_is_compile_only_by_default_with_one_table_for_every_shape():
   env = {
       "TOPOLOGY": "cpu:8",
-      "CONFIG": "minpro_jax/configs/default.py",
+      "CONFIG": "configs/default.py",
       "SHAPES": "data=8 fsdp=8",
       "PROGRAMS": "score",
       "EXTRA_ARGS": "--config.prompts_per_step=4 --config.group_size=2 --config.num_updates_per_step=1",
   }
   proc = _bash("sweep_sharding.sh", env=env)
   assert proc.returncode == 0, proc.stderr
-  assert "minpro_jax.aot --config=minpro_jax/configs/default.py --topology=cpu:8 --programs=score" in proc.stdout
+  assert "minpro_jax.aot --config=configs/default.py --topology=cpu:8 --programs=score" in proc.stdout
   table = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ") and "| score |" in ln]
   assert [ln.split(" | ")[0] for ln in table] == ["| data=8", "| fsdp=8"]
 

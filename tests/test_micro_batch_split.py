@@ -1,14 +1,14 @@
 """A learner micro-batch must split over the mesh's batch axes (data x fsdp x expert): the config check refuses one
 that does not (`run_config.check_micro_batch_split`), and the paper configs split on the slices they are sized for."""
 
-import importlib
-import pkgutil
+import glob
+import os
 
 import pytest
 from train_helpers import make_config, tiny_overrides
 
 from minpro_jax.aot.topologies import parse_slice
-from minpro_jax.configs import paper
+from minpro_jax.config_lib.files import REPO, load_module
 from minpro_jax.run_config import (
     ConfigError,
     check_micro_batch_split,
@@ -70,22 +70,24 @@ def test_mipu_validation_batch_must_split_too(tmp_path):
   check_micro_batch_split(c, {"fsdp": 4}, 4)
 
 
-PAPER_CONFIGS = [  # the config files (common.py and mipu_common.py hold shared settings, no get_config)
-    m.name
-    for m in pkgutil.iter_modules(paper.__path__)
-    if hasattr(importlib.import_module(f"minpro_jax.configs.paper.{m.name}"), "get_config")
-]
+PAPER_CONFIGS = sorted(  # every file of configs/paper/ (the shared settings are minpro_jax/config_lib/paper.py)
+    os.path.basename(p)[: -len(".py")] for p in glob.glob(os.path.join(REPO, "configs", "paper", "*.py"))
+)
+
+
+def paper_config(name: str):
+  return load_module(os.path.join(REPO, "configs", "paper", f"{name}.py"))
 
 
 def test_every_paper_config_names_its_slice():
   assert sorted(PAPER_CONFIGS) == ["mipu_qwen3_1p7b", "mipu_qwen3_4b", "qwen3_14b", "qwen3_30b_a3b", "qwen3_8b"]
   for name in PAPER_CONFIGS:
-    assert parse_slice(importlib.import_module(f"minpro_jax.configs.paper.{name}").SLICE).is_tpu
+    assert parse_slice(paper_config(name).SLICE).is_tpu
 
 
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
 def test_paper_configs_split_on_their_slice(name):
-  mod = importlib.import_module(f"minpro_jax.configs.paper.{name}")
+  mod = paper_config(name)
   chips = parse_slice(mod.SLICE).num_chips
   for arg in ("mipu", "grpo") if name.startswith("mipu") else ("minpro,2", "grpo,0"):
     c = mod.get_config(arg)
@@ -94,7 +96,7 @@ def test_paper_configs_split_on_their_slice(name):
 
 def test_qwen3_8b_at_the_old_micro_batch_does_not_split_on_v5p_64():
   """The issue's case: micro-batches of 16 on 32 chips (the batch stayed whole, 2.1 TiB of all-reduce per chip)."""
-  c = importlib.import_module("minpro_jax.configs.paper.qwen3_8b").get_config()
+  c = paper_config("qwen3_8b").get_config()
   assert parse_slice("v5p-64").num_chips == 32 and c.micro_batch_size == 32
   c.micro_batch_size = 16
   with pytest.raises(ConfigError, match=r"micro-batch of 16 samples .* = 32\).* \(e\.g\. 32\)$"):

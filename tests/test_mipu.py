@@ -13,7 +13,7 @@ import pytest
 from train_helpers import make_config, tiny_overrides
 
 from minpro_jax import run_config
-from minpro_jax.configs.mipu_variants import VARIANTS
+from minpro_jax.config_lib.mipu_variants import VARIANTS
 from minpro_jax.rl import mipu
 
 
@@ -302,8 +302,10 @@ def test_step2_under_fp8_direct_t_post_ground_truth_and_bitwise_restore(tmp_path
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_is_a_valid_config_on_cpu_and_at_paper_scale(tmp_path, variant):
-  from minpro_jax.configs import mipu as mipu_cfg
-  from minpro_jax.configs.paper import mipu_qwen3_1p7b, mipu_qwen3_4b
+  from minpro_jax.config_lib.files import load_module
+
+  mipu_cfg = load_module("configs/mipu.py")
+  mipu_qwen3_1p7b, mipu_qwen3_4b = (load_module(f"configs/paper/mipu_qwen3_{s}.py") for s in ("1p7b", "4b"))
 
   c = mipu_cfg.get_config(variant)
   assert c.sampling.precision == "fp8" and c.loss.method == "grpo"

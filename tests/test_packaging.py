@@ -137,13 +137,16 @@ def test_pip_install_gives_an_importable_package(tmp_path):
   target = tmp_path / "site"
   subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)], check=True)
   env = {**os.environ, "PYTHONPATH": str(target)}
-  code = "import minpro_jax, minpro_jax.train, minpro_jax.evaluation; print(minpro_jax.__file__)"
+  code = (  # the configs' defaults travel in the package; the config files (configs/) stay in the repository
+      "import minpro_jax, minpro_jax.train, minpro_jax.evaluation; from minpro_jax.config_lib import defaults; "
+      "assert defaults.base_config().loss.method == 'minpro'; print(minpro_jax.__file__)"
+  )
   out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
   assert out.returncode == 0, out.stderr[-2000:]
   assert pathlib.Path(out.stdout.strip()).is_relative_to(target)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "launch/README.md", "docs/mipu.md"])
+@pytest.mark.parametrize("doc", ["README.md", "launch/README.md", "docs/mipu.md", "docs/configs.md", "docs/study.md"])
 def test_the_paths_a_doc_names_exist(doc):
   """Every repository path a doc names in backticks (`minpro_jax/...`, `launch/...`, ...) exists (runs/ holds what
   runs write, so its paths are not checked)."""

@@ -10,6 +10,8 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_pa
 
 from minpro_jax.models.attention_core import masked_attention
 from minpro_jax.models.paged_attention import paged_decode_attention, pallas_decode_attention, ragged_paged_attention
+from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
+from minpro_jax.runtime.sharding import make_mesh, use_mesh
 from minpro_jax.sampling import paged
 
 K, H, HD = 2, 4, 8  # KV heads, query heads (G = 2), head_dim
@@ -81,6 +83,29 @@ def test_pallas_wrapper_passes_the_kernel_decode_arguments():
   q = jnp.asarray(rng.standard_normal((3, H, HD)), jnp.float32)
   want = paged_decode_attention(q, kv, lengths, table, soft_cap=3.0)
   got = pallas_decode_attention(q, kv, lengths, table, soft_cap=3.0, kernel=ref_ragged_paged_attention)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
+
+
+def test_pallas_wrapper_runs_per_device_under_a_mesh():
+  """Under the sampler's mesh (data=4 x tensor=2 on cpu:8, `INFERENCE_RULES`) `pallas_decode_attention` runs the
+  kernel in a shard_map, rows over data and KV heads over tensor (each device a pair of combined heads per KV
+  head): with jax's reference kernel in place of the Pallas one it equals the plain path on the whole arrays."""
+  rng = np.random.default_rng(3)
+  kv = jnp.asarray(rng.standard_normal((16, 3, 2 * K, HD)), jnp.float32)
+  lengths = jnp.array([4, 0, 7, 9, 1, 3, 8, 2], jnp.int32)
+  table = jnp.asarray(rng.integers(0, 16, (8, 3)), jnp.int32)  # rows may share pages: attention only reads them
+  q = jnp.asarray(rng.standard_normal((8, H, HD)), jnp.float32)
+  want = paged_decode_attention(q, kv, lengths, table)
+  calls = []
+
+  def kernel(q, kv, *args, **kw):
+    calls.append((q.shape, kv.shape))
+    return ragged_paged_attention(q, kv, *args, **kw)
+
+  mesh = make_mesh({"data": 4, "tensor": 2}, devices=jax.devices()[:8])
+  with use_mesh(mesh, INFERENCE_RULES):
+    got = jax.jit(lambda *a: pallas_decode_attention(*a, kernel=kernel))(q, kv, lengths, table)
+  assert calls == [((2, H // 2, HD), (16, 3, K, HD))]  # one device's rows and heads, every page
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
 

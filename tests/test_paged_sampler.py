@@ -1,12 +1,18 @@
 """The continuous sampler on a paged KV cache (`Sampler(paged_kv=PagedKV(...))`) against the static sampler:
-the same responses token for token, with a pool so small that requests wait for pages."""
+the same responses token for token, with a pool so small that requests wait for pages; shared prompts (one
+prefill per group, full pages stored once) against separate prefills."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.sampling import PagedKV, Sampler, SamplingParams
+from minpro_jax.models.transformer import keys_head_dim_major
+from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, paged
+from minpro_jax.sampling import paged_continuous as pc
+from minpro_jax.sampling.continuous import init_state
 
 CFG = get_preset("tiny")
 PROMPTS = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [400], [3, 3], [71, 72, 73, 74, 75], [12], [8, 9, 10]]
@@ -58,3 +64,181 @@ def test_paged_moe_sampler_records_the_routes_of_the_dense_one():
   np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
   np.testing.assert_array_equal(np.asarray(got.routes), np.asarray(want.routes))
   np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
+
+
+def test_the_share_unit_is_the_largest_group_divisor_that_fits_the_pool():
+  """Requests per shared prefill: the longest prompt (11 tokens, 23 more) in pages of 4 needs 2 shared prompt
+  pages + 7 per sample, so a unit of 4 needs 30 pages, of 2 needs 16, of 1 needs 9."""
+  unit = lambda num_pages, g=4, rows=8, share=True: pc.share_unit(
+      PagedKV(page_size=4, num_pages=num_pages, share_prompts=share), g, rows, [3, 11], 16, 24
+  )
+  assert (unit(30), unit(29), unit(16), unit(15), unit(9)) == (4, 2, 2, 1, 1)
+  assert unit(30, rows=2) == 2 and unit(100, g=6, rows=4) == 3 and unit(100, g=5, rows=4) == 1
+  assert unit(30, share=False) == 1 and unit(30, g=1) == 1
+
+
+def test_shared_prompts_give_the_responses_of_separate_prefills(state):
+  """Group size 4 on 8 decode rows: with the prompts shared (one prefill per group, `fork_rows`) the responses
+  equal those of separate prefills (share_prompts=False) and the static sampler's, token for token. The pool of 30
+  pages holds one group of the longest prompt (2 shared + 4 x 7 pages) and never two groups of 11 + 23 or
+  5 + 23 tokens, so groups wait for pages."""
+  prompts, g = [PROMPTS[1], PROMPTS[4], PROMPTS[2], PROMPTS[0]], 4
+  assert pc.share_unit(PagedKV(page_size=4, num_pages=30), g, 8, [11, 5, 1, 3], 16, SP.max_new_tokens) == g
+  kw = dict(seed=5, group_size=g, group_ids=[7, 8, 9, 10])
+  want = Sampler(CFG, prompt_buckets=(8, 16), continuous=False).generate(state, prompts, SP, **kw)
+  for share in (True, False):
+    kv = PagedKV(page_size=4, num_pages=30, share_prompts=share)
+    got = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=8, refill_rows=4, paged_kv=kv).generate(
+        state, prompts, SP, **kw
+    )
+    for f in ("response_tokens", "response_mask", "finish_reason", "sample_index"):
+      np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f"{f}, share_prompts={share}")
+    np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
+  assert len(set(map(tuple, want.response_tokens[:g].tolist()))) == g  # the samples of a group differ
+
+
+def _refill(state, unit: int, prompts, g: int):
+  """One `refill_units` of len(prompts) x g requests into an empty pool of 8 rows and 24 pages of 4 tokens,
+  eagerly; returns the carry."""
+  sampler = Sampler(CFG, paged_kv=PagedKV(page_size=4))
+  model = nnx.merge(sampler._graphdef, sampler.prepare_params(state).state)
+  sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+  n, p = len(prompts) * g, 16
+  tokens, segs = np.zeros((n, p), np.int32), np.zeros((n, p), np.int32)
+  for i in range(n):
+    tokens[i, p - len(prompts[i // g]) :], segs[i, p - len(prompts[i // g]) :] = prompts[i // g], 1
+  keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), n)), np.uint32)
+  requests = (jnp.asarray(tokens), jnp.asarray(segs), jnp.arange(n, dtype=jnp.int32) // g, jnp.asarray(keys))
+  pool = paged.init_pool(
+      num_layers=CFG.num_layers, num_pages=24, page_size=4, num_kv_heads=CFG.num_kv_heads, head_dim=CFG.head_dim,
+      rows=8, max_pages_per_row=6,
+  )  # fmt: skip
+  st = init_state(sampler.config, 8, n, 1, sp.max_new_tokens, 0)._replace(cache=pool)
+  hd_major = keys_head_dim_major(sampler.config.jnp_dtype)
+  m = n // unit
+  st, nxt = pc.refill_units(st, 0, m, m, unit, pc.prefill_fn(model), requests, sp, 0, hd_major, None)
+  assert int(nxt) == n
+  return st
+
+
+def test_a_shared_prefill_stores_the_prompts_full_pages_once(state):
+  """2 prompts x 3 samples in one refill: with units of 3, the 11-token prompt's 2 full pages exist once with
+  reference count 3 and each sample has its own copy of the partial third page; the 3-token prompt (no full
+  page) gets 3 partial pages. 8 pages in use instead of 12, and every row's stored keys/values, index-0 token
+  and log-prob equal those of 6 separate prefills."""
+  prompts = [PROMPTS[1], PROMPTS[0]]
+  shared, alone = _refill(state, 3, prompts, 3), _refill(state, 1, prompts, 3)
+  for st in (shared, alone):
+    assert int(st.cache.errors) == 0
+    np.testing.assert_array_equal(np.asarray(st.cache.lengths), [11, 11, 11, 3, 3, 3, 0, 0])
+  pool = shared.cache
+  refcount, table = np.asarray(pool.refcount), np.asarray(pool.page_table)
+  used = lambda p: int(np.sum(np.asarray(p.refcount) > 0))
+  assert (used(pool), used(alone.cache)) == (2 + 3 + 3, 3 * 3 + 3)
+  long_rows = np.flatnonzero(np.asarray(pool.lengths) == 11)
+  full = table[long_rows, :2]
+  assert (full == full[0]).all() and (refcount[full[0]] == 3).all()  # the full pages, once, shared by 3
+  partial = np.concatenate([table[long_rows, 2], table[np.asarray(pool.lengths) == 3, 0]])
+  assert len(set(partial.tolist())) == 6 and (refcount[partial] == 1).all()
+  by_req = lambda st: np.argsort(np.where(np.asarray(st.req) < 6, np.asarray(st.req), 99))[:6]
+
+  def row_kv(p, r):  # [layers, tokens, 2K, hd] of row r in token order
+    n_pages = -(-int(p.lengths[r]) // 4)
+    kv = np.stack([np.asarray(layer)[np.asarray(p.page_table)[r, :n_pages]] for layer in p.kv_pages])
+    return kv.reshape(kv.shape[0], -1, *kv.shape[3:])[:, : int(p.lengths[r])]
+
+  for a, b in zip(by_req(shared), by_req(alone)):
+    np.testing.assert_allclose(row_kv(pool, a), row_kv(alone.cache, b), atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(np.asarray(shared.tokens[:, 0]), np.asarray(alone.tokens[:, 0]))
+  np.testing.assert_allclose(np.asarray(shared.logp[:, 0]), np.asarray(alone.logp[:, 0]), atol=1e-5, rtol=0)
+
+
+def test_paged_kernel_choice():
+  """ "auto" takes the plain-JAX path off TPU; the Pallas block sizes go only to the Pallas kernel."""
+  kv = PagedKV(num_kv_pages_per_block=8, num_queries_per_block=32)
+  assert kv.kernel_fields() == {"kernel": "xla"}  # the tests' CPU devices
+  assert PagedKV(kernel="pallas", num_kv_pages_per_block=8).kernel_fields() == {
+      "kernel": "pallas",
+      "num_kv_pages_per_block": 8,
+      "num_queries_per_block": None,
+  }
+  with pytest.raises(ValueError, match="kernel"):
+    PagedKV(kernel="mosaic")
+  with pytest.raises(ValueError, match="num_queries_per_block"):
+    PagedKV(num_queries_per_block=0)
+
+
+# The paged sampler's whole call (`Sampler._c_paged`, shared prompts in units of 8) for a v5p-8 (4 chips) on the
+# sampler's layout data=2 x tensor=2: Qwen3-8B's heads and 2 layers in bf16, 64 decode rows, 256 prompts of 256
+# tokens, 1024 new tokens, pages of 64. Every instruction of the computations its `while` loop runs (the refill
+# and decode branches, nested loops), and the copies as large as one chip's share of a layer's page pool.
+_TPU_PAGED = """
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+
+from minpro_jax.aot import hlo_text
+from minpro_jax.models import get_preset
+from minpro_jax.models.transformer import Transformer
+from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
+from minpro_jax.runtime.sharding import make_mesh
+from minpro_jax.sampling import PagedKV, Sampler, SamplingParams
+
+topology = topologies.get_topology_desc(
+    platform="tpu", topology_name="v5p:2x2x1", chip_config_name="default", chips_per_host_bounds=(2, 2, 1),
+    num_slices=1,
+)
+mesh = make_mesh({"data": 2, "tensor": 2}, devices=topology.devices)
+cfg = get_preset("qwen3-8b").replace(num_layers=2)
+kv = PagedKV(page_size=64, num_pages=512, num_kv_pages_per_block=8, num_queries_per_block=32)  # kernel "auto"
+s = Sampler(cfg, precision="bf16", mesh=mesh, rules=INFERENCE_RULES, prompt_buckets=(256,), decode_rows=64, paged_kv=kv)
+with nnx.use_eager_sharding(False):
+  raw = nnx.split(nnx.eval_shape(lambda: Transformer(s._input_config, rngs=nnx.Rngs(0))))[1]
+state = jax.tree_util.tree_map_with_path(
+    lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.param_shardings[jax.tree_util.keystr(p)]),
+    jax.eval_shape(s.jitted_prepare, raw),
+)
+n, p = 256, 256
+arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, PartitionSpec()))
+requests = (arg((n, p), jnp.int32), arg((n, p), jnp.int32), arg((n,), jnp.int32), arg((n, 2), jnp.uint32))
+rows, refill = s.continuous_rows(n)
+sp = SamplingParams(temperature=1.0, max_new_tokens=1024)
+with s.mesh_context():
+  lowered = s._c_paged.lower(state, requests, sampling=sp, p_len=p, rows=rows, refill=refill, unit=8)
+comps = hlo_text.parse_hlo(lowered.compile().as_text())
+entry = next(x for x in comps.values() if x.entry)
+seen, todo = set(), [b for i in entry.instrs if i.opcode == "while" for b in hlo_text.called(i.attrs, "body")]
+while todo:
+  name = todo.pop()
+  if name not in seen and name in comps:
+    seen.add(name)
+    todo += [n for i in comps[name].instrs for k in ("calls", "body", "condition", "branch_computations", "to_apply")
+             for n in hlo_text.called(i.attrs, k)]
+instrs = [i for x in seen for i in comps[x].instrs]
+kernels = [i for i in instrs if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs]
+names = sorted({re.sub(r"[.]\\d+$", "", i.name) for i in kernels})
+pool = (kv.num_pages, kv.page_size, 2 * cfg.num_kv_heads // 2, cfg.head_dim)  # one chip's: heads over tensor
+big = [i for i in instrs if i.opcode == "copy" and math.prod(hlo_text.dims(i.shape) or [0]) >= math.prod(pool)]
+print(f"RESULT computations={len(seen)} kernels={','.join(names)} "
+      f"rpa_calls={sum('ragged_paged_attention' in i.attrs for i in kernels)} pool_copies={len(big)}")
+"""
+
+
+def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_copies_no_pool():
+  """On TPU ("auto" on v5p chips, compile-only) every decode step's attention is jax's Pallas ragged paged
+  attention kernel on the pool's own layout (per chip, `pallas_decode_attention`'s shard_map), one call per layer,
+  and the loop holds no copy as large as a chip's share of a layer's page pool. Measured 2026-12-04 on one chip:
+  the plain-JAX path ("xla") copies each step's gathered pages, [64, 1280, 16, 128], twice; on tensor=4 (2K = 4
+  combined heads per chip) the token write relayouts the pool around each scatter (docs/sampler.md)."""
+  from tests.tpu_helpers import run_with_libtpu
+
+  (r,) = run_with_libtpu(_TPU_PAGED, timeout=400)
+  assert int(r["computations"]) > 10  # the loop's branches and nested loops were walked
+  assert "ragged_paged_attention_kernel" in r["kernels"].split(","), r
+  assert r["rpa_calls"] == "2", r  # one per layer
+  assert r["pool_copies"] == "0", r

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
-from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
+from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.sampling import GenerationBatch
 
 
@@ -30,6 +30,25 @@ def make_batch(n=4, length=5, tag=0):
       response_lengths=np.full(n, length - 2, np.int32),
       truncated=rows == 0,
   )
+
+
+def test_mask_truncated_clears_truncated_rows_and_warns_when_nothing_is_left(caplog):
+  """`reward.mask_truncated`: truncated rows lose their response mask, the others keep theirs; a batch whose every
+  row was truncated has no token with a loss, and the log says so naming the field."""
+  b = make_batch()  # row 0 truncated
+  with caplog.at_level("WARNING", logger="minpro_jax.rl.rollout"):
+    masked = mask_truncated(b)
+  assert masked.response_mask.sum(axis=1).tolist() == [0, 3, 3, 3] and not caplog.records
+  np.testing.assert_array_equal(masked.advantages, b.advantages)
+  everything = b.replace(truncated=np.ones(4, bool))
+  with caplog.at_level("WARNING", logger="minpro_jax.rl.rollout"):
+    assert not mask_truncated(everything).response_mask.any()
+  (rec,) = caplog.records
+  assert rec.getMessage().startswith("reward.mask_truncated: all 4 responses of this batch were truncated")
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="minpro_jax.rl.rollout"):  # a batch with no response tokens at all: quiet
+    mask_truncated(everything.replace(response_mask=np.zeros_like(b.response_mask)))
+  assert not caplog.records
 
 
 def assert_batches_equal(a: RolloutBatch, b: RolloutBatch):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minpro_jax.configs.default import get_config
+from minpro_jax.config_lib.defaults import get_config
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.attention_core import live_length_attention, live_length_buckets, masked_attention
 from minpro_jax.models.transformer import KVCache
@@ -179,7 +179,7 @@ from minpro_jax.aot.programs import RunPrograms, model_config, run_shapes
 from minpro_jax.aot.topologies import parse_slice
 from minpro_jax.runtime.sharding import make_mesh
 sl = parse_slice("v5p-64")
-_, c = run_config_of(["--config=minpro_jax/configs/paper/qwen3_8b.py", "--config.sampling.mesh=auto",
+_, c = run_config_of(["--config=configs/paper/qwen3_8b.py", "--config.sampling.mesh=auto",
                       "--config.sampling.decode_rows=64", "--config.sampling.max_new_tokens=1024",
                       "--config.data.max_prompt_tokens=256"])
 cfg = model_config(c)[0].replace(num_layers=2)

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from minpro_jax import run_config
-from minpro_jax.configs import default
+from minpro_jax.config_lib import defaults
 from minpro_jax.errors import ConfigError, UserError
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.runtime.inference_mesh import INFERENCE_RULES, inference_mesh
@@ -90,10 +90,10 @@ def test_resolve_decode_rows():
 def test_the_config_field_takes_an_int_or_auto():
   from minpro_jax.train import parse_config
 
-  base = ["t", "--config=minpro_jax/configs/default.py"]
+  base = ["t", "--config=configs/default.py"]
   assert parse_config([*base, "--config.sampling.decode_rows=auto"]).sampling.decode_rows == "auto"
   assert parse_config([*base, "--config.sampling.decode_rows=128"]).sampling.decode_rows == 128
-  c = default.get_config()
+  c = defaults.get_config()
   assert c.sampling.decode_rows == 64
   c.sampling.decode_rows = "auto"
   assert run_config.sampler_decode_rows(c) == "auto"
@@ -145,7 +145,7 @@ from minpro_jax.aot.__main__ import run_config_of
 from minpro_jax.aot.topologies import parse_slice
 from minpro_jax.runtime.sharding import make_mesh
 sl = parse_slice("v5p-64")
-_, c = run_config_of(["--config=minpro_jax/configs/paper/qwen3_8b.py", "--config.sampling.mesh=auto",
+_, c = run_config_of(["--config=configs/paper/qwen3_8b.py", "--config.sampling.mesh=auto",
                       "--config.sampling.decode_rows=auto"])
 progs = RunPrograms(c, model_config(c)[0], make_mesh({"fsdp": 32}, devices=sl.devices()), run_shapes(c),
                     hbm_bytes=sl.chip.hbm_bytes)
@@ -166,9 +166,9 @@ def test_auto_layout_and_rows_of_the_paper_setting_on_v5p_64():
 def test_the_budget_rows_name_the_sampler_layout_and_rows():
   from minpro_jax.aot.budget import Budget
   from minpro_jax.aot.topologies import parse_slice
-  from minpro_jax.configs import set_fields
+  from minpro_jax.config_lib import set_fields
 
-  c = default.get_config()
+  c = defaults.get_config()
   c.prompts_per_step, c.group_size, c.num_updates_per_step, c.micro_batch_size = 8, 2, 1, 16
   c.sampling.max_new_tokens, c.data.max_prompt_tokens = 8, 16
   kw = dict(lengths="const:4", prompt_len=6, parts=("sampling",))

@@ -28,9 +28,9 @@ def _no_sft_ran(tmp_path) -> bool:
 # ------------------------------------------------------------------------------------------------ config
 def test_a_config_argument_typo_names_the_reason():
   with pytest.raises(UserError) as e:
-    train.parse_config(["x", "--config=minpro_jax/configs/paper/qwen3_8b.py:ppo,2"])
+    train.parse_config(["x", "--config=configs/paper/qwen3_8b.py:ppo,2"])
   msg = str(e.value)
-  assert msg.startswith("--config=minpro_jax/configs/paper/qwen3_8b.py:ppo,2: ")
+  assert msg.startswith("--config=configs/paper/qwen3_8b.py:ppo,2: ")
   assert "config arg method 'ppo'; choose one of" in msg and "Traceback" not in msg
 
 

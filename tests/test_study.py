@@ -16,17 +16,19 @@ import numpy as np
 import pytest
 from train_helpers import REPO, cli_env
 
-from minpro_jax.configs.studies import minpro_long, minpro_staleness, mipu_long
+from minpro_jax.config_lib import files
+from minpro_jax.config_lib.files import load_module
 from minpro_jax.study import __main__ as study_cli
 from minpro_jax.study import aggregate, grid, runner
 from minpro_jax.study.aggregate import Interval, curve_auc, eval_curve, falls_below, largest_drop, mean_ci
 from minpro_jax.study.grid import Grid, GridError, Run
 
-SMOKE = os.path.join(REPO, "minpro_jax", "configs", "studies", "smoke.py")
-STALENESS = os.path.join(REPO, "minpro_jax", "configs", "studies", "minpro_staleness.py")
-MIPU_GRID = os.path.join(REPO, "minpro_jax", "configs", "studies", "mipu.py")
-LONG = os.path.join(REPO, "minpro_jax", "configs", "studies", "minpro_long.py")
-MIPU_LONG = os.path.join(REPO, "minpro_jax", "configs", "studies", "mipu_long.py")
+SMOKE = os.path.join(REPO, "configs", "studies", "smoke.py")
+STALENESS = os.path.join(REPO, "configs", "studies", "minpro_staleness.py")
+MIPU_GRID = os.path.join(REPO, "configs", "studies", "mipu.py")
+LONG = os.path.join(REPO, "configs", "studies", "minpro_long.py")
+MIPU_LONG = os.path.join(REPO, "configs", "studies", "mipu_long.py")
+minpro_staleness, minpro_long, mipu_long = map(load_module, (STALENESS, LONG, MIPU_LONG))
 T_975 = {1: 12.706204736174698, 2: 4.302652729749462, 3: 3.182446305284263}  # Student-t quantiles (tables)
 
 
@@ -143,7 +145,7 @@ def test_run_metrics_and_files_of_two_runs():
 # ------------------------------------------------------------------------------------------------ cells
 def _ablation_grid(seeds=(0, 1, 2)):
   return Grid(
-      base="minpro_jax/configs/default.py",
+      base="configs/default.py",
       axes={"loss.method": ["minpro", "grpo"], "delay": [0, 16]},
       cells=[{"loss.method": "minpro", "delay": 16, "loss.prefix_statistic": "mean"}],
       seeds=seeds,
@@ -291,7 +293,7 @@ def test_the_staleness_grid():
     ],
 )
 def test_grid_mistakes_name_the_field(change, match):
-  g = Grid(**{"base": "minpro_jax/configs/default.py", "axes": {"delay": [0, 2]}, **change})
+  g = Grid(**{"base": "configs/default.py", "axes": {"delay": [0, 2]}, **change})
   with pytest.raises(GridError, match=match):
     grid.check_grid(g)
     grid.plan(g, "/tmp/study", validate=False)
@@ -299,7 +301,7 @@ def test_grid_mistakes_name_the_field(change, match):
 
 def test_variants_are_a_named_first_axis_whose_overrides_reach_the_command():
   g = Grid(
-      base="minpro_jax/configs/default.py",
+      base="configs/default.py",
       variants={"plain": {}, "tis": {"loss.rollout_is": "token", "loss.tis_cap": 2.0}},
       axes={"delay": [0, 2]},
       cells=[{"variant": "tis", "delay": 8}],
@@ -417,7 +419,7 @@ def test_the_long_mipu_grid(monkeypatch):
     ],
 )
 def test_variant_mistakes_name_the_variant(change, match):
-  g = Grid(**{"base": "minpro_jax/configs/default.py", "axes": {"delay": [0, 2]}, **change})
+  g = Grid(**{"base": "configs/default.py", "axes": {"delay": [0, 2]}, **change})
   with pytest.raises(GridError, match=match):
     grid.check_grid(g)
     grid.plan(g, "/tmp/study", validate=False)
@@ -450,6 +452,37 @@ def test_study_json_of_another_grid_is_refused_unless_forced(tmp_path):
   rec3["fixed"]["total_steps"] = 9
   with pytest.raises(runner.StudyError, match=r"fixed total_steps: 3 there, 9 here"):
     runner.check_study(str(tmp_path), rec3)
+
+
+def test_paths_into_the_configs_old_folder_name_the_moved_files(tmp_path, capsys):
+  """Issue 39 moved `minpro_jax/configs/` to `configs/`: a study.json written before (its base and grid paths) is
+  the same study, its grid still loads, the trainer still reads an old --config path, and config files that share
+  settings see one module (a test's monkeypatch reaches them)."""
+  from minpro_jax import train
+
+  assert files.canonical("minpro_jax/configs/default.py") == "configs/default.py"
+  assert files.canonical("/r/minpro_jax/configs/studies/x.py:stage1") == "/r/configs/studies/x.py:stage1"
+  assert files.canonical("./minpro_jax/configs/mipu.py:tis") == "./configs/mipu.py:tis"
+  for same in ("configs/default.py", "/r/my_minpro_jax/configs/a.py", "minpro_jax/configsx/a.py"):
+    assert files.canonical(same) == same
+  assert files.resolve("minpro_jax/configs/default.py") == os.path.join(REPO, "configs", "default.py")
+  assert files.resolve("minpro_jax/configs/nonexistent.py") is None
+  g = grid.load_grid(os.path.join(REPO, "minpro_jax", "configs", "studies", "smoke.py"))
+  assert g.base == "configs/default.py"
+  rec = runner.study_record(SMOKE, g, grid.expand(g))
+  old = {**rec, "grid": "minpro_jax/configs/studies/smoke.py", "base": "minpro_jax/configs/default.py"}
+  runner.write_study(str(tmp_path), old)
+  runner.check_study(str(tmp_path), rec)  # the same study under its old paths
+  assert runner.study_differences({**old, "base": "minpro_jax/configs/mipu.py"}, rec) == [
+      "base config 'minpro_jax/configs/mipu.py' there, 'configs/default.py' here"
+  ]
+  c = train.parse_config(["x", "--config=minpro_jax/configs/mipu.py:tis"])
+  assert (c.loss.rollout_is, c.mipu.rollback) == ("token", False)
+  assert "the configs moved to configs/; reading " + os.path.join(REPO, "configs", "mipu.py") in capsys.readouterr().err
+  assert files.load_module(LONG) is minpro_long and mipu_long.long is minpro_long
+  assert files.load_module("minpro_long.py", relative_to=MIPU_LONG) is minpro_long
+  with pytest.raises(FileNotFoundError, match="config file 'nope.py': not found"):
+    files.load_module("nope.py", relative_to=MIPU_LONG)
 
 
 def test_one_runner_per_study_workdir(tmp_path):

@@ -109,9 +109,9 @@ def _check_evaluate(run, best):
 @pytest.mark.slow
 @pytest.mark.xdist_group("smollm2_one_step")  # its own group: SmolLM2 weights and GB checkpoints
 def test_smollm2_config_one_step(tmp_path):
-  path = os.path.join(REPO, "minpro_jax", "configs", "smollm2_135m.py")
+  path = os.path.join(REPO, "configs", "smollm2_135m.py")
   if not os.path.exists(path):
-    pytest.skip("minpro_jax/configs/smollm2_135m.py does not exist yet")
+    pytest.skip("configs/smollm2_135m.py does not exist yet")
   import importlib.util
 
   spec = importlib.util.spec_from_file_location("smollm2_cfg", path)

@@ -6,11 +6,11 @@ import importlib.util
 import os
 import sys
 
-from minpro_jax.configs import set_fields
+from minpro_jax.config_lib import set_fields
 from minpro_jax.launch_local import with_device_count
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CONFIG = os.path.join(REPO, "minpro_jax", "configs", "default.py")
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "default.py")
 
 TINY_MODEL = {
     "hidden_size": 32,
@@ -23,7 +23,7 @@ TINY_MODEL = {
 
 
 def tiny_overrides(tmp_path, **extra) -> dict:
-  """Dotted-field overrides of minpro_jax/configs/default.py for a run of a few seconds per step."""
+  """Dotted-field overrides of configs/default.py for a run of a few seconds per step."""
   ov = {
       "workdir": str(tmp_path / "run"),
       "total_steps": 4,
@@ -61,7 +61,7 @@ def load_default_config():
 
 
 def make_config(overrides: dict, model: dict | None = None):
-  """minpro_jax/configs/default.py with `overrides` ({"a.b": value}) and the tiny model applied."""
+  """configs/default.py with `overrides` ({"a.b": value}) and the tiny model applied."""
   c = set_fields(load_default_config(), overrides)
   c.model.overrides = dict(TINY_MODEL, **(model or {}))
   return c

@@ -1,7 +1,7 @@
 """Compile-only sharding sweeps: a run config's learner and sampler programs compiled for a TPU slice (or N
 virtual CPU devices) on this machine, with their per-device memory, FLOPs, roofline estimate and collectives.
 
-    python -m minpro_jax.aot --config=minpro_jax/configs/paper/qwen3_8b.py --topology=v5p-64 \\
+    python -m minpro_jax.aot --config=configs/paper/qwen3_8b.py --topology=v5p-64 \\
         --mesh=fsdp=-1 --mesh=data=2,fsdp=-1 --programs=update,score --out=reports/qwen3_8b_v5p64.json
 
 Modules: `topologies` (slice names -> devices and chip figures), `abstract` (sharded abstract parameters),

@@ -175,15 +175,23 @@ class RunPrograms:
   """Builds the run's programs for one model config on one mesh (the learner and sampler the trainer would).
 
   Args:
-    c: the run config (`minpro_jax/configs/default.py` layout), validated by the caller.
+    c: the run config (`configs/default.py` layout), validated by the caller.
     cfg: its `ModelConfig` (`model_config(c)`, with any remat override applied).
     mesh: the mesh to compile for (its devices may be abstract TPU devices).
     shapes: `run_shapes(c)`.
     hbm_bytes: one device's HBM (the slice's chip figure) for `sampling.decode_rows="auto"`, which then counts the
       learner's `TrainState` as resident (`minpro_jax.sampling.rows`); None or 0 (CPU): "auto" is 64 rows.
+
+  Raises:
+    ConfigError: `config.sampling.devices` set: the programs of a device split are not compiled yet.
   """
 
   def __init__(self, c, cfg: ModelConfig, mesh, shapes: RunShapes, hbm_bytes: float | None = None):
+    if c.sampling.get("devices", 0):  # not the shared-device programs, silently
+      raise ConfigError(
+          f"--config.sampling.devices={c.sampling.devices}: the compile-only tool compiles the programs of sampler and "
+          "learner sharing every device only; drop the override (docs/learner.md: sampling overlapped with learning)"
+      )
     self.c, self.cfg, self.mesh, self.shapes = c, cfg, mesh, shapes
     self.replay = bool(c.loss.router_replay)
     self.record_routes = bool(c.loss.router_replay or c.sampling.record_routes) and cfg.is_moe

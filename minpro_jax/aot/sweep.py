@@ -37,11 +37,11 @@ def fingerprint(c) -> str:
   """12 hex digits naming what a config compiles to; rows of an earlier sweep are reused when it is equal.
 
   It is the sha256 of the config fields that shape the programs, taken where they differ from
-  `configs.default.base_config()`: a field added to the config later, at a default that keeps what earlier runs
+  `config_lib.defaults.base_config()`: a field added to the config later, at a default that keeps what earlier runs
   did, leaves it unchanged, and so do the run's bookkeeping fields (workdir, seed, steps, evaluation, logging,
   checkpoints, data source). A change of code is not in it: `--fresh` compiles again.
   """
-  from minpro_jax.configs.default import base_config
+  from minpro_jax.config_lib.defaults import base_config
 
   def flat(d, prefix=""):
     out = {}

@@ -369,7 +369,7 @@ def _reasoning_gym(d, *, seed: int, size: int) -> list[MathProblem]:
   except (ValueError, TypeError) as e:  # an unknown task name / a task_config key the task does not take
     raise ConfigError(
         f"config.data.task / config.data.task_config: reasoning-gym refused task {d.task!r} with "
-        f"task_config={dict(d.task_config)} ({e}); minpro_jax/configs/default.py sets chain_sum's fields, so "
+        f"task_config={dict(d.task_config)} ({e}); configs/default.py sets chain_sum's fields, so "
         "for another task set data.task_config to that task's fields in your config file"
     ) from e
 

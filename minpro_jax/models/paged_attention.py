@@ -15,23 +15,40 @@ and small prefills; a query with no visible key (an idle row, a padding token) g
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.attention_core import NEG_INF
+from minpro_jax.runtime import sharding
+
+KERNELS = ("xla", "pallas")  # `paged_decode_attention` (plain JAX) or `pallas_decode_attention` (TPU)
 
 
-class PagedKVCache(NamedTuple):
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["kv_pages", "page", "slot", "lengths", "page_table"],
+    meta_fields=["kernel", "num_kv_pages_per_block", "num_queries_per_block"],
+)
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
   """What a decode step of `Transformer` reads and writes with a paged cache (one new token per row; built by
-  the sampler from `sampling.paged.append_slots`).
+  the sampler from `sampling.paged.append_slots`). A pytree whose arrays are its leaves; the kernel choice is
+  static.
 
   kv_pages: L arrays [num_pages, page_size, 2K, head_dim] (one array inside a layer).
   page, slot: [B] int32 page and slot the row's new token goes to (page num_pages: no write).
   lengths: [B] int32 tokens of each row, the new one included (0: an idle row).
   page_table: [B, pages_per_row] int32.
+  kernel: the decode attention `attend` runs, one of `KERNELS`: "xla" (`paged_decode_attention`, any
+    platform) or "pallas" (`pallas_decode_attention`, TPU only).
+  num_kv_pages_per_block, num_queries_per_block: the Pallas kernel's block sizes (None: its tuned table, which
+    needs a TPU runtime; give both to compile for TPU on another host).
   """
 
   kv_pages: tuple[jax.Array, ...] | jax.Array
@@ -39,6 +56,26 @@ class PagedKVCache(NamedTuple):
   slot: jax.Array
   lengths: jax.Array
   page_table: jax.Array
+  kernel: str = "xla"
+  num_kv_pages_per_block: int | None = None
+  num_queries_per_block: int | None = None
+
+  def __post_init__(self):
+    if self.kernel not in KERNELS:
+      raise ValueError(f"PagedKVCache.kernel={self.kernel!r}; choose one of {KERNELS}")
+
+  def _replace(self, **changes) -> "PagedKVCache":
+    return dataclasses.replace(self, **changes)
+
+  def attend(self, q_rhd: jax.Array, kv_pages: jax.Array) -> jax.Array:
+    """Decode attention of one query per row [rows, q_heads, head_dim] over one layer's `kv_pages` (the new
+    token already written), by `kernel`."""
+    if self.kernel == "pallas":
+      blocks = dict(
+          num_kv_pages_per_block=self.num_kv_pages_per_block, num_queries_per_block=self.num_queries_per_block
+      )
+      return pallas_decode_attention(q_rhd, kv_pages, self.lengths, self.page_table, **blocks)
+    return paged_decode_attention(q_rhd, kv_pages, self.lengths, self.page_table)
 
 
 def combine_kv(k: jax.Array, v: jax.Array) -> jax.Array:
@@ -226,8 +263,12 @@ def pallas_decode_attention(
   Idle rows (length 0) are passed with length 1, which the kernel requires (q_len <= kv_len), and their
   output is zeroed. The block sizes go to the kernel (None: its tuned table, which needs a TPU runtime, so a
   compile-only lowering on a CPU host must give both). `kernel` replaces the kernel with a function of the
-  same signature (tests pass jax's `ref_ragged_paged_attention`). Shapes and the error raised as `paged_decode_attention`; the kernel adds its
-  own tiling limits (e.g. 2K a multiple of 8 / 16 unless it is 2, 4 or 8).
+  same signature (tests pass jax's `ref_ragged_paged_attention`). Under a mesh (`use_mesh`; a Mosaic kernel is not
+  partitioned automatically) it runs per device in a `jax.shard_map`, as `splash_attention`: heads split over the
+  mesh axes of "act_kv_heads" (query heads and the pool's combined heads alike, where they divide K), rows over
+  those of "batch" (where they divide the rows), the pages whole on every device of a row group. Shapes and the
+  error raised as `paged_decode_attention`; the kernel adds its own tiling limits (e.g. 2K a multiple of 8 / 16
+  unless it is 2, 4 or 8).
   """
   _check(q_rhd, kv_pages, lengths, page_table, soft_cap, None)
   if kernel is None:
@@ -236,15 +277,22 @@ def pallas_decode_attention(
   scale = 1.0 / math.sqrt(q_rhd.shape[-1]) if sm_scale is None else sm_scale
   blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block)
   blocks = {k: v for k, v in blocks.items() if v is not None}
-  out = kernel(
-      q_rhd,
-      kv_pages,
-      jnp.maximum(lengths, 1),
-      page_table,
-      jnp.arange(rows + 1, dtype=jnp.int32),
-      jnp.array([rows], jnp.int32),
-      sm_scale=scale,
-      soft_cap=soft_cap,
-      **blocks,
-  )
+
+  def per_device(q, kv, lens, table):
+    n = q.shape[0]
+    cu_q_lens, num_seqs = jnp.arange(n + 1, dtype=jnp.int32), jnp.array([n], jnp.int32)
+    return kernel(q, kv, jnp.maximum(lens, 1), table, cu_q_lens, num_seqs, sm_scale=scale, soft_cap=soft_cap, **blocks)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and not mesh.empty and AxisType.Manual not in mesh.axis_types:
+    heads = sharding.mesh_axes(mesh, "act_kv_heads", kv_pages.shape[2] // 2) or None
+    batch = sharding.mesh_axes(mesh, "batch", rows, exclude=heads or ()) or None
+    per_device = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(P(batch, heads, None), P(None, None, heads, None), P(batch), P(batch, None)),
+        out_specs=P(batch, heads, None),
+        check_vma=False,
+    )
+  out = per_device(q_rhd, kv_pages, lengths, page_table)
   return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q_rhd.dtype)

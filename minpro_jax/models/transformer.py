@@ -36,7 +36,7 @@ from minpro_jax.models.attention_dispatch import cache_free_attention, resolve_a
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.dense import dense
 from minpro_jax.models.moe import MoE, init_param
-from minpro_jax.models.paged_attention import PagedKVCache, paged_decode_attention, write_slots
+from minpro_jax.models.paged_attention import PagedKVCache, write_slots
 from minpro_jax.models.quant import maybe_quant_act
 from minpro_jax.models.rope import apply_rope, rope_tables
 from minpro_jax.runtime.multihost import settle
@@ -193,7 +193,7 @@ class Attention(nnx.Module):
     q = constrain(q, ("batch", "act_seq", "act_heads", None))
     if isinstance(cache_kv, PagedKVCache):  # decode into a page pool (`sampling.paged`)
       pages = write_slots(cache_kv.kv_pages, cache_kv.page, cache_kv.slot, k[:, 0], v[:, 0])
-      out = paged_decode_attention(q[:, 0], pages, cache_kv.lengths, cache_kv.page_table)[:, None]
+      out = cache_kv.attend(q[:, 0], pages)[:, None]
       return dense(maybe_quant_act(out, c.act_quant), self.o_proj[...].astype(dt), n_in=2), pages
     t = x_btd.shape[1]
     b, _, h, hd = q.shape

@@ -21,6 +21,7 @@ The paper's d = 2, n = 16 gives 32..47 in the steady state (tests/test_staleness
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import flax.struct
@@ -29,6 +30,7 @@ import numpy as np
 from minpro_jax.models.moe import NO_ROUTE
 from minpro_jax.sampling.batch import GenerationBatch
 
+logger = logging.getLogger(__name__)
 _ROW_FIELDS = ("tokens", "segment_ids", "positions", "response_mask", "behavior_logp", "learner_logp")
 _SAMPLE_FIELDS = ("advantages", "rewards", "group_ids", "policy_version", "response_lengths", "truncated")
 
@@ -191,6 +193,23 @@ class RolloutBatch:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(RolloutBatch))
+
+
+def mask_truncated(batch: RolloutBatch) -> RolloutBatch:
+  """DAPO's overlong filtering (`reward.mask_truncated`): `batch` with the response mask of every truncated row
+  cleared, so those rows get no loss (call it after the advantages are computed: their rewards still count there).
+
+  Logs a warning naming the field when that clears every response token of the batch: it then gives no learning
+  signal (no token has a loss), e.g. when `sampling.max_new_tokens` is too small for the task.
+  """
+  mask = batch.response_mask & ~batch.truncated[:, None]
+  if batch.response_mask.any() and not mask.any():
+    logger.warning(
+        "reward.mask_truncated: all %d responses of this batch were truncated at sampling.max_new_tokens, so no "
+        "token has a loss and the batch teaches nothing; raise sampling.max_new_tokens or unset reward.mask_truncated",
+        batch.truncated.size,
+    )
+  return batch.replace(response_mask=mask)
 
 
 class RolloutBuffer:

@@ -68,7 +68,7 @@ def parse_sampling_mesh(
   Args:
     spec: "" (the learner's mesh: returns None), "auto" (`auto_shape`) or sizes like "tensor=4" / "data=4,tensor=2"
       (absent axes are 1; one size may be -1 = the remaining devices).
-    num_devices: the learner mesh's device count (the sampler's mesh spans the same devices).
+    num_devices: the devices the sampler's mesh spans: the learner mesh's, or its own (`config.sampling.devices`).
     num_heads, num_kv_heads: the model's attention and KV heads (`tensor` must divide both; None: not checked,
       and "auto" then refused).
     local_devices: devices per process (for "auto"; default `jax.local_device_count()`).
@@ -110,8 +110,8 @@ def parse_sampling_mesh(
   if n != num_devices:
     hint = f", e.g. 'data={num_devices // t},tensor={t}'" if num_devices % t == 0 else ""
     _fail(
-        f"{spec!r} spans {n} devices, but the sampler's mesh spans the learner mesh's {num_devices} "
-        f"(config.mesh.shape); make data * tensor = {num_devices}{hint}"
+        f"{spec!r} spans {n} devices, but the sampler's mesh spans {num_devices} (the learner mesh's, "
+        f"config.mesh.shape, or its own, config.sampling.devices); make data * tensor = {num_devices}{hint}"
     )
   if num_heads is not None and num_kv_heads is not None and (num_heads % t or num_kv_heads % t):
     divisors = [d for d in range(1, num_kv_heads + 1) if num_kv_heads % d == 0 and num_heads % d == 0]
@@ -127,18 +127,27 @@ def inference_mesh(shape: dict[str, int], devices: Sequence[jax.Device]) -> Mesh
   return make_mesh(shape, axis_names=INFERENCE_AXES, devices=devices)
 
 
-def sampler_layout(spec: str, learner_mesh: Mesh | None, model_config) -> tuple[Mesh | None, Any]:
+def sampler_layout(
+    spec: str, learner_mesh: Mesh | None, model_config, devices: Sequence[jax.Device] | None = None
+) -> tuple[Mesh | None, Any]:
   """(mesh, rules) the trainer builds its `Sampler` with for `config.sampling.mesh`.
 
   "" gives the learner's own (mesh, None = its default rules), today's layout. Otherwise the sampler's mesh spans
   the learner mesh's devices in their order (one device, the default one, without a learner mesh), with
   `INFERENCE_RULES`; "auto" keeps a tensor group within the devices of one process (those of the mesh's first
-  device's process, so a compile-only TPU slice is laid out as on its hosts).
+  device's process, so a compile-only TPU slice is laid out as on its hosts). With `devices` (the sampler's own,
+  `config.sampling.devices`: `device_split.split_devices`) the mesh spans those instead, and "" means "auto".
 
   Raises:
     ConfigError: as `parse_sampling_mesh`.
   """
-  devices = list(learner_mesh.devices.flat) if learner_mesh is not None else jax.devices()[:1]
+  if devices is not None:
+    spec = spec or "auto"
+  elif learner_mesh is not None:
+    devices = list(learner_mesh.devices.flat)
+  else:
+    devices = jax.devices()[:1]
+  devices = list(devices)
   # one process's devices: counted on the mesh (a compile-only TPU topology's hosts are not this process)
   local = sum(d.process_index == devices[0].process_index for d in devices)
   shape = parse_sampling_mesh(spec, len(devices), model_config.num_heads, model_config.num_kv_heads, local)

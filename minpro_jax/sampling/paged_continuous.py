@@ -1,12 +1,14 @@
 """Continuous batching on a paged KV cache (`Sampler(paged_kv=PagedKV(...))`; off by default).
 
 The loop of `continuous.decode_with_refills` with the dense per-row cache replaced by a `paged.PagePool`
-(carried in `ContinuousState.cache`): a refill prefills the waiting prompts and writes only their real tokens
-into fresh pages; a decode step allocates a page where a row crosses a page boundary and attends to each row's
-own pages (`models.paged_attention`); a row's pages go back to the pool the step it stops. A refill admits
-only the waiting requests, in order, whose pages at full length fit the pool next to the live rows' reserved
-growth (`paged.can_admit`), so a full pool delays them and never truncates one. Row keys, positions and the
-stop rule are `continuous`'s, so every response equals the static sampler's token for token.
+(carried in `ContinuousState.cache`): a refill prefills each waiting prompt once for the samples of its group
+it admits (`refill_units`: one row gets the prompt's real tokens in fresh pages, the others share its full
+pages and copy its partial last one); a decode step allocates a page where a row crosses a page boundary and
+attends to each row's own pages (`models.paged_attention`, the Pallas kernel on TPU: `PagedKV.kernel`); a
+row's pages go back to the pool the step it stops. A refill admits only the waiting units, in order, whose
+pages at full length fit the pool next to the live rows' reserved growth (`admissible`, as `paged.can_admit`),
+so a full pool delays them and never truncates one. Row keys, positions and the stop rule are `continuous`'s,
+so every response equals the static sampler's token for token.
 
 A row holds P + R - 1 tokens at most (P its real prompt, R = max_new_tokens: the last sampled token is never
 fed back), which is its admitted capacity.
@@ -22,12 +24,13 @@ import numpy as np
 from flax import nnx
 
 from minpro_jax.models.moe import ROUTE_DTYPE
-from minpro_jax.models.paged_attention import PagedKVCache
+from minpro_jax.models.paged_attention import KERNELS, PagedKVCache
 from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, keys_head_dim_major
 from minpro_jax.runtime.multihost import to_host
+from minpro_jax.runtime.sharding import constrain
 from minpro_jax.sampling import paged
-from minpro_jax.sampling.continuous import ContinuousState, init_state, record, refill_next, refill_rule, start_rows
+from minpro_jax.sampling.continuous import ContinuousState, init_state, record, refill_rule, start_rows
 from minpro_jax.sampling.methods import SamplingParams
 
 
@@ -38,16 +41,30 @@ class PagedKV:
   page_size: tokens per page (TPU kernels want a multiple of 8; 64-256 at the papers' lengths).
   num_pages: pages per layer; None: decode rows x the pages of the longest possible row (the dense cache's
     memory, so nothing ever waits). Fewer pages hold fewer tokens: requests then wait for rows to finish.
+  share_prompts: prefill each prompt once for its group's samples and share its full pages among them
+    (`refill_units`); False prefills and stores every sample's prompt (the A/B baseline). Same responses.
+  kernel: the decode attention: "xla" (`models.paged_attention.paged_decode_attention`, plain JAX), "pallas"
+    (jax's Pallas TPU `ragged_paged_attention` on the pool's layout; TPU only) or "auto" (pallas when the
+    sampler's devices, its mesh's or else jax's default, are TPUs).
+  num_kv_pages_per_block, num_queries_per_block: the Pallas kernel's block sizes; None: its tuned table, which
+    asks the runtime for its TPU, so compiling for a TPU topology on another host (the aot tool, tests) needs
+    both.
   """
 
   page_size: int = 64
   num_pages: int | None = None
+  share_prompts: bool = True
+  kernel: str = "auto"
+  num_kv_pages_per_block: int | None = None
+  num_queries_per_block: int | None = None
 
   def __post_init__(self):
-    for name in ("page_size", "num_pages"):
+    for name in ("page_size", "num_pages", "num_kv_pages_per_block", "num_queries_per_block"):
       v = getattr(self, name)
-      if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+      if (v is not None or name == "page_size") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
         raise ValueError(f"PagedKV.{name}={v!r} must be a positive int")
+    if self.kernel not in ("auto", *KERNELS):
+      raise ValueError(f"PagedKV.kernel={self.kernel!r}; choose one of {('auto', *KERNELS)}")
 
   def pool_sizes(self, rows: int, p_len: int, max_new_tokens: int) -> dict:
     """`paged.init_pool` sizes for `rows` decode rows and prompts of up to p_len tokens (ints)."""
@@ -55,6 +72,16 @@ class PagedKV:
     return dict(
         num_pages=self.num_pages or rows * per_row, page_size=self.page_size, rows=rows, max_pages_per_row=per_row
     )
+
+  def kernel_fields(self, mesh=None) -> dict:
+    """The `PagedKVCache` kernel fields for a sampler on `mesh` (None: jax's default devices): "auto" resolved
+    by the devices' platform."""
+    kernel = self.kernel
+    if kernel == "auto":
+      device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+      kernel = "pallas" if device.platform == "tpu" else "xla"
+    blocks = dict(num_kv_pages_per_block=self.num_kv_pages_per_block, num_queries_per_block=self.num_queries_per_block)
+    return dict(kernel=kernel, **(blocks if kernel == "pallas" else {}))
 
 
 def _prompt_kv(small_k, small_v, n_real, keys_hd_major: bool):
@@ -70,18 +97,58 @@ def _prompt_kv(small_k, small_v, n_real, keys_hd_major: bool):
   return jnp.stack(ks), jnp.stack([front(v) for v in small_v])
 
 
-def refill(st: ContinuousState, prefill_fn, tokens, segs, rows, reqs, groups, keys, sampling, pad_id, hd_major, proc):
-  """`continuous.refill` into pages: prefill, `paged.admit` the real tokens, sample index 0, free rows that
-  already stopped. rows: [M] int32 (B: a padding entry); other arguments as `continuous.refill`."""
+def refill_units(
+    s: ContinuousState, nxt, count, m: int, unit: int, prefill_fn, requests, sampling, pad_id, hd_major, proc
+):
+  """The refill branch: the next `count` (<= m, traced) units of `unit` requests nxt, nxt + 1, ... go into done
+  decode rows (done rows first). Each unit's prompt is prefilled once and `paged.admit`ted into its first row; the
+  other unit - 1 rows `paged.fork_rows` it (full pages shared, the partial last page copied), and every row samples
+  its index 0 from that prefill's logits with its own key. Rows that already stopped are freed.
+
+  Args:
+    s: the carry; nxt: int32 scalar, the next waiting request (a multiple of unit).
+    m: units one refill prefills (static); unit: requests per unit (static, dividing N; the requests of a unit
+      hold one prompt: consecutive samples of one group).
+    requests: (tokens [N, P], segments [N, P], groups [N], keys [N, 2]) as `continuous.decode_with_refills`.
+    Others as `continuous.refill`.
+
+  Returns:
+    (the carry, nxt + count * unit).
+  """
+  tokens_n, segs_n, groups_n, keys_n = requests
+  n, b, mu = tokens_n.shape[0], s.done.shape[0], m * unit
+  order = jnp.argsort(~s.done, stable=True)[:mu].astype(jnp.int32)  # done rows first
+  j = jnp.arange(mu, dtype=jnp.int32)
+  slot_ok = j < count * unit
+  rows = jnp.where(slot_ok, order, b)
+  reqs = jnp.where(slot_ok, nxt + j, n)
+  src = jnp.clip(reqs, 0, n - 1)
+  tokens, segs = tokens_n[src[::unit]], segs_n[src[::unit]]  # [m, P]: one prompt per unit
   positions = jnp.where(segs > 0, jnp.cumsum(segs, axis=1) - 1, 0).astype(jnp.int32)
   logits, small = prefill_fn(tokens, positions, segs)
   n_real = jnp.sum(segs > 0, axis=1, dtype=jnp.int32)
   k, v = _prompt_kv(small.k, small.v, n_real, hd_major)
-  pool = paged.admit(st.cache, rows, n_real, n_real + max(sampling.max_new_tokens - 1, 0), k, v)
-  st = start_rows(st._replace(cache=pool), logits, positions, rows, reqs, groups, keys, sampling, pad_id, proc)
-  b = st.done.shape[0]
+  capacity = n_real + max(sampling.max_new_tokens - 1, 0)
+  lead = rows[::unit]
+  pool = paged.admit(s.cache, lead, n_real, capacity, k, v)
+  if unit > 1:
+    rest = rows.reshape(m, unit)[:, 1:].reshape(-1)
+    pool = paged.fork_rows(pool, jnp.repeat(lead, unit - 1), rest, jnp.repeat(capacity, unit - 1))
+  rep = lambda a: jnp.repeat(a, unit, axis=0)
+  st = start_rows(
+      s._replace(cache=pool),
+      rep(logits),
+      rep(positions),
+      rows,
+      reqs,
+      groups_n[src],
+      keys_n[src],
+      sampling,
+      pad_id,
+      proc,
+  )
   stopped = jnp.zeros((b,), bool).at[rows].set(True, mode="drop") & st.done
-  return st._replace(cache=paged.free_rows(st.cache, stopped))
+  return st._replace(cache=paged.free_rows(st.cache, stopped)), nxt + count * unit
 
 
 def decode_step(s: ContinuousState, step_fn, sampling: SamplingParams, pad_id: int, processor=None):
@@ -101,35 +168,41 @@ def decode_step(s: ContinuousState, step_fn, sampling: SamplingParams, pad_id: i
   return s._replace(step=step, done=done, prev=prev, cache=paged.free_rows(s.cache, done & live))
 
 
-def admissible(pool: paged.PagePool, segs_n, nxt, m: int, max_new_tokens: int):
-  """int32 scalar: how many of the waiting requests nxt, nxt + 1, ... (at most m) fit the pool now, in order."""
+def admissible(pool: paged.PagePool, segs_n, nxt, m: int, max_new_tokens: int, unit: int = 1):
+  """int32 scalar: how many of the waiting units (of `unit` requests) starting at request nxt, at most m, fit the
+  pool now, in order (`paged.request_pages`: a unit's full prompt pages count once)."""
   n = segs_n.shape[0]
-  idx = nxt + jnp.arange(m)
+  idx = nxt + unit * jnp.arange(m)
   n_real = jnp.sum(segs_n[jnp.clip(idx, 0, n - 1)] > 0, axis=1, dtype=jnp.int32)
-  pages = jnp.where(idx < n, paged.pages_for(n_real + max(max_new_tokens - 1, 0), pool.page_size), 0)
+  need = paged.request_pages(n_real, max(max_new_tokens - 1, 0), pool.page_size, unit)
+  pages = jnp.where(idx < n, need, 0)
   room = paged.free_pages(pool) - paged.outstanding_pages(pool)
   return jnp.sum((jnp.cumsum(pages) <= room) & (idx < n), dtype=jnp.int32)
 
 
-def decode_with_refills(st, step_fn, prefill_fn, requests, refill_rows: int, sampling, pad_id, hd_major, proc=None):
-  """`continuous.decode_with_refills` on a page pool: an iteration refills done rows with the next waiting
-  requests that fit the pool (when `refill_rule` says so and at least one fits), else decodes one step.
+def decode_with_refills(
+    st, step_fn, prefill_fn, requests, refill_rows: int, sampling, pad_id, hd_major, proc=None, unit: int = 1
+):
+  """`continuous.decode_with_refills` on a page pool, in units of `unit` requests that share one prompt
+  (`refill_units`): an iteration refills done rows with the next waiting units that fit the pool (`refill_rule`
+  counted in units: at least min(refill units, waiting units) units of done rows, and at least one fits), else
+  decodes one step. A refill prefills max(1, refill_rows // unit) units.
 
-  Args: as `continuous.decode_with_refills`, with `st.cache` a `paged.PagePool` of B rows. Returns: the final
-  carry (every request done; its pool's `errors` 0 in a correct run)."""
+  Args: as `continuous.decode_with_refills`, with `st.cache` a `paged.PagePool` of B >= unit rows and N a
+  multiple of unit. Returns: the final carry (every request done; its pool's `errors` 0 in a correct run)."""
   segs_n = requests[1]
-  n, m = segs_n.shape[0], refill_rows
+  n, m = segs_n.shape[0], max(1, refill_rows // unit)
   r = sampling.max_new_tokens
 
   def plan(s, nxt):
-    go, count = refill_rule(jnp.sum(s.done.astype(jnp.int32)), n - nxt, m)
-    fit = admissible(s.cache, segs_n, nxt, m, r)
+    go, count = refill_rule(jnp.sum(s.done.astype(jnp.int32)) // unit, (n - nxt) // unit, m)
+    fit = admissible(s.cache, segs_n, nxt, m, r, unit)
     return go & (fit > 0), jnp.minimum(count, fit)
 
   def refill_branch(c):
     s, nxt = c
     _, count = plan(s, nxt)
-    return refill_next(s, nxt, count, m, refill, prefill_fn, requests, sampling, pad_id, hd_major, proc)
+    return refill_units(s, nxt, count, m, unit, prefill_fn, requests, sampling, pad_id, hd_major, proc)
 
   def step_branch(c):
     s, nxt = c
@@ -146,10 +219,37 @@ def decode_with_refills(st, step_fn, prefill_fn, requests, refill_rows: int, sam
   return jax.lax.while_loop(cond, body, (st, jnp.zeros((), jnp.int32)))[0]
 
 
-def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows: int, refill: int):
-  """The jitted whole call (`Sampler._c_paged`): a fresh pool, then `decode_with_refills`. `sampler` is the
-  `Sampler` whose graphdef, config and options it runs. Returns the [N, R] outputs, routes and the pool's
-  error bits."""
+def share_unit(paged_kv: PagedKV, group_size: int, rows: int, prompt_lens, p_len: int, max_new_tokens: int) -> int:
+  """Requests per shared prefill (host side): the largest divisor u of group_size with u <= rows whose unit of
+  the longest prompt fits an empty pool (so a pool that holds one request but not a whole group still runs,
+  unshared); 1 with `share_prompts` off."""
+  if not paged_kv.share_prompts:
+    return 1
+  sizes = paged_kv.pool_sizes(rows, p_len, max_new_tokens)
+  longest = max(int(x) for x in prompt_lens)
+  for u in range(min(group_size, rows), 0, -1):
+    need = paged.request_pages(longest, max(max_new_tokens - 1, 0), paged_kv.page_size, u)
+    if group_size % u == 0 and need <= sizes["num_pages"]:
+      return u
+  return 1
+
+
+def prefill_fn(model):
+  """The refill's prefill with `model` (a per-layer `Transformer`): (tokens, positions, segments) [M, P] ->
+  (logits [M, V] of the last position, the prompts' `KVCache` of P slots)."""
+
+  def prefill(tokens, positions, segs):
+    cache = KVCache.zeros(model.config, tokens.shape[0], tokens.shape[1])
+    out = model(tokens, positions, segs, cache=cache, cache_index=0, return_hidden=True)
+    return model.logits(out.out[:, -1:])[:, 0], out.cache
+
+  return prefill
+
+
+def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows: int, refill: int, unit: int = 1):
+  """The jitted whole call (`Sampler._c_paged`): a fresh pool, then `decode_with_refills` in units of `unit`
+  requests (`share_unit`). `sampler` is the `Sampler` whose graphdef, config and options it runs. Returns the
+  [N, R] outputs, routes and the pool's error bits."""
   sampler.trace_count += 1
   model = nnx.merge(sampler._graphdef, state)
   cfg, r = sampler.config, sampling.max_new_tokens
@@ -157,30 +257,38 @@ def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows:
   pool = paged.init_pool(
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype, **sizes
   )
+  # the pages split by KV head like the dense cache (and the Pallas kernel's shard_map), whole over row groups
+  pool = pool._replace(kv_pages=tuple(constrain(p, (None, None, "act_kv_heads", None)) for p in pool.kv_pages))
   st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes, sampling.truncates)
   st = st._replace(cache=pool)
   cos_s, sin_s = rope_tables(jnp.arange(p_len + r)[None], cfg)
+  kernel = sampler.paged_kv.kernel_fields(sampler.mesh)
 
   def step_fn(cache, tokens_b, pos_b):
-    pos = pos_b[:, None]
+    pos, cache = pos_b[:, None], cache._replace(**kernel)
     out = model(tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, rope=(cos_s[0][pos], sin_s[0][pos]))
     return out.out[:, 0], out.cache.kv_pages, *((out.routes[:, 0],) if sampler.record_routes else ())
 
-  def prefill(tokens, positions, segs):
-    cache = KVCache.zeros(cfg, tokens.shape[0], tokens.shape[1])
-    out = model(tokens, positions, segs, cache=cache, cache_index=0, return_hidden=True)
-    return model.logits(out.out[:, -1:])[:, 0], out.cache
-
   hd_major = keys_head_dim_major(cfg.jnp_dtype)
   st = decode_with_refills(
-      st, step_fn, prefill, requests, refill, sampling, sampler.pad_id, hd_major, sampler.logits_processor
+      st,
+      step_fn,
+      prefill_fn(model),
+      requests,
+      refill,
+      sampling,
+      sampler.pad_id,
+      hd_major,
+      sampler.logits_processor,
+      unit,
   )
   return *st.outputs(), st.cache.errors
 
 
-def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: SamplingParams):
+def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: SamplingParams, group_size: int = 1):
   """The host side of a paged call: check every request fits an empty pool (else it would wait forever),
-  run the jitted call, raise on a broken pool contract. tokens / segs: [N, P] numpy left-padded prompts;
+  choose the requests per shared prefill (`share_unit`), run the jitted call, raise on a broken pool contract.
+  tokens / segs: [N, P] numpy left-padded prompts, prompt-major (the group_size samples of a prompt in a row);
   keys: [N, 2] uint32. Returns the outputs of `Sampler._generate_continuous`.
 
   Raises:
@@ -191,9 +299,12 @@ def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: Sa
   rows, refill_at = sampler.continuous_rows(n)
   sizes = sampler.paged_kv.pool_sizes(rows, p_len, r)
   shape = jax.eval_shape(lambda: paged.init_pool(num_layers=1, num_kv_heads=1, head_dim=1, **sizes))
-  for length in sorted(set(np.sum(np.asarray(segs) > 0, axis=1).tolist())):
-    paged.check_request(shape, max(int(length), 1), max(r - 1, 0))
+  lens = np.maximum(np.sum(np.asarray(segs) > 0, axis=1), 1)
+  for length in sorted(set(lens.tolist())):
+    paged.check_request(shape, int(length), max(r - 1, 0))
+  unit = share_unit(sampler.paged_kv, group_size, rows, lens, p_len, r)
   requests = (tokens, segs, np.asarray(row_group).astype(np.int32), keys)
-  *out, errors = to_host(sampler._c_paged(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at))
+  kw = dict(sampling=sampling, p_len=p_len, rows=rows, refill=refill_at, unit=unit)
+  *out, errors = to_host(sampler._c_paged(state, requests, **kw))
   paged.raise_on_errors(errors)
   return tuple(out)

@@ -249,7 +249,7 @@ class Sampler:
     self._c_all = jax.jit(self._c_all_impl, static_argnames=("sampling", "p_len", "rows", "refill"))
     self._c_decode = jax.jit(self._c_decode_impl, static_argnames=("sampling", "p_len"), donate_argnums=(1,))
     self._c_paged = jax.jit(
-        lambda *a, **k: pc.run(self, *a, **k), static_argnames=("sampling", "p_len", "rows", "refill")
+        lambda *a, **k: pc.run(self, *a, **k), static_argnames=("sampling", "p_len", "rows", "refill", "unit")
     )
 
   # ----------------------------------------------------------------------------------------- jitted parts
@@ -377,7 +377,7 @@ class Sampler:
     )
     return st.outputs()
 
-  def _generate_continuous(self, state, tokens, segs, row_keys, row_group, n: int, sampling: SamplingParams):
+  def _generate_continuous(self, state, tokens, segs, row_keys, row_group, n, sampling: SamplingParams, group_size=1):
     """The continuous-batching decode of the N request rows `tokens` / `segs` [N, P] -> outputs [N, R]."""
     p_len = tokens.shape[1]
     rows, refill_at = self.continuous_rows(n)
@@ -388,7 +388,7 @@ class Sampler:
     )
     keys = keys.astype(np.uint32)
     if self.paged_kv is not None:
-      return pc.generate(self, state, tokens, segs, row_group, keys, n, sampling)
+      return pc.generate(self, state, tokens, segs, row_group, keys, n, sampling, group_size)
     if self.in_loop_refill:
       requests = (tokens, segs, row_group.astype(np.int32), keys)
       out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at)
@@ -542,7 +542,7 @@ class Sampler:
     with self.mesh_context():
       if self.continuous:
         tok, logp, ent, mask, stopped, routes, kept = self._generate_continuous(
-            state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling
+            state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling, group_size
         )
       else:
         st = settle(

@@ -37,7 +37,7 @@ DEFAULT_COMPILATION_CACHE = os.path.join("cache", "jax_compilation")  # beside t
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m minpro_jax.study", description=__doc__.split("\n\n")[1])
-  p.add_argument("--grid", help="grid file[:arg] (e.g. minpro_jax/configs/studies/minpro_staleness.py)")
+  p.add_argument("--grid", help="grid file[:arg] (e.g. configs/studies/minpro_staleness.py)")
   p.add_argument("--workdir", required=True, help="the study's directory, e.g. runs/minpro_staleness")
   p.add_argument("--jobs", type=int, default=1, help="training runs at once (default 1)")
   p.add_argument("--dry-run", action="store_true", help="print the runs and their commands; run nothing")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {why}; that run is left out of the aggregation", file=sys.stderr)
       return _aggregate(study_dir, record, args.interval)
     if not args.grid:
-      raise grid.GridError("--grid: required (a grid file such as minpro_jax/configs/studies/smoke.py)")
+      raise grid.GridError("--grid: required (a grid file such as configs/studies/smoke.py)")
     if not args.force and not args.aggregate_only:
       runner.read_study(study_dir)  # a damaged study.json is named before the runs' configs are validated
     g = grid.load_grid(args.grid)

@@ -22,9 +22,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from minpro_jax.config_lib import files
 from minpro_jax.errors import UserError
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = files.REPO
 # Fields the runner sets itself: a grid that sets them would give two runs one workdir or one seed.
 RESERVED_FIELDS = ("workdir", "seed")
 VARIANT = "variant"  # the cell field that names one of `Grid.variants`
@@ -129,11 +130,9 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 
 
 def resolve_path(path: str) -> str | None:
-  """`path` if it exists (absolute or from the current directory), else from the repository root, else None."""
-  for p in (path, os.path.join(REPO, path)):
-    if os.path.isfile(p):
-      return os.path.abspath(p)
-  return None
+  """`path` if it exists (absolute or from the current directory), else from the repository root, else None; a
+  path into the configs' old folder `minpro_jax/configs/` finds the file in `configs/` (`config_lib.files`)."""
+  return files.resolve(path)
 
 
 def load_grid(spec: str) -> Grid:
@@ -200,7 +199,7 @@ def check_grid(grid: Grid) -> None:
       or seed, a cell repeated, a `comparisons` entry or `panel` naming a field of no cell.
   """
   if not isinstance(grid.base, str) or not grid.base:
-    raise GridError("grid.base: must be the base config path[:arg], e.g. 'minpro_jax/configs/default.py'")
+    raise GridError("grid.base: must be the base config path[:arg], e.g. 'configs/default.py'")
   for name in ("axes", "fixed"):
     if not isinstance(getattr(grid, name), Mapping):
       kind = "list of values" if name == "axes" else "value"

@@ -37,9 +37,9 @@ import time
 import numpy as np
 from flax import nnx
 
-from minpro_jax.configs import set_fields
-from minpro_jax.configs.default import get_config
-from minpro_jax.configs.studies import mipu as mipu_study
+from minpro_jax.config_lib import set_fields
+from minpro_jax.config_lib.defaults import get_config
+from minpro_jax.config_lib.files import load_module
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
 
@@ -55,6 +55,7 @@ _SALT_TRAIN, _SALT_VAL, _SALT_TRUTH = 1, 101, 102
 
 def study_config(workdir: str, seed: int = SEED):
   """The MIPU study's setting (its grid's fixed fields and fp8 options) with an fp8 sampler, at `seed`."""
+  mipu_study = load_module("configs/studies/mipu.py")
   g = mipu_study.get_grid()
   c = set_fields(get_config(), {**g.fixed, "seed": seed, **mipu_study.FP8, "sampling.precision": "fp8"})
   c.workdir = workdir

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from minpro_jax import pidlock
+from minpro_jax.config_lib import files
 from minpro_jax.errors import UserError
 from minpro_jax.study.grid import Grid, Run
 
@@ -69,6 +70,8 @@ ADDED_FIELDS = {
     "mipu.tolerance": "fixed",
     "mipu.calibration_draws": 8,
     "mipu.calibration_z": 2.0,
+    "sampling.devices": 0,
+    "sampling.overlap": True,
 }
 _ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
@@ -153,7 +156,7 @@ def read_study_runs(study_dir: str) -> tuple[dict[str, Any] | None, list[str]]:
 def study_differences(stored: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
   """What differs between a stored `study.json` and this grid's record, one phrase each ([] = the same study)."""
   out = []
-  if stored.get("base") != record["base"]:
+  if files.canonical(stored.get("base") or "") != files.canonical(record["base"]):  # a moved path is the same
     out.append(f"base config {stored.get('base')!r} there, {record['base']!r} here")
   f0, f1 = stored.get("fixed", {}), record["fixed"]
   for k in sorted(set(f0) | set(f1)):

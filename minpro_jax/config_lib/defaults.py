@@ -1,13 +1,5 @@
-# The embedded default: a tiny Qwen3-style model trained from scratch on reasoning-gym arithmetic.
-#
-#   make train            # == python -m minpro_jax.train --config=minpro_jax/configs/default.py
-#
-# Pipeline: train a sentencepiece tokenizer on the task corpus, SFT warm start (cached), then MinPRO with
-# rollouts delayed by 2 global steps (4 updates per step, so staleness 8..11 updates after warm-up).
-# Expected on a 2-core CPU: about 4.5 minutes after the install (SFT ~2 of them, cached for later runs; RL ~2.3 s
-# per step); held-out pass@1 rose from 11.3% after SFT to 26.4% (best = final) in the run recorded in the README.
-# Output: runs/default/.
-"""Default experiment config (ml_collections)."""
+"""The defaults of every config field (ml_collections): the embedded default experiment, a tiny Qwen3-style model
+trained from scratch on reasoning-gym arithmetic. `configs/default.py` runs it; every other config builds on it."""
 
 from ml_collections import ConfigDict, config_dict
 
@@ -94,6 +86,11 @@ def base_config() -> ConfigDict:
   c.sampling.kv_cache = "dense"
   c.sampling.page_size = 64  # kv_cache=paged: tokens per page
   c.sampling.num_pages = 0  # kv_cache=paged: pages per layer; 0 = auto (the dense cache's memory: no request waits)
+  # devices of the sampler's own (runtime/device_split.py): 0 = every device, shared with the learner; a count or a
+  # fraction in (0, 1) of the devices (the learner's mesh.shape spans the rest). With delay >= 1 and overlap, step
+  # s is sampled while the learner applies step s's updates (minpro_jax/overlap.py); the same samples and updates
+  c.sampling.devices = config_dict.FieldReference(0, field_type=object)
+  c.sampling.overlap = True  # False: one after the other on the split devices (what the overlapped run equals)
 
   c.reward = ConfigDict()
   c.reward.mode = "integer"  # integer | math

@@ -2,7 +2,7 @@
 # worked-step warm start (sft.target=worked: " 15+43=58 58+75=133 ... \boxed{154}", 43-84 tokens with the eos),
 # so a response is ~60 tokens instead of ~6. Run it in stages, each in its own workdir (docs/study.md):
 #
-#   G=minpro_jax/configs/studies/minpro_long.py
+#   G=configs/studies/minpro_long.py
 #   .venv/bin/python -m minpro_jax.study --grid=$G:stage0 --workdir=runs/minpro_long_stage0     # lr, GRPO delay 0
 #   .venv/bin/python -m minpro_jax.study --grid=$G:stage0b --workdir=runs/minpro_long_stage0b   # 3 methods, delay 8
 #   .venv/bin/python -m minpro_jax.study --grid=$G:stage1 --workdir=runs/minpro_long            # 15 cells x 5 seeds
@@ -25,8 +25,10 @@
 # runs).
 """The long-response staleness grid of issue 40 (numbers to tune are the constants below)."""
 
-from minpro_jax.configs.studies import minpro_staleness as short
+from minpro_jax.config_lib.files import load_module
 from minpro_jax.study.grid import Grid
+
+short = load_module("minpro_staleness.py", relative_to=__file__)  # the short staleness study
 
 STAGES = ("stage0", "stage0b", "stage1")
 STAGE0_RATES = (1e-4, 3e-5, 1e-5)  # GRPO on-policy; the largest that learns is LEARNING_RATE
@@ -108,7 +110,7 @@ def get_grid(arg=None) -> Grid:
   )
   if stage == "stage0":
     return Grid(
-        base="minpro_jax/configs/default.py",
+        base="configs/default.py",
         fixed={**FIXED, "loss.method": "grpo", "delay": 0, "total_steps": LEARN_STEPS},
         axes={LR: list(STAGE0_RATES)},
         seeds=tuple(range(n)) if n else STAGE0_SEEDS,
@@ -118,7 +120,7 @@ def get_grid(arg=None) -> Grid:
   fixed = {**FIXED, LR: chosen_rate()}
   if stage == "stage0b":
     return Grid(
-        base="minpro_jax/configs/default.py",
+        base="configs/default.py",
         fixed={**fixed, "delay": STAGE0B_DELAY, "total_steps": LEARN_STEPS + STAGE0B_DELAY},
         axes={"loss.method": list(STAGE0B_METHODS)},
         seeds=tuple(range(n)) if n else STAGE0_SEEDS,
@@ -128,7 +130,7 @@ def get_grid(arg=None) -> Grid:
   on_policy = [{"loss.method": m, "delay": 0} for m in ON_POLICY_METHODS]
   prefix = [{"loss.method": "minpro", "delay": max(DELAYS), "loss.prefix_statistic": s} for s in PREFIX_ABLATIONS]
   return Grid(
-      base="minpro_jax/configs/default.py",
+      base="configs/default.py",
       fixed=fixed,
       axes={"loss.method": list(METHODS), "delay": list(DELAYS)},
       cells=on_policy + prefix,

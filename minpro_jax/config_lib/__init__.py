@@ -1,4 +1,9 @@
-"""Experiment configs (ml_collections); run one with `python -m minpro_jax.train --config=minpro_jax/configs/NAME.py`."""
+"""What the experiment configs build on: the defaults (`defaults.base_config`), MIPU's variants, the paper-scale
+settings, and finding and loading config files (`files`).
+
+The configs themselves live in the repository's `configs/` (docs/configs.md); run one with
+`python -m minpro_jax.train --config=configs/NAME.py`. Importing this package imports no JAX.
+"""
 
 from __future__ import annotations
 

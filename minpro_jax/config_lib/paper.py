@@ -7,7 +7,7 @@ recipes and the CPPO re-run of MinPRO (lr 1e-6, no KL, no entropy bonus).
 
 from ml_collections import ConfigDict
 
-from minpro_jax.configs.default import base_config
+from minpro_jax.config_lib.defaults import base_config
 from minpro_jax.rl.objectives import OBJECTIVES
 
 DELAYS = (0, 2, 4, 8, 16)

@@ -1,7 +1,7 @@
 # A 2 x 2 grid of tiny runs (MinPRO and GRPO at delay 0 and 1), seconds each: the runner's end-to-end test.
 #
-#   python -m minpro_jax.study --grid=minpro_jax/configs/studies/smoke.py --workdir=runs/smoke
-#   python -m minpro_jax.study --grid=minpro_jax/configs/studies/smoke.py:2 --workdir=runs/smoke2   # 2 seeds
+#   python -m minpro_jax.study --grid=configs/studies/smoke.py --workdir=runs/smoke
+#   python -m minpro_jax.study --grid=configs/studies/smoke.py:2 --workdir=runs/smoke2   # 2 seeds
 #
 # Expected on 2 CPU cores: about 20 s per run (mostly start-up and compilation); the numbers mean nothing (a
 # 1-layer width-32 model, 5 SFT steps, 3 RL steps).
@@ -41,7 +41,7 @@ def get_grid(arg=None) -> Grid:
   """arg: the number of seeds (default 1)."""
   seeds = tuple(range(int(arg))) if arg else (0,)
   return Grid(
-      base="minpro_jax/configs/default.py",
+      base="configs/default.py",
       fixed=TINY,
       axes={"loss.method": ["minpro", "grpo"], "delay": [0, 1]},
       seeds=seeds,
