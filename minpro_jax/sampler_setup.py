@@ -7,6 +7,7 @@ both compile the same programs for the same config.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -33,6 +34,18 @@ def row_slots(c, paged_kv: PagedKV | None, prompt_len: int) -> int:
   if paged_kv is None:
     return prompt_len + r
   return paged.pages_for(prompt_len + max(r - 1, 0), paged_kv.page_size) * paged_kv.page_size
+
+
+PALLAS_HEAD_DIM = 128  # the Pallas ragged paged attention holds head_dim in whole 128-lane vregs (its asserts)
+
+
+def paged_kernel(paged_kv: PagedKV | None, model_config) -> PagedKV | None:
+  """`paged_kv` with kernel "auto" turned into "xla" for a model whose head_dim the Pallas kernel cannot tile (not a
+  multiple of `PALLAS_HEAD_DIM`: the tiny and SmolLM2 presets), so "auto" picks the kernel only where it compiles;
+  an explicit kernel is kept."""
+  if paged_kv is None or paged_kv.kernel != "auto" or model_config.head_dim % PALLAS_HEAD_DIM == 0:
+    return paged_kv
+  return dataclasses.replace(paged_kv, kernel="xla")
 
 
 def decode_rows(
@@ -94,7 +107,7 @@ def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: i
   devices = None if split is None else split.sampler
   sampler_mesh, sampler_rules = sampler_layout(c.sampling.get("mesh", ""), mesh, model.config, devices)
   learner_copies = 0 if devices is not None else 1 + optimizer_copies
-  paged_kv = run_config.sampler_paged_kv(c)
+  paged_kv = paged_kernel(run_config.sampler_paged_kv(c), model.config)
   rows = decode_rows(  # "auto": as many as fit beside the weights (and the learner's state)
       c,
       model.config,

@@ -165,18 +165,31 @@ def test_a_trainer_step_with_paged_kv_equals_dense(tmp_path, monkeypatch):
 
 def test_the_aot_tool_compiles_the_paged_sampler_for_tpu():
   """`--programs=sample` with kv_cache=paged lowers the trainer's paged call (`Sampler._c_paged`) and compiles it
-  for a v5p-8 (the plain-JAX paged attention; docs/aot.md)."""
+  for a v5p-8: with head_dim 128 the Pallas kernel (PagedKV kernel "auto" on TPU devices) at the block sizes
+  `compile_only_blocks` gives (its tuned table needs a TPU runtime); with head_dim 16, which the kernel cannot tile,
+  the plain-JAX attention (`sampler_setup.paged_kernel`)."""
   code = """
+import pathlib, sys
+sys.path.insert(0, "tests")
+from minpro_jax.aot.programs import RunPrograms, model_config, run_shapes
 from minpro_jax.aot.sweep import sweep
 from minpro_jax.aot.topologies import parse_slice
-import sys
-sys.path.insert(0, "tests")
+from minpro_jax.runtime.sharding import make_mesh
 from train_helpers import make_config, tiny_overrides
-import pathlib
-c = make_config(tiny_overrides(pathlib.Path("/tmp"), **{"sampling.kv_cache": "paged", "sampling.page_size": 16}))
-for row in sweep(c, parse_slice("v5p-8"), ["fsdp=-1"], programs=["sample"]):
-  print("RESULT", f"program={row['program']}", f"fits={row.get('fits')}", f"error={'error' in row}",
+sl = parse_slice("v5p-8")
+for hd in (16, 128):
+  c = make_config(tiny_overrides(pathlib.Path("/tmp"), **{"sampling.kv_cache": "paged", "sampling.page_size": 16}),
+                  model={"head_dim": hd})
+  progs = RunPrograms(c, model_config(c)[0], make_mesh({"fsdp": 4}, devices=sl.devices()), run_shapes(c))
+  kv = progs.trainer_sampler.paged_kv
+  (row,) = sweep(c, sl, ["fsdp=-1"], programs=["sample"])
+  print("RESULT", f"hd={hd}", f"kernel={kv.kernel}", f"blocks={kv.num_kv_pages_per_block},{kv.num_queries_per_block}",
+        f"fits={row.get('fits')}", f"error={row.get('error', '').replace(' ', '_')[:80]}",
         f"shapes={row['shapes'].replace(' ', '_')}")
 """
-  (row,) = run_with_libtpu(code)
-  assert row == {"program": "sample", "fits": "True", "error": "False", "shapes": "8_requests_on_8_rows,_paged_KV"}
+  rows = run_with_libtpu(code)
+  shapes = "8_requests_on_8_rows,_paged_KV"
+  assert rows == [
+      {"hd": "16", "kernel": "xla", "blocks": "None,None", "fits": "True", "error": "", "shapes": shapes},
+      {"hd": "128", "kernel": "auto", "blocks": "3,8", "fits": "True", "error": "", "shapes": shapes},  # 37 tokens
+  ]
