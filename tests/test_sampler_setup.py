@@ -16,7 +16,7 @@ from minpro_jax import run_config
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.rl.rollout import RolloutBuffer
-from minpro_jax.sampler_setup import decode_rows, row_slots, sampler_kwargs
+from minpro_jax.sampler_setup import decode_rows, paged_kernel, row_slots, sampler_kwargs
 from minpro_jax.sampling import PagedKV, Sampler
 from minpro_jax.sampling.rows import resolve_decode_rows
 from minpro_jax.study.runner import config_differences
@@ -86,10 +86,19 @@ def test_sampler_kwargs_build_a_paged_sampler(tmp_path):
   tok = types.SimpleNamespace(pad_id=-1)
   ov = {"sampling.kv_cache": "paged", "sampling.page_size": 16, "sampling.num_pages": 40}
   kw = sampler_kwargs(make_config(tiny_overrides(tmp_path, **ov)), model, tok, None)
-  assert kw["paged_kv"] == PagedKV(page_size=16, num_pages=40) and kw["continuous"] and kw["decode_rows"] == 64
+  want = PagedKV(page_size=16, num_pages=40, kernel="xla")  # head_dim 32: not the Pallas kernel's
+  assert kw["paged_kv"] == want and kw["continuous"] and kw["decode_rows"] == 64
   sampler = Sampler(model.config, **kw)
-  assert sampler.paged_kv == PagedKV(page_size=16, num_pages=40)
+  assert sampler.paged_kv == want
   assert sampler_kwargs(make_config(tiny_overrides(tmp_path)), model, tok, None)["paged_kv"] is None
+
+
+def test_auto_kernel_only_for_heads_the_pallas_kernel_tiles():
+  kv = PagedKV(16)
+  assert paged_kernel(kv, get_preset("tiny")) == PagedKV(16, kernel="xla")  # head_dim 32
+  assert paged_kernel(kv, get_preset("tiny", head_dim=128)) == kv  # "auto": Pallas on TPU devices
+  assert paged_kernel(PagedKV(16, kernel="pallas"), get_preset("tiny")).kernel == "pallas"  # explicit: kept
+  assert paged_kernel(None, get_preset("tiny")) is None
 
 
 def _coin_grade(texts, golds, **kwargs):
@@ -148,7 +157,7 @@ def test_a_trainer_step_with_paged_kv_equals_dense(tmp_path, monkeypatch):
   trainer.sampler = trainer.eval_sampler = Sampler(
       trainer.model.config, **sampler_kwargs(paged_c, trainer.model, trainer.tokenizer, trainer.mesh)
   )
-  assert trainer.sampler.paged_kv == PagedKV(8, 12)
+  assert trainer.sampler.paged_kv == PagedKV(8, 12, kernel="xla")
   paged, paged_state = _steps(trainer, params, loader_state)
   trainer.close()
   assert dense[1][1]["learn/loss"] != 0  # a real update is compared
