@@ -1,4 +1,5 @@
-"""Useful tokens/s with long-tailed response lengths: continuous vs static `Sampler` vs `transformers` `generate`.
+"""Useful tokens/s with long-tailed response lengths: continuous (dense or paged KV) vs static `Sampler` vs
+`transformers` `generate`.
 
 Run:  .venv/bin/python benchmarks/sampler_lengths.py [--full]     (default: about 3 minutes on 2 CPU cores)
 Writes benchmarks/results/sampler_lengths.json (--full: sampler_lengths_full.json).
@@ -20,7 +21,9 @@ when all its rows have stopped). useful tokens/s = sum(L) / wall seconds (prefil
 excluded: one warm-up call per side, then the sides in turn, best of `reps`). `continuous` is the default
 (refills inside the one jitted loop, refill_rows max(1, b // 8)); ablations: `continuous_chunks`
 (in_loop_refill=False: host-driven chunks, the host refills between them) and `continuous_chunks_refill1`
-(the same, refilled as soon as one row stops).
+(the same, refilled as soon as one row stops). `paged` = the continuous sampler on a paged KV pool
+(`sampling.kv_cache="paged"`: `PagedKV(page_size)`, pool of the dense cache's memory, the plain-JAX paged
+attention), the same decode rows and refills; `paged_over_continuous` is its speed over `continuous`.
 
 Decode step vs position (tiny shapes, max_new_tokens 4096, 16 rows): the wall time per decode step of a
 jitted scan of 32 steps starting at position p, with live-length attention (what the continuous sampler runs)
@@ -45,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from minpro_jax.models import get_preset, init_model  # noqa: E402
 from minpro_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
 from minpro_jax.models.transformer import KVCache  # noqa: E402
-from minpro_jax.sampling import Sampler, SamplingParams  # noqa: E402
+from minpro_jax.sampling import PagedKV, Sampler, SamplingParams  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import _interleaved as interleaved_best_and_median  # noqa: E402
@@ -76,7 +79,9 @@ def _interleaved(fns: dict, reps: int) -> dict:
   return {k: best for k, (best, _) in interleaved_best_and_median(fns, reps).items()}
 
 
-def bench_lengths(preset: str, batches, max_len: int, requests_per_row: int, reps: int, hf_on: bool = True):
+def bench_lengths(
+    preset: str, batches, max_len: int, requests_per_row: int, reps: int, hf_on: bool = True, page_size: int = 16
+):
   import torch
   import transformers
 
@@ -100,12 +105,14 @@ def bench_lengths(preset: str, batches, max_len: int, requests_per_row: int, rep
     cont = Sampler(cfg, decode_rows=b, **kw)
     cont1 = Sampler(cfg, decode_rows=b, refill_rows=1, in_loop_refill=False, **kw)
     cont_chunks = Sampler(cfg, decode_rows=b, in_loop_refill=False, **kw)
+    paged = Sampler(cfg, decode_rows=b, paged_kv=PagedKV(page_size), **kw)
     static = Sampler(cfg, continuous=False, **kw)
     prepared = cont.prepare_params(state)
-    prep_static, prep1, prep_chunks = (
+    prep_static, prep1, prep_chunks, prep_paged = (
         static.prepare_params(state),
         cont1.prepare_params(state),
         cont_chunks.prepare_params(state),
+        paged.prepare_params(state),
     )
     got = {}
 
@@ -154,7 +161,7 @@ def bench_lengths(preset: str, batches, max_len: int, requests_per_row: int, rep
         lens.append(np.where(is_stop.any(1), is_stop.argmax(1) + 1, resp.shape[1]))
       got["hf"] = np.concatenate(lens)
 
-    fns = {"continuous": run_cont}
+    fns = {"continuous": run_cont, "paged": lambda: run_cont(paged, prep_paged, "paged")}
     fns["continuous_chunks"] = lambda: run_cont(cont_chunks, prep_chunks, "continuous_chunks")
     fns["continuous_chunks_refill1"] = lambda: run_cont(cont1, prep1, "continuous_chunks_refill1")
     fns["static"] = run_static
@@ -174,6 +181,8 @@ def bench_lengths(preset: str, batches, max_len: int, requests_per_row: int, rep
         tok_s={k: useful / v for k, v in t.items()},
         seconds=t,
         continuous_over_static=t["static"] / t["continuous"],
+        paged_over_continuous=t["continuous"] / t["paged"],
+        page_size=page_size,
     )
     if "hf" in t:
       out["continuous_over_hf"] = t["hf"] / t["continuous"]
@@ -182,10 +191,10 @@ def bench_lengths(preset: str, batches, max_len: int, requests_per_row: int, rep
   return dict(preset=preset, weights="random init_model (same weights on every side)", runs=rows)
 
 
-def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3):
+def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16, 64)):
   """The default config's sampling call (tiny shapes, 512 samples in one `generate`, max_new_tokens 16) with the
   benchmark's stop schedule: the static sampler (all 512 rows at once, what the trainer ran before) against the
-  continuous one at decode_rows 64 (the default) and 512."""
+  continuous one at decode_rows 64 (the default) and 512, and the paged one at 64 rows per page size."""
   cfg = get_preset("tiny")
   state = nnx.split(init_model(cfg, seed=0))[1]
   sched = schedule(n, max_len)
@@ -197,6 +206,7 @@ def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3):
       "static_512_rows": Sampler(cfg, continuous=False, **kw),
       "continuous_64_rows": Sampler(cfg, decode_rows=64, **kw),
       "continuous_512_rows": Sampler(cfg, decode_rows=512, **kw),
+      **{f"paged{ps}_64_rows": Sampler(cfg, decode_rows=64, paged_kv=PagedKV(ps), **kw) for ps in page_sizes},
   }
   prepared = {k: v.prepare_params(state) for k, v in samplers.items()}
   fns = {k: (lambda k=k: samplers[k].generate(prepared[k], prompts, sp, seed=0)) for k in samplers}
@@ -263,6 +273,7 @@ def main():
   )
   ap.add_argument("--presets", default="tiny,smollm2-135m", help="model shapes of the lengths part (comma list)")
   ap.add_argument("--batches", default="16,64", help="decode batches of the lengths part (comma list)")
+  ap.add_argument("--page-size", type=int, default=16, help="the paged sampler's page size (lengths part)")
   args = ap.parse_args()
   parts = set(args.parts.split(","))
   presets, batches = args.presets.split(","), tuple(int(b) for b in args.batches.split(","))
@@ -287,7 +298,9 @@ def main():
     if preset not in presets:
       continue
     per_row = args.per_row or per_row
-    result["models"].append(bench_lengths(preset, batches, max_len, per_row, reps, hf_on=not args.no_hf))
+    result["models"].append(
+        bench_lengths(preset, batches, max_len, per_row, reps, hf_on=not args.no_hf, page_size=args.page_size)
+    )
   if "trainer_like" in parts:
     result["trainer_like_tiny"] = trainer_like()
   if "step_vs_position" in parts:

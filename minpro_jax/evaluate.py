@@ -8,8 +8,9 @@ sampled with the run's sampler settings on the same programs, so a checkpoint sc
 (same `eval.seed`, same benchmarks: the run's held-out set and its `eval.path` files). Fields that may be set:
 `eval.*` (e.g. `--eval.path=math500=math500:data/math500.jsonl,aime24=jsonl:aime24.jsonl --eval.n=16
 --eval.ks=1,8,16 --eval.num_problems=500`), `data.template`, `data.max_prompt_tokens`, `sampling.max_new_tokens`,
-`sampling.decode_rows`, `sampling.precision`. `--hf=DIR` evaluates a folder (an export, or any Qwen3 / Llama
-checkpoint) with the default config's settings and its own tokenizer (`--data.template=chat` for chat models).
+`sampling.decode_rows`, `sampling.precision`, `sampling.kv_cache` / `page_size` / `num_pages`. `--hf=DIR` evaluates
+a folder (an export, or any Qwen3 / Llama checkpoint) with the default config's settings and its own tokenizer
+(`--data.template=chat` for chat models).
 
 Output (default `workdir/eval/standalone/<which>_<step>`): `<benchmark>.json` per benchmark as it finishes, then
 `eval.json` and `eval.md` over all of them. Re-running the same command skips the benchmarks already written
@@ -34,7 +35,7 @@ from minpro_jax.errors import ConfigError, UserError
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 SETTABLE = ("eval.", "data.template", "data.max_prompt_tokens", "sampling.max_new_tokens", "sampling.decode_rows")
-SETTABLE += ("sampling.precision",)
+SETTABLE += ("sampling.precision", "sampling.kv_cache", "sampling.page_size", "sampling.num_pages")
 
 
 def apply_overrides(c, overrides: dict[str, str]) -> None:

@@ -45,7 +45,7 @@ from minpro_jax.rl.learner import LossConfig, OptimizerConfig
 from minpro_jax.rl.lr_decay import LrDecayConfig
 from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
 from minpro_jax.rl.packing import check_row_tokens
-from minpro_jax.sampling import SamplingParams
+from minpro_jax.sampling import PagedKV, SamplingParams
 
 __all__ = [
     "ConfigError",
@@ -68,6 +68,7 @@ __all__ = [
 ]
 
 SCHEDULES = ("constant", "cosine", "linear")  # minpro_jax.rl.learner.make_schedule's schedules
+KV_CACHES = ("dense", "paged")  # the continuous sampler's KV caches (minpro_jax.sampling.paged_continuous)
 # config.sampling.fp8_* field, choices, default (the sampler's FP8 options, minpro_jax.models.quant)
 FP8_OPTIONS = (
     ("fp8_weight_scale", FP8_WEIGHT_SCALES, "tensor"),
@@ -131,6 +132,7 @@ def validate_shapes_config(c) -> None:
   )
   sampler_fp8_options(c)
   sampler_decode_rows(c)
+  sampler_paged_kv(c)
   loss_config(c)
   _check_optimizer(c)
 
@@ -169,6 +171,42 @@ def sampler_decode_rows(c) -> int | str:
       f"must be an int >= 1 (the continuous sampler's decode rows) or 'auto' (as many as fit), got {rows!r}",
   )
   return rows
+
+
+def sampler_paged_kv(c) -> PagedKV | None:
+  """The `Sampler(paged_kv=...)` of `config.sampling.kv_cache` / `page_size` / `num_pages` ("dense", 64, 0 where
+  a config lacks them): a `PagedKV` for "paged" (num_pages 0 = None, the dense cache's memory), None for "dense".
+
+  Raises:
+    ConfigError: an unknown kv_cache, "paged" without sampling.continuous, a page_size < 1, a num_pages < 0, or
+      a pool too small for one response at the configured lengths (it would wait forever).
+  """
+  kind = c.sampling.get("kv_cache", "dense")
+  _need(kind in KV_CACHES, "sampling.kv_cache", f"{kind!r}; choose one of {KV_CACHES}")
+  page_size, num_pages = c.sampling.get("page_size", 64), c.sampling.get("num_pages", 0)
+  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+  _need(is_int(page_size) and page_size >= 1, "sampling.page_size", f"must be an int >= 1 (tokens), got {page_size!r}")
+  _need(
+      is_int(num_pages) and num_pages >= 0,
+      "sampling.num_pages",
+      f"must be an int >= 0 (pages per layer; 0 = auto), got {num_pages!r}",
+  )
+  if kind == "dense":
+    return None
+  _need(
+      c.sampling.continuous,
+      "sampling.kv_cache",
+      "'paged' runs the continuous sampler; set sampling.continuous=True or sampling.kv_cache='dense'",
+  )
+  tokens = c.data.max_prompt_tokens + c.sampling.max_new_tokens - 1  # the last sampled token is never stored
+  per_row = -(-tokens // page_size)
+  _need(
+      num_pages == 0 or num_pages >= per_row,
+      "sampling.num_pages",
+      f"{num_pages} pages of {page_size} tokens cannot hold one response of data.max_prompt_tokens + "
+      f"sampling.max_new_tokens - 1 = {tokens} tokens ({per_row} pages); raise it, or 0 = auto",
+  )
+  return PagedKV(page_size=page_size, num_pages=num_pages or None)
 
 
 MAX_LEARNING_RATE = 1.0  # AdamW moves each parameter by about lr per update: above 1 nothing survives

@@ -1,4 +1,5 @@
-"""The `Sampler` keyword arguments of a run config: precision, FP8 options, layout, decode rows, prompt buckets.
+"""The `Sampler` keyword arguments of a run config: precision, FP8 options, layout, KV cache, decode rows, prompt
+buckets.
 
 One place for what the trainer and the standalone evaluation (`minpro_jax.evaluate`) build their samplers from, so
 both compile the same programs for the same config.
@@ -6,6 +7,7 @@ both compile the same programs for the same config.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -13,7 +15,9 @@ from flax import nnx
 
 from minpro_jax import run_config
 from minpro_jax.runtime.inference_mesh import sampler_layout
-from minpro_jax.sampling.rows import device_hbm_bytes, resolve_decode_rows, tree_bytes_per_device
+from minpro_jax.sampling import PagedKV, paged
+from minpro_jax.sampling.rows import AUTO, device_hbm_bytes, resolve_decode_rows, tree_bytes_per_device
+from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -21,6 +25,70 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 def prompt_buckets(max_prompt_tokens: int) -> tuple[int, ...]:
   """The prompt lengths the sampler compiles for: the `PROMPT_BUCKETS` below `max_prompt_tokens`, then it."""
   return tuple(b for b in PROMPT_BUCKETS if b < max_prompt_tokens) + (max_prompt_tokens,)
+
+
+def row_slots(c, paged_kv: PagedKV | None, prompt_len: int) -> int:
+  """KV slots one decode row reserves at full length: prompt_len + max_new_tokens in the dense cache; the whole
+  pages of its prompt_len + max_new_tokens - 1 tokens in a paged pool (the last sampled token is never stored)."""
+  r = c.sampling.max_new_tokens
+  if paged_kv is None:
+    return prompt_len + r
+  return paged.pages_for(prompt_len + max(r - 1, 0), paged_kv.page_size) * paged_kv.page_size
+
+
+PALLAS_HEAD_DIM = 128  # the Pallas ragged paged attention holds head_dim in whole 128-lane vregs (its asserts)
+
+
+def paged_kernel(paged_kv: PagedKV | None, model_config) -> PagedKV | None:
+  """`paged_kv` with kernel "auto" turned into "xla" for a model whose head_dim the Pallas kernel cannot tile (not a
+  multiple of `PALLAS_HEAD_DIM`: the tiny and SmolLM2 presets), so "auto" picks the kernel only where it compiles;
+  an explicit kernel is kept."""
+  if paged_kv is None or paged_kv.kernel != "auto" or model_config.head_dim % PALLAS_HEAD_DIM == 0:
+    return paged_kv
+  return dataclasses.replace(paged_kv, kernel="xla")
+
+
+def decode_rows(
+    c,
+    model_config,
+    *,
+    paged_kv: PagedKV | None,
+    prompt_len: int,
+    mesh=None,
+    rules=None,
+    hbm_bytes: float | None,
+    other_resident_bytes: float = 0.0,
+) -> int:
+  """`config.sampling.decode_rows` as the `Sampler`'s int (the trainer, the evaluation and the aot tool).
+
+  An int as it is. "auto" (`sampling.rows`): as many rows as the HBM holds beside the resident bytes, each row
+  with `row_slots` of KV at the configured lengths (64 on CPU); with a paged pool that fixes its own size
+  (`sampling.num_pages` > 0), the rows that pool holds at full length (num_pages // pages per row, rounded down
+  to a batch bucket), since admission reserves a row's full length: more rows could never all be live. A paged
+  pool of num_pages 0 holds rows x pages per row, so "auto" sizes it by the memory left.
+
+  Args:
+    c: the run config; model_config: the policy's; paged_kv: `run_config.sampler_paged_kv(c)`; prompt_len: the
+      longest prompt bucket; the rest as `sampling.rows.resolve_decode_rows`.
+
+  Raises:
+    ConfigError: "auto" fits no row (`sampling.rows.auto_decode_rows`).
+  """
+  value = run_config.sampler_decode_rows(c)
+  slots = row_slots(c, paged_kv, prompt_len)
+  if value == AUTO and paged_kv is not None and paged_kv.num_pages:
+    rows, top = max(paged_kv.num_pages // (slots // paged_kv.page_size), 1), DEFAULT_BATCH_BUCKETS[-1]
+    return rows // top * top if rows >= top else max((b for b in DEFAULT_BATCH_BUCKETS if b <= rows), default=rows)
+  return resolve_decode_rows(
+      value,
+      model_config,
+      precision=c.sampling.precision,
+      slots=slots,
+      mesh=mesh,
+      rules=rules,
+      hbm_bytes=hbm_bytes,
+      other_resident_bytes=other_resident_bytes,
+  )
 
 
 def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: int = 2) -> dict[str, Any]:
@@ -39,11 +107,12 @@ def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: i
   devices = None if split is None else split.sampler
   sampler_mesh, sampler_rules = sampler_layout(c.sampling.get("mesh", ""), mesh, model.config, devices)
   learner_copies = 0 if devices is not None else 1 + optimizer_copies
-  decode_rows = resolve_decode_rows(  # "auto": as many as fit beside the weights (and the learner's state)
-      run_config.sampler_decode_rows(c),
+  paged_kv = paged_kernel(run_config.sampler_paged_kv(c), model.config)
+  rows = decode_rows(  # "auto": as many as fit beside the weights (and the learner's state)
+      c,
       model.config,
-      precision=c.sampling.precision,
-      slots=c.data.max_prompt_tokens + c.sampling.max_new_tokens,
+      paged_kv=paged_kv,
+      prompt_len=c.data.max_prompt_tokens,
       mesh=sampler_mesh,
       rules=sampler_rules,
       hbm_bytes=device_hbm_bytes(jax.local_devices()),
@@ -53,7 +122,8 @@ def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: i
       precision=c.sampling.precision,
       **run_config.sampler_fp8_options(c),
       continuous=c.sampling.continuous,
-      decode_rows=decode_rows,
+      decode_rows=rows,
+      paged_kv=paged_kv,
       mesh=sampler_mesh,
       rules=sampler_rules,
       pad_id=max(tokenizer.pad_id, 0),

@@ -276,7 +276,7 @@ def test_the_command_line_reports_and_resumes(tmp_path, capsys):
     [
         (["--topology=v9-8"], "--topology='v9-8': not a slice name"),
         (["--topology=cpu:8", "--mesh=data=3"], "--mesh=data=3"),
-        (["--topology=cpu:8", "--programs=train"], "--programs=train: choose from update,score,prefill,decode"),
+        (["--topology=cpu:8", "--programs=train"], "--programs=train: choose from update,score,prefill,decode,sample"),
         (["--topology=cpu:8", "--config.num_updates_per_step=3"], "config.num_updates_per_step"),
         (["--topology=cpu:8", "--config.nonsense=1"], "config.nonsense"),
         (["--topology=cpu:8", "--remat=sometimes"], "--remat=sometimes"),

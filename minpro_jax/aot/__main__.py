@@ -49,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
       "--remat", action="append", default=[], help="remat policy to compile with (repeat; default: the config's)"
   )
-  p.add_argument("--programs", default="update,score,prefill,decode", help="comma-separated subset")
+  p.add_argument(
+      "--programs",
+      default="update,score,prefill,decode",
+      help="comma-separated subset of update,score,prefill,decode,sample (sample: the trainer's sampler call)",
+  )
   p.add_argument("--sampler-rows", type=int, default=None, help="rows of prefill/decode (default: the trainer's)")
   p.add_argument("--out", default="", help="JSON report path (rows already there for this config are kept)")
   p.add_argument("--dump-hlo", default="", help="folder for each program's optimized HLO and shardings")

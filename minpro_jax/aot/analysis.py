@@ -80,7 +80,7 @@ def model_flops(cfg: ModelConfig, program: str, *, rows: int, prompt_len: int, r
   Per token, a forward costs 2 * N_matmul (every projection, the active experts' SwiGLUs, the router and the LM
   head) + 4 * layers * q_heads * head_dim * context (QK^T and PV). update = a forward, a backward (2x) and, under
   remat "block", the forward again; score and prefill = a forward; decode = response_len single-token forwards
-  against the whole cache (the static sampler attends every slot). Context: causal learner/prefill rows attend
+  against the whole cache (the static sampler attends every slot); sample = prefill + decode of rows requests. Context: causal learner/prefill rows attend
   (T + 1) / 2 positions on average; a decode step attends prompt_len + response_len slots.
   """
   d, hd, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
@@ -104,6 +104,8 @@ def model_flops(cfg: ModelConfig, program: str, *, rows: int, prompt_len: int, r
     return forward(rows * prompt_len, (prompt_len + 1) / 2)
   if program == "decode":
     return forward(rows * response_len, seq)
+  if program == "sample":  # every request's prefill and all its response_len tokens: an upper bound
+    return forward(rows * prompt_len, (prompt_len + 1) / 2) + forward(rows * response_len, seq)
   raise ValueError(f"unknown program {program!r}")
 
 

@@ -1,10 +1,13 @@
-"""The run's four device programs, lowered on abstract values at a config's real shapes (nothing is allocated).
+"""The run's device programs, lowered on abstract values at a config's real shapes (nothing is allocated).
 
   update   one learner update (`Learner.update`): micro-batch accumulation over a mini-batch of M rows, the
            configured loss, AdamW; the `TrainState` donated, as the trainer runs it.
   score    the learner's teacher-forced log-probs of a whole step's N rollouts (`Learner.score`).
   prefill  the sampler's prompt pass with its KV cache (the static sampler's `_prefill`).
   decode   the sampler's decode loop to `max_new_tokens` (its `_decode`, the cache donated).
+  sample   the sampler call the trainer makes for one step (`sampling.continuous=True`, not compiled by default):
+           the continuous sampler's whole call on its decode rows, with the dense cache or, with
+           `sampling.kv_cache="paged"`, the page pool (`lower_continuous`).
 
 Shapes follow the trainer: N = prompts_per_step * group_size rollouts of L = data.max_prompt_tokens +
 sampling.max_new_tokens tokens, mini-batches of M = N / num_updates_per_step rows in micro-batches of
@@ -36,10 +39,13 @@ from minpro_jax.models.config import PRESETS, ModelConfig, get_preset
 from minpro_jax.rl.learner import Learner, ScoreInputs, TrainState, UpdateInputs
 from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
-from minpro_jax.sampling.rows import resolve_decode_rows, tree_bytes_per_device
+from minpro_jax.sampler_setup import decode_rows, paged_kernel, row_slots
+from minpro_jax.sampling import PagedKV
+from minpro_jax.sampling.rows import tree_bytes_per_device
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS, Sampler
 
-PROGRAMS = ("update", "score", "prefill", "decode")
+PROGRAMS = ("update", "score", "prefill", "decode", "sample")
+DEFAULT_PROGRAMS = ("update", "score", "prefill", "decode")
 STOP_ID = 2  # a placeholder stop id: which id stops a row does not change any shape or buffer
 
 
@@ -166,6 +172,21 @@ def _with_shardings(lowered, compiled) -> Any:
   )
 
 
+def compile_only_blocks(paged_kv: PagedKV | None, mesh, pages_per_row: int, rows: int) -> PagedKV | None:
+  """`paged_kv` with the Pallas kernel's block sizes set where they are unset and the kernel runs (a TPU mesh):
+  the kernel's own defaults off its tuned table (`ragged_paged_attention.tuned_block_sizes`: min(pages per row,
+  128, or 32 on v4) KV pages and min(rows, 32) queries per block), since that table asks the runtime for its TPU
+  and a compile for a TPU topology on another host has none."""
+  if paged_kv is None or paged_kv.kernel_fields(mesh)["kernel"] != "pallas":
+    return paged_kv
+  bkv = 32 if "v4" in mesh.devices.flat[0].device_kind else 128
+  return dataclasses.replace(
+      paged_kv,
+      num_kv_pages_per_block=paged_kv.num_kv_pages_per_block or min(pages_per_row, bkv),
+      num_queries_per_block=paged_kv.num_queries_per_block or min(rows, 32),
+  )
+
+
 class RunPrograms:
   """Builds the run's programs for one model config on one mesh (the learner and sampler the trainer would).
 
@@ -212,12 +233,13 @@ class RunPrograms:
         continuous=False,
         record_routes=self.record_routes,
     )
-    # the sampler the trainer builds: continuous or static per `sampling.continuous`, its decode rows
-    rows = run_config.sampler_decode_rows(c)
+    # the sampler the trainer builds: continuous or static per `sampling.continuous`, its KV cache, its decode rows
+    rows, paged_kv = run_config.sampler_decode_rows(c), paged_kernel(run_config.sampler_paged_kv(c), cfg)
     resident = tree_bytes_per_device(self.train_state()) if rows == "auto" and hbm_bytes else 0
-    self.decode_rows = resolve_decode_rows(rows, cfg, precision=c.sampling.precision, slots=shapes.seq_len,
-                                           mesh=smesh, rules=srules, hbm_bytes=hbm_bytes,
-                                           other_resident_bytes=resident)  # fmt: skip
+    self.decode_rows = decode_rows(c, cfg, paged_kv=paged_kv, prompt_len=shapes.prompt_len, mesh=smesh,
+                                   rules=srules, hbm_bytes=hbm_bytes, other_resident_bytes=resident)  # fmt: skip
+    pages_per_row = row_slots(c, paged_kv, shapes.prompt_len) // paged_kv.page_size if paged_kv else 0
+    paged_kv = compile_only_blocks(paged_kv, smesh, pages_per_row, min(self.decode_rows, shapes.rollouts))
     self.trainer_sampler = Sampler(
         cfg,
         precision=c.sampling.precision,
@@ -227,18 +249,23 @@ class RunPrograms:
         rules=srules,
         continuous=c.sampling.continuous,
         decode_rows=self.decode_rows,
+        paged_kv=paged_kv,
         record_routes=self.record_routes,
     )
     self._prepared = None
     self._prefill_out = None
 
-  def programs(self, names=PROGRAMS) -> list[Lowered]:
-    s = self.shapes
+  def programs(self, names=DEFAULT_PROGRAMS) -> list[Lowered]:
+    s, rows = self.shapes, self.trainer_sampler.continuous_rows(self.shapes.rollouts)[0]
+    kv = "paged KV" if self.trainer_sampler.paged_kv else "dense KV"
     table = {
         "update": Lowered("update", self._lower_update, f"{s.mini_batch}x{s.seq_len} (micro-batch {s.micro_batch})"),
         "score": Lowered("score", self._lower_score, f"{s.rollouts}x{s.seq_len} (micro-batch {s.micro_batch})"),
         "prefill": Lowered("prefill", self._lower_prefill, f"{s.sampler_rows}x{s.prompt_len}"),
         "decode": Lowered("decode", self._lower_decode, f"{s.sampler_rows}x{s.response_len} steps"),
+        "sample": Lowered(
+            "sample", lambda: self.lower_continuous(s.rollouts), f"{s.rollouts} requests on {rows} rows, {kv}"
+        ),
     }
     return [table[n] for n in names]
 
@@ -328,9 +355,14 @@ class RunPrograms:
       return jax.jit(self.sampler._prepare_impl, out_shardings=shardings).lower(self.params)
 
   def lower_continuous(self, num_requests: int, sampling=None):
-    """The continuous sampler's whole call (`Sampler._c_all`, the program the trainer runs) on `num_requests`
-    prompts of the prompt bucket, with the decode rows and refill size `Sampler.continuous_rows` gives."""
+    """The continuous sampler's whole call (the program the trainer runs: `Sampler._c_paged` with
+    `sampling.kv_cache="paged"`, else `Sampler._c_all`) on `num_requests` prompts of the prompt bucket, with the
+    decode rows and refill size `Sampler.continuous_rows` gives."""
     s, p, n = self.trainer_sampler, self.shapes.prompt_len, int(num_requests)
+    if not s.continuous:
+      raise ConfigError(
+          "program 'sample' compiles the continuous sampler; with sampling.continuous=False compile prefill,decode"
+      )
     m = s.mesh
     rows, refill = s.continuous_rows(n)
     requests = (
@@ -339,8 +371,9 @@ class RunPrograms:
         _replicated(m, (n,), jnp.int32),
         _replicated(m, (n, 2), jnp.uint32),
     )
+    run = s._c_all if s.paged_kv is None else s._c_paged
     with s.mesh_context():
-      return s._c_all.lower(
+      return run.lower(
           self.prepared_params(), requests, sampling=sampling or self.sampling, p_len=p, rows=rows, refill=refill
       )
 

@@ -13,7 +13,14 @@ from typing import Any, Callable, Iterable
 
 from minpro_jax import run_config
 from minpro_jax.aot.analysis import add_resident, analyze, does_not_fit, model_flops
-from minpro_jax.aot.programs import PROGRAMS, RunPrograms, check_mesh_fits_model, model_config, run_shapes
+from minpro_jax.aot.programs import (
+    DEFAULT_PROGRAMS,
+    PROGRAMS,
+    RunPrograms,
+    check_mesh_fits_model,
+    model_config,
+    run_shapes,
+)
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_dispatch import resolve_attention_impl
@@ -131,7 +138,7 @@ def sweep(
     sl: Slice,
     meshes: Iterable[str],
     remats: Iterable[str] | None = None,
-    programs: Iterable[str] = PROGRAMS,
+    programs: Iterable[str] = DEFAULT_PROGRAMS,
     *,
     sampler_rows: int | None = None,
     dump_hlo: str | None = None,
@@ -223,7 +230,9 @@ def settled(row) -> bool:
 
 
 def _compile_one(prog, progs: RunPrograms, sl: Slice, shapes, remat: str, dump_hlo, mesh_name: str) -> dict:
-  rows = {"update": shapes.mini_batch, "score": shapes.rollouts}.get(prog.name, shapes.sampler_rows)
+  rows = {"update": shapes.mini_batch, "score": shapes.rollouts, "sample": shapes.rollouts}.get(
+      prog.name, shapes.sampler_rows
+  )
   flops = model_flops(
       progs.cfg,
       prog.name,

@@ -36,7 +36,14 @@ RUN_LOG = "study.log"
 IGNORED_FIELDS = ("workdir", "log", "checkpoint")
 # sampler execution modes and layouts that give the same responses token for token (tests/test_sampler_continuous.py,
 # tests/test_inference_mesh.py): a run finished under another is not stale
-SAME_SAMPLES_FIELDS = ("sampling.continuous", "sampling.decode_rows", "sampling.mesh")
+SAME_SAMPLES_FIELDS = (
+    "sampling.continuous",
+    "sampling.decode_rows",
+    "sampling.mesh",
+    "sampling.kv_cache",  # and its pool (tests/test_paged_sampler.py, tests/test_sampler_setup.py)
+    "sampling.page_size",
+    "sampling.num_pages",
+)
 # Config fields added after studies were run, each with the value that keeps the behaviour from before it existed:
 # a summary.json without the field ran with that value (a field missing here and from a summary.json differs).
 ADDED_FIELDS = {

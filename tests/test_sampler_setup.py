@@ -1,0 +1,204 @@
+"""`config.sampling.kv_cache` / `page_size` / `num_pages`: checked by `validate_config`, turned into the trainer's
+`Sampler(paged_kv=...)` by `sampler_setup.sampler_kwargs`, with the same trainer steps as the dense cache; and the
+aot tool compiles the paged sampler for a TPU slice."""
+
+import types
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tpu_helpers import run_with_libtpu
+from train_helpers import make_config, tiny_overrides
+
+from minpro_jax import run_config
+from minpro_jax.errors import ConfigError
+from minpro_jax.models import get_preset, init_model
+from minpro_jax.rl.rollout import RolloutBuffer
+from minpro_jax.sampler_setup import decode_rows, paged_kernel, row_slots, sampler_kwargs
+from minpro_jax.sampling import PagedKV, Sampler
+from minpro_jax.sampling.rows import resolve_decode_rows
+from minpro_jax.study.runner import config_differences
+
+
+@pytest.mark.parametrize(
+    "overrides, field, text",
+    [
+        ({"sampling.kv_cache": "pages"}, "sampling.kv_cache", "choose one of ('dense', 'paged')"),
+        ({"sampling.kv_cache": "paged", "sampling.continuous": False}, "sampling.kv_cache", "sampling.continuous=True"),
+        ({"sampling.page_size": 0}, "sampling.page_size", "int >= 1"),
+        ({"sampling.num_pages": -1}, "sampling.num_pages", "0 = auto"),
+        # data.max_prompt_tokens 32 + max_new_tokens 6 - 1 = 37 tokens need 5 pages of 8
+        (
+            {"sampling.kv_cache": "paged", "sampling.page_size": 8, "sampling.num_pages": 4},
+            "sampling.num_pages",
+            "5 pages",
+        ),
+    ],
+)
+def test_bad_kv_cache_fields_name_the_field_and_the_fix(tmp_path, overrides, field, text):
+  with pytest.raises(ConfigError, match=f"^config.{field}:") as e:
+    run_config.validate_shapes_config(make_config(tiny_overrides(tmp_path, **overrides)))
+  assert text in str(e.value)
+
+
+def test_the_fields_give_the_samplers_paged_kv(tmp_path):
+  c = make_config(tiny_overrides(tmp_path))
+  assert run_config.sampler_paged_kv(c) is None  # dense
+  c = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged", "sampling.page_size": 8}))
+  assert run_config.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=None)  # 0 = auto
+  c.sampling.num_pages = 5
+  assert run_config.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=5)
+  del c.sampling["kv_cache"], c.sampling["page_size"], c.sampling["num_pages"]  # a config from before the fields
+  assert run_config.sampler_paged_kv(c) is None
+
+
+def test_the_fields_do_not_make_a_finished_study_run_stale(tmp_path):
+  """The paged sampler's responses are the dense one's, so a run finished with either (or before the fields
+  existed) is not stale."""
+  old = make_config(tiny_overrides(tmp_path)).to_dict()
+  for k in ("kv_cache", "page_size", "num_pages"):
+    del old["sampling"][k]
+  now = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged", "sampling.num_pages": 9})).to_dict()
+  assert config_differences(old, now) == []
+
+
+def test_row_slots_and_auto_rows_of_a_paged_pool(tmp_path):
+  """A row reserves whole pages of prompt + max_new_tokens - 1 tokens; "auto" rows with a fixed pool are what it
+  holds at full length, rounded down to a batch bucket; with num_pages 0, those of the HBM as the dense cache."""
+  c = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged", "sampling.page_size": 8}))
+  cfg = get_preset("tiny")
+  assert row_slots(c, None, 32) == 38 and row_slots(c, PagedKV(8), 32) == 40  # 37 tokens: 5 pages of 8
+  c.sampling.decode_rows = "auto"
+  by_pool = lambda n: decode_rows(c, cfg, paged_kv=PagedKV(8, n), prompt_len=32, hbm_bytes=None)  # noqa: E731
+  assert [by_pool(n) for n in (5, 9, 10, 159, 160, 5 * 1100)] == [1, 1, 2, 16, 32, 1024]
+  hbm = 2**30
+  got = decode_rows(c, cfg, paged_kv=PagedKV(8), prompt_len=32, hbm_bytes=hbm)
+  assert got == resolve_decode_rows("auto", cfg, precision="fp32", slots=40, hbm_bytes=hbm) > 64
+  assert decode_rows(c, cfg, paged_kv=PagedKV(8), prompt_len=32, hbm_bytes=None) == 64  # CPU
+  c.sampling.decode_rows = 12
+  assert by_pool(5) == 12  # an int is taken as it is
+
+
+def test_sampler_kwargs_build_a_paged_sampler(tmp_path):
+  model = init_model(get_preset("tiny"), seed=0)
+  tok = types.SimpleNamespace(pad_id=-1)
+  ov = {"sampling.kv_cache": "paged", "sampling.page_size": 16, "sampling.num_pages": 40}
+  kw = sampler_kwargs(make_config(tiny_overrides(tmp_path, **ov)), model, tok, None)
+  want = PagedKV(page_size=16, num_pages=40, kernel="xla")  # head_dim 32: not the Pallas kernel's
+  assert kw["paged_kv"] == want and kw["continuous"] and kw["decode_rows"] == 64
+  sampler = Sampler(model.config, **kw)
+  assert sampler.paged_kv == want
+  assert sampler_kwargs(make_config(tiny_overrides(tmp_path)), model, tok, None)["paged_kv"] is None
+
+
+def test_auto_kernel_only_for_heads_the_pallas_kernel_tiles():
+  kv = PagedKV(16)
+  assert paged_kernel(kv, get_preset("tiny")) == PagedKV(16, kernel="xla")  # head_dim 32
+  assert paged_kernel(kv, get_preset("tiny", head_dim=128)) == kv  # "auto": Pallas on TPU devices
+  assert paged_kernel(PagedKV(16, kernel="pallas"), get_preset("tiny")).kernel == "pallas"  # explicit: kept
+  assert paged_kernel(None, get_preset("tiny")) is None
+
+
+def _coin_grade(texts, golds, **kwargs):
+  """Rewards 0/1 from a checksum of the text: mixed rewards inside groups even for the tiny model."""
+  del golds, kwargs
+  return [float(zlib.crc32(t.encode()) % 2) for t in texts], {"no_answer": 0, "timeout": 0}
+
+
+def _steps(trainer, params, loader_state, num_steps: int = 2):
+  """Global steps 0..num_steps-1 (sample, buffer, learn) from `params`: (each step's batch, metrics, the state)."""
+  trainer.loader.set_state(loader_state)
+  state = trainer.learner.init_state(jax.tree.map(jnp.copy, params))  # a copy: the updates donate the state
+  buffer, out = RolloutBuffer(trainer.c.delay), []
+  for step in range(num_steps):
+    batch, metrics = trainer.sample_step(state, step)
+    buffer.push(step, batch)
+    released = buffer.pop(step)
+    if released is not None:
+      state, learn_metrics = trainer.learn_step(state, released)
+      metrics.update(learn_metrics)
+    out.append((batch, {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}))
+  return out, state
+
+
+def _assert_close(got, want, name: str) -> None:
+  """Metrics equal up to fp32 rounding (behavior log-probs differ by ~1e-7 between the two caches' matmuls)."""
+  if isinstance(want, (list, tuple)):
+    assert len(got) == len(want), name
+    for g, w in zip(got, want):
+      _assert_close(g, w, name)
+  elif isinstance(want, (int, float, np.number)) and not isinstance(want, bool):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+  else:
+    assert got == want, name
+
+
+def test_a_trainer_step_with_paged_kv_equals_dense(tmp_path, monkeypatch):
+  """One trainer (its learner programs compiled once) sampling with the dense cache, then with the sampler
+  `sampler_kwargs` builds for kv_cache=paged (pages of 8 tokens, a pool of 12 so requests wait): the same
+  tokens, rewards, losses and parameters."""
+  from flax import nnx
+
+  from minpro_jax.trainer import Trainer
+
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  trainer = Trainer.from_config(make_config(tiny_overrides(tmp_path, delay=1, **{"sft.enabled": False})))
+  params, loader_state = nnx.split(trainer.model)[1], trainer.loader.get_state()
+  dense, dense_state = _steps(trainer, params, loader_state)
+  paged_c = make_config(
+      tiny_overrides(
+          tmp_path,
+          delay=1,
+          **{"sampling.kv_cache": "paged", "sampling.page_size": 8, "sampling.num_pages": 12, "sft.enabled": False},
+      )
+  )
+  trainer.sampler = trainer.eval_sampler = Sampler(
+      trainer.model.config, **sampler_kwargs(paged_c, trainer.model, trainer.tokenizer, trainer.mesh)
+  )
+  assert trainer.sampler.paged_kv == PagedKV(8, 12, kernel="xla")
+  paged, paged_state = _steps(trainer, params, loader_state)
+  trainer.close()
+  assert dense[1][1]["learn/loss"] != 0  # a real update is compared
+  for (db, dm), (pb, pm) in zip(dense, paged):
+    for f in ("tokens", "response_mask", "rewards", "advantages", "response_lengths"):
+      np.testing.assert_array_equal(np.asarray(getattr(pb, f)), np.asarray(getattr(db, f)), err_msg=f)
+    np.testing.assert_allclose(np.asarray(pb.behavior_logp), np.asarray(db.behavior_logp), atol=1e-5, rtol=0)
+    assert pm.keys() == dm.keys()
+    for k in dm:
+      _assert_close(pm[k], dm[k], k)
+  for a, b in zip(jax.tree.leaves(paged_state.params), jax.tree.leaves(dense_state.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_the_aot_tool_compiles_the_paged_sampler_for_tpu():
+  """`--programs=sample` with kv_cache=paged lowers the trainer's paged call (`Sampler._c_paged`) and compiles it
+  for a v5p-8: with head_dim 128 the Pallas kernel (PagedKV kernel "auto" on TPU devices) at the block sizes
+  `compile_only_blocks` gives (its tuned table needs a TPU runtime); with head_dim 16, which the kernel cannot tile,
+  the plain-JAX attention (`sampler_setup.paged_kernel`)."""
+  code = """
+import pathlib, sys
+sys.path.insert(0, "tests")
+from minpro_jax.aot.programs import RunPrograms, model_config, run_shapes
+from minpro_jax.aot.sweep import sweep
+from minpro_jax.aot.topologies import parse_slice
+from minpro_jax.runtime.sharding import make_mesh
+from train_helpers import make_config, tiny_overrides
+sl = parse_slice("v5p-8")
+for hd in (16, 128):
+  c = make_config(tiny_overrides(pathlib.Path("/tmp"), **{"sampling.kv_cache": "paged", "sampling.page_size": 16}),
+                  model={"head_dim": hd})
+  progs = RunPrograms(c, model_config(c)[0], make_mesh({"fsdp": 4}, devices=sl.devices()), run_shapes(c))
+  kv = progs.trainer_sampler.paged_kv
+  (row,) = sweep(c, sl, ["fsdp=-1"], programs=["sample"])
+  print("RESULT", f"hd={hd}", f"kernel={kv.kernel}", f"blocks={kv.num_kv_pages_per_block},{kv.num_queries_per_block}",
+        f"fits={row.get('fits')}", f"error={row.get('error', '').replace(' ', '_')[:80]}",
+        f"shapes={row['shapes'].replace(' ', '_')}")
+"""
+  rows = run_with_libtpu(code)
+  shapes = "8_requests_on_8_rows,_paged_KV"
+  assert rows == [
+      {"hd": "16", "kernel": "xla", "blocks": "None,None", "fits": "True", "error": "", "shapes": shapes},
+      {"hd": "128", "kernel": "auto", "blocks": "3,8", "fits": "True", "error": "", "shapes": shapes},  # 37 tokens
+  ]
