@@ -89,10 +89,11 @@ def bench_lengths(
   model = init_model(cfg, seed=0)
   state = nnx.split(model)[1]
   hf = None
+  dev = "cuda" if torch.cuda.is_available() else "cpu"  # transformers on the accelerator JAX has, if any
   if hf_on:
     with tempfile.TemporaryDirectory() as d:
       save_hf_checkpoint(model, d)
-      hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+      hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval().to(dev)
   sp = SamplingParams(temperature=1.0, max_new_tokens=max_len, stop_token_ids=(STOP,))
   rows = []
   for b in batches:
@@ -134,14 +135,14 @@ def bench_lengths(
 
       def __call__(self, input_ids, scores):
         step = input_ids.shape[1] - PROMPT_LEN
-        due = torch.as_tensor(sched[self.offset : self.offset + scores.shape[0]] - 1 == step)
-        scores[:, STOP] = torch.where(due, torch.tensor(1e9), torch.tensor(-1e9))
+        due = torch.as_tensor(sched[self.offset : self.offset + scores.shape[0]] - 1 == step, device=scores.device)
+        scores[:, STOP] = torch.where(due, 1e9, -1e9).to(scores.dtype)
         return scores
 
     def run_hf():
       lens = []
       for i in range(0, n, b):
-        ids = torch.tensor(prompts[i : i + b])
+        ids = torch.tensor(prompts[i : i + b], device=dev)
         with torch.no_grad():
           out = hf.generate(
               ids,
@@ -156,7 +157,7 @@ def bench_lengths(
               pad_token_id=0,
               logits_processor=transformers.LogitsProcessorList([SchedStop(i)]),
           )
-        resp = out[:, PROMPT_LEN:].numpy()
+        resp = out[:, PROMPT_LEN:].cpu().numpy()
         is_stop = resp == STOP
         lens.append(np.where(is_stop.any(1), is_stop.argmax(1) + 1, resp.shape[1]))
       got["hf"] = np.concatenate(lens)
@@ -274,6 +275,7 @@ def main():
   ap.add_argument("--presets", default="tiny,smollm2-135m", help="model shapes of the lengths part (comma list)")
   ap.add_argument("--batches", default="16,64", help="decode batches of the lengths part (comma list)")
   ap.add_argument("--page-size", type=int, default=16, help="the paged sampler's page size (lengths part)")
+  ap.add_argument("--max-len", type=int, default=None, help="maximum response length R of the lengths part")
   args = ap.parse_args()
   parts = set(args.parts.split(","))
   presets, batches = args.presets.split(","), tuple(int(b) for b in args.batches.split(","))
@@ -297,7 +299,7 @@ def main():
   for preset, max_len, per_row, reps in plan if "lengths" in parts else ():
     if preset not in presets:
       continue
-    per_row = args.per_row or per_row
+    per_row, max_len = args.per_row or per_row, args.max_len or max_len
     result["models"].append(
         bench_lengths(preset, batches, max_len, per_row, reps, hf_on=not args.no_hf, page_size=args.page_size)
     )
