@@ -80,9 +80,11 @@ def loss_configs(temperature: float) -> tuple[LossConfig, ...]:
 
 def study_config(workdir: str, seed: int, overrides: dict | None = None):
   """The MIPU study's fixed fields (GRPO at delay 0) with an fp32 sampler at `seed`, then `overrides`."""
-  from minpro_jax.configs import set_fields
-  from minpro_jax.configs.default import get_config
-  from minpro_jax.configs.studies import mipu as mipu_study
+  from minpro_jax.config_lib import set_fields
+  from minpro_jax.config_lib.defaults import get_config
+  from minpro_jax.config_lib.files import load_module
+
+  mipu_study = load_module("configs/studies/mipu.py")
 
   c = set_fields(get_config(), {**mipu_study.get_grid().fixed, "seed": seed, **(overrides or {})})
   c.workdir = workdir
@@ -298,7 +300,7 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
 
 def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
   """Runs every drift of `plan` whose JSON is not yet in `out` (module docstring); returns 0."""
-  from minpro_jax.configs.studies import mipu as mipu_study
+  from minpro_jax.config_lib.files import load_module
   from minpro_jax.trainer import Trainer  # heavy import, after the flags are checked
 
   os.makedirs(out, exist_ok=True)
@@ -323,7 +325,7 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
     for drift in todo:
       sampler_tr = tr
       if drift == FP8:  # the MIPU study's fp8 sampler (its own trainer: the same warm start, data and learner)
-        fp8 = {**(overrides or {}), **mipu_study.FP8, "sampling.precision": "fp8"}
+        fp8 = {**(overrides or {}), **load_module("configs/studies/mipu.py").FP8, "sampling.precision": "fp8"}
         sampler_tr = Trainer.from_config(study_config(tempfile.mkdtemp(prefix="fidelity_model_"), plan.seed, fp8))
       try:
         res = run_cell(sampler_tr, pi_state, mus[drift], plan, drift, grad_fn, width, g_a, g_b, precond)
