@@ -27,7 +27,7 @@ from minpro_jax.rl.rollout import RolloutBuffer
 from minpro_jax.run_config import validate_config
 from minpro_jax.runtime.device_split import sampler_device_count, split_devices
 from minpro_jax.runtime.inference_mesh import sampler_layout
-from minpro_jax.runtime.sharding import make_mesh
+from minpro_jax.runtime.sharding import make_mesh, use_mesh
 from minpro_jax.sampling import Sampler, SamplingParams
 
 
@@ -167,7 +167,8 @@ def test_a_sampling_error_waits_for_the_updates_then_raises(tmp_path):
 def test_sampler_on_its_own_devices_samples_what_one_device_samples():
   """The learner's fsdp=4 parameters on devices 0-3, transferred to the sampler's "auto" layout on devices 4-7 (the
   default of sampling.mesh with a split): every prepared weight lives on the sampler's devices only, the learner's
-  stay where they were, and the tokens are the one-device sampler's."""
+  stay where they were, and the tokens are the one-device sampler's; also when called under the learner's mesh (as
+  the trainer does) with a sample count that is not a batch bucket (6 rows padded to 8)."""
   cfg = get_preset("tiny")
   split = split_devices(4, jax.devices())
   learner_mesh = make_mesh({"fsdp": -1}, devices=split.learner)
@@ -181,10 +182,11 @@ def test_sampler_on_its_own_devices_samples_what_one_device_samples():
   for x in jax.tree.leaves(state):
     assert x.sharding.device_set <= set(split.learner)
   sp = SamplingParams(temperature=0.7, top_k=40, max_new_tokens=9)
-  prompts = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]]
+  prompts = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [4, 4, 2]]
   one = nnx.split(init_model(cfg, seed=3))[1]
   want = Sampler(cfg, prompt_buckets=(8, 16)).generate(one, prompts, sp, seed=4, group_size=2)
-  got = sampler.generate(prepared, prompts, sp, seed=4, group_size=2)
+  with use_mesh(learner_mesh):
+    got = sampler.generate(prepared, prompts, sp, seed=4, group_size=2)
   np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
   np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
 

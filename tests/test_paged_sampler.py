@@ -2,6 +2,8 @@
 the same responses token for token, with a pool so small that requests wait for pages; shared prompts (one
 prefill per group, full pages stored once) against separate prefills."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,15 +159,27 @@ def test_paged_kernel_choice():
   """ "auto" takes the plain-JAX path off TPU; the Pallas block sizes go only to the Pallas kernel."""
   kv = PagedKV(num_kv_pages_per_block=8, num_queries_per_block=32)
   assert kv.kernel_fields() == {"kernel": "xla"}  # the tests' CPU devices
-  assert PagedKV(kernel="pallas", num_kv_pages_per_block=8).kernel_fields() == {
+  tpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="tpu")]))
+  assert PagedKV(kernel="pallas", num_kv_pages_per_block=8).kernel_fields(tpu_mesh) == {
       "kernel": "pallas",
       "num_kv_pages_per_block": 8,
       "num_queries_per_block": None,
   }
+  assert PagedKV(kernel="auto").kernel_fields(tpu_mesh) == {
+      "kernel": "pallas",
+      "num_kv_pages_per_block": None,
+      "num_queries_per_block": None,
+  }
+  with pytest.raises(ValueError, match=r"^PagedKV.kernel='pallas' needs TPU devices, the sampler's are cpu"):
+    PagedKV(kernel="pallas").kernel_fields()
   with pytest.raises(ValueError, match="kernel"):
     PagedKV(kernel="mosaic")
   with pytest.raises(ValueError, match="num_queries_per_block"):
     PagedKV(num_queries_per_block=0)
+  with pytest.raises(ValueError, match=r"^PagedKV.share_prompts='no' must be True or False"):
+    PagedKV(share_prompts="no")
+  kv = PagedKV(page_size=np.int64(16), num_pages=np.int32(40))
+  assert (kv.page_size, kv.num_pages) == (16, 40) and type(kv.page_size) is int
 
 
 # The paged sampler's whole call (`Sampler._c_paged`, shared prompts in units of 8) for a v5p-8 (4 chips) on the

@@ -17,6 +17,7 @@ fed back), which is its admitted capacity.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +62,14 @@ class PagedKV:
   def __post_init__(self):
     for name in ("page_size", "num_pages", "num_kv_pages_per_block", "num_queries_per_block"):
       v = getattr(self, name)
-      if (v is not None or name == "page_size") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+      if (v is not None or name == "page_size") and (
+          not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)) or v < 1
+      ):
         raise ValueError(f"PagedKV.{name}={v!r} must be a positive int")
+      if v is not None:
+        object.__setattr__(self, name, int(v))  # numpy ints too, stored as Python ints (static arguments)
+    if not isinstance(self.share_prompts, (bool, np.bool_)):
+      raise ValueError(f"PagedKV.share_prompts={self.share_prompts!r} must be True or False")
     if self.kernel not in ("auto", *KERNELS):
       raise ValueError(f"PagedKV.kernel={self.kernel!r}; choose one of {('auto', *KERNELS)}")
 
@@ -80,6 +87,12 @@ class PagedKV:
     if kernel == "auto":
       device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
       kernel = "pallas" if device.platform == "tpu" else "xla"
+    elif kernel == "pallas":
+      device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+      if device.platform != "tpu":
+        raise ValueError(
+            f"PagedKV.kernel='pallas' needs TPU devices, the sampler's are {device.platform}: use 'auto' or 'xla'"
+        )
     blocks = dict(num_kv_pages_per_block=self.num_kv_pages_per_block, num_queries_per_block=self.num_queries_per_block)
     return dict(kernel=kernel, **(blocks if kernel == "pallas" else {}))
 

@@ -531,15 +531,18 @@ class Sampler:
       segs[r, p_len - len(prompt) :] = 1
     row_group = np.repeat(group_ids, group_size)
     row_sample = np.tile(np.arange(group_size, dtype=np.int32), n0)
-    base = jax.random.key(seed) if isinstance(seed, (int, np.integer)) else seed
     pad_rows = rows - n
     g_all = np.concatenate([row_group, np.zeros(pad_rows, np.int64)]).astype(np.uint32)
     s_all = np.concatenate([row_sample, np.zeros(pad_rows, np.int32)]).astype(np.uint32)
-    row_keys = jax.vmap(lambda g, s: jax.random.fold_in(jax.random.fold_in(base, g), s))(g_all, s_all)
     active = np.arange(rows) < n
 
     state = self.prepare_params(params).state
-    with self.mesh_context():
+    with self.mesh_context():  # the keys too: a caller's mesh (the learner's, on other devices) must not hold them
+      if isinstance(seed, (int, np.integer)):
+        base = jax.random.key(seed)
+      else:  # a key array, wherever it lives
+        base = jax.random.wrap_key_data(np.asarray(jax.random.key_data(seed)), impl=jax.random.key_impl(seed))
+      row_keys = jax.vmap(lambda g, s: jax.random.fold_in(jax.random.fold_in(base, g), s))(g_all, s_all)
       if self.continuous:
         tok, logp, ent, mask, stopped, routes, kept = self._generate_continuous(
             state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling, group_size
