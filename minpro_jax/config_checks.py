@@ -343,6 +343,12 @@ def check_mesh(c, num_devices: int) -> None:
       f"empty means one device, but this run has {jax.process_count()} processes with {num_devices} devices in all; "
       "the mesh must span every process's devices (they checkpoint together): set e.g. --config.mesh.shape=fsdp=-1",
   )
+  need(
+      bool(shape) or not sampler_devices or num_devices == 1,
+      "mesh.shape",
+      f"empty means one device, but sampling.devices={c.sampling.devices} leaves the learner {num_devices}: set "
+      "e.g. --config.mesh.shape=fsdp=-1 to learn on all of them",
+  )
   if shape:
     try:
       shape = resolve_mesh_shape(shape, num_devices)

@@ -76,6 +76,14 @@ def test_config_errors_name_the_field(tmp_path):
     validate_config(make_config({**ov, "sampling.devices": 4, "mesh.shape": "fsdp=4", "sampling.mesh": "data=8"}), 8)
   validate_config(make_config({**ov, "sampling.devices": 0.5, "mesh.shape": "fsdp=-1"}), num_devices=8)
   validate_config(make_config({**ov, "sampling.devices": 1, "micro_batch_size": 2}), num_devices=2)  # "": 1 device
+  with pytest.raises(
+      ConfigError, match=r"^config\.mesh\.shape: empty means one device, but sampling\.devices=4 leaves"
+  ):
+    validate_config(make_config({**ov, "sampling.devices": 4}), num_devices=8)  # 3 learner devices idle
+  with pytest.raises(
+      ConfigError, match=r"^config\.sampling\.devices: a split needs at least 2 devices, this run has 1"
+  ):
+    validate_config(make_config({**ov, "sampling.devices": 0.5}), num_devices=1)
 
 
 def test_delay_zero_runs_sequentially_and_says_so(tmp_path, caplog):

@@ -47,13 +47,15 @@ def sampler_device_count(value, num_devices: int, process_count: int = 1) -> int
   if isinstance(value, float) and not value.is_integer():
     if not 0 < value < 1:
       raise ConfigError(f"{field}: a fraction of the devices must lie in (0, 1), got {value}")
-    count = round(value * num_devices)
+    count = math.floor(value * num_devices + 0.5)  # the nearest count, halves up
     what = f"{value} of {num_devices} devices = {count}"
   else:
     count = int(value)
     what = f"{count} of {num_devices} devices"
   if count == 0 and value == 0:
     return 0
+  if num_devices < 2:
+    raise ConfigError(f"{field}: a split needs at least 2 devices, this run has {num_devices}; use 0 (no split)")
   if not 1 <= count < num_devices:
     raise ConfigError(
         f"{field}: {what} leaves the {'sampler' if count < 1 else 'learner'} no device; give the sampler between 1 "
