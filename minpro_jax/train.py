@@ -81,7 +81,22 @@ def _flag_message(argv: list[str], e: BaseException) -> str:
   text = str(e)
   if "Failed loading config file" in text or "Configuration is not available" in text:
     path = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("--config=")), DEFAULT_CONFIG)
-    return f"--config={path}: cannot load the config file ({text.splitlines()[-1].strip()}); pass an existing .py file"
+    return (
+        f"--config={path}: cannot load the config file ({text.splitlines()[-1].strip()}); pass an existing .py file "
+        f"(looked as given, from {os.getcwd()} and from the repository root; the experiment configs ship with the "
+        "repository, not the installed package: clone it, or write a get_config() that calls "
+        "minpro_jax.config_lib.defaults.base_config())"
+    )
+  if isinstance(e, AttributeError) and "no attribute 'get_config'" in text:  # e.g. a study grid (get_grid)
+    path = next((a.split("=", 1)[1] for a in reversed(argv) if a.startswith("--config=")), DEFAULT_CONFIG)
+    file = files.resolve(path.partition(":")[0]) or path.partition(":")[0]
+    try:
+      with open(file) as f:
+        is_grid = "def get_grid" in f.read()
+    except OSError:
+      is_grid = False
+    what = f"it is a study grid: run python -m minpro_jax.study --grid={path}" if is_grid else "pass a config file"
+    return f"--config={path}: the file has no get_config(); {what}"
   if "Error whilst parsing config file" in text:  # get_config raised: its reason is the traceback's last line
     flag = next((a for a in reversed(argv) if a.startswith("--config=")), "--config")
     reason = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")

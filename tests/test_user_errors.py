@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import jax
@@ -120,6 +121,12 @@ def test_each_user_mistake_prints_one_message_naming_the_field_and_no_traceback(
   assert not failures, "\n\n".join(failures)
   cache = tmp_path / "cache"
   assert not [f for f in (os.listdir(cache) if cache.exists() else []) if f.startswith("sft")]  # no warm start ran
+
+
+def test_a_study_grid_given_as_the_config_says_how_to_run_it():
+  r = _cli([sys.executable, "-m", "minpro_jax.train", "--config=configs/studies/smoke.py"])
+  want = "error: --config=configs/studies/smoke.py: the file has no get_config(); it is a study grid: run python -m "
+  assert r.returncode == 2 and want + "minpro_jax.study --grid=configs/studies/smoke.py" in r.stderr, r.stderr[-800:]
 
 
 def test_debug_flag_shows_the_traceback(tmp_path):
