@@ -160,7 +160,8 @@ def check_request(pool: PagePool, prompt_len: int, max_new_tokens: int, group_si
   if need > pool.num_pages or group_size > pool.rows:
     raise ValueError(
         f"paged KV: a group of {group_size} x ({prompt_len} + {max_new_tokens}) tokens needs {need} pages and "
-        f"{group_size} rows; the pool has {pool.num_pages} pages and {pool.rows} rows; raise num_pages / rows"
+        f"{group_size} rows; the pool has {pool.num_pages} pages and {pool.rows} rows; raise num_pages / rows "
+        "(PagedKV.num_pages or config sampling.num_pages; the sampler's decode_rows)"
     )
 
 

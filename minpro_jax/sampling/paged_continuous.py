@@ -313,8 +313,7 @@ def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: Sa
   sizes = sampler.paged_kv.pool_sizes(rows, p_len, r)
   shape = jax.eval_shape(lambda: paged.init_pool(num_layers=1, num_kv_heads=1, head_dim=1, **sizes))
   lens = np.maximum(np.sum(np.asarray(segs) > 0, axis=1), 1)
-  for length in sorted(set(lens.tolist())):
-    paged.check_request(shape, int(length), max(r - 1, 0))
+  paged.check_request(shape, int(lens.max()), max(r - 1, 0))  # the longest prompt: its error names what suffices
   unit = share_unit(sampler.paged_kv, group_size, rows, lens, p_len, r)
   requests = (tokens, segs, np.asarray(row_group).astype(np.int32), keys)
   kw = dict(sampling=sampling, p_len=p_len, rows=rows, refill=refill_at, unit=unit)
