@@ -328,8 +328,10 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
   if len(fill) > 1 or not all(v > 0 or v == -1 for v in shape.values()):
     raise ValueError("sizes must be positive, with at most one -1 (= the remaining devices)")
   prod = math.prod(v for v in shape.values() if v > 0)
-  if num_devices % prod if fill else prod != num_devices:
-    raise ValueError(f"does not divide the {num_devices} available devices")
+  if fill and num_devices % prod:
+    raise ValueError(f"the sizes other than -1 ({prod}) do not divide the {num_devices} available devices")
+  if not fill and prod != num_devices:
+    raise ValueError(f"the sizes multiply to {prod}, not the {num_devices} available devices (or use one -1)")
   return {a: num_devices // prod if v == -1 else v for a, v in shape.items()}
 
 

@@ -73,6 +73,15 @@ def test_mesh_that_divides_the_devices_is_accepted(ok):
   validate_config(make_config({**ok, "mesh.shape": "data=2,fsdp=4", "prompts_per_step": 8, "micro_batch_size": 8}), 8)
 
 
+def test_mesh_error_says_whether_the_sizes_divide_or_multiply_to_the_devices(ok):
+  with pytest.raises(ConfigError, match=r"^config\.mesh\.shape: 'data=2,fsdp=2': the sizes multiply to 4, not the 5 "):
+    validate_config(make_config({**ok, "mesh.shape": "data=2,fsdp=2"}), 5)
+  with pytest.raises(
+      ConfigError, match=r"^config\.mesh\.shape: 'data=2,fsdp=-1': the sizes other than -1 \(2\) do not"
+  ):
+    validate_config(make_config({**ok, "mesh.shape": "data=2,fsdp=-1"}), 5)
+
+
 def _run_cli(args, timeout=120):
   return subprocess.run(args, capture_output=True, text=True, env=cli_env(), timeout=timeout)
 
