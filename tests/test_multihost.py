@@ -29,14 +29,13 @@ import time
 import types
 
 import pytest
-from train_helpers import REPO, cli_args, cli_env, tiny_overrides
+from train_helpers import REPO, checkpoint_steps, cli_args, cli_env, metrics_records, tiny_overrides
 
 from minpro_jax import launch_local
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
-TIMING = ("time/", "throughput/")
 # Metrics that are float statistics of log-probs: equal up to the reduction order of the collectives.
 ROUNDOFF = ("sampler_learner/", "learn/")
 EXACT_LEARN = ("learn/updates", "learn/skipped_updates")
@@ -74,16 +73,6 @@ def _env(devices=None):
   return env
 
 
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in map(json.loads, f)}
-
-
-def _ckpt_steps(workdir):
-  d = os.path.join(workdir, "checkpoints")
-  return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
-
-
 def _finish(p, timeout):
   """The output of `p` once it ends; killed (its processes die with it) and failed after `timeout` seconds."""
   try:
@@ -118,7 +107,7 @@ def runs(tmp_path_factory):
 
 def test_two_processes_give_the_metrics_of_one(runs):
   _, one, two, _ = runs
-  ref, got = _records(one), _records(two)
+  ref, got = metrics_records(one), metrics_records(two)
   assert sorted(ref) == sorted(got) == list(range(-1, STEPS + 1))
   assert ref[STEPS - 1]["policy_version"] == got[STEPS - 1]["policy_version"] > 0
   for step in ref:
@@ -154,7 +143,7 @@ def _two_processes_past_their_first_checkpoint(ov):
   threads = launch_local.stream(procs, out=sink)
   try:
     t0 = time.time()
-    while not _ckpt_steps(ov["workdir"]):
+    while not checkpoint_steps(ov["workdir"]):
       assert all(p.poll() is None for p in procs), (
           "the run ended before its first checkpoint: " + "".join(lines)[-3000:]
       )
@@ -177,10 +166,10 @@ def test_sigkill_both_processes_then_relaunch_matches(runs):
     time.sleep(random.Random(seed).uniform(0.0, 4.0))  # a random moment after the first checkpoint
     for p in procs:
       p.kill()
-  killed_at = _ckpt_steps(ov["workdir"])
+  killed_at = checkpoint_steps(ov["workdir"])
   r = subprocess.run(_launch_args(ov), env=_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, (seed, r.stdout[-3000:])
-  assert _records(ov["workdir"]) == _records(two), f"seed {seed}, killed with checkpoints {killed_at}"
+  assert metrics_records(ov["workdir"]) == metrics_records(two), f"seed {seed}, killed with checkpoints {killed_at}"
 
 
 def test_sigterm_to_one_process_stops_both_after_the_same_step(runs):
@@ -193,10 +182,10 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step(runs):
   assert codes == [128 + signal.SIGTERM] * 2, out[-3000:]
   stopped = {int(m) for m in re.findall(r"stopped by signal 15 at global step (\d+)", out)}
   assert len(stopped) == 1, out[-3000:]  # both processes name the same step (process 1 logs its warning too)
-  assert max(_ckpt_steps(ov["workdir"])) == stopped.pop()
+  assert max(checkpoint_steps(ov["workdir"])) == stopped.pop()
   r = subprocess.run(_launch_args(ov), env=_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-3000:]
-  assert _records(ov["workdir"]) == _records(two)
+  assert metrics_records(ov["workdir"]) == metrics_records(two)
 
 
 def test_resume_with_another_process_count_fails_naming_it(runs):
@@ -247,13 +236,13 @@ def test_one_device_per_process_trains_checkpoints_and_resumes(tmp_path):
   ov = tiny_overrides(tmp_path, total_steps=2, **{"mesh.shape": "data=2", "checkpoint.every": 1, "checkpoint.keep": 2})
   r = subprocess.run(_launch_args(ov, devices_per_process=1), env=_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-3000:]
-  assert _ckpt_steps(ov["workdir"]) == [0, 1]
+  assert checkpoint_steps(ov["workdir"]) == [0, 1]
   ov["total_steps"] = 3
   r = subprocess.run(_launch_args(ov, devices_per_process=1), env=_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout[-3000:]
   assert "resumed from global step 1 (policy_version 2)" in r.stdout
-  assert _ckpt_steps(ov["workdir"]) == [1, 2]
-  assert sorted(_records(ov["workdir"])) == [-1, 0, 1, 2, 3]  # the evaluations after SFT (-1) and at the end (3)
+  assert checkpoint_steps(ov["workdir"]) == [1, 2]
+  assert sorted(metrics_records(ov["workdir"])) == [-1, 0, 1, 2, 3]  # the evaluations after SFT (-1) and at the end (3)
 
 
 def test_one_device_per_process_layout_is_global_and_checked(tmp_path):

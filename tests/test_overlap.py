@@ -2,9 +2,7 @@
 device split and its config errors, the sampler's layout on its own devices, and the overlapped run equal to the
 sequential one on the same split, bit for bit, after a SIGKILL and resume too."""
 
-import json
 import logging
-import os
 import signal
 import subprocess
 import threading
@@ -17,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from train_helpers import cli_args, cli_env, make_config, tiny_overrides
+from train_helpers import checkpoint_steps, cli_args, cli_env, make_config, metrics_records, tiny_overrides
 
 from minpro_jax.errors import ConfigError
 from minpro_jax.launch_local import with_device_count
@@ -201,7 +199,6 @@ def test_sampler_on_its_own_devices_samples_what_one_device_samples():
 
 # ------------------------------------------------------------------------------------------------ the runs
 STEPS = 5
-IGNORED_PREFIXES = ("time/", "throughput/")
 
 
 def _overrides(tmp_path, name, overlap):
@@ -232,16 +229,6 @@ def _env():
   return env
 
 
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(IGNORED_PREFIXES)} for r in map(json.loads, f)}
-
-
-def _ckpt_steps(workdir):
-  d = os.path.join(workdir, "checkpoints")
-  return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
-
-
 def _run(ov):
   r = subprocess.run(cli_args(ov), capture_output=True, text=True, env=_env(), timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -253,12 +240,12 @@ def test_overlapped_run_equals_sequential_run_after_sigkill_and_resume(tmp_path)
   seq = _overrides(tmp_path, "sequential", False)
   err = _run(seq)
   assert "sampler on 4 devices, learner on 4: a step samples and learns one after the other" in err
-  ref = _records(seq["workdir"])
+  ref = metrics_records(seq["workdir"])
   ov = _overrides(tmp_path, "overlapped", True)
   p = subprocess.Popen(cli_args(ov), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
   t0 = time.time()
   try:
-    while not any(s >= 2 for s in _ckpt_steps(ov["workdir"])):  # steps 0-2 done: updates and a score pass
+    while not any(s >= 2 for s in checkpoint_steps(ov["workdir"])):  # steps 0-2 done: updates and a score pass
       assert p.poll() is None, "run finished before it could be interrupted"
       assert time.time() - t0 < 600
       time.sleep(0.05)
@@ -270,11 +257,11 @@ def test_overlapped_run_equals_sequential_run_after_sigkill_and_resume(tmp_path)
       p.wait()
   assert p.returncode == -signal.SIGKILL
   assert "a step samples and learns at the same time" in err
-  restored = max(_ckpt_steps(ov["workdir"]))
+  restored = max(checkpoint_steps(ov["workdir"]))
   assert restored < STEPS - 1
-  first = _records(ov["workdir"])
+  first = metrics_records(ov["workdir"])
   _run(ov)
-  got = _records(ov["workdir"])
+  got = metrics_records(ov["workdir"])
   assert sorted(got) == sorted(ref) == list(range(-1, STEPS + 1))
   for s in ref:  # the steps the first process logged, then those after the resume
     assert got[s] == ref[s], f"step {s} differs (restored from {restored})"

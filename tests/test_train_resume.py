@@ -2,19 +2,16 @@
 continues bit-exactly (metrics of the steps after the restored step equal an uninterrupted run's); SIGTERM saves
 a checkpoint and exits with 128 + 15."""
 
-import json
-import os
 import signal
 import subprocess
 import time
 
 import pytest
-from train_helpers import cli_args, cli_env, tiny_overrides
+from train_helpers import checkpoint_steps, cli_args, cli_env, metrics_records, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-IGNORED_PREFIXES = ("time/", "throughput/")
 
 
 def _overrides(tmp_path, name):
@@ -27,16 +24,6 @@ def _overrides(tmp_path, name):
   )
 
 
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(IGNORED_PREFIXES)} for r in map(json.loads, f)}
-
-
-def _ckpt_steps(workdir):
-  d = os.path.join(workdir, "checkpoints")
-  return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
-
-
 def _run(args, timeout=400):
   r = subprocess.run(args, capture_output=True, text=True, env=cli_env(), timeout=timeout)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -47,7 +34,7 @@ def _start_and_signal(args, workdir, sig, when_step):
   p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=cli_env())
   t0 = time.time()
   try:
-    while not any(s >= when_step for s in _ckpt_steps(workdir)):
+    while not any(s >= when_step for s in checkpoint_steps(workdir)):
       assert p.poll() is None, "run finished before it could be interrupted"
       assert time.time() - t0 < 400
       time.sleep(0.05)
@@ -65,7 +52,7 @@ def reference(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("resume")
   ov = _overrides(tmp, "A")
   _run(cli_args(ov))
-  return tmp, _records(ov["workdir"])
+  return tmp, metrics_records(ov["workdir"])
 
 
 def _assert_equal_after(ref, got, restored_step):
@@ -80,10 +67,10 @@ def test_sigkill_then_resume_is_bitwise_equal(reference):
   ov = _overrides(tmp, "B")
   rc, _ = _start_and_signal(cli_args(ov), ov["workdir"], signal.SIGKILL, when_step=2)
   assert rc == -signal.SIGKILL
-  restored = max(_ckpt_steps(ov["workdir"]))
+  restored = max(checkpoint_steps(ov["workdir"]))
   assert restored < STEPS - 1
   _run(cli_args(ov))
-  got = _records(ov["workdir"])
+  got = metrics_records(ov["workdir"])
   assert sorted(got) == sorted(ref)
   _assert_equal_after(ref, got, restored)
   assert ref[STEPS - 1]["policy_version"] == (STEPS - 2) * 2
@@ -94,8 +81,8 @@ def test_sigterm_checkpoints_exits_143_and_resumes(reference):
   ov = _overrides(tmp, "C")
   rc, err = _start_and_signal(cli_args(ov), ov["workdir"], signal.SIGTERM, when_step=1)
   assert rc == 128 + signal.SIGTERM, err[-2000:]
-  stopped = max(_ckpt_steps(ov["workdir"]))
-  recs = _records(ov["workdir"])
+  stopped = max(checkpoint_steps(ov["workdir"]))
+  recs = metrics_records(ov["workdir"])
   assert max(recs) == stopped  # the checkpoint covers every logged step: nothing is lost
   _run(cli_args(ov))
-  _assert_equal_after(ref, _records(ov["workdir"]), stopped)
+  _assert_equal_after(ref, metrics_records(ov["workdir"]), stopped)

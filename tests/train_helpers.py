@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -88,3 +89,18 @@ def cli_env() -> dict:
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   return env
+
+
+TIMING_PREFIXES = ("time/", "throughput/")  # metrics that differ between equal runs
+
+
+def metrics_records(workdir: str, ignored=TIMING_PREFIXES) -> dict[int, dict]:
+  """{step: the record of workdir/metrics.jsonl without the fields whose names start with `ignored`}."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(ignored)} for r in map(json.loads, f)}
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The steps of the checkpoints under workdir/checkpoints, ascending ([] before the first)."""
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
