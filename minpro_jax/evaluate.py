@@ -114,9 +114,7 @@ def eval_mesh(c):
   try:
     return make_mesh(shape)
   except ValueError as e:
-    raise ConfigError(
-        f"--mesh.shape={c.mesh.shape!r}: {e} ({jax.device_count()} devices here); set --mesh.shape for them"
-    ) from None
+    raise ConfigError(f"--mesh.shape={c.mesh.shape!r}: {e}") from None
 
 
 def load_model(args, overrides: dict[str, str]):
