@@ -22,8 +22,8 @@ def committed(study: str) -> str:
 
 
 def other_root(path: str) -> str | None:
-  """`path` (`runs/X...` or `results/X...`, relative, optionally `./`-prefixed) under the other root; None for a path
-  under neither (absolute paths included: they name a place, not a study of record)."""
+  """`path` (`runs[/X...]` or `results[/X...]`, relative, optionally `./`-prefixed) under the other root; None for a
+  path under neither (absolute paths included: they name a place, not a study of record)."""
   parts = os.path.normpath(path).split(os.sep)
   if os.path.isabs(path) or parts[0] not in (RESULTS_DIR, RUNS_DIR):
     return None
