@@ -8,14 +8,21 @@ sampled with the run's sampler settings on the same programs, so a checkpoint sc
 (same `eval.seed`, same benchmarks: the run's held-out set and its `eval.path` files). Fields that may be set:
 `eval.*` (e.g. `--eval.path=math500=math500:data/math500.jsonl,aime24=jsonl:aime24.jsonl --eval.n=16
 --eval.ks=1,8,16 --eval.num_problems=500`), `data.template`, `data.max_prompt_tokens`, `sampling.max_new_tokens`,
-`sampling.decode_rows`, `sampling.precision`, `sampling.kv_cache` / `page_size` / `num_pages`. `--hf=DIR` evaluates
+`sampling.decode_rows`, `sampling.precision`, `sampling.kv_cache` / `page_size` / `num_pages`, `mesh.shape` (the run's
+by default: the parameters and the sampling are laid out on that mesh, as in the run). `--hf=DIR` evaluates
 a folder (an export, or any Qwen3 / Llama checkpoint) with the default config's settings and its own tokenizer
 (`--data.template=chat` for chat models).
 
 Output (default `workdir/eval/standalone/<which>_<step>`): `<benchmark>.json` per benchmark as it finishes, then
 `eval.json` and `eval.md` over all of them. Re-running the same command skips the benchmarks already written
 (resumable), provided the settings (every `eval` field, the template, the lengths, the precision, the grader) are the
-same, else it refuses: use another `--out`. Ctrl-C keeps the finished benchmarks (exit status 130). One process.
+same, else it refuses: use another `--out`. Ctrl-C keeps the finished benchmarks (exit status 130).
+
+Several processes (a TPU pod's hosts; `python -m minpro_jax.launch_local --module=minpro_jax.evaluate -- ...` on one
+machine) run the same command as in training (docs/multihost.md): every process reads the checkpoint's shards onto
+the global mesh of `mesh.shape`, samples every benchmark's prompts there, grades its share of the responses, and
+holds the same tables; process 0 writes them and prints. The tables equal a one-process evaluation's on the same mesh.
+`--out` must be a folder every process sees (checked).
 
 A bad flag, run or file prints one line `error: ...` and exits with status 2 (`--debug` shows the traceback).
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import logging
 import math
 import os
 import sys
@@ -35,7 +43,7 @@ from minpro_jax.errors import ConfigError, UserError
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 SETTABLE = ("eval.", "data.template", "data.max_prompt_tokens", "sampling.max_new_tokens", "sampling.decode_rows")
-SETTABLE += ("sampling.precision", "sampling.kv_cache", "sampling.page_size", "sampling.num_pages")
+SETTABLE += ("sampling.precision", "sampling.kv_cache", "sampling.page_size", "sampling.num_pages", "mesh.shape")
 
 
 def apply_overrides(c, overrides: dict[str, str]) -> None:
@@ -83,8 +91,34 @@ def _default_config():
   return base_config()
 
 
+def eval_mesh(c):
+  """The device mesh of `c.mesh.shape` over every process's devices, or None ("": one device, one process).
+
+  Raises:
+    ConfigError: naming `--mesh.shape`: it does not parse or fit the devices, or it is empty in a multi-process
+      evaluation (the parameters must span every process's devices).
+  """
+  import jax
+
+  from minpro_jax.config_checks import parse_mesh_shape
+  from minpro_jax.runtime.sharding import make_mesh
+
+  shape = parse_mesh_shape(c.mesh.shape)
+  if not shape:
+    if jax.process_count() > 1:
+      raise ConfigError(
+          f"--mesh.shape: empty means one device, but this evaluation has {jax.process_count()} processes with "
+          f"{jax.device_count()} devices in all; set e.g. --mesh.shape=fsdp=-1"
+      )
+    return None
+  try:
+    return make_mesh(shape)
+  except ValueError as e:
+    raise ConfigError(f"--mesh.shape={c.mesh.shape!r}: {e}") from None
+
+
 def load_model(args, overrides: dict[str, str]):
-  """(config, tokenizer, model, the output folder) of `--workdir`/`--which` or `--hf`."""
+  """(config, tokenizer, model, the output folder, policy step, mesh) of `--workdir`/`--which` or `--hf`."""
   from minpro_jax import run_config, run_load
 
   if args.hf:
@@ -102,19 +136,24 @@ def load_model(args, overrides: dict[str, str]):
     _check(c, args.out)
     if not os.path.isfile(os.path.join(args.hf, "config.json")):
       raise ConfigError(f"--hf: {args.hf} has no config.json; give a Hugging Face model folder")
+    mesh = eval_mesh(c)
     try:
-      model = load_hf_checkpoint(args.hf, **run_config.model_overrides(c))[0]
+      model = load_hf_checkpoint(args.hf, mesh=mesh, **run_config.model_overrides(c))[0]
       tokenizer = build_tokenizer(c, [])
     except UserError:
       raise
     except Exception as e:  # noqa: BLE001 - a folder that does not load is a bad folder: name it
       raise FileFormatError(f"--hf: {args.hf} does not load as a model ({type(e).__name__}: {e})") from e
-    return c, tokenizer, model, args.out, 0
-  run = run_load.load_run(args.workdir, args.which or "best")
+    return c, tokenizer, model, args.out, 0, mesh
+  c = run_load.load_run_config(args.workdir)
+  apply_overrides(c, overrides)
+  _check(c, args.out)  # before the checkpoint loads
+  mesh = eval_mesh(c)
+  run = run_load.load_run(args.workdir, args.which or "best", mesh=mesh)
   apply_overrides(run.config, overrides)
   out = args.out or os.path.join(args.workdir, "eval", "standalone", f"{run.which}_{run.step}")
   _check(run.config, out)
-  return run.config, run.tokenizer, run.model, out, run.policy_step
+  return run.config, run.tokenizer, run.model, out, run.policy_step, mesh
 
 
 def _check(c, out: str) -> None:
@@ -130,14 +169,19 @@ def _check(c, out: str) -> None:
     raise ConfigError(f"--out: {out} is a file; give a folder")
 
 
-def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress: bool = True) -> dict[str, Any]:
+def run_evaluation(
+    c, tokenizer, model, out: str, policy_step: int = 0, progress: bool = True, mesh=None
+) -> dict[str, Any]:
   """Evaluates `model` on config `c`'s held-out benchmarks; writes and returns the tables (module docstring).
 
   `policy_step` offsets the seed as the trainer's evaluation at that policy step does (`eval.seed + policy_step`),
-  so a run's checkpoint gets the samples, and the scores, its run logged.
+  so a run's checkpoint gets the samples, and the scores, its run logged. `mesh`: the mesh `model` is laid out on
+  (`eval_mesh`), or None. Every process of a multi-process evaluation calls it alike and gets the tables; process 0
+  writes them.
 
   Raises:
-    ConfigError: `out` holds tables of other settings; a benchmark with no prompt that fits.
+    ConfigError: `out` holds tables of other settings, or is not one folder every process sees; a benchmark with no
+      prompt that fits.
   """
   from flax import nnx
   from tqdm import tqdm
@@ -145,6 +189,8 @@ def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress
   from minpro_jax import evaluation, run_config
   from minpro_jax.data import format_prompt
   from minpro_jax.run_setup import eval_benchmarks, fit_eval_sets
+  from minpro_jax.runtime import multihost
+  from minpro_jax.runtime.sharding import use_mesh
   from minpro_jax.sampler_setup import sampler_kwargs
   from minpro_jax.sampling import Sampler, SamplingParams
 
@@ -155,9 +201,11 @@ def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress
   settings.update(max_new_tokens=c.sampling.max_new_tokens, precision=c.sampling.precision, reward_mode=c.reward.mode)
   benches = fit_eval_sets(c, tokenizer, eval_benchmarks(c))
   os.makedirs(out, exist_ok=True)
-  _check_settings(out, settings)
-  sampler = Sampler(model.config, **sampler_kwargs(c, model, tokenizer, None, optimizer_copies=0))
-  params = sampler.prepare_params(nnx.state(model, nnx.Param))
+  multihost.check_shared_dir(out, "--out")
+  _check_settings(out, settings, write=multihost.is_primary())
+  sampler = Sampler(model.config, **sampler_kwargs(c, model, tokenizer, mesh, optimizer_copies=0))
+  with use_mesh(mesh):
+    params = sampler.prepare_params(nnx.state(model, nnx.Param))
   run_sampling = run_config.sampling_params(c, tokenizer.stop_ids)
   sp = SamplingParams(  # as `Trainer.generate_texts`
       temperature=e.temperature,
@@ -167,11 +215,16 @@ def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress
   )
   batch_size = max(1, 256 // e.n)  # as the trainer's evaluation
   todo = {b: ps for b, ps in benches.items() if not os.path.isfile(os.path.join(out, f"{b}.json"))}
-  bar = tqdm(total=sum(math.ceil(len(ps) / batch_size) for ps in todo.values()), disable=not progress, unit="batch")
+  # every process must sample the same benchmarks (a collective each batch): they see the same finished ones
+  multihost.check_same(json.dumps(sorted(todo)), f"the benchmarks left to evaluate in --out={out}")
+  primary = multihost.is_primary()
+  total = sum(math.ceil(len(ps) / batch_size) for ps in todo.values())
+  bar = tqdm(total=total, disable=not (progress and primary), unit="batch")
 
   def generate(prompts, n, seed):
     ids = [tokenizer.encode(p, add_bos=c.data.template == "plain") for p in prompts]
-    gen = sampler.generate(params, ids, sp, seed, group_size=n)
+    with use_mesh(mesh):
+      gen = sampler.generate(params, ids, sp, seed, group_size=n)
     texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(gen.response_tokens, gen.response_mask)]
     bar.update(1)
     return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -190,20 +243,25 @@ def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress
           prompt_fn=lambda p: format_prompt(p, tokenizer, c.data.template),
           modes=e.reward_mode or c.reward.mode,
       )
-      with open(path + ".tmp", "w") as f:
-        json.dump(one, f, indent=1)
-      os.replace(path + ".tmp", path)
-    with open(path) as f:
-      one = json.load(f)
+      one = json.loads(json.dumps(one))  # as read back from the file (str keys, lists)
+      if primary:
+        with open(path + ".tmp", "w") as f:
+          json.dump(one, f, indent=1)
+        os.replace(path + ".tmp", path)
+    else:
+      with open(path) as f:
+        one = json.load(f)
     results["benchmarks"][bench] = one["benchmarks"][bench]
     results["samples"][bench] = one["samples"][bench]
   bar.close()
   results["macro"] = evaluation.macro_average(results["benchmarks"])
-  evaluation.write_report(results, out, "eval")
+  if primary:
+    evaluation.write_report(results, out, "eval")
   return results
 
 
-def _check_settings(out: str, settings: dict[str, Any]) -> None:
+def _check_settings(out: str, settings: dict[str, Any], write: bool = True) -> None:
+  """Refuses `out` when it holds tables of other `settings`; else (with `write`) records them in settings.json."""
   path = os.path.join(out, "settings.json")
   if os.path.isfile(path):
     with open(path) as f:
@@ -216,8 +274,10 @@ def _check_settings(out: str, settings: dict[str, Any]) -> None:
       )
     if tables:
       return
-  with open(path, "w") as f:  # a new folder, or one whose earlier evaluation wrote no table yet
-    json.dump(settings, f, indent=1)
+  if write:  # a new folder, or one whose earlier evaluation wrote no table yet
+    with open(path + ".tmp", "w") as f:
+      json.dump(settings, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,16 +289,23 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--out", default="", help="the folder for the tables (default: under the run's eval/)")
   ap.add_argument("--no-progress", action="store_true", help="no progress bar")
   ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
-  args, rest = ap.parse_known_args(argv)
+  args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
   try:
+    from minpro_jax.runtime import multihost
+    from minpro_jax.runtime.distributed import maybe_initialize_distributed
+
+    maybe_initialize_distributed()  # several processes (docs/multihost.md); before any JAX computation
+    multihost.check_same(json.dumps([vars(args), rest]), "the evaluate command")
+    if not multihost.is_primary():  # process 0 reports; the others only their warnings and errors
+      logging.getLogger("minpro_jax").setLevel(logging.WARNING)
     overrides = {}
     for item in rest:
       field, eq, value = item.removeprefix("--").partition("=")
       if not item.startswith("--") or not eq:
         raise ConfigError(f"{item}: give fields as --FIELD=VALUE (e.g. --eval.n=16)")
       overrides[field] = value
-    c, tokenizer, model, out, policy_step = load_model(args, overrides)
-    results = run_evaluation(c, tokenizer, model, out, policy_step, progress=not args.no_progress)
+    c, tokenizer, model, out, policy_step, mesh = load_model(args, overrides)
+    results = run_evaluation(c, tokenizer, model, out, policy_step, progress=not args.no_progress, mesh=mesh)
   except UserError as e:
     if args.debug:
       raise
@@ -250,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(EXIT_INTERRUPTED)  # at once: JAX's teardown after an interrupt can crash the interpreter
   from minpro_jax.evaluation import to_markdown
 
+  if not multihost.is_primary():
+    return 0
   print(to_markdown(results), end="")
   print(f"tables: {os.path.join(out, 'eval.md')}")
   return 0

@@ -179,6 +179,8 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   template = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
+  if mesh is not None:  # eval_shape lays the shapes out on the abstract mesh; orbax reads onto the real one
+    template = jax.tree.map(lambda s: _on_mesh(s, mesh), template)
   mngr = ocp.CheckpointManager(directory)
   try:
     restored, policy_step = _restore(mngr, kind, step, template)
@@ -192,6 +194,11 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
     mngr.close()
   model = nnx.merge(graphdef, restored, rest)
   return LoadedRun(config=c, tokenizer=tokenizer, model=model, which=kind, step=step, policy_step=policy_step)
+
+
+def _on_mesh(s: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
+  spec = s.sharding.spec if isinstance(s.sharding, jax.sharding.NamedSharding) else jax.sharding.PartitionSpec()
+  return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
 
 def _restore(mngr, kind: str, step: int, template) -> tuple[Any, int]:

@@ -202,7 +202,26 @@ def test_evaluate_an_export_and_bad_flags(run_dir, tmp_path, capsys):
       (["--workdir", workdir, "--eval.n=two"], "error: --eval.n='two': not a int"),
       (["--workdir", workdir, "--eval.nn=2"], "error: --eval.nn: no such config field"),
       (["--workdir", workdir, "stray"], "error: stray: give fields as --FIELD=VALUE"),
+      (["--workdir", workdir, "--mesh.shape=data=3"], "error: --mesh.shape='data=3': mesh shape {'data': 3"),
+      (["--workdir", workdir, "--mesh.shape=data"], "error: config.mesh.shape: cannot parse 'data'"),
   ):
     assert evaluate.main(argv) == 2, argv
     err = capsys.readouterr().err
     assert err.startswith(want) and err.count("\n") == 1, (argv, err)
+
+
+def test_a_checkpoint_reads_back_sharded_on_a_mesh(run_dir):
+  """`load_run(mesh=...)` (a multi-host `evaluate`) reads each checkpoint onto the mesh, sharded by the default rules,
+  with the parameters of the one-device read bit for bit."""
+  from minpro_jax.runtime.sharding import make_mesh
+
+  workdir, _, _ = run_dir
+  mesh = make_mesh({"data": 2, "fsdp": 4})
+  for which in ("best", "final"):
+    one = nnx.state(run_load.load_run(workdir, which).model, nnx.Param)
+    on_mesh = nnx.state(run_load.load_run(workdir, which, mesh=mesh).model, nnx.Param)
+    leaves = jax.tree.leaves(on_mesh)
+    assert all(x.sharding.mesh == mesh for x in leaves)
+    assert any(not x.sharding.is_fully_replicated for x in leaves)
+    for a, b in zip(jax.tree.leaves(one), leaves):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,6 +1,8 @@
 """Learner: exact micro-batch accumulation, sharded == single device, non-finite guard, optimizer state across a
 checkpoint (case B24) and the learning-rate schedule."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -447,3 +449,67 @@ def test_update_reports_weight_square_and_log_ratio_by_position_bin(model_and_ba
   assert rec["learn/ess_frac_by_position_bin"][len(used) :] == [None] * (8 - len(used))
   assert 0 < min(rec["learn/ess_frac_by_position_bin"][: len(used)]) < 1
   assert not any(k.startswith("learn/weight_sq") or k.startswith("learn/tokens_by") for k in rec)
+
+
+def _minpro_weights_naive(log_ratio, mask, eps_high=0.28):
+  """MinPRO's per-token weight by a plain loop over each response's tokens: w_t = min(exp(min_{j<t} l_j + l_t),
+  1 + eps_high) with l_j the log ratio of the j-th response token (no prefix at the first token: w = min(r_t, cap)),
+  and each token's index inside its response."""
+  w = np.zeros(mask.shape)
+  index = np.full(mask.shape, -1)
+  for i in range(mask.shape[0]):
+    prefix_min, k = None, 0
+    for t in np.flatnonzero(mask[i]):
+      log_w = log_ratio[i, t] + (0.0 if prefix_min is None else prefix_min)
+      w[i, t] = min(math.exp(log_w), 1.0 + eps_high)
+      index[i, t] = k
+      prefix_min = log_ratio[i, t] if prefix_min is None else min(prefix_min, log_ratio[i, t])
+      k += 1
+  return w, index
+
+
+def test_minpro_weight_by_position_bin_pins_the_prefix_min_weights(model_and_batch):
+  """`weight_by_position_bin` of a MinPRO update at theta = theta_k (so pi_theta = the batch's learner log-probs and
+  r_t = pi_theta / mu is set by the behaviour log-probs) equals, per bin of the response index (0-7, 8-15, 16-31),
+  the mean of clip(min_{j<t} r_j * r_t) at 1 + eps_high = 1.28:
+    * by hand: r_t = 2 before index 8 and 1/2 from it gives w = 1.28 (capped) at indices 0-7, 2 * 1/2 = 1 at index
+      8 and 1/2 * 1/2 = 1/4 after it;
+    * by a plain loop over the tokens (`_minpro_weights_naive`) for random ratios;
+  and the step record's `learn/weight_by_position_bin` (None for bins no response reached) carries the same values."""
+  from minpro_jax.trainer import _combine_update_metrics
+
+  model = model_and_batch[0]
+  batch = _batch(model, length=20, seed=1)  # responses of up to 18 tokens
+  mask = batch.response_mask
+  learner = Learner(model, LossConfig(method="minpro"), OptimizerConfig(max_grad_norm=0.0), micro_batch_size=2)
+  params = jax.tree.map(np.asarray, nnx.split(model)[1])
+
+  def weight_by_bin(log_ratio):
+    mu = np.where(mask, batch.learner_logp - log_ratio, 0.0).astype(np.float32)
+    state = learner.init_state(jax.tree.map(jnp.array, params))  # a fresh copy: the update donates its state
+    _, metrics = learner.update(state, batch.replace(behavior_logp=mu))
+    return {k: np.asarray(v) for k, v in metrics.items()}
+
+  index = np.cumsum(mask, axis=1) - 1
+  n8 = int((mask & (index == 8)).sum())
+  n_bin = [int((mask & (index >= lo) & (index < hi)).sum()) for lo, hi in ((0, 8), (8, 16), (16, 32))]
+  assert n8 > 0 and n_bin[1] > n8, "the test needs responses past index 9"
+  used = 3 if n_bin[2] else 2
+  got = weight_by_bin(np.where(index < 8, math.log(2.0), math.log(0.5)))
+  want = [1.28, (n8 * 1.0 + (n_bin[1] - n8) * 0.25) / n_bin[1], 0.25][:used]
+  np.testing.assert_allclose(got["weight_by_position_bin"][:used], want, rtol=1e-5)
+  np.testing.assert_array_equal(got["tokens_by_position_bin"], n_bin[:used] + [0] * (8 - used))
+  assert np.all(got["weight_by_position_bin"][used:] == 0)
+  rec = _combine_update_metrics([got])
+  np.testing.assert_allclose(rec["learn/weight_by_position_bin"][:used], want, rtol=1e-5)
+  assert rec["learn/weight_by_position_bin"][used:] == [None] * (8 - used)
+
+  log_ratio = np.where(mask, np.random.default_rng(3).normal(0, 0.8, mask.shape), 0.0)
+  w, index = _minpro_weights_naive(log_ratio, mask)
+  assert 0 < (w[mask] == 1.28).mean() < 0.5, "some tokens must hit the cap, most not"
+  got = weight_by_bin(log_ratio)
+  for b, (lo, hi) in enumerate(((0, 8), (8, 16), (16, 32))[:used]):
+    sel = mask & (index >= lo) & (index < hi)
+    np.testing.assert_allclose(got["weight_by_position_bin"][b], w[sel].mean(), rtol=1e-5)
+  sel = mask & (index >= 8)  # the prefix matters past the first tokens: clip(r_t) alone gives another mean
+  assert abs(np.minimum(np.exp(log_ratio[sel]), 1.28).mean() - w[sel].mean()) > 0.05

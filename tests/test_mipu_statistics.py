@@ -186,7 +186,8 @@ def test_auc_by_hand_and_report_regenerates(tmp_path):
   for k in (0, 8):
     for j, truth in enumerate((-0.01, 0.01, 0.02, -0.02)):
       (tmp_path / f"k{k}_u{j}.json").write_text(json.dumps(_pair(k, j, truth, stat_shift=0.0)))
-  doc = tmp_path / "doc.md"
+  (tmp_path / "docs").mkdir()
+  doc = tmp_path / "docs" / "doc.md"
   doc.write_text(f"before\n{mipu_power_report.BEGIN}\nold\n{mipu_power_report.END}\nafter\n")
   md = mipu_power_report.report(str(tmp_path), doc=str(doc))
   text = doc.read_text()
@@ -194,7 +195,10 @@ def test_auc_by_hand_and_report_regenerates(tmp_path):
   # delta_j carries the truth (noise 1e-3 against changes of 1e-2): AUC 1; delta_t is pure noise here
   row = next(line for line in md.splitlines() if line.startswith("| `delta_j` | 1.00"))
   assert row.count("1.00 [1.00, 1.00]") == 2
-  assert (tmp_path / "summary.md").read_text().endswith(md + "\n")
+  # the plot is linked from where each file is: the doc's block and the study's summary.md
+  tables, link = md.rsplit("\n\n", 1)
+  assert link == "![ROC and SE vs n](../power.png)" and (tmp_path / "power.png").is_file()
+  assert (tmp_path / "summary.md").read_text().endswith(tables + "\n\n![ROC and SE vs n](power.png)\n")
 
 
 def test_power_study_statistics_on_a_coupled_draw():

@@ -9,6 +9,7 @@ with `python -m minpro_jax.launch_local` exactly as the README's "Multi-host" se
 * both processes SIGKILLed at a random moment and relaunched with the same command end with the metrics of the
   uninterrupted two-process run, exactly; SIGTERM to one process stops both after the same step, checkpointed;
 * a resume with another process count fails naming both counts;
+* `python -m minpro_jax.evaluate` in two processes gives the one-process tables, written once, resumable;
 * the host primitives (all-gather, row split, grading split, config check) in two processes;
 * `launch_local` ends the others when one fails and forwards SIGTERM.
 """
@@ -196,6 +197,49 @@ def test_resume_with_another_process_count_fails_naming_it(runs):
   r = subprocess.run(cli_args(ov), env=_env(devices=4), capture_output=True, text=True, timeout=300)
   assert r.returncode == 2, r.stderr[-2000:]
   assert "checkpointed by 2 process(es), this one runs on 1" in r.stderr
+
+
+def _evaluate(workdir, out, num_processes):
+  """`python -m minpro_jax.evaluate` of `workdir`'s best checkpoint into `out`: in one process with 4 devices, or in
+  `num_processes` x 2 devices started by `launch_local` (the mesh is the run's, data=2,fsdp=2)."""
+  args = ["--workdir", str(workdir), "--no-progress", f"--out={out}"]
+  if num_processes == 1:
+    argv, env = [sys.executable, "-m", "minpro_jax.evaluate", *args], _env(devices=4)
+  else:
+    argv = [sys.executable, "-m", "minpro_jax.launch_local", f"--num_processes={num_processes}"]
+    argv, env = [*argv, "--devices_per_process=2", "--module=minpro_jax.evaluate", "--", *args], _env()
+  return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_evaluate_in_two_processes_equals_one_and_resumes(runs):
+  """`minpro_jax.evaluate` of a two-process run's checkpoint in two processes: the tables (every sample's answer and
+  correctness, every score) equal the one-process evaluation's on the same mesh; process 0 alone writes and prints;
+  a re-run keeps the finished benchmark's table (not sampled again) and writes the same tables."""
+  tmp, _, two, _ = runs
+  one_out, two_out = tmp / "eval_one", tmp / "eval_two"
+  p1, p2 = _evaluate(two, one_out, 1), _evaluate(two, two_out, 2)
+  out1, out2 = _finish(p1, 600), _finish(p2, 600)
+  assert p1.returncode == 0, out1[-3000:]
+  assert p2.returncode == 0, out2[-3000:]
+  read = lambda d, name: json.loads((d / name).read_text())  # noqa: E731
+  ref, got = read(one_out, "eval.json"), read(two_out, "eval.json")
+  assert got == ref
+  (name,) = ref["benchmarks"]  # the run's held-out set
+  assert len(ref["samples"][name]) == 8 and ref["benchmarks"][name]["n"] == 2
+  assert (
+      sorted(os.listdir(two_out))
+      == sorted(os.listdir(one_out))
+      == sorted(["eval.json", "eval.md", f"{name}.json", "settings.json"])
+  )
+  assert out2.count("tables: ") == 1 and f"[0] tables: {two_out}/eval.md" in out2  # printed by process 0 only
+  bench = two_out / f"{name}.json"
+  written = bench.stat().st_mtime_ns
+  (two_out / "eval.json").unlink()
+  p = _evaluate(two, two_out, 2)
+  out = _finish(p, 600)
+  assert p.returncode == 0, out[-3000:]
+  assert bench.stat().st_mtime_ns == written  # kept, not evaluated again
+  assert read(two_out, "eval.json") == ref
 
 
 def _worker(mode, out_dir, num_processes=2, grace_s=5, devices_per_process=2):

@@ -225,7 +225,9 @@ def test_a_moved_default_is_named_and_added_fields_do_not_orphan_finished_runs(t
 def test_the_committed_studies_still_aggregate(tmp_path, study):
   import shutil
 
-  src = os.path.join(REPO, "runs", study)
+  from minpro_jax.study.results import committed_root
+
+  src = os.path.join(committed_root(REPO), study)
   dst = tmp_path / study
   shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.png", "study.log", "tb", "eval"))
   r = subprocess.run(

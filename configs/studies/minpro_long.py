@@ -3,9 +3,9 @@
 # so a response is ~60 tokens instead of ~6. Run it in stages, each in its own workdir (docs/study.md):
 #
 #   G=configs/studies/minpro_long.py
-#   .venv/bin/python -m minpro_jax.study --grid=$G:stage0 --workdir=runs/minpro_long_stage0     # lr, GRPO delay 0
-#   .venv/bin/python -m minpro_jax.study --grid=$G:stage0b --workdir=runs/minpro_long_stage0b   # 3 methods, delay 8
-#   .venv/bin/python -m minpro_jax.study --grid=$G:stage1 --workdir=runs/minpro_long            # 15 cells x 5 seeds
+#   .venv/bin/python -m minpro_jax.study --grid=$G:stage0 --workdir=results/minpro_long_stage0     # lr, GRPO delay 0
+#   .venv/bin/python -m minpro_jax.study --grid=$G:stage0b --workdir=results/minpro_long_stage0b   # 3 methods, delay 8
+#   .venv/bin/python -m minpro_jax.study --grid=$G:stage1 --workdir=results/minpro_long            # 15 cells x 5 seeds
 #   (stage1:N = N seeds; add --dry-run to see the commands)
 #
 # Stage 0 (one seed): GRPO on-policy at each of STAGE0_RATES; keep the largest rate whose held-out pass@1 rises
@@ -14,7 +14,7 @@
 # CISPO, GSPO, M2PO at delays 2 and 8, MinPRO and GRPO at delay 0, MinPRO's prefix statistic prod / geomean / mean
 # at delay 8: 15 cells x 5 seeds, every run on one CPU type so a seed's runs share their warm start.
 #
-# Stage 0 ran on 2026-12-03 (AMD EPYC, 2 shared cores; runs/minpro_long_stage0), held-out pass@1 12.0 % after SFT:
+# Stage 0 ran on 2026-12-03 (AMD EPYC, 2 shared cores; results/minpro_long_stage0), held-out pass@1 12.0 % after SFT:
 # lr 1e-4 peak 5.0 % / final 1.2 % (collapsed), 3e-5 peak 20.8 % / final 19.2 %, 1e-5 peak 24.5 % / final 21.4 %.
 # The rule chosen before the runs keeps the largest rate that learns: LEARNING_RATE = 3e-5 (1e-5 ended 2 points
 # higher on this one seed, within the ~±3 points of an evaluation's sampling noise).

@@ -2,8 +2,8 @@
 # ablated at the largest delay; 3 seeds per cell, 95 % intervals (docs/study.md).
 #
 #   G=configs/studies/minpro_staleness.py
-#   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=runs/minpro_staleness --dry-run   # the 72 commands
-#   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=runs/minpro_staleness             # run / resume
+#   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=results/minpro_staleness --dry-run   # the 72 commands
+#   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=results/minpro_staleness             # run / resume
 #   .venv/bin/python -m minpro_jax.study --grid=$G:5 --workdir=runs/minpro_staleness_5seeds    # 5 seeds
 #
 # 5 methods x 4 delays + 4 prefix ablations = 24 cells x 3 seeds = 72 runs. Measured on this project's 2-core CPU

@@ -1,8 +1,8 @@
 # Issue 22: MIPU's variants against each other and against a sampler without mismatch, 3 seeds per variant.
 #
 #   G=configs/studies/mipu.py
-#   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=runs/mipu --dry-run     # the 24 commands
-#   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=runs/mipu               # run / resume
+#   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=results/mipu --dry-run     # the 24 commands
+#   .venv/bin/python -m minpro_jax.study --grid=$G --workdir=results/mipu               # run / resume
 #
 # The setting is the staleness study's at delay 0 (minpro_staleness.py: three-term chain_sum, 8 updates per
 # global step, 32 prompts x 8, lr 1e-4, 32 steps), with the sampler at fp8 with per-tensor weight and dynamic

@@ -2,8 +2,8 @@
 # tokens), at delay 0 with an fp8 sampler. Two stages, each in its own workdir (docs/study.md):
 #
 #   G=configs/studies/mipu_long.py
-#   .venv/bin/python -m minpro_jax.study --grid=$G:pilot --workdir=runs/mipu_long_pilot   # GRPO fp32 vs fp8, 1 seed
-#   .venv/bin/python -m minpro_jax.study --grid=$G:main --workdir=runs/mipu_long          # 5 variants x 5 seeds
+#   .venv/bin/python -m minpro_jax.study --grid=$G:pilot --workdir=results/mipu_long_pilot   # GRPO fp32 vs fp8, 1 seed
+#   .venv/bin/python -m minpro_jax.study --grid=$G:main --workdir=results/mipu_long          # 5 variants x 5 seeds
 #   (main:N = N seeds)
 #
 # The pilot runs GRPO with an fp32 sampler and with the FP8 candidate below (the short study's setting: per-tensor

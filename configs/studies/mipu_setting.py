@@ -4,7 +4,7 @@
 # method-grpo_delay-0 run bit for bit), at fp8 as vLLM serves it by default (per-tensor weight and activation
 # scales, e4m3) and at the coarser e5m2; two learning rates. Reading: docs/mipu.md.
 #
-#   .venv/bin/python -m minpro_jax.study --grid=configs/studies/mipu_setting.py --workdir=runs/mipu_setting
+#   .venv/bin/python -m minpro_jax.study --grid=configs/studies/mipu_setting.py --workdir=results/mipu_setting
 """The grid that looks for a setting where the fp8 mismatch hurts GRPO (issue 22)."""
 
 from minpro_jax.config_lib.files import load_module

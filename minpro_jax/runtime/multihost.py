@@ -154,10 +154,12 @@ def check_shared_dir(path: str, field: str, timeout_s: float = SHARED_DIR_TIMEOU
   the first checkpoint. Every process must call it at the same point (it makes collective calls).
 
   Raises:
-    ConfigError: naming `config.<field>`, the processes that do not see the file, and the fix.
+    ConfigError: naming `config.<field>` (or `field` itself when it is a flag, `--out`), the processes that do not
+      see the file, and the fix.
   """
   if jax.process_count() == 1:
     return
+  name = field if field.startswith("--") else f"config.{field}"
   mine = np.frombuffer(os.urandom(8), np.uint32).copy()
   token = np.asarray(multihost_utils.process_allgather(mine, tiled=False))[0].tobytes().hex()  # process 0's
   probe = os.path.join(path, f".shared_dir_check_{token}")
@@ -182,7 +184,7 @@ def check_shared_dir(path: str, field: str, timeout_s: float = SHARED_DIR_TIMEOU
   blind = [i for i, ok in enumerate(every.tolist()) if not ok]
   if blind:
     raise ConfigError(
-        f"config.{field}: {path} is not one directory shared by every process: processes {blind} do not see the "
+        f"{name}: {path} is not one directory shared by every process: processes {blind} do not see the "
         f"file process 0 wrote there within {timeout_s:.0f} s; put it on a file system that every host mounts at "
         "the same path (NFS, gcsfuse, a Filestore share) and pass it as an absolute path (a relative path is "
         "taken from each process's current directory)"

@@ -29,7 +29,7 @@ import sys
 os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".cache", "minpro_jax_mpl"))
 
 from minpro_jax.errors import UserError  # noqa: E402
-from minpro_jax.study import aggregate, grid, plots, runner  # noqa: E402
+from minpro_jax.study import aggregate, grid, plots, results, runner  # noqa: E402
 
 EXIT_USER_ERROR = 2
 DEFAULT_COMPILATION_CACHE = os.path.join("cache", "jax_compilation")  # beside the trainer's SFT cache
@@ -38,7 +38,9 @@ DEFAULT_COMPILATION_CACHE = os.path.join("cache", "jax_compilation")  # beside t
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m minpro_jax.study", description=__doc__.split("\n\n")[1])
   p.add_argument("--grid", help="grid file[:arg] (e.g. configs/studies/minpro_staleness.py)")
-  p.add_argument("--workdir", required=True, help="the study's directory, e.g. runs/minpro_staleness")
+  p.add_argument(
+      "--workdir", required=True, help="the study's directory, e.g. runs/my_study (committed ones: results/<study>)"
+  )
   p.add_argument("--jobs", type=int, default=1, help="training runs at once (default 1)")
   p.add_argument("--dry-run", action="store_true", help="print the runs and their commands; run nothing")
   p.add_argument("--aggregate-only", action="store_true", help="only write the aggregation of the finished runs")
@@ -81,7 +83,7 @@ def write_aggregation(study_dir: str, record: dict, interval: str = "t") -> list
 def main(argv: list[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (see the module docstring)."""
   args = _parser().parse_args(argv)
-  study_dir = os.path.abspath(args.workdir)
+  study_dir = os.path.abspath(results.resolve(args.workdir))  # runs/<study> of record: results/<study>
   try:
     if args.aggregate_only and not args.grid:
       record, skipped = runner.read_study_runs(study_dir)

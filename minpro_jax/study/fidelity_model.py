@@ -1,7 +1,7 @@
 """Gradient fidelity on the real (tiny) transformer (issue 38, part 1, Tier B; docs/mechanism.md).
 
-    python -m minpro_jax.study.fidelity_model --out=runs/fidelity_model                # the default plan, resumable
-    python -m minpro_jax.study.fidelity_model --out=runs/fidelity_model --report       # tables + plot, no runs
+    python -m minpro_jax.study.fidelity_model --out=results/fidelity_model                # the default plan, resumable
+    python -m minpro_jax.study.fidelity_model --out=results/fidelity_model --report       # tables + plot, no runs
 
 The setting is the staleness study's at delay 0 (`configs/studies/mipu.py`'s fixed fields: three-term chain_sum,
 answers of ~6 tokens, 8 updates per global step on 32 prompts x 8, lr 1e-4, GRPO) with an fp32 sampler, seed 1.
@@ -47,6 +47,7 @@ from minpro_jax.rl.learner import LossConfig, UpdateInputs
 from minpro_jax.rl.policy_gradient import flatten, make_gradient_fn
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.study import fidelity_toy as ft
+from minpro_jax.study import results
 from minpro_jax.study.fidelity_run import REFERENCE, _cpu, finite_or_none
 from minpro_jax.study.mipu_power import _seed, train_step
 
@@ -356,7 +357,7 @@ def main(argv=None) -> int:
   """The command line (module docstring); exit status 2 with one line `error: ...` for bad flags."""
   p = argparse.ArgumentParser(prog="python -m minpro_jax.study.fidelity_model", description=__doc__.split("\n")[0])
   d = Plan()
-  p.add_argument("--out", default=os.path.join("runs", "fidelity_model"))
+  p.add_argument("--out", default="", help=f"the study's folder (default {results.committed('fidelity_model')})")
   p.add_argument("--updates", type=int, default=d.updates, help="k: optimizer updates of the GRPO trajectory")
   p.add_argument("--drifts", default=",".join(d.drifts), help="s<s>: mu = the parameters s updates before k; fp8")
   p.add_argument("--prompts", type=int, default=d.prompts, help="prompts (x group) per stale batch")
@@ -366,6 +367,7 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=d.seed)
   p.add_argument("--report", action="store_true", help="only write the tables and the plot")
   a = p.parse_args(argv)
+  a.out = results.resolve(a.out or results.committed("fidelity_model"), "--out")
   if a.report:
     from minpro_jax.study import fidelity_model_report
 

@@ -1,6 +1,6 @@
 """Report of the Tier B gradient-fidelity study (`minpro_jax.study.fidelity_model`; docs/mechanism.md).
 
-    python -m minpro_jax.study.fidelity_model --out=runs/fidelity_model --report
+    python -m minpro_jax.study.fidelity_model --out=results/fidelity_model --report
 
 Reads the finished cells `<out>/s<s>.json` and `<out>/fp8.json` and writes `<out>/summary.md` (every table), `<out>/eta_by_drift.png`
 and the tables between the Tier B markers of docs/mechanism.md. Raises SystemExit (one line) when `<out>` holds no

@@ -1,8 +1,8 @@
 """Runner and report of the Tier A gradient-fidelity study (`minpro_jax.study.fidelity_toy`; docs/mechanism.md).
 
-    python -m minpro_jax.study.fidelity_toy --out=runs/fidelity_toy                  # the default grid, resumable
-    python -m minpro_jax.study.fidelity_toy --out=runs/fidelity_toy --T=16,64 --seeds=0
-    python -m minpro_jax.study.fidelity_toy --out=runs/fidelity_toy --report         # tables + plot, no runs
+    python -m minpro_jax.study.fidelity_toy --out=results/fidelity_toy                  # the default grid, resumable
+    python -m minpro_jax.study.fidelity_toy --out=results/fidelity_toy --T=16,64 --seeds=0
+    python -m minpro_jax.study.fidelity_toy --out=results/fidelity_toy --report         # tables + plot, no runs
 
 A cell is (T, tolerance, drift, seed); each finished cell is one small JSON `<out>/<cell>.json` (written atomically
 last), and a finished cell is skipped. The setting of (seed, T, tolerance): V = 6 tokens, 3 correct per position,
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minpro_jax.study import fidelity_toy as ft
+from minpro_jax.study import results
 
 VOCAB, NUM_CORRECT, NUM, GROUP = 6, 3, 64, 8
 CALL_BATCHES = 8  # batches per jitted call (--batches is rounded up to a multiple)
@@ -421,7 +422,7 @@ def main(argv=None) -> int:
   """The command line (module docstring): runs the cells, or with --report regenerates the report; returns the exit
   status (2 with one line on a bad flag)."""
   p = argparse.ArgumentParser(prog="python -m minpro_jax.study.fidelity_toy", description=__doc__.split("\n\n")[0])
-  p.add_argument("--out", default=os.path.join("runs", "fidelity_toy"))
+  p.add_argument("--out", default="", help=f"the study's folder (default {results.committed('fidelity_toy')})")
   p.add_argument("--T", default=",".join(map(str, DEFAULT_T)), help="horizons (powers of two >= 2)")
   p.add_argument("--tolerances", default=",".join(TOLERANCES))
   p.add_argument("--drifts", default=",".join(DEFAULT_DRIFTS), help="s<k> (k <= 128) or noise<sigma>")
@@ -430,6 +431,7 @@ def main(argv=None) -> int:
   p.add_argument("--report", action="store_true", help="only write the tables and the plot")
   p.add_argument("--doc", default=DOC, help=f"the doc whose marked table --report rewrites (default {DOC})")
   a = p.parse_args(argv)
+  a.out = results.resolve(a.out or results.committed("fidelity_toy"), "--out")
   try:
     if a.report:
       return report(a.out, a.doc)

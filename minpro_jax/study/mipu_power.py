@@ -1,8 +1,8 @@
 """The offline power study of MIPU's Step 2 (issue 38 part 2; docs/mechanism.md): can a rollback statistic tell an
 update that lowered J(mu), the reward of the policy as served, from one that did not?
 
-    python -m minpro_jax.study.mipu_power --out=runs/mipu_power                 # the default plan, resumable
-    python -m minpro_jax.study.mipu_power --out=runs/mipu_power --report        # tables, no runs
+    python -m minpro_jax.study.mipu_power --out=results/mipu_power                 # the default plan, resumable
+    python -m minpro_jax.study.mipu_power --out=results/mipu_power --report        # tables, no runs
 
 The setting is the MIPU study's (`configs/studies/mipu.py`: staleness setting at delay 0, GRPO, seed 1, an fp8
 e5m2 sampler with per-tensor weight and activation scales; the tiny default task, answers of ~6 tokens). A GRPO
@@ -42,6 +42,7 @@ from minpro_jax.config_lib.defaults import get_config
 from minpro_jax.config_lib.files import load_module
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
+from minpro_jax.study import results
 
 CHECKPOINTS = (0, 6, 12, 18, 24)
 CANDIDATES = 8
@@ -202,7 +203,7 @@ def run(out: str, checkpoints, candidates: int, val_prompts: int, truth: int, si
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--out", default="runs/mipu_power")
+  ap.add_argument("--out", default="", help=f"the study's folder (default {results.committed('mipu_power')})")
   ap.add_argument("--checkpoints", default=",".join(map(str, CHECKPOINTS)))
   ap.add_argument("--candidates", type=int, default=CANDIDATES)
   ap.add_argument("--val-prompts", type=int, default=VAL_PROMPTS)
@@ -211,6 +212,7 @@ def main(argv=None) -> None:
   ap.add_argument("--seed", type=int, default=SEED)
   ap.add_argument("--report", action="store_true", help="write the tables from the finished pairs; run nothing")
   a = ap.parse_args(argv)
+  a.out = results.resolve(a.out or results.committed("mipu_power"), "--out")
   try:
     checkpoints = sorted(int(x) for x in a.checkpoints.split(","))
     sizes = tuple(int(x) for x in a.sizes.split(","))

@@ -1,6 +1,6 @@
 """The analysis of the MIPU power study (`minpro_jax.study.mipu_power`; docs/mechanism.md, part 2).
 
-    python -m minpro_jax.study.mipu_power --out=runs/mipu_power --report
+    python -m minpro_jax.study.mipu_power --out=results/mipu_power --report
 
 Reads every finished pair `<out>/k<k>_u<j>.json` and writes `<out>/summary.md`, `<out>/power.png` (ROC per n, SE
 against n) and the tables between the markers
@@ -257,10 +257,13 @@ def report(out: str, doc: str = DOC) -> str:
   pairs = load(out)
   if not pairs:
     raise SystemExit(f"error: no finished pair under {out}; run the study first")
-  md = tables(pairs) + "\n\n![ROC and SE vs n](../runs/mipu_power/power.png)"
-  plot(pairs, os.path.join(out, "power.png"))
+  png = os.path.join(out, "power.png")
+  plot(pairs, png)
+  md = tables(pairs)
   with open(os.path.join(out, "summary.md"), "w") as f:
-    f.write("# MIPU power study (minpro_jax.study.mipu_power)\n\n" + md + "\n")
+    f.write("# MIPU power study (minpro_jax.study.mipu_power)\n\n" + md + "\n\n![ROC and SE vs n](power.png)\n")
+  link = os.path.relpath(os.path.abspath(png), os.path.dirname(os.path.abspath(doc)))  # the plot, seen from the doc
+  md += f"\n\n![ROC and SE vs n]({link})"
   if os.path.exists(doc):
     text = open(doc).read()
     if BEGIN in text and END in text:
