@@ -70,6 +70,7 @@ def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, mon
   assert "nothing to do" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # three runs of the study (~4x the rerun test)
 def test_a_killed_run_resumes_in_the_truth_and_in_a_cell(study, capsys, monkeypatch):
   out, ov = study
   monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
