@@ -21,9 +21,10 @@
 # rate and precision the power study reports (44 % rollbacks at n = 128, of which 44 % lowered J against a 35 %
 # base rate); delta_j is a paired difference with no standing gap, so c = 0 is "keep unless the reward fell".
 #
-# Cost, measured 2026-12-05 on this project's 2 shared cores (Intel Xeon, load ~5-9): see docs/mechanism.md
-# ("The MIPU grid with delta_j"); about 2.6 h for the 15 runs, a seed's warm start cached in cache/ and shared with
-# the MIPU study's seeds 1-3.
+# Cost (docs/mechanism.md, "The MIPU grid with delta_j"; a smoke run on 2026-12-05, AMD EPYC, 2 shared cores): a
+# mipu-dj step costs about twice a GRPO step (its two 512-sample draws ~ one step's sampling and learning), so a
+# mipu-dj run is ~6-8 min and the 15 runs about 1.3 h at load 4-6, plus ~5 min of SFT for each of seeds 4 and 5
+# (seeds 1-3's warm starts are cached in cache/ by the MIPU study).
 """The MIPU rerun grid of issue 38 with the delta_j statistic (numbers to tune are the constants below)."""
 
 from minpro_jax.config_lib.files import load_module
