@@ -5,6 +5,7 @@ the records, alone and side by side with another study."""
 
 import json
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -53,9 +54,10 @@ def test_records_and_on_policy_agreement(study):
   assert cells[0]["truth_samples_per_half"] == 4 * 2
 
 
-def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, monkeypatch):
+def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, monkeypatch, tmp_path):
   out, ov = study
   monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the run's trainers get their workdirs
   before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("s0.json", "s4.json", "fp8.json")}
   kept = json.load(open(os.path.join(out, "s0.json")))
   os.remove(os.path.join(out, "s2.json"))
@@ -66,6 +68,7 @@ def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, mon
   assert {f: os.path.getmtime(os.path.join(out, f)) for f in before} == before
   assert json.load(open(os.path.join(out, "s0.json"))) == kept
   assert os.path.exists(os.path.join(out, "s2.json"))
+  assert os.listdir(tmp_path) == []  # the trainers' workdirs are removed
   assert fm.run(out, PLAN, ov) == 0
   assert "nothing to do" in capsys.readouterr().out
 

@@ -39,6 +39,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -392,7 +393,12 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
   if not todo:
     print("nothing to do", flush=True)
     return 0
-  tr = Trainer.from_config(study_config(tempfile.mkdtemp(prefix="fidelity_model_"), plan.seed, overrides))
+  scratch = tempfile.mkdtemp(prefix="fidelity_model_")  # the trainers' workdirs, removed when the run ends
+  try:
+    tr = Trainer.from_config(study_config(scratch, plan.seed, overrides))
+  except BaseException:
+    shutil.rmtree(scratch, ignore_errors=True)
+    raise
   try:
     state = tr.learner.init_state(nnx.split(tr.model)[1])
     folder = os.path.join(out, "trajectory")
@@ -410,7 +416,7 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
       sampler_tr = tr
       if drift == FP8:  # the MIPU study's fp8 sampler (its own trainer: the same warm start, data and learner)
         fp8 = {**overrides, **load_module("configs/studies/mipu.py").FP8, "sampling.precision": "fp8"}
-        sampler_tr = Trainer.from_config(study_config(tempfile.mkdtemp(prefix="fidelity_model_"), plan.seed, fp8))
+        sampler_tr = Trainer.from_config(study_config(tempfile.mkdtemp(dir=scratch), plan.seed, fp8))
       try:
         partial = os.path.join(folder, f"{drift}.partial.npz")
         res = run_cell(sampler_tr, pi_state, mus[drift], plan, drift, grad_fn, width, g_a, g_b, precond, partial)
@@ -435,6 +441,7 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
       print(f"{drift}: {res['seconds']} s, eta min {eta['minpro:min']}, cispo {eta['cispo']}", flush=True)
   finally:
     tr.close()
+    shutil.rmtree(scratch, ignore_errors=True)
   return 0
 
 
