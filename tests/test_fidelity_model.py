@@ -1,9 +1,11 @@
 """The Tier B gradient-fidelity study (minpro_jax/study/fidelity_model.py) end to end at a toy size: it writes one
 record per drift, on-policy every token-mean method has the same gradient, a rerun skips finished cells and reuses
-the trajectory, and the report regenerates from the records."""
+the trajectory, a run killed in the truth or in a cell resumes to the same record, and the report regenerates from
+the records, alone and side by side with another study."""
 
 import json
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -38,7 +40,7 @@ def test_records_and_on_policy_agreement(study):
     assert set(r["methods"]) == set(ft.METHOD_NAMES)
     assert r["batches"] == 3 and r["num"] == 2 * 2
     for v in r["methods"].values():
-      assert len(v["weight_mean"]) == len(fm.POSITIONS)
+      assert len(v["weight_mean"]) == len(r["positions"]) == len(fm.positions(r["max_new_tokens"]))
       assert all(e is None or 0.0 <= e <= 1.0 + 1e-9 for e in v["ess"])
   s0 = cells[0]["methods"]
   # on-policy (fp32 sampler, pi = mu) every ratio is 1 up to the sampler's numerics: the token-mean methods' and
@@ -52,9 +54,10 @@ def test_records_and_on_policy_agreement(study):
   assert cells[0]["truth_samples_per_half"] == 4 * 2
 
 
-def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, monkeypatch):
+def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, monkeypatch, tmp_path):
   out, ov = study
   monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the run's trainers get their workdirs
   before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("s0.json", "s4.json", "fp8.json")}
   kept = json.load(open(os.path.join(out, "s0.json")))
   os.remove(os.path.join(out, "s2.json"))
@@ -65,8 +68,79 @@ def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, mon
   assert {f: os.path.getmtime(os.path.join(out, f)) for f in before} == before
   assert json.load(open(os.path.join(out, "s0.json"))) == kept
   assert os.path.exists(os.path.join(out, "s2.json"))
+  assert os.listdir(tmp_path) == []  # the trainers' workdirs are removed
   assert fm.run(out, PLAN, ov) == 0
   assert "nothing to do" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # three runs of the study (~4x the rerun test)
+def test_a_killed_run_resumes_in_the_truth_and_in_a_cell(study, capsys, monkeypatch):
+  out, ov = study
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  kept = json.load(open(os.path.join(out, "s4.json")))
+  os.remove(os.path.join(out, "s4.json"))
+  os.remove(os.path.join(out, "trajectory", "truth.npz"))
+  real_draw, calls = fm.draw, []
+
+  def draw_until(n):
+    def f(*args):
+      calls.append(1)
+      if len(calls) == n:
+        raise RuntimeError("killed")
+      return real_draw(*args)
+
+    return f
+
+  chunks = 2 * PLAN.truth_prompts // PLAN.chunk_prompts  # 4 truth chunks, then the cell's 3 batches
+  monkeypatch.setattr(fm, "draw", draw_until(2))  # killed in the truth's second chunk
+  with pytest.raises(RuntimeError, match="killed"):
+    fm.run(out, PLAN, ov)
+  assert os.path.exists(os.path.join(out, "trajectory", "truth.partial.npz"))
+  calls.clear()
+  monkeypatch.setattr(fm, "draw", draw_until(chunks - 1 + 3))  # the truth's last 3 chunks, 2 batches, killed
+  capsys.readouterr()
+  with pytest.raises(RuntimeError, match="killed"):
+    fm.run(out, PLAN, ov)
+  assert "truth: resuming after chunk 1 of 4" in capsys.readouterr().out
+  assert not os.path.exists(os.path.join(out, "trajectory", "truth.partial.npz"))
+  calls.clear()
+  monkeypatch.setattr(fm, "draw", draw_until(0))  # never killed
+  assert fm.run(out, PLAN, ov) == 0
+  log = capsys.readouterr().out
+  assert "s4: resuming after batch 2/3" in log and len(calls) == 1  # only the last batch was drawn again
+  assert not os.path.exists(os.path.join(out, "trajectory", "s4.partial.npz"))
+  got = json.load(open(os.path.join(out, "s4.json")))
+  for k in ("seconds", "date"):
+    got.pop(k), kept.pop(k)
+  assert got.keys() == kept.keys() and got["methods"].keys() == kept["methods"].keys()
+  for m, v in kept["methods"].items():
+    for key, x in v.items():
+      np.testing.assert_allclose(
+          np.asarray(got["methods"][m][key], float), np.asarray(x, float), rtol=1e-9, err_msg=key
+      )
+  assert {k: v for k, v in got.items() if k != "methods"} == {k: v for k, v in kept.items() if k != "methods"}
+  with pytest.raises(ValueError, match="made with the plan"):  # a partial file of another plan is refused
+    fm._save_partial(os.path.join(out, "trajectory", "s4.partial.npz"), key="{}", done=1)
+    fm._load_partial(os.path.join(out, "trajectory", "s4.partial.npz"), fm._partial_key(PLAN, "prompts"))
+  os.remove(os.path.join(out, "trajectory", "s4.partial.npz"))
+
+
+def test_positions_and_settings():
+  assert fm.positions(16) == tuple(range(8)) and fm.positions(5) == tuple(range(5))
+  assert fm.positions(128) == (0, 1, 3, 7, 15, 31, 63, 127) and fm.positions(100) == (0, 1, 3, 7, 15, 31, 63)
+  assert fm.setting_overrides("short") == {}
+  worked = fm.setting_overrides("worked")
+  assert (worked["sft.target"], worked["sampling.max_new_tokens"], worked["data.task_config.max_terms"]) == (
+      "worked",
+      128,
+      8,
+  )
+  assert worked["optimizer.learning_rate"] == 3e-5  # minpro_long.LEARNING_RATE, chosen by its stage 0
+  with pytest.raises(ValueError, match="choose one of"):
+    fm.setting_overrides("long")
+  assert fmr.block_of("results/fidelity_model") == "tier-b" and fmr.block_of("results/fidelity_model_worked/") == (
+      "tier-b-worked"
+  )
 
 
 def test_report_regenerates_tables(study, tmp_path):
@@ -79,6 +153,33 @@ def test_report_regenerates_tables(study, tmp_path):
   assert os.path.exists(os.path.join(out, "summary.md")) and os.path.exists(os.path.join(out, "eta_by_drift.png"))
   with pytest.raises(SystemExit, match="no finished cells"):
     fmr.report(str(tmp_path / "empty"), str(doc))
+  doc.write_text(f"a\n{fmr.BEGIN}\n{fmr.END}\n<!-- tier-b-worked:begin (cmd) -->\nold\n<!-- tier-b-worked:end -->\n")
+  assert fmr.report(out, str(doc), block="tier-b-worked") == 0
+  text = doc.read_text()
+  assert "old" not in text and text.index("tier-b-worked:begin") < text.index("| minpro:min |")
+
+
+def test_compare_puts_studies_side_by_side(study, tmp_path, capsys):
+  out, _ = study
+  other = tmp_path / "other"
+  other.mkdir()
+  s8 = json.load(open(os.path.join(out, "s2.json")))
+  s8.update(drift="s8", seed=7)
+  s8["methods"]["minpro:min"].update(eta=0.5, eta_diff_low=0.01, eta_diff_high=0.2)
+  s8["methods"]["minpro:prod"]["eta"] = 0.25
+  s8["methods"]["cispo"].update(eta=0.375, eta_low=0.25, eta_high=None)
+  (other / "s8.json").write_text(json.dumps(s8))
+  doc = tmp_path / "mechanism.md"
+  doc.write_text(f"x\n<!-- {fmr.COMPARE}:begin (cmd) -->\n<!-- {fmr.COMPARE}:end -->\n")
+  assert fmr.compare_report({"A": out, "B": str(other)}, str(doc)) == 0
+  text = doc.read_text()
+  assert "| s0 | s2 | s4 | s8 | fp8 |" in text and "| B (seed 7, 3 x 4" in text
+  row = [line for line in text.splitlines() if line.startswith("|  | eta(min) - eta(none)")][-1]  # B's
+  assert row.split("|")[-2].strip() == "—" and "+0.12 [+0.01, +0.2]" in row  # B has s8 only; 0.5 - 0.375
+  assert any("+0.25" in line and "eta(min) - eta(prod)" in line for line in text.splitlines())
+  b_first = next(line for line in text.splitlines() if line.startswith("| B (seed 7, 3 x 4, T "))
+  assert b_first.endswith(") | eta(none = cispo) | — | — | — | 0.375 | — |")  # no interval: eta only
+  assert fm.main(["--report", "--compare=A"]) == 2
 
 
 def test_bad_flags_exit_2(capsys):

@@ -347,6 +347,26 @@ def test_the_mipu_grid():
   assert planned["variant-lr-decay_seed-1"].optimizer.lr_decay_on_length_surge
 
 
+def test_the_mipu_delta_j_grid():
+  g = grid.load_grid(os.path.join(REPO, "configs", "studies", "mipu_delta_j.py"))
+  planned = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
+  assert list(planned)[:3] == ["variant-grpo_seed-1", "variant-mipu-dj_seed-1", "variant-random_seed-1"]
+  assert len(planned) == 15 and list(planned)[-1] == "variant-random_seed-5"
+  base, dj, rnd = (planned[f"variant-{v}_seed-4"] for v in ("grpo", "mipu-dj", "random"))
+  assert (base.sampling.precision, base.sampling.fp8_format, base.loss.rollout_is, base.mipu.rollback) == (
+      "fp8",
+      "e5m2",
+      None,
+      False,
+  )
+  m = dj.mipu
+  assert (m.rollback, m.mode, m.statistic, m.tolerance, m.gap_tolerance) == (True, "gap", "delta_j", "fixed", 0.0)
+  assert (m.val_prompts * m.val_group_size, dj.loss.rollout_is, dj.loss.tis_cap) == (512, "token", 2.0)
+  assert (rnd.mipu.mode, rnd.mipu.match_rate_of, rnd.loss.rollout_is) == ("random", "variant-mipu-dj_seed-4", "token")
+  for c in (base, dj, rnd):  # the MIPU study's setting
+    assert (c.num_updates_per_step, c.prompts_per_step, c.total_steps, c.loss.method) == (8, 32, 32, "grpo")
+
+
 def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
   planned = {r.name: c for r, _, c in grid.plan(grid.load_grid(LONG + ":stage0"), "/tmp/study", validate=False)}
   assert list(planned) == ["learning_rate-0.0001_seed-0", "learning_rate-3e-05_seed-0", "learning_rate-1e-05_seed-0"]

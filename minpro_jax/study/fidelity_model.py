@@ -2,9 +2,13 @@
 
     python -m minpro_jax.study.fidelity_model --out=results/fidelity_model                # the default plan, resumable
     python -m minpro_jax.study.fidelity_model --out=results/fidelity_model --report       # tables + plot, no runs
+    python -m minpro_jax.study.fidelity_model --setting=worked --seed=0 --out=results/fidelity_model_worked   # T ~ 70
 
-The setting is the staleness study's at delay 0 (`configs/studies/mipu.py`'s fixed fields: three-term chain_sum,
-answers of ~6 tokens, 8 updates per global step on 32 prompts x 8, lr 1e-4, GRPO) with an fp32 sampler, seed 1.
+The setting (`--setting`, `SETTINGS`) is the staleness study's at delay 0 (`configs/studies/mipu.py`'s fixed fields:
+three-term chain_sum, answers of ~6 tokens, 8 updates per global step on 32 prompts x 8, lr 1e-4, GRPO) with an
+fp32 sampler, seed 1 by default; ``worked`` puts the long-response study's task on top of it
+(`configs/studies/minpro_long.py`: eight-term chain_sum, worked-step SFT target, 128 new tokens, answers of ~60
+tokens, its learning rate).
 A GRPO trajectory runs from the SFT warm start for k = `--updates` optimizer updates; the parameters at k (pi),
 at k - s for each drift ``s<s>`` (mu) and Adam's second moments at k are kept under `<out>/trajectory/` (not
 committed; a rerun reloads them). Then:
@@ -21,7 +25,11 @@ committed; a rerun reloads them). Then:
     position the token weight's mean, 5/95 % quantiles and ESS.
 
 Each finished cell (drift) is one small JSON `<out>/<drift>.json`, written atomically last, skipped on a rerun; the
-truth is `<out>/trajectory/truth.npz`. The report is `minpro_jax.study.fidelity_model_report`.
+truth is `<out>/trajectory/truth.npz`. A killed run loses at most one batch: the truth keeps its running sums in
+`<out>/trajectory/truth.partial.npz` after every chunk and a cell its accumulators in
+`<out>/trajectory/<drift>.partial.npz` after every batch, and a rerun with the same plan goes on from there (the
+batches' prompts and seeds are functions of (seed, drift, batch), so the result is the same as an unbroken run's).
+The report is `minpro_jax.study.fidelity_model_report`.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -52,7 +61,7 @@ from minpro_jax.study.fidelity_run import REFERENCE, _cpu, finite_or_none
 from minpro_jax.study.mipu_power import _seed, train_step
 
 FP8 = "fp8"  # the drift of an fp8 sampler at pi's weights (MIPU's mismatch), beside the s<s> drifts
-POSITIONS = tuple(range(8))  # reported response positions (answers are ~6 tokens)
+SETTINGS = ("short", "worked")  # the task: the MIPU study's (T ~ 6) | minpro_long.py's worked steps (T ~ 70)
 TRUTH_CFG = LossConfig("cispo", (("loss_agg_mode", "seq-mean-token-sum"),))
 _SALT_TRAIN, _SALT_TRUTH, _SALT_STALE = 1, 201, 202
 
@@ -68,6 +77,30 @@ class Plan:
   truth_prompts: int = 256
   chunk_prompts: int = 32
   seed: int = 1
+  setting: str = "short"
+
+
+def positions(max_new_tokens: int) -> tuple[int, ...]:
+  """The response positions reported: 0..7 for answers of up to 16 tokens, else 0, 1, 3, 7, ... (2^i - 1)."""
+  if max_new_tokens <= 16:
+    return tuple(range(min(8, max_new_tokens)))
+  return tuple(2**i - 1 for i in range(max_new_tokens.bit_length()) if 2**i - 1 < max_new_tokens)
+
+
+def setting_overrides(setting: str) -> dict:
+  """The config fields `setting` (one of `SETTINGS`) puts on the MIPU study's fixed fields.
+
+  Raises:
+    ValueError: an unknown setting, naming the choices; for ``worked``, minpro_long.py's placeholder rate.
+  """
+  if setting not in SETTINGS:
+    raise ValueError(f"setting {setting!r}; choose one of {SETTINGS}")
+  if setting == "short":
+    return {}
+  from minpro_jax.config_lib.files import load_module
+
+  long = load_module("configs/studies/minpro_long.py")
+  return {**long.FIXED, "optimizer.learning_rate": long.chosen_rate()}
 
 
 def loss_configs(temperature: float) -> tuple[LossConfig, ...]:
@@ -177,37 +210,75 @@ def _problems(tr, num: int, seed: int):
   return [tr.train_problems[i] for i in mipu.validation_indices(len(tr.train_problems), num, seed)]
 
 
+def _partial_key(plan: Plan, *fields: str) -> str:
+  """The plan fields a partial file was made with (a resumed loop must see the same draws)."""
+  return json.dumps({f: getattr(plan, f) for f in ("seed", "updates", "setting", *fields)}, sort_keys=True)
+
+
+def _load_partial(path: str, key: str) -> dict | None:
+  """The arrays of the partial file `path` made with `key`, or None when there is none.
+
+  Raises:
+    ValueError: the file was made with another plan (naming both and the file to delete).
+  """
+  if not os.path.exists(path):
+    return None
+  with np.load(path) as z:
+    got = {k: z[k] for k in z.files}
+  if str(got["key"]) != key:
+    raise ValueError(f"{path} was made with the plan {got['key']}, this run's is {key}: delete it or use that plan")
+  return got
+
+
+def _save_partial(path: str, **arrays) -> None:
+  with open(path + ".tmp", "wb") as f:
+    np.savez(f, **arrays)
+  os.replace(path + ".tmp", path)
+
+
 def truth(tr, pi_state, plan: Plan, grad_fn, width: int, path: str):
-  """(g_A, g_B) [D] f64, the rewards' mean and the halves' size, from `path` or computed and saved."""
+  """(g_A, g_B) [D] f64, the rewards' mean and the halves' size, from `path` or computed and saved; the running
+  sums are kept after every chunk in `path` with ``.partial`` (a rerun goes on from there)."""
   if os.path.exists(path):
     with np.load(path) as z:
       return z["g_a"], z["g_b"], float(z["reward"]), int(z["samples"])
-  halves, rewards = [], []
-  for h in range(2):
-    total, chunks = None, plan.truth_prompts // plan.chunk_prompts
-    for c in range(chunks):
-      seed = _seed(plan.seed, _SALT_TRUTH, h, c)
-      b = draw(tr, pi_state.params, pi_state, _problems(tr, plan.chunk_prompts, seed), seed + 1, width)
-      adv = group_advantages(jnp.asarray(b.rewards), jnp.asarray(b.group_ids), mode="rloo")
-      b = b.replace(behavior_logp=b.learner_logp, advantages=np.asarray(adv, np.float32))
-      g = np.asarray(flatten(grad_fn(pi_state.params, UpdateInputs.of(b)).grads)[0], np.float64)
-      total = g if total is None else total + g
-      rewards.append(b.rewards)
-      print(f"truth half {h}: chunk {c + 1}/{chunks}", flush=True)
-    halves.append(-total / chunks)  # ascent direction
+  chunks = plan.truth_prompts // plan.chunk_prompts
+  partial_path = path.replace(".npz", ".partial.npz")
+  key = _partial_key(plan, "truth_prompts", "chunk_prompts")
+  p = _load_partial(partial_path, key)
+  done = int(p["done"]) if p is not None else 0  # chunks finished over both halves
+  totals = p["totals"] if p is not None else None  # [2, D] f64
+  rewards = [p["rewards"]] if p is not None else []
+  if done:
+    print(f"truth: resuming after chunk {done} of {2 * chunks}", flush=True)
+  for i in range(done, 2 * chunks):
+    h, c = divmod(i, chunks)
+    seed = _seed(plan.seed, _SALT_TRUTH, h, c)
+    b = draw(tr, pi_state.params, pi_state, _problems(tr, plan.chunk_prompts, seed), seed + 1, width)
+    adv = group_advantages(jnp.asarray(b.rewards), jnp.asarray(b.group_ids), mode="rloo")
+    b = b.replace(behavior_logp=b.learner_logp, advantages=np.asarray(adv, np.float32))
+    g = np.asarray(flatten(grad_fn(pi_state.params, UpdateInputs.of(b)).grads)[0], np.float64)
+    if totals is None:
+      totals = np.zeros((2, g.size))
+    totals[h] += g
+    rewards.append(np.asarray(b.rewards, np.float64))
+    _save_partial(partial_path, key=key, done=i + 1, totals=totals, rewards=np.concatenate(rewards))
+    print(f"truth half {h}: chunk {c + 1}/{chunks}", flush=True)
+  g_a, g_b = -totals[0] / chunks, -totals[1] / chunks  # ascent directions
   reward = float(np.mean(np.concatenate(rewards)))
   samples = plan.truth_prompts * tr.c.group_size
-  np.savez(path + ".tmp.npz", g_a=halves[0], g_b=halves[1], reward=reward, samples=samples)
+  np.savez(path + ".tmp.npz", g_a=g_a, g_b=g_b, reward=reward, samples=samples)
   os.replace(path + ".tmp.npz", path)
-  return halves[0], halves[1], reward, samples
+  os.remove(partial_path)
+  return g_a, g_b, reward, samples
 
 
-def _position_weights(weights: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """([M, N, P] the token weights at response positions `POSITIONS`, [N, P] whether the response reaches them)."""
+def _position_weights(weights: np.ndarray, mask: np.ndarray, pos) -> tuple[np.ndarray, np.ndarray]:
+  """([M, N, P] the token weights at response positions `pos`, [N, P] whether the response reaches them)."""
   idx = np.cumsum(mask, axis=1) - 1  # response position of each column
   m, n, _ = weights.shape
-  out, has = np.zeros((m, n, len(POSITIONS))), np.zeros((n, len(POSITIONS)), bool)
-  for j, p in enumerate(POSITIONS):
+  out, has = np.zeros((m, n, len(pos))), np.zeros((n, len(pos)), bool)
+  for j, p in enumerate(pos):
     hit = mask & (idx == p)
     has[:, j] = hit.any(1)
     col = hit.argmax(1)
@@ -237,39 +308,49 @@ def _drift_id(drift: str) -> int:
   return 10_000 if drift == FP8 else int(drift[1:])
 
 
-def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a, g_b, precond) -> dict:
+def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a, g_b, precond, partial: str) -> dict:
   """One drift's record (JSON-ready): the metrics of every method in the Euclidean and Adam's metric; ``tr``'s
-  sampler draws the stale batches (for drift `FP8` a trainer with the fp8 sampler)."""
+  sampler draws the stale batches (for drift `FP8` a trainer with the fp8 sampler). The accumulators are kept in
+  the file `partial` after every batch, and a call that finds it goes on from there."""
   t0 = time.time()
   g_star = 0.5 * (g_a + g_b)
   metrics = {"euclid": (1.0, g_star, float(g_a @ g_b))}
   metrics["adam"] = (precond, precond * g_star, float((precond * g_a) @ (precond * g_b)))
-  proj = {k: [] for k in metrics}
-  sq = {k: [] for k in metrics}
-  gsum = {k: 0.0 for k in metrics}
-  weights, reach, rewards, lr_seq = [], [], [], []
-  for r in range(plan.batches):
+  pos = positions(tr.c.sampling.max_new_tokens)
+  key = _partial_key(plan, "prompts", "batches")
+  acc = _load_partial(partial, key)
+  if acc is None:
+    acc = {f"{x}_{k}": np.zeros((0, len(ft.METHODS))) for x in ("proj", "sq") for k in metrics}
+    acc.update(gsum=0.0, weights=np.zeros((len(ft.METHODS), 0, len(pos))), reach=np.zeros((0, len(pos)), bool))
+    acc.update({k: np.zeros(0) for k in ("rewards", "lr_seq", "response_tokens")}, done=0, seconds=0.0)
+  done, before = int(acc["done"]), float(acc["seconds"])
+  if done:
+    print(f"{drift}: resuming after batch {done}/{plan.batches}", flush=True)
+  for r in range(done, plan.batches):
     seed = _seed(plan.seed, _SALT_STALE, _drift_id(drift), r)
     b = draw(tr, mu, pi_state, _problems(tr, plan.prompts, seed), seed + 1, width)
     out = grad_fn(pi_state.params, UpdateInputs.of(b))
     g = -np.asarray(flatten(out.grads), np.float64)  # [M, D] ascent directions
     for k, (scale, gs, norm2) in metrics.items():
       gk = g * scale
-      proj[k].append(gk @ gs / norm2)
-      sq[k].append(np.sum(gk * gk, axis=1) / norm2)
-      gsum[k] = gsum[k] + gk
-    w, has = _position_weights(np.asarray(out.token_weights), b.response_mask)
-    weights.append(w), reach.append(has), rewards.append(b.rewards)
-    lr_seq.append(np.sum(np.where(b.response_mask, b.learner_logp - b.behavior_logp, 0.0), axis=1))
+      acc[f"proj_{k}"] = np.concatenate([acc[f"proj_{k}"], (gk @ gs / norm2)[None]])
+      acc[f"sq_{k}"] = np.concatenate([acc[f"sq_{k}"], (np.sum(gk * gk, axis=1) / norm2)[None]])
+    acc["gsum"] = acc["gsum"] + g  # Adam's metric: precond * gsum
+    w, has = _position_weights(np.asarray(out.token_weights), b.response_mask, pos)
+    acc["weights"], acc["reach"] = np.concatenate([acc["weights"], w], axis=1), np.concatenate([acc["reach"], has])
+    lr_seq = np.sum(np.where(b.response_mask, b.learner_logp - b.behavior_logp, 0.0), axis=1)
+    for name, v in (("rewards", b.rewards), ("lr_seq", lr_seq), ("response_tokens", b.response_mask.sum(1))):
+      acc[name] = np.concatenate([acc[name], np.asarray(v, np.float64)])
+    acc.update(done=r + 1, seconds=before + time.time() - t0, key=key)
+    _save_partial(partial, **acc)
     if (r + 1) % 4 == 0:
-      print(f"{drift}: batch {r + 1}/{plan.batches}, {time.time() - t0:.0f} s", flush=True)
-  w, has = np.concatenate(weights, axis=1), np.concatenate(reach)
+      print(f"{drift}: batch {r + 1}/{plan.batches}, {before + time.time() - t0:.0f} s", flush=True)
   methods = {name: {} for name in ft.METHOD_NAMES}
-  for k, (_, gs, norm2) in metrics.items():
+  for k, (scale, gs, norm2) in metrics.items():
     s = ft.summarize(
-        np.asarray(proj[k]),
-        np.asarray(sq[k]),
-        gsum[k] / plan.batches,
+        acc[f"proj_{k}"],
+        acc[f"sq_{k}"],
+        acc["gsum"] * scale / plan.batches,
         gs,
         reference=REFERENCE,
         seed=plan.seed,
@@ -278,38 +359,47 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
     for i, name in enumerate(ft.METHOD_NAMES):
       methods[name].update({(f"{key}" if k == "euclid" else f"adam_{key}"): v[i] for key, v in s.items()})
   for i, name in enumerate(ft.METHOD_NAMES):
-    methods[name].update(_weight_summary(w[i], has))
-  lr_seq = np.concatenate(lr_seq)
+    methods[name].update(_weight_summary(acc["weights"][i], acc["reach"]))
   return {
       "drift": drift,
+      "setting": plan.setting,
       "updates": plan.updates,
       "seed": plan.seed,
       "J_pi": None,  # filled by the caller (the truth draw's reward mean)
-      "reward_mu": float(np.mean(np.concatenate(rewards))),
-      "log_ratio_seq_mean": float(lr_seq.mean()),
-      "log_ratio_seq_sd": float(lr_seq.std()),
+      "reward_mu": float(np.mean(acc["rewards"])),
+      "log_ratio_seq_mean": float(acc["lr_seq"].mean()),
+      "log_ratio_seq_sd": float(acc["lr_seq"].std()),
+      "response_tokens_mean": float(acc["response_tokens"].mean()),
+      "max_new_tokens": int(tr.c.sampling.max_new_tokens),
       "batches": plan.batches,
       "num": plan.prompts * tr.c.group_size,
       "group": tr.c.group_size,
-      "positions": list(POSITIONS),
+      "positions": list(pos),
       "methods": methods,
-      "seconds": round(time.time() - t0, 1),
+      "seconds": round(before + time.time() - t0, 1),
       "date": datetime.date.today().isoformat(),
       "cpu": _cpu(),
   }
 
 
 def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
-  """Runs every drift of `plan` whose JSON is not yet in `out` (module docstring); returns 0."""
+  """Runs every drift of `plan` whose JSON is not yet in `out` (module docstring), with `overrides` on top of
+  `plan.setting`'s config; returns 0."""
   from minpro_jax.config_lib.files import load_module
   from minpro_jax.trainer import Trainer  # heavy import, after the flags are checked
 
+  overrides = {**setting_overrides(plan.setting), **(overrides or {})}
   os.makedirs(out, exist_ok=True)
   todo = [d for d in plan.drifts if not os.path.exists(os.path.join(out, f"{d}.json"))]
   if not todo:
     print("nothing to do", flush=True)
     return 0
-  tr = Trainer.from_config(study_config(tempfile.mkdtemp(prefix="fidelity_model_"), plan.seed, overrides))
+  scratch = tempfile.mkdtemp(prefix="fidelity_model_")  # the trainers' workdirs, removed when the run ends
+  try:
+    tr = Trainer.from_config(study_config(scratch, plan.seed, overrides))
+  except BaseException:
+    shutil.rmtree(scratch, ignore_errors=True)
+    raise
   try:
     state = tr.learner.init_state(nnx.split(tr.model)[1])
     folder = os.path.join(out, "trajectory")
@@ -326,10 +416,11 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
     for drift in todo:
       sampler_tr = tr
       if drift == FP8:  # the MIPU study's fp8 sampler (its own trainer: the same warm start, data and learner)
-        fp8 = {**(overrides or {}), **load_module("configs/studies/mipu.py").FP8, "sampling.precision": "fp8"}
-        sampler_tr = Trainer.from_config(study_config(tempfile.mkdtemp(prefix="fidelity_model_"), plan.seed, fp8))
+        fp8 = {**overrides, **load_module("configs/studies/mipu.py").FP8, "sampling.precision": "fp8"}
+        sampler_tr = Trainer.from_config(study_config(tempfile.mkdtemp(dir=scratch), plan.seed, fp8))
       try:
-        res = run_cell(sampler_tr, pi_state, mus[drift], plan, drift, grad_fn, width, g_a, g_b, precond)
+        partial = os.path.join(folder, f"{drift}.partial.npz")
+        res = run_cell(sampler_tr, pi_state, mus[drift], plan, drift, grad_fn, width, g_a, g_b, precond, partial)
       finally:
         if sampler_tr is not tr:
           sampler_tr.close()
@@ -346,10 +437,12 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
       with open(path + ".tmp", "w") as f:
         json.dump(finite_or_none(res), f, indent=None, separators=(",", ":"), allow_nan=False)
       os.replace(path + ".tmp", path)
+      os.remove(partial)
       eta = {m: v["eta"] for m, v in res["methods"].items()}
       print(f"{drift}: {res['seconds']} s, eta min {eta['minpro:min']}, cispo {eta['cispo']}", flush=True)
   finally:
     tr.close()
+    shutil.rmtree(scratch, ignore_errors=True)
   return 0
 
 
@@ -365,13 +458,25 @@ def main(argv=None) -> int:
   p.add_argument("--truth-prompts", type=int, default=d.truth_prompts, help="prompts (x group) per truth half")
   p.add_argument("--chunk-prompts", type=int, default=d.chunk_prompts, help="prompts per VJP of the truth")
   p.add_argument("--seed", type=int, default=d.seed)
+  p.add_argument("--setting", default=d.setting, help=f"the task, one of {SETTINGS}")
   p.add_argument("--report", action="store_true", help="only write the tables and the plot")
+  p.add_argument("--block", default=None, help="--report: the docs/mechanism.md block (default from --out)")
+  p.add_argument("--compare", default="", help="--report: LABEL=DIR,... studies side by side (no --out report)")
   a = p.parse_args(argv)
   a.out = results.resolve(a.out or results.committed("fidelity_model"), "--out")
   if a.report:
-    from minpro_jax.study import fidelity_model_report
+    from minpro_jax.study import fidelity_model_report as fmr
 
-    return fidelity_model_report.report(a.out)
+    if a.compare:
+      pairs = [x.partition("=") for x in a.compare.split(",") if x]
+      if any(not lab or not sep or not path for lab, sep, path in pairs):
+        print(f"error: --compare must list LABEL=DIR pairs, got {a.compare!r}", file=sys.stderr)
+        return 2
+      return fmr.compare_report({lab: path for lab, _, path in pairs})
+    return fmr.report(a.out, block=a.block or fmr.block_of(a.out))
+  if a.setting not in SETTINGS:
+    print(f"error: --setting must be one of {SETTINGS}, got {a.setting!r}", file=sys.stderr)
+    return 2
   drifts = tuple(x for x in a.drifts.split(",") if x)
   bad = [x for x in drifts if not (x[:1] == "s" and x[1:].isdigit()) and x != FP8]
   if bad or not drifts:
@@ -384,7 +489,7 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
     return 2
-  plan = Plan(a.updates, drifts, a.prompts, a.batches, a.truth_prompts, a.chunk_prompts, a.seed)
+  plan = Plan(a.updates, drifts, a.prompts, a.batches, a.truth_prompts, a.chunk_prompts, a.seed, a.setting)
   return run(a.out, plan)
 
 

@@ -1,10 +1,13 @@
 """Report of the Tier B gradient-fidelity study (`minpro_jax.study.fidelity_model`; docs/mechanism.md).
 
     python -m minpro_jax.study.fidelity_model --out=results/fidelity_model --report
+    python -m minpro_jax.study.fidelity_model --report --compare="T~6=results/fidelity_model,T~70=results/fidelity_model_worked"
 
 Reads the finished cells `<out>/s<s>.json` and `<out>/fp8.json` and writes `<out>/summary.md` (every table), `<out>/eta_by_drift.png`
-and the tables between the Tier B markers of docs/mechanism.md. Raises SystemExit (one line) when `<out>` holds no
-finished cell.
+and the tables between the markers ``<!-- BLOCK:begin ... -->`` and ``<!-- BLOCK:end -->`` of docs/mechanism.md,
+BLOCK = `block_of(out)` ("tier-b" for results/fidelity_model, "tier-b-<name>" for results/fidelity_model_<name>).
+``--compare`` puts several studies (settings, seeds) side by side in the block "tier-b-compare": the contrasts
+min - none and min - prod per drift. Raises SystemExit (one line) when a study folder holds no finished cell.
 """
 
 from __future__ import annotations
@@ -19,11 +22,39 @@ from minpro_jax.study import fidelity_toy as ft
 DOC = os.path.join("docs", "mechanism.md")
 BEGIN = "<!-- tier-b:begin (python -m minpro_jax.study.fidelity_model --report) -->"
 END = "<!-- tier-b:end -->"
+COMPARE = "tier-b-compare"
+TASKS = {"short": "three-term chain_sum (T ~ 6)", "worked": "eight-term chain_sum, worked steps (T ~ 70)"}
+
+
+def block_of(out: str) -> str:
+  """The docs block of the study in `out`: "tier-b" for .../fidelity_model, "tier-b-<x>" for .../fidelity_model_<x>."""
+  name = os.path.basename(os.path.normpath(out))
+  return "tier-b" + (
+      name[len("fidelity_model") :].replace("_", "-") if name.startswith("fidelity_model") else f"-{name}"
+  )
+
+
+def replace_block(doc: str, block: str, body: str) -> bool:
+  """Puts `body` between `doc`'s markers ``<!-- block:begin ...-->`` and ``<!-- block:end -->``; False when `doc`
+  or its markers are missing (nothing written)."""
+  if not os.path.exists(doc):
+    return False
+  text = open(doc).read()
+  begin, end = f"<!-- {block}:begin", f"<!-- {block}:end -->"
+  if begin not in text or end not in text:
+    return False
+  head = text.index("-->", text.index(begin)) + len("-->")
+  text = text[:head] + "\n" + body + "\n" + text[text.index(end) :]
+  with open(doc, "w") as f:
+    f.write(text)
+  return True
 
 
 def load(out: str) -> list[dict]:
   """The finished cells of `out`, by drift s."""
   cells = [json.load(open(os.path.join(out, f))) for f in os.listdir(out) if f.endswith(".json")]
+  for r in cells:  # records from before the worked-step setting
+    r.setdefault("setting", "short")
   return sorted(cells, key=lambda r: (r["drift"] == "fp8", int(r["drift"][1:]) if r["drift"] != "fp8" else 0))
 
 
@@ -31,7 +62,7 @@ def _ci(v: dict, prefix: str) -> str:
   eta, lo, hi = v[f"{prefix}eta"], v[f"{prefix}eta_low"], v[f"{prefix}eta_high"]
   if eta is None:
     return "—"
-  return f"{eta:.3g} [{lo:.2g}, {hi:.2g}]"
+  return f"{eta:.3g}" + ("" if lo is None or hi is None else f" [{lo:.2g}, {hi:.2g}]")
 
 
 def eta_table(cells, prefix: str = "") -> str:
@@ -97,8 +128,10 @@ def weight_table(r: dict) -> str:
 
 def setting_line(cells) -> str:
   r = cells[0]
+  length = next((c["response_tokens_mean"] for c in cells if c.get("response_tokens_mean")), None)
+  task = TASKS.get(r["setting"], r["setting"]) + (f", responses of {length:.0f} tokens on average" if length else "")
   return (
-      f"k = {r['updates']} GRPO updates (seed {r['seed']}); J(pi) = {r['J_pi']:.3f}; truth: 2 halves of "
+      f"{task}; k = {r['updates']} GRPO updates (seed {r['seed']}); J(pi) = {r['J_pi']:.3f}; truth: 2 halves of "
       f"{r['truth_samples_per_half']} on-policy samples, cos(g_A, g_B) = {r['truth_cos']:.2f} (Adam's metric "
       f"{r['adam_truth_cos']:.2f}); {r['date']}, {r['cpu']}.\n"
   )
@@ -132,15 +165,15 @@ def plot(cells, path: str) -> str | None:
   return path
 
 
-def report(out: str, doc: str = DOC) -> int:
-  """Writes `out`/summary.md, the plot and the tables between the markers of `doc`; returns 0."""
+def report(out: str, doc: str = DOC, block: str = "tier-b") -> int:
+  """Writes `out`/summary.md, the plot and the tables between the markers of `block` in `doc`; returns 0."""
   cells = load(out) if os.path.isdir(out) else []
   if not cells:
     raise SystemExit(f"error: no finished cells in {out}; run the study first (without --report)")
   eta = "\n**eta [95 % interval over batches], Euclidean metric**\n\n" + eta_table(cells)
   eta += "\n**eta under Adam's preconditioner (second moments at k)**\n\n" + eta_table(cells, "adam_")
   eta += "\n**Paired differences against cispo (= minpro `none`)**\n\n" + contrast_table(cells)
-  parts = ["# Tier B gradient fidelity (tiny transformer, T ~ 6)\n\n", setting_line(cells), eta]
+  parts = ["# Tier B gradient fidelity (tiny transformer)\n\n", setting_line(cells), eta]
   parts += ["\n## projection / bias cos / tr Cov\n\n", other_table(cells)]
   parts += ["\n## token weight by response position\n\n"] + [
       weight_table(r) + "\n" for r in cells if r["drift"] != "s0"
@@ -149,14 +182,63 @@ def report(out: str, doc: str = DOC) -> int:
     f.write("".join(parts))
   png = plot(cells, os.path.join(out, "eta_by_drift.png"))
   wrote = [os.path.join(out, "summary.md")] + ([png] if png else [])
-  if os.path.exists(doc):
-    text = open(doc).read()
-    if BEGIN in text and END in text:
-      last = [r for r in cells if r["drift"] != "fp8"][-1]  # the largest drift s
-      body = "\n" + setting_line(cells) + eta + "\n**Token weight by response position**\n\n" + weight_table(last)
-      text = text[: text.index(BEGIN) + len(BEGIN)] + "\n" + body + "\n" + text[text.index(END) :]
-      with open(doc, "w") as f:
-        f.write(text)
-      wrote.append(f"the Tier B tables of {doc}")
+  stale = [r for r in cells if r["drift"] != "fp8"]
+  last = (stale or cells)[-1]  # the largest drift s
+  body = "\n" + setting_line(cells) + eta + "\n**Token weight by response position**\n\n" + weight_table(last)
+  if replace_block(doc, block, body):
+    wrote.append(f"the {block} tables of {doc}")
   print("wrote " + ", ".join(wrote))
+  return 0
+
+
+def _contrast(r: dict, a: str, b: str) -> str:
+  """eta(a) - eta(b) of one cell, with the paired 95 % interval when b is the reference (cispo)."""
+  va, vb = r["methods"][a], r["methods"][b]
+  if va["eta"] is None or vb["eta"] is None:
+    return "—"
+  d = va["eta"] - vb["eta"]
+  if b == "cispo":
+    return f"{d:+.2g} [{va['eta_diff_low']:+.2g}, {va['eta_diff_high']:+.2g}]"
+  return f"{d:+.2g}"  # the records hold paired intervals against cispo only
+
+
+def compare_table(studies: dict[str, list[dict]]) -> str:
+  """Markdown: per study (a row group) and drift (columns), eta(cispo), eta(min) - eta(cispo) [paired 95 %],
+  eta(min) - eta(prod) and the sd of the summed log-ratio (Euclidean metric)."""
+  drifts = []
+  for cells in studies.values():
+    drifts += [r["drift"] for r in cells if r["drift"] not in drifts]
+  drifts = sorted(drifts, key=lambda d: (d == "fp8", int(d[1:]) if d != "fp8" else 0))
+  lines = ["| study | quantity | " + " | ".join(drifts) + " |", "|---|---" + "|---" * len(drifts) + "|"]
+  rows = (
+      ("eta(none = cispo)", lambda r: _ci(r["methods"]["cispo"], "")),
+      ("eta(min) - eta(none)", lambda r: _contrast(r, "minpro:min", "cispo")),
+      ("eta(min) - eta(prod)", lambda r: _contrast(r, "minpro:min", "minpro:prod")),
+      ("sd of sum log-ratio", lambda r: f"{r['log_ratio_seq_sd']:.2f}"),
+  )
+  for label, cells in studies.items():
+    by = {r["drift"]: r for r in cells}
+    r0 = cells[0]
+    length = r0.get("response_tokens_mean")
+    name = f"{label} (seed {r0['seed']}, {r0['batches']} x {r0['num']}" + (f", T {length:.0f})" if length else ")")
+    for i, (q, f) in enumerate(rows):
+      lines.append(
+          f"| {name if i == 0 else ''} | {q} | " + " | ".join(f(by[d]) if d in by else "—" for d in drifts) + " |"
+      )
+  return "\n".join(lines) + "\n"
+
+
+def compare_report(studies: dict[str, str], doc: str = DOC) -> int:
+  """Writes the side-by-side table of `studies` (label -> study folder) into the block `COMPARE` of `doc` and
+  prints it; returns 0. Raises SystemExit naming a folder with no finished cell."""
+  loaded = {}
+  for label, out in studies.items():
+    cells = load(out) if os.path.isdir(out) else []
+    if not cells:
+      raise SystemExit(f"error: no finished cells in {out}; run the study first (without --report)")
+    loaded[label] = cells
+  table = compare_table(loaded)
+  print(table)
+  if replace_block(doc, COMPARE, "\n" + table):
+    print(f"wrote the {COMPARE} table of {doc}")
   return 0
