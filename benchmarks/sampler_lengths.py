@@ -192,15 +192,17 @@ def bench_lengths(
   return dict(preset=preset, weights="random init_model (same weights on every side)", runs=rows)
 
 
-def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16, 64)):
+def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16, 64), group_size: int = 1):
   """The default config's sampling call (tiny shapes, 512 samples in one `generate`, max_new_tokens 16) with the
   benchmark's stop schedule: the static sampler (all 512 rows at once, what the trainer ran before) against the
-  continuous one at decode_rows 64 (the default) and 512, and the paged one at 64 rows per page size."""
+  continuous one at decode_rows 64 (the default) and 512, and the paged one at 64 rows per page size. With
+  `group_size` G > 1, n / G prompts of G samples each, as the trainer calls it (the schedule per group: a
+  group's samples stop together; the paged sampler shares each prompt's full pages). Times: best and median."""
   cfg = get_preset("tiny")
   state = nnx.split(init_model(cfg, seed=0))[1]
-  sched = schedule(n, max_len)
+  sched = schedule(n // group_size, max_len)
   proc = jax_stop_processor(sched)
-  prompts = np.random.RandomState(1).randint(2, cfg.vocab_size, (n, PROMPT_LEN)).tolist()
+  prompts = np.random.RandomState(1).randint(2, cfg.vocab_size, (n // group_size, PROMPT_LEN)).tolist()
   sp = SamplingParams(temperature=1.0, max_new_tokens=max_len, stop_token_ids=(STOP,))
   kw = dict(prompt_buckets=(PROMPT_LEN,), logits_processor=proc)
   samplers = {
@@ -210,11 +212,25 @@ def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16,
       **{f"paged{ps}_64_rows": Sampler(cfg, decode_rows=64, paged_kv=PagedKV(ps), **kw) for ps in page_sizes},
   }
   prepared = {k: v.prepare_params(state) for k, v in samplers.items()}
-  fns = {k: (lambda k=k: samplers[k].generate(prepared[k], prompts, sp, seed=0)) for k in samplers}
-  t = _interleaved(fns, reps)
-  out = dict(requests=n, max_new_tokens=max_len, useful_tokens=int(sched.sum()), seconds=t)
-  out["tok_s"] = {k: int(sched.sum()) / v for k, v in t.items()}
-  print(json.dumps({"trainer_like_tiny": out}), flush=True)
+  want = np.repeat(sched, group_size)
+
+  def call(k):
+    lens = samplers[k].generate(prepared[k], prompts, sp, seed=0, group_size=group_size).lengths
+    np.testing.assert_array_equal(lens, want, err_msg=f"trainer_like {k}: lengths differ from the schedule")
+
+  t = interleaved_best_and_median({k: (lambda k=k: call(k)) for k in samplers}, reps)
+  useful = int(want.sum())
+  out = dict(requests=n, group_size=group_size, max_new_tokens=max_len, useful_tokens=useful, reps=reps)
+  out["seconds"] = {k: best for k, (best, _) in t.items()}
+  out["median_seconds"] = {k: med for k, (_, med) in t.items()}
+  out["tok_s"] = {k: useful / v for k, v in out["seconds"].items()}
+  out["paged_over_continuous"] = {
+      f"paged{ps}": {
+          q: out[q]["continuous_64_rows"] / out[q][f"paged{ps}_64_rows"] for q in ("seconds", "median_seconds")
+      }
+      for ps in page_sizes
+  }
+  print(json.dumps({f"trainer_like_tiny_g{group_size}": out}), flush=True)
   return out
 
 
@@ -276,6 +292,7 @@ def main():
   ap.add_argument("--batches", default="16,64", help="decode batches of the lengths part (comma list)")
   ap.add_argument("--page-size", type=int, default=16, help="the paged sampler's page size (lengths part)")
   ap.add_argument("--max-len", type=int, default=None, help="maximum response length R of the lengths part")
+  ap.add_argument("--reps", type=int, default=None, help="timing rounds of every part (default: by part and --full)")
   args = ap.parse_args()
   parts = set(args.parts.split(","))
   presets, batches = args.presets.split(","), tuple(int(b) for b in args.batches.split(","))
@@ -299,12 +316,14 @@ def main():
   for preset, max_len, per_row, reps in plan if "lengths" in parts else ():
     if preset not in presets:
       continue
-    per_row, max_len = args.per_row or per_row, args.max_len or max_len
+    per_row, max_len, reps = args.per_row or per_row, args.max_len or max_len, args.reps or reps
     result["models"].append(
         bench_lengths(preset, batches, max_len, per_row, reps, hf_on=not args.no_hf, page_size=args.page_size)
     )
   if "trainer_like" in parts:
-    result["trainer_like_tiny"] = trainer_like()
+    reps = args.reps or (10 if args.full else 5)
+    result["trainer_like_tiny"] = trainer_like(reps=reps)
+    result["trainer_like_tiny_grouped"] = trainer_like(reps=reps, group_size=8)  # as the trainer calls it
   if "step_vs_position" in parts:
     result["step_vs_position_tiny"] = step_vs_position()
   result["load_average_end"] = os.getloadavg()
