@@ -92,7 +92,14 @@ def _interleaved(fns: dict, reps: int, cpu: dict | None = None) -> dict:
 
 
 def bench_lengths(
-    preset: str, batches, max_len: int, requests_per_row: int, reps: int, hf_on: bool = True, page_size: int = 16
+    preset: str,
+    batches,
+    max_len: int,
+    requests_per_row: int,
+    reps: int,
+    hf_on: bool = True,
+    page_size: int = 16,
+    ablations: bool = True,
 ):
   import torch
   import transformers
@@ -175,8 +182,9 @@ def bench_lengths(
       got["hf"] = np.concatenate(lens)
 
     fns = {"continuous": run_cont, "paged": lambda: run_cont(paged, prep_paged, "paged")}
-    fns["continuous_chunks"] = lambda: run_cont(cont_chunks, prep_chunks, "continuous_chunks")
-    fns["continuous_chunks_refill1"] = lambda: run_cont(cont1, prep1, "continuous_chunks_refill1")
+    if ablations:
+      fns["continuous_chunks"] = lambda: run_cont(cont_chunks, prep_chunks, "continuous_chunks")
+      fns["continuous_chunks_refill1"] = lambda: run_cont(cont1, prep1, "continuous_chunks_refill1")
     fns["static"] = run_static
     if hf is not None:
       fns["hf"] = run_hf
@@ -319,6 +327,7 @@ def main():
   ap.add_argument("--batches", default="16,64", help="decode batches of the lengths part (comma list)")
   ap.add_argument("--page-size", type=int, default=16, help="the paged sampler's page size (lengths part)")
   ap.add_argument("--max-len", type=int, default=None, help="maximum response length R of the lengths part")
+  ap.add_argument("--no-ablations", action="store_true", help="lengths part: skip the host-chunked continuous sides")
   ap.add_argument("--reps", type=int, default=None, help="timing rounds of every part (default: by part and --full)")
   args = ap.parse_args()
   parts = set(args.parts.split(","))
@@ -345,7 +354,16 @@ def main():
       continue
     per_row, max_len, reps = args.per_row or per_row, args.max_len or max_len, args.reps or reps
     result["models"].append(
-        bench_lengths(preset, batches, max_len, per_row, reps, hf_on=not args.no_hf, page_size=args.page_size)
+        bench_lengths(
+            preset,
+            batches,
+            max_len,
+            per_row,
+            reps,
+            hf_on=not args.no_hf,
+            page_size=args.page_size,
+            ablations=not args.no_ablations,
+        )
     )
   if "trainer_like" in parts:
     reps = args.reps or (10 if args.full else 5)
