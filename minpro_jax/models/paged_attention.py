@@ -275,11 +275,10 @@ def paged_decode_attention(
         f"pages_per_row={maxp}"
     )
   scale = 1.0 / math.sqrt(q_rhd.shape[-1]) if sm_scale is None else sm_scale
-  valid = lengths > 0
 
   def branch(n: int):
-    def run(q, kv, lens, table):
-      return _attend(q, kv, table[:, :n], lens, lens - 1, valid, sm_scale=scale, soft_cap=soft_cap)
+    def run(q, kv, lens, table):  # the first n pages of every row
+      return _attend(q, kv, table[:, :n], lens, lens - 1, lens > 0, sm_scale=scale, soft_cap=soft_cap)
 
     return run
 
