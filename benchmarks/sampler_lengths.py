@@ -23,7 +23,9 @@ excluded: one warm-up call per side, then the sides in turn, best of `reps`). `c
 (in_loop_refill=False: host-driven chunks, the host refills between them) and `continuous_chunks_refill1`
 (the same, refilled as soon as one row stops). `paged` = the continuous sampler on a paged KV pool
 (`sampling.kv_cache="paged"`: `PagedKV(page_size)`, pool of the dense cache's memory, the plain-JAX paged
-attention), the same decode rows and refills; `paged_over_continuous` is its speed over `continuous`.
+attention), the same decode rows and refills; `paged_over_continuous` is its speed over `continuous` (best wall
+time), `paged_over_continuous_cpu` the same from the median process CPU seconds of each side (the work done, less
+sensitive than wall time to a loaded machine).
 
 Decode step vs position (tiny shapes, max_new_tokens 4096, 16 rows): the wall time per decode step of a
 jitted scan of 32 steps starting at position p, with live-length attention (what the continuous sampler runs)
@@ -50,9 +52,6 @@ from minpro_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
 from minpro_jax.models.transformer import KVCache  # noqa: E402
 from minpro_jax.sampling import PagedKV, Sampler, SamplingParams  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode import _interleaved as interleaved_best_and_median  # noqa: E402
-
 STOP = 1
 PROMPT_LEN = 16
 
@@ -74,13 +73,33 @@ def jax_stop_processor(sched: np.ndarray):
   return proc
 
 
-def _interleaved(fns: dict, reps: int) -> dict:
-  """{name: best seconds} of `decode._interleaved`'s round-robin timing."""
-  return {k: best for k, (best, _) in interleaved_best_and_median(fns, reps).items()}
+def _interleaved(fns: dict, reps: int, cpu: dict | None = None) -> dict:
+  """{name: best wall seconds}: one warm-up call each, then `reps` rounds calling each fn in turn, so a drift of
+  the machine's speed hits every side alike. `cpu`, if given, receives {name: median process CPU seconds} (all
+  the process's threads: the work done, less sensitive than wall time to a loaded machine)."""
+  for fn in fns.values():
+    fn()
+  wall, used = {k: [] for k in fns}, {k: [] for k in fns}
+  for _ in range(reps):
+    for k, fn in fns.items():
+      t0, c0 = time.perf_counter(), time.process_time()
+      fn()
+      wall[k].append(time.perf_counter() - t0)
+      used[k].append(time.process_time() - c0)
+  if cpu is not None:
+    cpu.update({k: float(np.median(v)) for k, v in used.items()})
+  return {k: min(v) for k, v in wall.items()}
 
 
 def bench_lengths(
-    preset: str, batches, max_len: int, requests_per_row: int, reps: int, hf_on: bool = True, page_size: int = 16
+    preset: str,
+    batches,
+    max_len: int,
+    requests_per_row: int,
+    reps: int,
+    hf_on: bool = True,
+    page_size: int = 16,
+    ablations: bool = True,
 ):
   import torch
   import transformers
@@ -163,12 +182,14 @@ def bench_lengths(
       got["hf"] = np.concatenate(lens)
 
     fns = {"continuous": run_cont, "paged": lambda: run_cont(paged, prep_paged, "paged")}
-    fns["continuous_chunks"] = lambda: run_cont(cont_chunks, prep_chunks, "continuous_chunks")
-    fns["continuous_chunks_refill1"] = lambda: run_cont(cont1, prep1, "continuous_chunks_refill1")
+    if ablations:
+      fns["continuous_chunks"] = lambda: run_cont(cont_chunks, prep_chunks, "continuous_chunks")
+      fns["continuous_chunks_refill1"] = lambda: run_cont(cont1, prep1, "continuous_chunks_refill1")
     fns["static"] = run_static
     if hf is not None:
       fns["hf"] = run_hf
-    t = _interleaved(fns, reps)
+    cpu = {}
+    t = _interleaved(fns, reps, cpu)
     for k, lens in got.items():
       np.testing.assert_array_equal(lens, sched, err_msg=f"{preset} b={b}: {k} lengths differ from the schedule")
     useful = int(sched.sum())
@@ -183,6 +204,8 @@ def bench_lengths(
         seconds=t,
         continuous_over_static=t["static"] / t["continuous"],
         paged_over_continuous=t["continuous"] / t["paged"],
+        median_cpu_seconds=cpu,
+        paged_over_continuous_cpu=cpu["continuous"] / cpu["paged"],
         page_size=page_size,
     )
     if "hf" in t:
@@ -192,15 +215,18 @@ def bench_lengths(
   return dict(preset=preset, weights="random init_model (same weights on every side)", runs=rows)
 
 
-def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16, 64)):
+def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16, 64), group_size: int = 1):
   """The default config's sampling call (tiny shapes, 512 samples in one `generate`, max_new_tokens 16) with the
   benchmark's stop schedule: the static sampler (all 512 rows at once, what the trainer ran before) against the
-  continuous one at decode_rows 64 (the default) and 512, and the paged one at 64 rows per page size."""
+  continuous one at decode_rows 64 (the default) and 512, and the paged one at 64 rows per page size. With
+  `group_size` G > 1, n / G prompts of G samples each, as the trainer calls it (the schedule per group: a
+  group's samples stop together; the paged sampler shares each prompt's full pages). Times: best and median wall
+  seconds, median process CPU seconds."""
   cfg = get_preset("tiny")
   state = nnx.split(init_model(cfg, seed=0))[1]
-  sched = schedule(n, max_len)
+  sched = schedule(n // group_size, max_len)
   proc = jax_stop_processor(sched)
-  prompts = np.random.RandomState(1).randint(2, cfg.vocab_size, (n, PROMPT_LEN)).tolist()
+  prompts = np.random.RandomState(1).randint(2, cfg.vocab_size, (n // group_size, PROMPT_LEN)).tolist()
   sp = SamplingParams(temperature=1.0, max_new_tokens=max_len, stop_token_ids=(STOP,))
   kw = dict(prompt_buckets=(PROMPT_LEN,), logits_processor=proc)
   samplers = {
@@ -210,11 +236,36 @@ def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16,
       **{f"paged{ps}_64_rows": Sampler(cfg, decode_rows=64, paged_kv=PagedKV(ps), **kw) for ps in page_sizes},
   }
   prepared = {k: v.prepare_params(state) for k, v in samplers.items()}
-  fns = {k: (lambda k=k: samplers[k].generate(prepared[k], prompts, sp, seed=0)) for k in samplers}
-  t = _interleaved(fns, reps)
-  out = dict(requests=n, max_new_tokens=max_len, useful_tokens=int(sched.sum()), seconds=t)
-  out["tok_s"] = {k: int(sched.sum()) / v for k, v in t.items()}
-  print(json.dumps({"trainer_like_tiny": out}), flush=True)
+  want = np.repeat(sched, group_size)
+
+  def call(k):
+    lens = samplers[k].generate(prepared[k], prompts, sp, seed=0, group_size=group_size).lengths
+    np.testing.assert_array_equal(lens, want, err_msg=f"trainer_like {k}: lengths differ from the schedule")
+
+  for k in samplers:  # warm-up (compile)
+    call(k)
+  wall, cpu = {k: [] for k in samplers}, {k: [] for k in samplers}
+  for _ in range(reps):  # in turn, so a drift of the machine's speed hits every side alike
+    for k in samplers:
+      t0, c0 = time.perf_counter(), time.process_time()
+      call(k)
+      wall[k].append(time.perf_counter() - t0)
+      cpu[k].append(time.process_time() - c0)
+  useful = int(want.sum())
+  out = dict(requests=n, group_size=group_size, max_new_tokens=max_len, useful_tokens=useful, reps=reps)
+  out["seconds"] = {k: min(v) for k, v in wall.items()}
+  out["median_seconds"] = {k: float(np.median(v)) for k, v in wall.items()}
+  # the process's CPU seconds (all its threads): the work done, less sensitive than wall time to a loaded machine
+  out["median_cpu_seconds"] = {k: float(np.median(v)) for k, v in cpu.items()}
+  out["tok_s"] = {k: useful / v for k, v in out["seconds"].items()}
+  out["paged_over_continuous"] = {
+      f"paged{ps}": {
+          q: out[q]["continuous_64_rows"] / out[q][f"paged{ps}_64_rows"]
+          for q in ("seconds", "median_seconds", "median_cpu_seconds")
+      }
+      for ps in page_sizes
+  }
+  print(json.dumps({f"trainer_like_tiny_g{group_size}": out}), flush=True)
   return out
 
 
@@ -276,6 +327,8 @@ def main():
   ap.add_argument("--batches", default="16,64", help="decode batches of the lengths part (comma list)")
   ap.add_argument("--page-size", type=int, default=16, help="the paged sampler's page size (lengths part)")
   ap.add_argument("--max-len", type=int, default=None, help="maximum response length R of the lengths part")
+  ap.add_argument("--no-ablations", action="store_true", help="lengths part: skip the host-chunked continuous sides")
+  ap.add_argument("--reps", type=int, default=None, help="timing rounds of every part (default: by part and --full)")
   args = ap.parse_args()
   parts = set(args.parts.split(","))
   presets, batches = args.presets.split(","), tuple(int(b) for b in args.batches.split(","))
@@ -299,12 +352,23 @@ def main():
   for preset, max_len, per_row, reps in plan if "lengths" in parts else ():
     if preset not in presets:
       continue
-    per_row, max_len = args.per_row or per_row, args.max_len or max_len
+    per_row, max_len, reps = args.per_row or per_row, args.max_len or max_len, args.reps or reps
     result["models"].append(
-        bench_lengths(preset, batches, max_len, per_row, reps, hf_on=not args.no_hf, page_size=args.page_size)
+        bench_lengths(
+            preset,
+            batches,
+            max_len,
+            per_row,
+            reps,
+            hf_on=not args.no_hf,
+            page_size=args.page_size,
+            ablations=not args.no_ablations,
+        )
     )
   if "trainer_like" in parts:
-    result["trainer_like_tiny"] = trainer_like()
+    reps = args.reps or (10 if args.full else 5)
+    result["trainer_like_tiny"] = trainer_like(reps=reps)
+    result["trainer_like_tiny_grouped"] = trainer_like(reps=reps, group_size=8)  # as the trainer calls it
   if "step_vs_position" in parts:
     result["step_vs_position_tiny"] = step_vs_position()
   result["load_average_end"] = os.getloadavg()

@@ -9,7 +9,12 @@ import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from minpro_jax.models.attention_core import masked_attention
-from minpro_jax.models.paged_attention import paged_decode_attention, pallas_decode_attention, ragged_paged_attention
+from minpro_jax.models.paged_attention import (
+    live_page_buckets,
+    paged_decode_attention,
+    pallas_decode_attention,
+    ragged_paged_attention,
+)
 from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 from minpro_jax.sampling import paged
@@ -54,6 +59,46 @@ def test_decode_attention_equals_dense_on_ragged_rows(dtype, tol):
   live = np.array(lengths) > 0
   np.testing.assert_allclose(got[live], want[live], atol=tol, rtol=tol)
   assert np.all(got[~live] == 0)
+
+
+def test_live_page_buckets():
+  assert live_page_buckets(9, 16) == (2, 4, 8, 9)
+  assert live_page_buckets(8, 16) == (2, 4, 8)
+  assert live_page_buckets(2, 16) == (2,)
+  assert live_page_buckets(1, 64) == (1,)
+  assert live_page_buckets(5, 4, min_slots=4) == (1, 2, 4, 5)
+
+
+def test_decode_attention_reads_only_the_live_pages():
+  """With buckets (1, 2, 4) over a table of 4 pages, a call whose longest row needs 1, 2 or 3 pages gathers only
+  the leading 1, 2 or 4 (the table's entries past them point at a page of NaNs: reading it would show; the
+  masked entries inside the bucket at a page of finite garbage) and equals dense attention over each row's own
+  tokens; one jitted program serves every bucket."""
+  rng = np.random.default_rng(5)
+  ps, maxp = 4, 4
+  kv = rng.standard_normal((12, ps, 2 * K, HD)).astype(np.float32)
+  kv[10], kv[11] = 1e3, np.nan
+  pages = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 8]], np.int32)
+  q = rng.standard_normal((3, H, HD)).astype(np.float32)
+  decode = jax.jit(paged_decode_attention, static_argnames="buckets")
+  for lengths, bucket in (([3, 1, 0], 1), ([2, 7, 4], 2), ([9, 5, 12], 4)):  # longest row: 1, 2, 3 pages
+    table = np.full((3, maxp), 11, np.int32)
+    table[:, :bucket] = 10
+    for r, n in enumerate(lengths):
+      table[r, : -(-n // ps)] = pages[r, : -(-n // ps)]
+    hist_k = [[kv[table[r, i // ps], i % ps, 0::2] for i in range(n)] for r, n in enumerate(lengths)]
+    hist_v = [[kv[table[r, i // ps], i % ps, 1::2] for i in range(n)] for r, n in enumerate(lengths)]
+    got = decode(
+        jnp.asarray(q), jnp.asarray(kv), jnp.asarray(lengths, jnp.int32), jnp.asarray(table), buckets=(1, 2, 4)
+    )
+    live = np.array(lengths) > 0
+    want = dense_decode(q, hist_k, hist_v, lengths, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got)[live], want[live], atol=2e-6, rtol=2e-6)
+    assert np.all(np.asarray(got)[~live] == 0)
+  assert decode._cache_size() == 1
+  table = jnp.zeros((3, maxp), jnp.int32)
+  with pytest.raises(ValueError, match="buckets"):
+    paged_decode_attention(jnp.asarray(q), jnp.asarray(kv), jnp.ones((3,), jnp.int32), table, buckets=(1, 2))
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,11 @@ last q_len of which are its queries (cu_q_lens[s]..cu_q_lens[s + 1]); a query at
 head h reads KV head h // G. Scores are fp32: (q · k) * sm_scale, then soft_cap * tanh(scores / soft_cap)
 when set, then the mask; probabilities and the output are in the queries' dtype, as `masked_attention`.
 
-This is the CPU/GPU path and the reference the Pallas kernel is tested against. It gathers every query's
-whole page list, O(tokens x pages_per_seq x page_size) work, so it is meant for decode (one query per row)
-and small prefills; a query with no visible key (an idle row, a padding token) gets zeros.
+This is the CPU/GPU path and the reference the Pallas kernel is tested against. `ragged_paged_attention`
+gathers every query's whole page list, O(tokens x pages_per_seq x page_size) work, so it is meant for small
+prefills; `paged_decode_attention` (one query per row) gathers only the leading pages of every row up to a
+bucket >= the longest row's (`live_page_buckets`), so a decode step's cost follows the live tokens. A query with
+no visible key (an idle row, a padding token) gets zeros.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ from minpro_jax.models.attention_core import NEG_INF
 from minpro_jax.runtime import sharding
 
 KERNELS = ("xla", "pallas")  # `paged_decode_attention` (plain JAX) or `pallas_decode_attention` (TPU)
+LIVE_MIN_PAGE_SLOTS = 32  # the shortest live-page bucket, in tokens (a gather costs its pages, so buckets can be short)
+
+
+def live_page_buckets(pages_per_row: int, page_size: int, min_slots: int = LIVE_MIN_PAGE_SLOTS) -> tuple[int, ...]:
+  """Page counts `paged_decode_attention` switches between for rows of `pages_per_row` pages: m, 2m, 4m, ...
+  below pages_per_row, then pages_per_row itself, m = max(1, min_slots // page_size). Unlike the dense cache's
+  `attention_core.live_length_buckets` (a slice of the cache costs a copy on top of its dots), the pages are
+  gathered in every case, so every bucket below the page table saves its share of the copy. Plain ints in, a
+  strictly increasing tuple of ints out (pages_per_row 9, page_size 16: (2, 4, 8, 9))."""
+  out, n = [], max(1, int(min_slots) // int(page_size))
+  while n < pages_per_row:
+    out.append(n)
+    n *= 2
+  return (*out, int(pages_per_row))
 
 
 @functools.partial(
@@ -129,24 +145,27 @@ def _attend(q, kv_pages, page_ids, kv_len, pos, valid, *, sm_scale, soft_cap, wi
   kh = kv_pages.shape[2] // 2
   g = h // kh
   dt = q.dtype
-  kv = kv_pages[page_ids]  # [T, P, ps, 2K, hd]
-  kv = kv.reshape(t, -1, 2 * kh, hd)  # [T, S, 2K, hd], S = P * page_size in token order
-  k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, S, K, hd]
+  # one gather per operand straight into heads-major [T, K, P, ps, hd] (combined head 2k: keys, 2k + 1: values),
+  # so the dots below batch over (T, K) with no transpose or strided copy of the gathered pages
+  heads = 2 * jnp.arange(kh)[None, :, None]
+  ids = page_ids[:, None, :]  # [T, 1, P]
+  k = kv_pages[ids, :, heads].reshape(t, kh, -1, hd)  # [T, K, S, hd], S = P * page_size in token order
+  v = kv_pages[ids, :, heads + 1].reshape(t, kh, -1, hd)
   if k_scale is not None:
     k = k.astype(jnp.float32) * k_scale
   if v_scale is not None:
     v = v.astype(jnp.float32) * v_scale
   qg = q.reshape(t, kh, g, hd)
-  scores = jnp.einsum("tkgd,tskd->tkgs", qg, k.astype(dt), preferred_element_type=jnp.float32) * sm_scale
+  scores = jnp.einsum("tkgd,tksd->tkgs", qg, k.astype(dt), preferred_element_type=jnp.float32) * sm_scale
   if soft_cap is not None:
     scores = soft_cap * jnp.tanh(scores / soft_cap)
-  s = jnp.arange(kv.shape[1])[None]
+  s = jnp.arange(k.shape[2])[None]
   mask = (s <= pos[:, None]) & (s < kv_len[:, None]) & valid[:, None]  # [T, S]
   if window is not None:
     mask = mask & (s > pos[:, None] - window)
   scores = jnp.where(mask[:, None, None], scores, NEG_INF)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  out = jnp.einsum("tkgs,tskd->tkgd", probs, v.astype(dt), preferred_element_type=jnp.float32)
+  out = jnp.einsum("tkgs,tksd->tkgd", probs, v.astype(dt), preferred_element_type=jnp.float32)
   out = jnp.where(jnp.any(mask, axis=1)[:, None, None, None], out, 0.0)
   return out.reshape(t, h, hd).astype(dt)
 
@@ -220,9 +239,15 @@ def paged_decode_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
+    buckets: tuple[int, ...] | None = None,
 ) -> jax.Array:
   """Decode attention: row r's one query (its newest token, already in the pages) attends to the lengths[r]
   tokens of its pages `page_table[r]`.
+
+  Only the first n pages of every row are gathered and scored, n the smallest of `buckets` >= the longest
+  row's pages (a `lax.switch` over the static counts), so the work follows the longest live row, not the page
+  table. The pages past a row's own are masked in every bucket, so the output is the same as over the whole
+  table up to fp32 rounding of the softmax sums (they run over fewer exact zeros).
 
   Args:
     q_rhd: [rows, q_heads, head_dim] queries (compute dtype), query head h reads KV head h // G.
@@ -231,19 +256,38 @@ def paged_decode_attention(
     page_table: [rows, pages_per_row] int32 (`PagePool.page_table`).
     sm_scale: score scale (default 1 / sqrt(head_dim), `attention_core`'s).
     soft_cap: optional logit soft cap (None: off, as the models here).
+    buckets: strictly increasing page counts ending at pages_per_row (default `live_page_buckets`).
 
   Returns:
     [rows, q_heads, head_dim] in q's dtype.
 
   Raises:
-    ValueError: as `ragged_paged_attention`.
+    ValueError: as `ragged_paged_attention`; if the buckets do not end at pages_per_row.
   """
   _check(q_rhd, kv_pages, lengths, page_table, soft_cap, None)
   if q_rhd.shape[0] != lengths.shape[0]:
     raise ValueError(f"paged_decode_attention: {q_rhd.shape[0]} queries for {lengths.shape[0]} rows")
+  ps, maxp = kv_pages.shape[1], page_table.shape[1]
+  buckets = live_page_buckets(maxp, ps) if buckets is None else tuple(int(b) for b in buckets)
+  if buckets[-1] != maxp or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+    raise ValueError(
+        f"paged_decode_attention: buckets {buckets} must be strictly increasing positive page counts ending at "
+        f"pages_per_row={maxp}"
+    )
   scale = 1.0 / math.sqrt(q_rhd.shape[-1]) if sm_scale is None else sm_scale
-  valid = lengths > 0
-  return _attend(q_rhd, kv_pages, page_table, lengths, lengths - 1, valid, sm_scale=scale, soft_cap=soft_cap)
+
+  def branch(n: int):
+    def run(q, kv, lens, table):  # the first n pages of every row
+      return _attend(q, kv, table[:, :n], lens, lens - 1, lens > 0, sm_scale=scale, soft_cap=soft_cap)
+
+    return run
+
+  operands = (q_rhd, kv_pages, lengths, page_table)
+  if len(buckets) == 1:
+    return branch(maxp)(*operands)
+  need = (jnp.max(lengths) + ps - 1) // ps
+  idx = jnp.clip(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), need), 0, len(buckets) - 1)
+  return jax.lax.switch(idx, [branch(n) for n in buckets], *operands)
 
 
 def pallas_decode_attention(
