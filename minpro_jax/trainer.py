@@ -31,7 +31,6 @@ import sys
 import time
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -48,16 +47,15 @@ from minpro_jax.mipu_step import MipuStep
 from minpro_jax.mipu_step import summary as mipu_summary
 from minpro_jax.models.moe import route_mismatch
 from minpro_jax.overlap import StepRunner
-from minpro_jax.rl import lr_decay
+from minpro_jax.rl import lr_decay, rollout_metrics
 from minpro_jax.rl.advantages import group_advantages
-from minpro_jax.rl.aggregation import mismatch_metrics
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.packing import row_tokens
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.run_progress import RunProgress
 from minpro_jax.run_setup import RunParts, setup_run
-from minpro_jax.runtime import multihost
+from minpro_jax.runtime import host_batch, multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampler_setup import sampler_kwargs
 from minpro_jax.sampling import Sampler, SamplingParams
@@ -145,9 +143,11 @@ class Trainer:
     gstats = {**gstats, "seconds": time.time() - t0}
     if not score:
       return batch, texts, gstats
+    recorded = batch.routes is not None  # the learner's own routes ([N, L, layers, k]) only to compare with them
     with use_mesh(self.mesh):
-      learner_logp, learner_routes = self.learner.score(state.params, batch, return_routes=True)
-    if batch.routes is not None:  # where the learner's router, at the sampling version, picks other experts
+      learner_logp = self.learner.score(state.params, batch, return_routes=recorded)
+    if recorded:  # where the learner's router, at the sampling version, picks other experts
+      learner_logp, learner_routes = learner_logp
       gstats["router_mismatch"] = route_mismatch(learner_routes, batch.routes)[0]
     return (
         batch.replace(learner_logp=np.where(batch.response_mask, learner_logp, 0.0).astype(np.float32)),
@@ -237,19 +237,13 @@ class Trainer:
     score, logs_mismatch = self.scoring(step)
     batch, texts, gstats = self._rollout(state, gen, problems, c.group_size, score=score, graded=graded)
     t2, t_grade = time.time(), gstats["seconds"]
-    n_tok = max(int(gen.response_mask.sum()), 1)
+    rows = host_batch.process_group_rows(c.prompts_per_step, c.group_size)  # this process's rows: its share
+    sampled = rollout_metrics.sample_metrics(gen, batch, rows, len(gen))  # of the statistics, gathered as [N, k]
+    n_tok = sampled.pop("tokens")
     metrics = {
-        "reward/mean": float(batch.rewards.mean()),
-        "reward/accuracy": float((batch.rewards >= 1.0).mean()),
+        **sampled,
         "reward/no_answer_frac": gstats["no_answer"] / len(texts),
         "reward/timeouts": gstats["timeout"],
-        "response/length_mean": float(gen.lengths.mean()),
-        "response/length_max": int(gen.lengths.max()),
-        # deciles of this step's lengths: `python -m minpro_jax.aot --budget --lengths=metrics.jsonl` draws from them
-        "response/length_quantiles": np.quantile(gen.lengths, np.linspace(0, 1, 11)).round(1).tolist(),
-        "response/truncated_frac": float(gen.truncated.mean()),
-        "response/entropy": float((gen.entropy * gen.response_mask).sum() / n_tok),
-        "advantage/zero_frac": float((batch.advantages == 0).mean()),
         "sample/policy_version": version,
         "time/sample": t1 - t0,
         "time/grade": t_grade,
@@ -258,8 +252,8 @@ class Trainer:
         **dynamic,
     }
     if logs_mismatch:  # the same steps whether or not the loss scored every step: runs stay comparable
-      mm = jax.device_get(mismatch_metrics(batch.learner_logp, batch.behavior_logp, batch.response_mask))
-      metrics.update({f"sampler_learner/{k}": float(v) for k, v in mm.items()})
+      mm = rollout_metrics.mismatch_metrics(batch, rows, len(gen))
+      metrics.update({f"sampler_learner/{k}": v for k, v in mm.items()})
       if "router_mismatch" in gstats:
         metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
     return batch, metrics

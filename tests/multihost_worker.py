@@ -54,6 +54,7 @@ def primitives(out_dir: str) -> dict:
   return {
       **_host_batch(mesh),
       "micro_batch_error": _micro_batch_error(out_dir),
+      "odd_prompts_error": _micro_batch_error(out_dir, prompts_per_step=3, num_updates_per_step=3, micro_batch_size=4),
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "devices": jax.device_count(),
@@ -108,14 +109,21 @@ def _host_batch(mesh) -> dict:
   }
 
 
-def _micro_batch_error(out_dir: str) -> str | None:
-  """The trainer's config check of micro-batches of 2 on fsdp=-1: the mesh spans both processes' 4 devices."""
+def _micro_batch_error(out_dir: str, **overrides) -> str | None:
+  """The trainer's config check of micro-batches of 2 on fsdp=-1 (the mesh spans both processes' 4 devices), or of
+  the config with `overrides`."""
   from minpro_jax import run_config
   from minpro_jax.config_lib.defaults import get_config
 
   c = get_config()
   c.update_from_flattened_dict(
-      {"workdir": os.path.join(out_dir, "run"), "mesh.shape": "fsdp=-1", "micro_batch_size": 2, "prompts_per_step": 4}
+      {
+          "workdir": os.path.join(out_dir, "run"),
+          "mesh.shape": "fsdp=-1",
+          "micro_batch_size": 2,
+          "prompts_per_step": 4,
+          **overrides,
+      }
   )  # the default's group_size 8 and 4 updates: mini-batches of 8
   try:
     run_config.validate_config(c)

@@ -1,4 +1,5 @@
-"""Per-process batches (`minpro_jax.runtime.host_batch`) in one process; tests/test_multihost.py runs them in two."""
+"""Per-process batches (`minpro_jax.runtime.host_batch`) and the step metrics from per-process rows
+(`minpro_jax.rl.rollout_metrics`) in one process; tests/test_multihost.py runs them in two."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import numpy as np
 import pytest
 
 from minpro_jax.errors import ConfigError
+from minpro_jax.rl import aggregation, rollout_metrics
+from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime import host_batch
 from minpro_jax.runtime.sharding import make_mesh
+from minpro_jax.sampling.batch import GenerationBatch
 
 
 def test_each_process_owns_whole_groups_in_order_by_hand():
@@ -54,3 +58,53 @@ def test_batch_stats_are_the_global_statistics():
   assert got["reward"] == {"sum": 1.75, "count": 4, "min": 0.0, "max": 1.0, "mean": 0.4375}
   assert got["none"]["count"] == 0 and all(math.isnan(got["none"][k]) for k in ("min", "max", "mean"))
   assert jax.process_count() == 1  # no collective was needed
+
+
+def _step_batch(seed=0, n=8, p=3, r=5):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, r + 1, n).astype(np.int32)
+  mask = np.arange(r)[None] < lengths[:, None]
+  gen = GenerationBatch(
+      prompt_tokens=rng.integers(1, 50, (n, p)).astype(np.int32),
+      prompt_mask=np.ones((n, p), bool),
+      response_tokens=np.where(mask, rng.integers(1, 50, (n, r)), 0).astype(np.int32),
+      response_mask=mask,
+      behavior_logp=np.where(mask, -rng.exponential(1.0, (n, r)), 0.0).astype(np.float32),
+      entropy=np.where(mask, rng.uniform(0.0, 3.0, (n, r)), 0.0).astype(np.float32),
+      lengths=lengths,
+      finish_reason=np.where(lengths == r, "length", "stop"),
+      group_ids=np.arange(n) // 2,
+      sample_index=np.arange(n) % 2,
+      policy_version=0,
+  )
+  rewards = rng.choice([0.0, 0.5, 1.0], n).astype(np.float32)
+  batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=(rewards - 0.5).astype(np.float32))
+  noise = rng.normal(0.0, 0.1, batch.behavior_logp.shape).astype(np.float32)
+  return gen, batch.replace(learner_logp=np.where(batch.response_mask, batch.behavior_logp + noise, 0.0))
+
+
+def test_sample_metrics_equal_the_whole_batch_formulas():
+  gen, batch = _step_batch()
+  got = rollout_metrics.sample_metrics(gen, batch, slice(0, 8), 8)
+  n_tok = max(int(gen.response_mask.sum()), 1)
+  exact = {  # the trainer's former formulas over the global batch: equal bit for bit
+      "reward/mean": float(batch.rewards.mean()),
+      "reward/accuracy": float((batch.rewards >= 1.0).mean()),
+      "response/length_mean": float(gen.lengths.mean()),
+      "response/length_max": int(gen.lengths.max()),
+      "response/length_quantiles": np.quantile(gen.lengths, np.linspace(0, 1, 11)).round(1).tolist(),
+      "response/truncated_frac": float(gen.truncated.mean()),
+      "advantage/zero_frac": float((batch.advantages == 0).mean()),
+      "tokens": n_tok,
+  }
+  assert {k: got[k] for k in exact} == exact and 0 < exact["advantage/zero_frac"] < 1
+  assert got["response/entropy"] == pytest.approx(float((gen.entropy * gen.response_mask).sum() / n_tok), rel=1e-6)
+
+
+def test_mismatch_metrics_equal_the_whole_batch_ones():
+  _, batch = _step_batch(1)
+  got = rollout_metrics.mismatch_metrics(batch, slice(0, 8), 8)
+  want = jax.device_get(aggregation.mismatch_metrics(batch.learner_logp, batch.behavior_logp, batch.response_mask))
+  assert sorted(got) == sorted(want) and got["mismatch_k3"] > 0
+  for k, v in want.items():
+    assert got[k] == pytest.approx(float(v), rel=1e-5), k

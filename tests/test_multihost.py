@@ -237,6 +237,9 @@ def test_host_primitives_in_two_processes(tmp_path):
         "config.mesh.shape: the step's 8 rows do not split over the processes by whole groups" in s["hb_layout_error"]
     )
     assert "process 0's devices hold the rows [4, 8), it owns [0, 4)" in s["hb_layout_error"]
+    assert s["odd_prompts_error"].startswith(
+        "config.prompts_per_step: 3 prompts do not split into whole groups over the run's 2 processes"
+    )
   # the same global batch on both; each process's share is disjoint and together they are the batch, in order
   assert seen[0]["batch_ids"] == seen[1]["batch_ids"]
   assert set(seen[0]["my_ids"]).isdisjoint(seen[1]["my_ids"])
