@@ -119,8 +119,9 @@ class Trainer:
           params, [self.prompt_ids[p.id] for p in problems], sampling, seed, group_size=group_size, **kw
       )
 
-  def _decode(self, gen) -> list[str]:
-    return [self.tokenizer.decode(t[m].tolist()) for t, m in zip(gen.response_tokens, gen.response_mask)]
+  def _decode(self, gen, rows: slice = slice(None)) -> list[str]:
+    pairs = zip(gen.response_tokens[rows], gen.response_mask[rows])
+    return [self.tokenizer.decode(t[m].tolist()) for t, m in pairs]
 
   def _rollout(
       self, state, gen, problems, group_size: int, score: bool = True, graded=None
@@ -155,11 +156,12 @@ class Trainer:
         gstats,
     )
 
-  def grade(self, gen, problems, group_size: int) -> tuple[list[str], np.ndarray, dict[str, Any]]:
-    """The response texts of `gen` (prompt-major rows of `problems`), their [N] float32 rewards and the grading
-    stats."""
+  def grade(self, gen, problems, group_size: int) -> tuple[list[str | None], np.ndarray, dict[str, Any]]:
+    """The response texts of `gen` (prompt-major rows of `problems`) on this process's rows (`grade_split` grades
+    only those; None on the others'), the [N] float32 rewards of every row and the grading stats."""
     c = self.c
-    texts = self._decode(gen)
+    texts: list[str | None] = [None] * len(gen)
+    texts[multihost.process_rows(len(gen))] = self._decode(gen, multihost.process_rows(len(gen)))
     golds = [p.answer for p in problems for _ in range(group_size)]
     rewards, gstats = grade_split(
         texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)

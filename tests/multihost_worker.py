@@ -45,6 +45,8 @@ def primitives(out_dir: str) -> dict:
   mine = batch[multihost.process_rows(len(batch))]
   responses = [f"\\boxed{{{p.answer if k % 2 else 'x'}}}" for k, p in enumerate(batch)]
   rewards, stats = grade_split(responses, [p.answer for p in batch], mode="math")
+  mine_only = [r if k in range(6)[multihost.process_rows(6)] else None for k, r in enumerate(responses)]
+  rewards_mine_only, _ = grade_split(mine_only, [p.answer for p in batch], mode="math")  # the others not decoded
   try:
     multihost.check_same(f"config of process {jax.process_index()}", "the config")
     same_error = None
@@ -66,6 +68,7 @@ def primitives(out_dir: str) -> dict:
       "batch_ids": [p.id for p in batch],
       "my_ids": [p.id for p in mine],
       "rewards": rewards,
+      "rewards_mine_only": rewards_mine_only,
       "stats": stats,
       "check_same_error": same_error,
   }
