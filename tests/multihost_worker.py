@@ -107,6 +107,7 @@ def _host_batch(mesh) -> dict:
       "hb_rewards": multihost.to_host(placed["rewards"]).tolist(),
       "hb_advantages": multihost.to_host(placed["advantages"]).tolist(),
       "hb_doubled": multihost.to_host(doubled).tolist(),
+      "hb_local_doubled": host_batch.local_rows(doubled).tolist(),  # no collective: this process's shards
       "hb_stats": host_batch.batch_stats({"reward": rewards, "length": np.asarray([3, 5])[: jax.process_index()]}),
       "hb_layout_error": layout_error,
   }

@@ -48,6 +48,12 @@ def test_global_rows_places_the_rows_sharded_over_the_batch_axes():
   assert [s.data.shape for s in placed["tokens"].addressable_shards] == [(2, 3)] * 8
   np.testing.assert_array_equal(np.asarray(placed["tokens"]), tokens)
   np.testing.assert_array_equal(np.asarray(placed["rewards"]), tokens[:, 0] / 2.0)
+  np.testing.assert_array_equal(host_batch.local_rows(placed["tokens"]), tokens)  # one process: every row
+  replicated = jax.device_put(tokens, host_batch.batch_sharding(mesh, ("data",)))  # each row on 4 devices
+  np.testing.assert_array_equal(host_batch.local_rows(replicated), tokens)
+  by_column = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
+  with pytest.raises(ValueError, match="splits the array along an axis other than its rows"):
+    host_batch.local_rows(jax.device_put(np.zeros((16, 4)), by_column))
   with pytest.raises(ValueError, match="passed 15 rows, its devices hold rows"):
     host_batch.global_rows(tokens[:15], sharding, 16)
 

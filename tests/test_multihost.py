@@ -230,6 +230,7 @@ def test_host_primitives_in_two_processes(tmp_path):
     # per-process batches: each made its groups' rows only; the global values are the one-process ones
     assert s["hb_rows"] == [4 * i, 4 * i + 4] and s["hb_shards"] == [2, 2]
     assert s["hb_rewards"] == REWARDS.tolist() and s["hb_doubled"] == (2 * REWARDS).tolist()
+    assert s["hb_local_doubled"] == (2 * REWARDS[4 * i : 4 * i + 4]).tolist()
     assert s["hb_advantages"] == np.asarray(group_advantages(jnp.asarray(REWARDS), jnp.arange(8) // 2)).tolist()
     assert s["hb_stats"]["reward"] == {"sum": 3.25, "count": 8, "min": 0.0, "max": 1.0, "mean": 3.25 / 8}
     assert s["hb_stats"]["length"] == {"sum": 3.0, "count": 1, "min": 3.0, "max": 3.0, "mean": 3.0}

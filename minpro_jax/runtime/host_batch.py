@@ -5,7 +5,7 @@ prompt p are rows [p G, (p + 1) G)). With n processes, process i owns the whole 
 [i B/n, (i + 1) B/n), i.e. rows [i B G/n, (i + 1) B G/n): group advantages computed from its own rows are exact,
 and the rows are the contiguous block its devices hold when the batch axis splits over the mesh's `data`/`fsdp`
 axes in process order (`check_layout`). `global_rows` makes the global sharded array from every process's block
-(`jax.make_array_from_process_local_data`), and `batch_stats` reduces a step's statistics from per-process partial
+(`jax.make_array_from_process_local_data`), `local_rows` reads a process's block back, and `batch_stats` reduces a step's statistics from per-process partial
 sums, so no host needs the global batch. docs/multihost.md says what is wired into the trainer.
 
 Every function is exact in a single-process run (one process owns every row) and makes no collective call there.
@@ -62,16 +62,17 @@ def batch_sharding(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> NamedShard
   return NamedSharding(mesh, P(tuple(axes) or None))
 
 
-def process_blocks(sharding: jax.sharding.Sharding, num_rows: int) -> list[tuple[int, int]]:
-  """[(start, stop)] of the rows of a [num_rows, ...] array that each process's devices hold under `sharding`, by
-  process index; (0, 0) for a process holding none.
+def process_blocks(sharding: jax.sharding.Sharding, shape: int | tuple[int, ...]) -> list[tuple[int, int]]:
+  """[(start, stop)] of the rows of an array of `shape` ([num_rows, ...]; an int: [num_rows]) that each process's
+  devices hold under `sharding`, by process index; (0, 0) for a process holding none.
 
   Raises:
     ValueError: a process's devices hold rows that are not one contiguous block.
   """
+  shape = (shape,) if isinstance(shape, int) else tuple(shape)
   spans: dict[int, list[tuple[int, int]]] = {}
-  for device, index in sharding.devices_indices_map((num_rows,)).items():
-    rows = range(num_rows)[index[0]]
+  for device, index in sharding.devices_indices_map(shape).items():
+    rows = range(shape[0])[index[0]]
     spans.setdefault(device.process_index, []).append((rows.start, rows.stop))
   blocks = []
   for proc in range(jax.process_count()):
@@ -139,6 +140,28 @@ def global_rows(local: Any, sharding: jax.sharding.Sharding, num_rows: int) -> A
     return jax.make_array_from_process_local_data(sharding, x, (num_rows, *x.shape[1:]))
 
   return jax.tree.map(one, local)
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+  """This process's rows of the global [N, ...] array `x` (the block `process_blocks` gives its devices), as numpy,
+  read from its own shards: the per-process way back to the host, where `multihost.to_host` all-gathers N rows.
+
+  Raises:
+    ValueError: as `process_blocks`; or `x` is split along another axis than the rows (a shard is not whole rows).
+  """
+  start, stop = process_blocks(x.sharding, x.shape)[jax.process_index()]
+  out, seen = None, set()
+  for shard in x.addressable_shards:
+    rows = range(x.shape[0])[shard.index[0]]
+    if any(i != slice(None) and range(n)[i] != range(n) for i, n in zip(shard.index[1:], x.shape[1:])):
+      raise ValueError(f"local_rows: {x.sharding} splits the array along an axis other than its rows")
+    if rows.start in seen:
+      continue  # a replica of rows already read
+    seen.add(rows.start)
+    if out is None:
+      out = np.empty((stop - start, *x.shape[1:]), x.dtype)
+    out[rows.start - start : rows.stop - start] = np.asarray(shard.data)
+  return np.empty((0, *x.shape[1:]), x.dtype) if out is None else out
 
 
 STATS = ("sum", "count", "min", "max")
