@@ -146,9 +146,9 @@ class Trainer:
       return batch, texts, gstats
     recorded = batch.routes is not None  # the learner's own routes ([N, L, layers, k]) only to compare with them
     with use_mesh(self.mesh):
-      learner_logp = self.learner.score(state.params, batch, return_routes=recorded)
+      scored = self.learner.score(state.params, batch, return_routes=recorded)
+    learner_logp, learner_routes = scored if recorded else (scored, None)
     if recorded:  # where the learner's router, at the sampling version, picks other experts
-      learner_logp, learner_routes = learner_logp
       gstats["router_mismatch"] = route_mismatch(learner_routes, batch.routes)[0]
     return (
         batch.replace(learner_logp=np.where(batch.response_mask, learner_logp, 0.0).astype(np.float32)),
@@ -161,7 +161,8 @@ class Trainer:
     only those; None on the others'), the [N] float32 rewards of every row and the grading stats."""
     c = self.c
     texts: list[str | None] = [None] * len(gen)
-    texts[multihost.process_rows(len(gen))] = self._decode(gen, multihost.process_rows(len(gen)))
+    mine = multihost.process_rows(len(gen))  # the rows `grade_split` grades here: only they are decoded
+    texts[mine] = self._decode(gen, mine)
     golds = [p.answer for p in problems for _ in range(group_size)]
     rewards, gstats = grade_split(
         texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)
