@@ -35,13 +35,14 @@ GenerateFn = Callable[[list[str], int, int], list[list[str]]]
 
 
 def grade_split(
-    responses: Sequence[str], ground_truths: Sequence[Any], **kwargs: Any
+    responses: Sequence[str | None], ground_truths: Sequence[Any], **kwargs: Any
 ) -> tuple[list[float], dict[str, int]]:
   """``rewards.grade`` with the rows split over the run's processes (`multihost.process_rows`).
 
-  Every process passes the same N responses; each grades its share, and the N rewards and the summed statistics
-  come back on every process (the same values ``grade`` gives in one process). Every process must call it at the
-  same point. Arguments, returns and errors as ``rewards.grade``.
+  Every process passes N responses, of which it reads only its share (the others may be None: a process need not
+  decode them); each grades its share, and the N rewards and the summed statistics come back on every process (the
+  same values ``grade`` gives in one process). Every process must call it at the same point. Arguments, returns
+  and errors as ``rewards.grade``.
   """
   n = len(responses)
   if len(ground_truths) != n:

@@ -31,7 +31,6 @@ import sys
 import time
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -48,16 +47,15 @@ from minpro_jax.mipu_step import MipuStep
 from minpro_jax.mipu_step import summary as mipu_summary
 from minpro_jax.models.moe import route_mismatch
 from minpro_jax.overlap import StepRunner
-from minpro_jax.rl import lr_decay
+from minpro_jax.rl import lr_decay, rollout_metrics
 from minpro_jax.rl.advantages import group_advantages
-from minpro_jax.rl.aggregation import mismatch_metrics
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.packing import row_tokens
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.run_progress import RunProgress
 from minpro_jax.run_setup import RunParts, setup_run
-from minpro_jax.runtime import multihost
+from minpro_jax.runtime import host_batch, multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampler_setup import sampler_kwargs
 from minpro_jax.sampling import Sampler, SamplingParams
@@ -121,8 +119,9 @@ class Trainer:
           params, [self.prompt_ids[p.id] for p in problems], sampling, seed, group_size=group_size, **kw
       )
 
-  def _decode(self, gen) -> list[str]:
-    return [self.tokenizer.decode(t[m].tolist()) for t, m in zip(gen.response_tokens, gen.response_mask)]
+  def _decode(self, gen, rows: slice = slice(None)) -> list[str]:
+    pairs = zip(gen.response_tokens[rows], gen.response_mask[rows])
+    return [self.tokenizer.decode(t[m].tolist()) for t, m in pairs]
 
   def _rollout(
       self, state, gen, problems, group_size: int, score: bool = True, graded=None
@@ -145,9 +144,11 @@ class Trainer:
     gstats = {**gstats, "seconds": time.time() - t0}
     if not score:
       return batch, texts, gstats
+    recorded = batch.routes is not None  # the learner's own routes ([N, L, layers, k]) only to compare with them
     with use_mesh(self.mesh):
-      learner_logp, learner_routes = self.learner.score(state.params, batch, return_routes=True)
-    if batch.routes is not None:  # where the learner's router, at the sampling version, picks other experts
+      scored = self.learner.score(state.params, batch, return_routes=recorded)
+    learner_logp, learner_routes = scored if recorded else (scored, None)
+    if recorded:  # where the learner's router, at the sampling version, picks other experts
       gstats["router_mismatch"] = route_mismatch(learner_routes, batch.routes)[0]
     return (
         batch.replace(learner_logp=np.where(batch.response_mask, learner_logp, 0.0).astype(np.float32)),
@@ -155,11 +156,13 @@ class Trainer:
         gstats,
     )
 
-  def grade(self, gen, problems, group_size: int) -> tuple[list[str], np.ndarray, dict[str, Any]]:
-    """The response texts of `gen` (prompt-major rows of `problems`), their [N] float32 rewards and the grading
-    stats."""
+  def grade(self, gen, problems, group_size: int) -> tuple[list[str | None], np.ndarray, dict[str, Any]]:
+    """The response texts of `gen` (prompt-major rows of `problems`) on this process's rows (`grade_split` grades
+    only those; None on the others'), the [N] float32 rewards of every row and the grading stats."""
     c = self.c
-    texts = self._decode(gen)
+    texts: list[str | None] = [None] * len(gen)
+    mine = multihost.process_rows(len(gen))  # the rows `grade_split` grades here: only they are decoded
+    texts[mine] = self._decode(gen, mine)
     golds = [p.answer for p in problems for _ in range(group_size)]
     rewards, gstats = grade_split(
         texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)
@@ -237,19 +240,13 @@ class Trainer:
     score, logs_mismatch = self.scoring(step)
     batch, texts, gstats = self._rollout(state, gen, problems, c.group_size, score=score, graded=graded)
     t2, t_grade = time.time(), gstats["seconds"]
-    n_tok = max(int(gen.response_mask.sum()), 1)
+    rows = host_batch.process_group_rows(c.prompts_per_step, c.group_size)  # this process's rows: its share
+    sampled = rollout_metrics.sample_metrics(gen, batch, rows, len(gen))  # of the statistics, gathered as [N, k]
+    n_tok = sampled.pop("tokens")
     metrics = {
-        "reward/mean": float(batch.rewards.mean()),
-        "reward/accuracy": float((batch.rewards >= 1.0).mean()),
+        **sampled,
         "reward/no_answer_frac": gstats["no_answer"] / len(texts),
         "reward/timeouts": gstats["timeout"],
-        "response/length_mean": float(gen.lengths.mean()),
-        "response/length_max": int(gen.lengths.max()),
-        # deciles of this step's lengths: `python -m minpro_jax.aot --budget --lengths=metrics.jsonl` draws from them
-        "response/length_quantiles": np.quantile(gen.lengths, np.linspace(0, 1, 11)).round(1).tolist(),
-        "response/truncated_frac": float(gen.truncated.mean()),
-        "response/entropy": float((gen.entropy * gen.response_mask).sum() / n_tok),
-        "advantage/zero_frac": float((batch.advantages == 0).mean()),
         "sample/policy_version": version,
         "time/sample": t1 - t0,
         "time/grade": t_grade,
@@ -258,8 +255,8 @@ class Trainer:
         **dynamic,
     }
     if logs_mismatch:  # the same steps whether or not the loss scored every step: runs stay comparable
-      mm = jax.device_get(mismatch_metrics(batch.learner_logp, batch.behavior_logp, batch.response_mask))
-      metrics.update({f"sampler_learner/{k}": float(v) for k, v in mm.items()})
+      mm = rollout_metrics.mismatch_metrics(batch, rows, len(gen))
+      metrics.update({f"sampler_learner/{k}": v for k, v in mm.items()})
       if "router_mismatch" in gstats:
         metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
     return batch, metrics

@@ -3,8 +3,8 @@
     python -m tests.multihost_worker MODE OUT_DIR
 
 MODE "primitives": initializes jax.distributed through `maybe_initialize_distributed` (the trainer's path), runs
-the host-side primitives of `minpro_jax.runtime.multihost` and the trainer's data order on a 2 x 2 mesh, and writes
-what this process saw to OUT_DIR/process_<i>.json. MODE "layout": places a tree with a one-device scalar on the
+the host-side primitives of `minpro_jax.runtime.multihost`, the per-process batches of `.host_batch` and the
+trainer's data order on a 2 x 2 mesh, and writes what this process saw to OUT_DIR/process_<i>.json. MODE "layout": places a tree with a one-device scalar on the
 mesh of every device (`sharding.replicate_local_leaves`), checks and saves it with orbax, and records what
 `sharding.check_global` says of leaves that are not global. MODE "fail": process 1 exits with status 3, the others wait.
 MODE "sleep": every process waits for SIGTERM, records it in OUT_DIR/process_<i>.signal and exits 143. MODE
@@ -45,6 +45,8 @@ def primitives(out_dir: str) -> dict:
   mine = batch[multihost.process_rows(len(batch))]
   responses = [f"\\boxed{{{p.answer if k % 2 else 'x'}}}" for k, p in enumerate(batch)]
   rewards, stats = grade_split(responses, [p.answer for p in batch], mode="math")
+  mine_only = [r if k in range(6)[multihost.process_rows(6)] else None for k, r in enumerate(responses)]
+  rewards_mine_only, _ = grade_split(mine_only, [p.answer for p in batch], mode="math")  # the others not decoded
   try:
     multihost.check_same(f"config of process {jax.process_index()}", "the config")
     same_error = None
@@ -52,7 +54,9 @@ def primitives(out_dir: str) -> dict:
     same_error = str(e)
   multihost.check_same("one config", "the config")
   return {
+      **_host_batch(mesh),
       "micro_batch_error": _micro_batch_error(out_dir),
+      "odd_prompts_error": _micro_batch_error(out_dir, prompts_per_step=3, num_updates_per_step=3, micro_batch_size=4),
       "process_index": jax.process_index(),
       "process_count": jax.process_count(),
       "devices": jax.device_count(),
@@ -64,19 +68,66 @@ def primitives(out_dir: str) -> dict:
       "batch_ids": [p.id for p in batch],
       "my_ids": [p.id for p in mine],
       "rewards": rewards,
+      "rewards_mine_only": rewards_mine_only,
       "stats": stats,
       "check_same_error": same_error,
   }
 
 
-def _micro_batch_error(out_dir: str) -> str | None:
-  """The trainer's config check of micro-batches of 2 on fsdp=-1: the mesh spans both processes' 4 devices."""
+def _host_batch(mesh) -> dict:
+  """Per-process batches (`runtime.host_batch`): 4 prompts x 2 samples; each process makes only its groups' rows,
+  computes their advantages and places them; the global values and statistics come back on both."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from minpro_jax.errors import ConfigError
+  from minpro_jax.rl.advantages import group_advantages
+  from minpro_jax.runtime import host_batch, multihost
+  from minpro_jax.runtime.sharding import make_mesh
+
+  prompts, group, n = 4, 2, 8
+  rows = host_batch.process_group_rows(prompts, group)
+  rewards = np.asarray([1.0, 0.0, 0.5, 0.5, 0.25, 1.0, 0.0, 0.0], np.float32)[rows]  # only this process's rows
+  group_ids = np.arange(prompts).repeat(group)[rows]
+  adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(group_ids)))
+  sharding = host_batch.batch_sharding(mesh, ("data", "fsdp"))
+  host_batch.check_layout(sharding, prompts, group)
+  placed = host_batch.global_rows({"rewards": rewards, "advantages": adv}, sharding, n)
+  doubled = jax.jit(lambda x: 2 * x, out_shardings=sharding)(placed["rewards"])  # a program on the global array
+  reversed_mesh = make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[::-1])  # process 1's devices first
+  try:
+    host_batch.check_layout(host_batch.batch_sharding(reversed_mesh, ("data", "fsdp")), prompts, group)
+    layout_error = None
+  except ConfigError as e:
+    layout_error = str(e)
+  return {
+      "hb_rows": [rows.start, rows.stop],
+      "hb_shards": [int(s.data.shape[0]) for s in placed["rewards"].addressable_shards],
+      "hb_rewards": multihost.to_host(placed["rewards"]).tolist(),
+      "hb_advantages": multihost.to_host(placed["advantages"]).tolist(),
+      "hb_doubled": multihost.to_host(doubled).tolist(),
+      "hb_local_doubled": host_batch.local_rows(doubled).tolist(),  # no collective: this process's shards
+      "hb_stats": host_batch.batch_stats({"reward": rewards, "length": np.asarray([3, 5])[: jax.process_index()]}),
+      "hb_layout_error": layout_error,
+  }
+
+
+def _micro_batch_error(out_dir: str, **overrides) -> str | None:
+  """The trainer's config check of micro-batches of 2 on fsdp=-1 (the mesh spans both processes' 4 devices), or of
+  the config with `overrides`."""
   from minpro_jax import run_config
   from minpro_jax.config_lib.defaults import get_config
 
   c = get_config()
   c.update_from_flattened_dict(
-      {"workdir": os.path.join(out_dir, "run"), "mesh.shape": "fsdp=-1", "micro_batch_size": 2, "prompts_per_step": 4}
+      {
+          "workdir": os.path.join(out_dir, "run"),
+          "mesh.shape": "fsdp=-1",
+          "micro_batch_size": 2,
+          "prompts_per_step": 4,
+          **overrides,
+      }
   )  # the default's group_size 8 and 4 updates: mini-batches of 8
   try:
     run_config.validate_config(c)

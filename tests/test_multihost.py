@@ -29,14 +29,18 @@ import sys
 import time
 import types
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from train_helpers import REPO, checkpoint_steps, cli_args, cli_env, metrics_records, tiny_overrides
 
 from minpro_jax import launch_local
+from minpro_jax.rl.advantages import group_advantages
 
 pytestmark = pytest.mark.slow
 
 STEPS = 4
+REWARDS = np.asarray([1.0, 0.0, 0.5, 0.5, 0.25, 1.0, 0.0, 0.0], np.float32)  # tests/multihost_worker.py's batch
 # Metrics that are float statistics of log-probs: equal up to the reduction order of the collectives.
 ROUNDOFF = ("sampler_learner/", "learn/")
 EXACT_LEARN = ("learn/updates", "learn/skipped_updates")
@@ -261,11 +265,25 @@ def test_host_primitives_in_two_processes(tmp_path):
     assert s["fully_addressable"] is False and s["to_host"] == rows
     assert s["sum"] == [2, 1]
     assert s["gathered"] == [0, 10, 20, 30, 40, 50, 60]
-    assert s["rewards"] == [float(k % 2) for k in range(6)]  # graded in two halves, gathered on both
+    assert s["rewards"] == s["rewards_mine_only"] == [float(k % 2) for k in range(6)]  # graded in halves, gathered
     assert s["stats"]["correct"] == 3 and s["stats"]["graded"] == 6
     assert "processes [1]" in s["check_same_error"]
     assert "micro-batch of 2 samples does not split over the mesh's batch axes (mesh.shape='fsdp=-1' on 4 devices" in (
         s["micro_batch_error"] or ""
+    )
+    # per-process batches: each made its groups' rows only; the global values are the one-process ones
+    assert s["hb_rows"] == [4 * i, 4 * i + 4] and s["hb_shards"] == [2, 2]
+    assert s["hb_rewards"] == REWARDS.tolist() and s["hb_doubled"] == (2 * REWARDS).tolist()
+    assert s["hb_local_doubled"] == (2 * REWARDS[4 * i : 4 * i + 4]).tolist()
+    assert s["hb_advantages"] == np.asarray(group_advantages(jnp.asarray(REWARDS), jnp.arange(8) // 2)).tolist()
+    assert s["hb_stats"]["reward"] == {"sum": 3.25, "count": 8, "min": 0.0, "max": 1.0, "mean": 3.25 / 8}
+    assert s["hb_stats"]["length"] == {"sum": 3.0, "count": 1, "min": 3.0, "max": 3.0, "mean": 3.0}
+    assert (
+        "config.mesh.shape: the step's 8 rows do not split over the processes by whole groups" in s["hb_layout_error"]
+    )
+    assert "process 0's devices hold the rows [4, 8), it owns [0, 4)" in s["hb_layout_error"]
+    assert s["odd_prompts_error"].startswith(
+        "config.prompts_per_step: 3 prompts do not split into whole groups over the run's 2 processes"
     )
   # the same global batch on both; each process's share is disjoint and together they are the batch, in order
   assert seen[0]["batch_ids"] == seen[1]["batch_ids"]

@@ -115,10 +115,11 @@ def take_groups(
 
 @dataclasses.dataclass
 class Round:
-  """One round's sampled and graded rows: the `GenerationBatch`, the response texts, [N] rewards, grading stats."""
+  """One round's sampled and graded rows: the `GenerationBatch`, the response texts (None on the rows another
+  process graded: `Trainer.grade`), [N] rewards, grading stats."""
 
   gen: GenerationBatch
-  texts: list[str]
+  texts: list[str | None]
   rewards: np.ndarray
   stats: dict
 

@@ -401,7 +401,8 @@ class Learner:
       raise ValueError(f"batch of {n} rows is not divisible by micro_batch_size {mb}")
     replay = self.loss_cfg.router_replay
     if self.row_tokens is None:
-      logp, routes = to_host(self.jitted_score(params, ScoreInputs.of(batch, replay), mb))
+      logp, routes = self.jitted_score(params, ScoreInputs.of(batch, replay), mb)
+      logp, routes = to_host((logp, routes if return_routes else None))  # an MoE's [N, L, layers, k]: only if asked
       return (logp, routes) if return_routes else logp
     _replayed_routes(batch, replay)  # the same error as unpacked
     plan = packing.plan(batch.segment_ids, self.row_tokens, mb)
@@ -411,7 +412,8 @@ class Learner:
         routes=_device(rows.get("routes")),
         kept_logp_threshold=_device(rows.get("kept_logp_threshold")),
     )
-    logp, routes = to_host(self.jitted_score(params, inputs, mb))
+    logp, routes = self.jitted_score(params, inputs, mb)
+    logp, routes = to_host((logp, routes if return_routes else None))
     logp = packing.unpack(logp, plan, batch.tokens.shape)
     if routes is not None:
       routes = packing.unpack(routes, plan, batch.tokens.shape, fill=packing.NO_ROUTE)
