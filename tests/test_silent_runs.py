@@ -35,6 +35,23 @@ def test_a_config_argument_typo_names_the_reason():
 
 
 @pytest.mark.parametrize(
+    "flag, expected",
+    [
+        ("--config.samplng.x=1", "config.samplng.x: the config has no such field; did you mean config.sampling.x?"),
+        (
+            "--config.sampling.tempreature=0.5",
+            "config.sampling.tempreature: the config has no such field; did you mean config.sampling.temperature?",
+        ),
+        ("--config.no_such_field=3", "config.no_such_field: the config has no such field; see"),
+    ],
+)
+def test_a_field_typo_names_the_whole_flag_and_the_suggestion(flag, expected):
+  with pytest.raises(UserError) as e:
+    train.parse_config(["x", "--config=configs/default.py", flag])
+  assert str(e.value).startswith(expected) and "\\n" not in str(e.value) and "\\'" not in str(e.value)
+
+
+@pytest.mark.parametrize(
     "field, value",
     [("mode", "random"), ("random_rate", 0.3), ("match_rate_of", "runs/x"), ("ground_truth", True)],
 )
