@@ -67,8 +67,9 @@ def test_mipu_step2_settings_without_rollback_are_refused(tmp_path, field, value
 def test_router_replay_on_a_dense_model_is_refused_by_the_config_check(tmp_path):
   for field in ("loss.router_replay", "sampling.record_routes"):
     c = make_config(tiny_overrides(tmp_path, **{field: True}))
-    with pytest.raises(ConfigError, match=rf"config\.{field}: routes exist only in MoE models"):
+    with pytest.raises(ConfigError) as e:
       run_config.validate_config(c)  # no tokenizer, no model: before any work
+    assert str(e.value).startswith(f"config.{field}: routes exist only in MoE models"), str(e.value)
 
 
 def test_a_missing_match_rate_of_run_is_refused_before_the_tokenizer(tmp_path):
