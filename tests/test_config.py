@@ -25,6 +25,7 @@ BAD = [
     ({"mesh.shape": "data=2,fsdp=2"}, 8, "mesh.shape"),
     ({"mesh.shape": "data=3"}, 1, "mesh.shape"),
     ({"mesh.shape": "rows=8"}, 8, "mesh.shape"),
+    ({"mesh.shape": "data=2,data=4"}, 4, "mesh.shape"),  # once a silent data=4
     ({"prompts_per_step": 5, "group_size": 2, "num_updates_per_step": 2}, 1, "num_updates_per_step"),  # 10 / 2 = 5 odd
     ({"prompts_per_step": 4, "group_size": 2, "num_updates_per_step": 3}, 1, "num_updates_per_step"),
     ({"prompts_per_step": 4, "group_size": 4, "num_updates_per_step": 2, "micro_batch_size": 3}, 1, "micro_batch_size"),
