@@ -114,7 +114,7 @@ def load_model(args, overrides: dict[str, str]):
   apply_overrides(run.config, overrides)
   out = args.out or os.path.join(args.workdir, "eval", "standalone", f"{run.which}_{run.step}")
   _check(run.config, out)
-  return run.config, run.tokenizer, run.model, out, run.policy_step
+  return run.config, run.tokenizer, run.model, out, run.eval_step
 
 
 def _check(c, out: str) -> None:
@@ -130,11 +130,12 @@ def _check(c, out: str) -> None:
     raise ConfigError(f"--out: {out} is a file; give a folder")
 
 
-def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress: bool = True) -> dict[str, Any]:
+def run_evaluation(c, tokenizer, model, out: str, eval_step: int = 0, progress: bool = True) -> dict[str, Any]:
   """Evaluates `model` on config `c`'s held-out benchmarks; writes and returns the tables (module docstring).
 
-  `policy_step` offsets the seed as the trainer's evaluation at that policy step does (`eval.seed + policy_step`),
-  so a run's checkpoint gets the samples, and the scores, its run logged.
+  `eval_step` (the global steps done, `run_load.LoadedRun.eval_step`) offsets the seed as the trainer's evaluation
+  after that many global steps does (`eval.seed + eval_step`), so a run's checkpoint gets the samples, and the
+  scores, its run logged.
 
   Raises:
     ConfigError: `out` holds tables of other settings; a benchmark with no prompt that fits.
@@ -149,7 +150,7 @@ def run_evaluation(c, tokenizer, model, out: str, policy_step: int = 0, progress
   from minpro_jax.sampling import Sampler, SamplingParams
 
   e = c.eval
-  seed = e.seed + policy_step
+  seed = e.seed + eval_step
   settings = {k: v for k, v in json.loads(e.to_json_best_effort()).items() if k != "every"}
   settings.update(seed=seed, template=c.data.template, max_prompt_tokens=c.data.max_prompt_tokens)  # the seed used
   settings.update(max_new_tokens=c.sampling.max_new_tokens, precision=c.sampling.precision, reward_mode=c.reward.mode)
@@ -237,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
       if not item.startswith("--") or not eq:
         raise ConfigError(f"{item}: give fields as --FIELD=VALUE (e.g. --eval.n=16)")
       overrides[field] = value
-    c, tokenizer, model, out, policy_step = load_model(args, overrides)
-    results = run_evaluation(c, tokenizer, model, out, policy_step, progress=not args.no_progress)
+    c, tokenizer, model, out, eval_step = load_model(args, overrides)
+    results = run_evaluation(c, tokenizer, model, out, eval_step, progress=not args.no_progress)
   except UserError as e:
     if args.debug:
       raise
