@@ -138,6 +138,8 @@ def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(
     Trainer.from_config(make_config({**ok, "workdir": str(blocker / "run")}))
   with pytest.raises(ConfigError, match=r"config\.data\.task / config\.data\.task_config: .*'no_such_task'"):
     Trainer.from_config(make_config({**ok, "data.task": "no_such_task"}))
+  with pytest.raises(ConfigError, match=r"config\.data\.task / config\.data\.task_config: .*max_terms must be >="):
+    Trainer.from_config(make_config({**ok, "data.task_config.min_terms": 5}))  # reasoning-gym asserts: a traceback
   empty = tmp_path / "empty.jsonl"
   empty.write_text("")
   with pytest.raises(ConfigError, match=r"config\.data\.path: .*empty\.jsonl' holds no usable problem"):
