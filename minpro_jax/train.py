@@ -97,6 +97,8 @@ def _flag_message(argv: list[str], e: BaseException) -> str:
       is_grid = False
     what = f"it is a study grid: run python -m minpro_jax.study --grid={path}" if is_grid else "pass a config file"
     return f"--config={path}: the file has no get_config(); {what}"
+  if m := re.match(r"Found (\S+) in argv before a value for --config was specified", text):
+    return f"{m.group(1)}: comes before --config=FILE; put --config=FILE first (the overrides apply to that file)"
   if "Error whilst parsing config file" in text:  # get_config raised: its reason is the traceback's last line
     flag = next((a for a in reversed(argv) if a.startswith("--config=")), "--config")
     reason = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")

@@ -34,6 +34,14 @@ def test_a_config_argument_typo_names_the_reason():
   assert "config arg method 'ppo'; choose one of" in msg and "Traceback" not in msg
 
 
+def test_an_override_before_the_config_file_says_to_put_the_file_first():
+  with pytest.raises(UserError) as e:
+    train.parse_config(["x", "--config.total_steps=3", "--config=configs/default.py"])
+  assert str(e.value) == (
+      "--config.total_steps=3: comes before --config=FILE; put --config=FILE first (the overrides apply to that file)"
+  )
+
+
 @pytest.mark.parametrize(
     "flag, expected",
     [
