@@ -188,7 +188,7 @@ def base_config() -> ConfigDict:
   c.eval.reward_mode = _unset(str)  # unset = reward.mode; "math" for MATH-500 / OlympiadBench-style answers
 
   c.checkpoint = ConfigDict()
-  c.checkpoint.every = 10  # global steps; also on SIGTERM / SIGINT
+  c.checkpoint.every = 10  # global steps; also on SIGTERM / SIGINT and after the last step (0 = only then)
   c.checkpoint.keep = 2
 
   c.mesh = ConfigDict()
