@@ -71,8 +71,9 @@ def check_batch_split(c) -> None:
       "num_updates_per_step",
       f"each mini-batch of {mini} samples must hold whole groups of group_size={c.group_size}",
   )
+  need(c.micro_batch_size >= 1, "micro_batch_size", f"must be >= 1 (samples per micro-batch), got {c.micro_batch_size}")
   need(
-      c.micro_batch_size >= 1 and mini % c.micro_batch_size == 0 or c.micro_batch_size > mini,
+      mini % c.micro_batch_size == 0 or c.micro_batch_size > mini,
       "micro_batch_size",
       f"mini-batch of {mini} samples is not divisible by micro_batch_size={c.micro_batch_size}",
   )

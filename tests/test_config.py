@@ -44,6 +44,7 @@ BAD = [
     ({"loss.eps_low": 1.5}, 1, "loss.eps_low"),
     ({"loss.dual_clip_c": 0.5}, 1, "loss.dual_clip_c"),
     ({"optimizer.schedule": "cosin"}, 1, "optimizer.schedule"),
+    ({"micro_batch_size": 0}, 1, "micro_batch_size: must be >= 1"),  # once "... not divisible by micro_batch_size=0"
     ({"optimizer.schedule": "cosine"}, 1, "optimizer.decay_steps"),  # 0: once the rate at its floor from update 1 on
     ({"optimizer.schedule": "linear", "optimizer.decay_steps": 0}, 1, "optimizer.decay_steps"),
     ({"optimizer.learning_rate": -1.0}, 1, "optimizer.learning_rate"),
