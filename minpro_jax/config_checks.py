@@ -52,6 +52,7 @@ def parse_mesh_shape(spec: str) -> dict[str, int] | None:
     name, _, size = part.partition("=")
     ok = bool(name.strip()) and size.strip().lstrip("-").isdigit()
     need(ok, "mesh.shape", f"cannot parse {part!r}; write e.g. 'data=2,fsdp=4'")
+    need(name.strip() not in out, "mesh.shape", f"{spec!r} gives axis {name.strip()!r} twice; give each axis once")
     out[name.strip()] = int(size)
   return out
 
@@ -71,8 +72,9 @@ def check_batch_split(c) -> None:
       "num_updates_per_step",
       f"each mini-batch of {mini} samples must hold whole groups of group_size={c.group_size}",
   )
+  need(c.micro_batch_size >= 1, "micro_batch_size", f"must be >= 1 (samples per micro-batch), got {c.micro_batch_size}")
   need(
-      c.micro_batch_size >= 1 and mini % c.micro_batch_size == 0 or c.micro_batch_size > mini,
+      mini % c.micro_batch_size == 0 or c.micro_batch_size > mini,
       "micro_batch_size",
       f"mini-batch of {mini} samples is not divisible by micro_batch_size={c.micro_batch_size}",
   )
@@ -119,6 +121,7 @@ def check_model(c) -> None:
       f"{t.chat_format!r}; choose one of {sorted(CHAT_TEMPLATES)}, or leave it unset for the tokenizer's own",
   )
   every_source = model_overrides(c)
+  scratch_overrides = dict(m.overrides) if m.source == "scratch" else {}
   for name in every_source:
     need(name not in m.overrides, f"model.overrides.{name}", f"set config.model.{name} instead (every source)")
   if m.source == "scratch":
@@ -128,16 +131,15 @@ def check_model(c) -> None:
         "tokenizer.kind",
         "'model' reads the tokenizer of an hf/gguf checkpoint; with model.source=scratch use train_spm or path",
     )
-  try:  # ModelConfig checks its own fields: name the config field that set the bad value
-    if m.source == "scratch":
-      check_routes_fit(c, get_preset(m.preset, **dict(m.overrides), **every_source))
-    else:  # the architecture comes from the checkpoint; check the fields every source takes
-      get_preset("tiny", **every_source)
+  try:  # ModelConfig checks its own fields (a loaded checkpoint's: those every source takes); name the config field
+    built = get_preset(m.preset if m.source == "scratch" else "tiny", **every_source, **scratch_overrides)
   except (TypeError, ValueError) as e:
     hit = _MODEL_FIELD.search(str(e)) or re.search(r"argument '(\w+)'", str(e))
     name = hit.group(1) if hit else ""
     field = f"model.overrides.{name}" if name in m.overrides else f"model.{name}" if name in m else "model.overrides"
     raise ConfigError(f"config.{field}: {e}") from e
+  if m.source == "scratch":  # the architecture of a loaded checkpoint comes from it (checked below, or once read)
+    check_routes_fit(c, built)
   if m.source == "hf":
     loaded = hf_model_config(m.path)
     check_overrides_match(c, loaded)

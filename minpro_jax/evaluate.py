@@ -153,7 +153,7 @@ def load_model(args, overrides: dict[str, str]):
   apply_overrides(run.config, overrides)
   out = args.out or os.path.join(args.workdir, "eval", "standalone", f"{run.which}_{run.step}")
   _check(run.config, out)
-  return run.config, run.tokenizer, run.model, out, run.policy_step, mesh
+  return run.config, run.tokenizer, run.model, out, run.eval_step, mesh
 
 
 def _check(c, out: str) -> None:
@@ -170,14 +170,14 @@ def _check(c, out: str) -> None:
 
 
 def run_evaluation(
-    c, tokenizer, model, out: str, policy_step: int = 0, progress: bool = True, mesh=None
+    c, tokenizer, model, out: str, eval_step: int = 0, progress: bool = True, mesh=None
 ) -> dict[str, Any]:
   """Evaluates `model` on config `c`'s held-out benchmarks; writes and returns the tables (module docstring).
 
-  `policy_step` offsets the seed as the trainer's evaluation at that policy step does (`eval.seed + policy_step`),
-  so a run's checkpoint gets the samples, and the scores, its run logged. `mesh`: the mesh `model` is laid out on
-  (`eval_mesh`), or None. Every process of a multi-process evaluation calls it alike and gets the tables; process 0
-  writes them.
+  `eval_step` (the global steps done, `run_load.LoadedRun.eval_step`) offsets the seed as the trainer's evaluation
+  after that many global steps does (`eval.seed + eval_step`), so a run's checkpoint gets the samples, and the
+  scores, its run logged. `mesh`: the mesh `model` is laid out on (`eval_mesh`), or None. Every process of a
+  multi-process evaluation calls it alike and gets the tables; process 0 writes them.
 
   Raises:
     ConfigError: `out` holds tables of other settings, or is not one folder every process sees; a benchmark with no
@@ -195,7 +195,7 @@ def run_evaluation(
   from minpro_jax.sampling import Sampler, SamplingParams
 
   e = c.eval
-  seed = e.seed + policy_step
+  seed = e.seed + eval_step
   settings = {k: v for k, v in json.loads(e.to_json_best_effort()).items() if k != "every"}
   settings.update(seed=seed, template=c.data.template, max_prompt_tokens=c.data.max_prompt_tokens)  # the seed used
   settings.update(max_new_tokens=c.sampling.max_new_tokens, precision=c.sampling.precision, reward_mode=c.reward.mode)
@@ -304,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
       if not item.startswith("--") or not eq:
         raise ConfigError(f"{item}: give fields as --FIELD=VALUE (e.g. --eval.n=16)")
       overrides[field] = value
-    c, tokenizer, model, out, policy_step, mesh = load_model(args, overrides)
-    results = run_evaluation(c, tokenizer, model, out, policy_step, progress=not args.no_progress, mesh=mesh)
+    c, tokenizer, model, out, eval_step, mesh = load_model(args, overrides)
+    results = run_evaluation(c, tokenizer, model, out, eval_step, progress=not args.no_progress, mesh=mesh)
   except UserError as e:
     if args.debug:
       raise

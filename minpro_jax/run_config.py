@@ -217,6 +217,14 @@ def _check_optimizer(c) -> None:
   _need(o.schedule in SCHEDULES, "optimizer.schedule", f"{o.schedule!r}; choose one of {SCHEDULES}")
   optimizer_config(c)
   lr_decay_config(c)
+  updates = max(c.total_steps - c.delay, 1) * c.num_updates_per_step
+  _need(
+      o.schedule == "constant" or o.decay_steps >= 1,
+      "optimizer.decay_steps",
+      f"schedule={o.schedule!r} decays the rate to final_lr_ratio={o.final_lr_ratio} x it over decay_steps optimizer "
+      f"updates, and 0 would do it at the first update (nothing learnt after it); set decay_steps, e.g. to this "
+      f"run's {updates} updates ((total_steps - delay) x num_updates_per_step), or schedule=constant",
+  )
   _need(
       o.learning_rate <= MAX_LEARNING_RATE,
       "optimizer.learning_rate",

@@ -24,7 +24,6 @@ import shutil
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -50,8 +49,9 @@ class LoadedRun:
     tokenizer: the run's tokenizer (`minpro_jax.data.tokenizers`).
     model: the `Transformer` with the checkpoint's parameters.
     which: "best", "final" or "step".
-    step: the checkpoint's step: the policy step of the best evaluation, or the run checkpoint's global step.
-    policy_step: the parameters' policy version (optimizer updates applied): the step the run evaluated them at.
+    step: the checkpoint's step: the global step of the best evaluation, or the run checkpoint's global step.
+    eval_step: the global steps done when the run had these parameters (best: `step`; run checkpoint s: s + 1),
+      which offsets the seed of the run's evaluation of them (`eval.seed + eval_step`, `Trainer.evaluate`).
   """
 
   config: Any
@@ -59,7 +59,7 @@ class LoadedRun:
   model: Transformer
   which: str
   step: int
-  policy_step: int
+  eval_step: int
 
 
 def save_run_files(workdir: str, c, tokenizer) -> None:
@@ -183,7 +183,7 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
     template = jax.tree.map(lambda s: _on_mesh(s, mesh), template)
   mngr = ocp.CheckpointManager(directory)
   try:
-    restored, policy_step = _restore(mngr, kind, step, template)
+    restored = _restore(mngr, kind, step, template)
   except Exception as e:  # noqa: BLE001 - a checkpoint that does not read back: name it
     raise CheckpointError(
         f"--which={which}: the checkpoint {directory}/{step} does not read back ({type(e).__name__}: "
@@ -193,7 +193,8 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
   finally:
     mngr.close()
   model = nnx.merge(graphdef, restored, rest)
-  return LoadedRun(config=c, tokenizer=tokenizer, model=model, which=kind, step=step, policy_step=policy_step)
+  eval_step = step if kind == "best" else step + 1  # checkpoint s is written after global step s, the (s+1)-th
+  return LoadedRun(config=c, tokenizer=tokenizer, model=model, which=kind, step=step, eval_step=eval_step)
 
 
 def _on_mesh(s: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
@@ -201,17 +202,16 @@ def _on_mesh(s: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
 
-def _restore(mngr, kind: str, step: int, template) -> tuple[Any, int]:
-  """(parameters, policy step) of checkpoint `step`: the best parameters, or a run checkpoint's (partial restore)."""
+def _restore(mngr, kind: str, step: int, template) -> Any:
+  """The parameters of checkpoint `step`: the best parameters, or a run checkpoint's (partial restore)."""
   if kind == "best":
     args = ocp.args.Composite(params=ocp.args.StandardRestore(template))
-    return mngr.restore(step, args=args)["params"], step
-  item = {"params": template, "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    return mngr.restore(step, args=args)["params"]
+  item = {"params": template}
   restore = ocp.args.PyTreeRestore(
       item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
   )
-  state = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
-  return state["params"], int(state["step"])
+  return mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]["params"]
 
 
 def copy_tokenizer_source(c, out: str) -> bool:

@@ -97,15 +97,33 @@ def _flag_message(argv: list[str], e: BaseException) -> str:
       is_grid = False
     what = f"it is a study grid: run python -m minpro_jax.study --grid={path}" if is_grid else "pass a config file"
     return f"--config={path}: the file has no get_config(); {what}"
+  if m := re.match(r"Found (\S+) in argv before a value for --config was specified", text):
+    return f"{m.group(1)}: comes before --config=FILE; put --config=FILE first (the overrides apply to that file)"
   if "Error whilst parsing config file" in text:  # get_config raised: its reason is the traceback's last line
     flag = next((a for a in reversed(argv) if a.startswith("--config=")), "--config")
     reason = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
     return f"{flag}: the config file's get_config refused its argument ({reason}); fix the part after ':'"
   if isinstance(e, (AttributeError, KeyError)):  # an override names a field the config does not have
-    key = text.strip("\"'")
-    flag = next((a.split("=", 1)[0] for a in argv if re.match(rf"--config\.(.+\.)?{re.escape(key)}=", a)), key)
-    return f"{flag.lstrip('-')}: the config has no such field; see {DEFAULTS_FILE} for the fields"
+    return _unknown_field_message(argv, e)
   return text.splitlines()[0] if text else type(e).__name__
+
+
+def _unknown_field_message(argv: list[str], e: BaseException) -> str:
+  """`config.FIELD: the config has no such field` for the override that names FIELD (the whole flag, e.g.
+  `config.samplng.x` for a typo in `samplng`), with ml_collections' suggestion as `did you mean ...?`."""
+  while isinstance(e, AttributeError) and e.args and isinstance(e.args[0], BaseException):
+    e = e.args[0]  # ml_collections wraps the KeyError of a nested field in an AttributeError
+  raw = str(e.args[0]) if e.args else str(e)
+  first, _, rest = raw.partition("\n")
+  key = first.strip("\"'")
+  pattern = rf"--config\.(.+\.)?{re.escape(key)}[.=]"
+  flag = next((a.split("=", 1)[0] for a in argv if re.match(pattern, a)), key)
+  hint = ""
+  if m := re.search(r'Did you mean "([^"]+)" instead of', rest):
+    parts = flag.lstrip("-").split(".")
+    parts[parts.index(key)] = m.group(1)
+    hint = f"; did you mean {'.'.join(parts)}?"
+  return f"{flag.lstrip('-')}: the config has no such field{hint}; see {DEFAULTS_FILE} for the fields"
 
 
 def _quiet_logging() -> None:

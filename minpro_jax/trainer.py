@@ -306,13 +306,13 @@ class Trainer:
     return state, {**metrics, **_combine_update_metrics(ups)}
 
   # ------------------------------------------------------------------ evaluation and checkpoints
-  def _eval_and_keep_best(self, params, policy_step: int, name: str, progress: RunProgress) -> dict[str, Any]:
+  def _eval_and_keep_best(self, params, eval_step: int, name: str, progress: RunProgress) -> dict[str, Any]:
     """Evaluates and saves `params` as the best when they improve on it; returns the evaluation."""
-    res = self.evaluate(params, policy_step, name)
+    res = self.evaluate(params, eval_step, name)
     score = res["macro"].get("pass@1")
     if progress.improves(score):
-      progress.best_score, progress.best_step = score, policy_step
-      self.ckpt.save_best(policy_step, params, {"score": score, "step": policy_step})
+      progress.best_score, progress.best_step = score, eval_step
+      self.ckpt.save_best(eval_step, params, {"score": score, "step": eval_step})
     return res
 
   def _save(self, step: int, state, buffer: RolloutBuffer, progress: RunProgress) -> None:

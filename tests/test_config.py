@@ -25,6 +25,7 @@ BAD = [
     ({"mesh.shape": "data=2,fsdp=2"}, 8, "mesh.shape"),
     ({"mesh.shape": "data=3"}, 1, "mesh.shape"),
     ({"mesh.shape": "rows=8"}, 8, "mesh.shape"),
+    ({"mesh.shape": "data=2,data=4"}, 4, "mesh.shape"),  # once a silent data=4
     ({"prompts_per_step": 5, "group_size": 2, "num_updates_per_step": 2}, 1, "num_updates_per_step"),  # 10 / 2 = 5 odd
     ({"prompts_per_step": 4, "group_size": 2, "num_updates_per_step": 3}, 1, "num_updates_per_step"),
     ({"prompts_per_step": 4, "group_size": 4, "num_updates_per_step": 2, "micro_batch_size": 3}, 1, "micro_batch_size"),
@@ -43,6 +44,9 @@ BAD = [
     ({"loss.eps_low": 1.5}, 1, "loss.eps_low"),
     ({"loss.dual_clip_c": 0.5}, 1, "loss.dual_clip_c"),
     ({"optimizer.schedule": "cosin"}, 1, "optimizer.schedule"),
+    ({"micro_batch_size": 0}, 1, "micro_batch_size: must be >= 1"),  # once "... not divisible by micro_batch_size=0"
+    ({"optimizer.schedule": "cosine"}, 1, "optimizer.decay_steps"),  # 0: once the rate at its floor from update 1 on
+    ({"optimizer.schedule": "linear", "optimizer.decay_steps": 0}, 1, "optimizer.decay_steps"),
     ({"optimizer.learning_rate": -1.0}, 1, "optimizer.learning_rate"),
     ({"advantage_mode": "ppo"}, 1, "advantage_mode"),
     ({"reward.mode": "float"}, 1, "reward.mode"),
@@ -135,6 +139,8 @@ def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(
     Trainer.from_config(make_config({**ok, "workdir": str(blocker / "run")}))
   with pytest.raises(ConfigError, match=r"config\.data\.task / config\.data\.task_config: .*'no_such_task'"):
     Trainer.from_config(make_config({**ok, "data.task": "no_such_task"}))
+  with pytest.raises(ConfigError, match=r"config\.data\.task / config\.data\.task_config: .*max_terms must be >="):
+    Trainer.from_config(make_config({**ok, "data.task_config.min_terms": 5}))  # reasoning-gym asserts: a traceback
   empty = tmp_path / "empty.jsonl"
   empty.write_text("")
   with pytest.raises(ConfigError, match=r"config\.data\.path: .*empty\.jsonl' holds no usable problem"):

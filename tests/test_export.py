@@ -112,6 +112,9 @@ def test_partial_restore_reads_only_the_parameters(run_dir):
   got = nnx.state(run.model, nnx.Param)
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), want, got))
   assert run.config.model.scan_layers is True and run.step == 6
+  # the seed offset of the run's evaluation of these parameters: global steps done (step 6 is the 7th), not the
+  # checkpoint's optimizer-update count (a standalone --which=final once sampled with eval.seed + updates)
+  assert run.eval_step == 7 and run_load.load_run(workdir, "best").eval_step == 4
 
 
 def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):

@@ -196,6 +196,7 @@ def test_parse_sampling_mesh_and_auto():
         ("tensor=4,data=2", 8, r"tensor=4 does not divide.*2 KV heads; choose tensor in \[1, 2\]"),
         ("tensor", 8, "cannot parse 'tensor'"),
         ("tensor=0,data=-1", 8, "sizes must be >= 1"),
+        ("data=8,tensor=1,data=2", 8, "gives axis 'data' twice"),  # once a silent data=2
     ],
 )
 def test_parse_sampling_mesh_errors(spec, devices, match):

@@ -454,6 +454,13 @@ def test_a_grid_file_that_returns_no_grid(tmp_path):
     grid.load_grid(str(tmp_path / "missing.py"))
 
 
+def test_a_missing_grid_names_the_repository_root_once(monkeypatch):
+  monkeypatch.chdir(grid.REPO)
+  with pytest.raises(GridError) as e:
+    grid.load_grid("configs/studies/nope.py")
+  assert str(e.value).endswith(f"no such file 'configs/studies/nope.py' (from {grid.REPO}); pass a grid .py file")
+
+
 # ------------------------------------------------------------------------------------------------ workdir
 def test_study_json_of_another_grid_is_refused_unless_forced(tmp_path):
   g = grid.load_grid(SMOKE)

@@ -104,6 +104,11 @@ def _check_evaluate(run, best):
   # resumable: a second call reads the benchmark's file back; other settings in the same folder are refused
   assert evaluate.main(["--workdir", str(run), "--no-progress"]) == 0
   assert evaluate.main(["--workdir", str(run), "--no-progress", "--eval.n=1", "--eval.ks=1"]) == 2
+  # the final run checkpoint (step 3, after 6 updates) samples with the seed of the run's final evaluation
+  assert evaluate.main(["--workdir", str(run), "--which=final", "--no-progress"]) == 0
+  got = json.loads((run / "eval" / "standalone" / "final_3" / "eval.json").read_text())
+  final = json.loads((run / "eval" / "final.json").read_text())
+  assert got["config"]["seed"] == final["config"]["seed"] and got["samples"] == final["samples"]
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def base_config() -> ConfigDict:
   c.sampling.fp8_format = "e4m3"  # e4m3 (max 448) | e5m2 (max 57344)
   c.sampling.fp8_activations = "token"  # token | tensor | none (dynamic scales)
   # DAPO's dynamic sampling: drop groups whose rewards are all equal, sample more prompts (at most this many rounds
-  # of prompts_per_step per step) until the batch is full (docs/configs.md)
+  # of prompts_per_step per step) until the batch is full (docs/data.md#rewards-and-grading-rules)
   c.sampling.drop_equal_reward_groups = False
   c.sampling.max_sampling_rounds = 4
   c.sampling.record_routes = False  # MoE: record the experts of every response token (router replay metrics)
@@ -97,7 +97,8 @@ def base_config() -> ConfigDict:
   c.reward.format_reward = 0.0
   c.reward.overlong_buffer = 0  # > 0: DAPO soft overlong penalty over the last this many tokens of the budget
   c.reward.overlong_factor = 1.0  # the penalty at max_new_tokens
-  c.reward.mask_truncated = False  # DAPO's overlong filtering: truncated samples get no loss (docs/configs.md)
+  # DAPO's overlong filtering: truncated samples get no loss (docs/data.md#rewards-and-grading-rules)
+  c.reward.mask_truncated = False
   c.advantage_mode = "grpo"  # grpo | drgrpo | rloo
 
   # Objective hyper-parameters: unset = the method's default (minpro_jax/rl/objectives.py); a field the method
@@ -187,7 +188,7 @@ def base_config() -> ConfigDict:
   c.eval.reward_mode = _unset(str)  # unset = reward.mode; "math" for MATH-500 / OlympiadBench-style answers
 
   c.checkpoint = ConfigDict()
-  c.checkpoint.every = 10  # global steps; also on SIGTERM / SIGINT
+  c.checkpoint.every = 10  # global steps; also on SIGTERM / SIGINT and after the last step (0 = only then)
   c.checkpoint.keep = 2
 
   c.mesh = ConfigDict()

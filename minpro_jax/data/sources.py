@@ -366,7 +366,7 @@ def get_source(name: str) -> Source:
 def _reasoning_gym(d, *, seed: int, size: int) -> list[MathProblem]:
   try:
     return reasoning_gym_problems(d.task, size, seed, **dict(d.task_config))
-  except (ValueError, TypeError) as e:  # an unknown task name / a task_config key the task does not take
+  except (ValueError, TypeError, AssertionError) as e:  # an unknown task / key; a value its config asserts against
     raise ConfigError(
         f"config.data.task / config.data.task_config: reasoning-gym refused task {d.task!r} with "
         f"task_config={dict(d.task_config)} ({e}); configs/default.py sets chain_sum's fields, so "

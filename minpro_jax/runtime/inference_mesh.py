@@ -97,6 +97,8 @@ def parse_sampling_mesh(
           f"unknown axis {name!r} in {spec!r}; the sampler's mesh has axes {INFERENCE_AXES} (weights split over "
           "tensor, replicated over data; fsdp and expert are the learner's, config.mesh.shape)"
       )
+    if name in shape:
+      _fail(f"{spec!r} gives axis {name!r} twice; give each axis once")
     shape[name] = int(size)
   if list(shape.values()).count(-1) > 1 or any(v < 1 and v != -1 for v in shape.values()):
     _fail(f"{spec!r}: sizes must be >= 1, with at most one -1 (= the remaining devices)")

@@ -145,7 +145,8 @@ def load_grid(spec: str) -> Grid:
   path, arg = split_spec(spec)
   found = resolve_path(path)
   if found is None:
-    raise GridError(f"--grid={spec}: no such file {path!r} (from {os.getcwd()} or {REPO}); pass a grid .py file")
+    where = " or ".join(dict.fromkeys((os.getcwd(), REPO)))  # the repository root once when it is the cwd
+    raise GridError(f"--grid={spec}: no such file {path!r} (from {where}); pass a grid .py file")
   mod_spec = importlib.util.spec_from_file_location(f"minpro_study_grid_{abs(hash(found))}", found)
   mod = importlib.util.module_from_spec(mod_spec)
   try:
