@@ -256,3 +256,24 @@ def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_copies_no_pool(
   assert "ragged_paged_attention_kernel" in r["kernels"].split(","), r
   assert r["rpa_calls"] == "2", r  # one per layer
   assert r["pool_copies"] == "0", r
+
+
+def test_paged_sampler_on_row_groups_equals_static(state):
+  """On the sampler's layout data=2 x tensor=2 the paged call splits into 2 row groups (`row_groups`), each with
+  its own loop, rows and pool of 12 pages (a unit waits for pages); the responses are the static sampler's."""
+  from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
+  from minpro_jax.runtime.sharding import make_mesh
+
+  mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+  kv = PagedKV(page_size=4, num_pages=24)
+  pag = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, refill_rows=2, paged_kv=kv, mesh=mesh,
+                rules=INFERENCE_RULES)  # fmt: skip
+  assert pc.row_groups(pag, 4, 14) == (("data",), 2)
+  assert pc.row_groups(pag, 4, 7)[1] == 1  # 7 requests do not split in two
+  static = Sampler(CFG, prompt_buckets=(8, 16), continuous=False)
+  kw = dict(seed=11, group_size=2, group_ids=[40, 41, 42, 43, 44, 45, 46], policy_version=5)
+  want = static.generate(state, PROMPTS, SP, **kw)
+  got = pag.generate(state, PROMPTS, SP, **kw)
+  for f in ("response_tokens", "response_mask", "lengths", "finish_reason", "group_ids", "sample_index"):
+    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+  np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)

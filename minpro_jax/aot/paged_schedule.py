@@ -12,15 +12,17 @@ Between two row ends nothing the admission reads changes (a page a row allocates
 outstanding growth alike), so the replay jumps from one row end to the next and stays exact: 4,096 rows of 20k
 tokens take a second.
 
-Per decode step the ragged attention reads each live row's ceil((P + t) / page_size) pages. The rows split over
-`groups` row groups in contiguous blocks (the sampler's "batch" mesh axes), each group's chips read their own
-rows' pages, and a step lasts as long as its busiest group: `kv_pages_read` sums, over decode steps, the pages of
-the group that reads most.
+On a mesh with data-parallel axes the call splits into `groups` row groups (`paged_continuous.run`): each runs
+its own rows, pool and block of N / G requests, in lockstep with the others (an iteration refills where any
+group's admission refills; the others refill nothing). Per decode step the ragged attention reads each live row's
+ceil((P + t) / page_size) pages; each group's chips read their own rows' pages, and a step lasts as long as its
+busiest group: `kv_pages_read` sums, over decode steps, the pages of the group that reads most.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -37,7 +39,7 @@ class PagedSchedule(Schedule):
   kv_pages_read_all: over decode steps, the pages read by every live row (pages, per layer).
   peak_pages: the most pages held at once; num_pages: the pool's pages; page_size: tokens per page.
   pool_wait_steps: decode steps taken while `refill_rule` asked for a refill the pool could not admit.
-  unit, groups: as `paged_schedule`.
+  unit, groups: as `paged_schedule`; num_pages and the pages counted are one group's.
   """
 
   kv_pages_read: int
@@ -75,24 +77,26 @@ def paged_schedule(
   """The paged continuous sampler's iterations on requests of `lengths` (module docstring).
 
   Args:
-    lengths: [N] ints in [1, max_new_tokens], tokens each response gets (stop token included), in request order;
-      N a multiple of `unit`.
-    rows: decode rows B (>= unit); refill_rows: the call's refill size (units per refill: max(1, refill_rows //
-      unit), as `decode_with_refills`).
+    lengths: [N] ints in [1, max_new_tokens], tokens each response gets (stop token included), in request order.
+    rows: decode rows B of one group (>= unit); refill_rows: one group's refill size (units per refill:
+      max(1, refill_rows // unit), as `decode_with_refills`).
     prompt_len: P, real prompt tokens of every request (what a row stores before its response).
     max_new_tokens: R; a row is admitted for P + R - 1 tokens (its capacity).
-    page_size, num_pages: the pool's (`PagedKV.pool_sizes`).
-    unit: requests per shared prefill (`paged_continuous.share_unit`); groups: row groups the rows split over
-      (contiguous blocks of rows // groups rows; must divide rows).
+    page_size, num_pages: one group's pool (`PagedKV.pool_sizes`).
+    unit: requests per shared prefill (`paged_continuous.share_unit`).
+    groups: G row groups in lockstep (`paged_continuous.run`'s split): group g runs requests [g N / G, (g + 1)
+      N / G) on its own B rows and pool; an iteration refills where any group's admission refills (the others
+      refill nothing), else every group decodes one step.
 
   Raises:
-    ValueError: a unit that does not divide N, groups that do not divide rows, or a request that could never fit
-      the empty pool (it would wait forever, as `paged.check_request` refuses).
+    ValueError: G x unit not dividing N, unit > rows, or a request that could never fit the empty pool (it
+      would wait forever, as `paged.check_request` refuses).
   """
   lengths = np.asarray(lengths, np.int64)
-  n, b, ps = int(lengths.size), int(rows), int(page_size)
-  if n % unit or unit > b or b % groups:
-    raise ValueError(f"paged_schedule: unit {unit} must divide N={n} and be <= rows {b}; groups {groups} divide rows")
+  n_all, b, ps, gs = int(lengths.size), int(rows), int(page_size), int(groups)
+  if n_all % (gs * unit) or unit > b:
+    raise ValueError(f"paged_schedule: groups {gs} x unit {unit} must divide N={n_all}, unit <= rows {b}")
+  n = n_all // gs  # requests per group
   m = max(1, refill_rows // unit)
   cap = prompt_len + max(max_new_tokens - 1, 0)
   need = int(request_pages(prompt_len, max(max_new_tokens - 1, 0), ps, unit))
@@ -100,66 +104,75 @@ def paged_schedule(
     raise ValueError(f"paged_schedule: a unit needs {need} pages, the pool has {num_pages}: it would wait forever")
   shared = prompt_len // ps if unit > 1 else 0  # full prompt pages a unit stores once
   cap_pages = int(pages_for(cap, ps))
+  prompt_pages = int(pages_for(prompt_len, ps))
 
-  done = np.ones(b, bool)
-  left = np.zeros(b, np.int64)  # decode steps the row still runs
-  length = np.zeros(b, np.int64)  # tokens the row stores
-  row_unit = np.full(b, -1, np.int64)
-  unit_live: dict[int, int] = {}  # unit id -> its rows still live
-  group_of = np.arange(b) // (b // groups)
-  used = 0  # pages with a reference
-  nxt = decode = refills = live_steps = waits = 0
+  # rows of every group side by side: group g holds rows [g B, (g + 1) B)
+  done = np.ones(gs * b, bool)
+  left = np.zeros(gs * b, np.int64)  # decode steps the row still runs
+  length = np.zeros(gs * b, np.int64)  # tokens the row stores
+  row_unit = np.full(gs * b, -1, np.int64)
+  group_of = np.arange(gs * b) // b
+  unit_live: dict[int, int] = {}  # unit id (global) -> its rows still live
+  used = np.zeros(gs, np.int64)  # pages with a reference, per group
+  nxt = np.zeros(gs, np.int64)  # next waiting request of each group, within its block
+  decode = refills = live_steps = waits = 0
   read_max = read_all = peak = 0
 
   def free(ended):
-    nonlocal used
     for r in np.flatnonzero(ended):
-      used -= int(pages_for(length[r], ps)) - shared
+      g = group_of[r]
+      used[g] -= int(pages_for(length[r], ps)) - shared
       u = int(row_unit[r])
       unit_live[u] -= 1
       if unit_live[u] == 0:
-        used -= shared
+        used[g] -= shared
         del unit_live[u]
     done[ended] = True
     length[ended] = 0
 
-  while nxt < n or not done.all():
-    live = ~done
-    go, count = refill_rule(int(done.sum()) // unit, (n - nxt) // unit, m, minimum=min)
-    outstanding = int(np.sum(cap_pages - pages_for(length[live], ps)))
-    fit = min((num_pages - used - outstanding) // need, m, (n - nxt) // unit)
-    if go and fit > 0:
-      count = min(count, fit)
-      at = np.flatnonzero(done)[: count * unit]
-      reqs = nxt + np.arange(count * unit)
-      left[at] = lengths[reqs] - 1
-      length[at] = prompt_len
-      row_unit[at] = reqs // unit
-      for u in range(count):
-        unit_live[(nxt // unit) + u] = unit
-      used += count * (shared + unit * (int(pages_for(prompt_len, ps)) - shared))
-      done[at] = False
-      peak = max(peak, used)
-      free(np.isin(np.arange(b), at) & (left <= 0))  # a response of one token stops at its prefill
-      nxt += count * unit
+  while (nxt < n).any() or not done.all():
+    plans = []
+    for g in range(gs):
+      mine = slice(g * b, (g + 1) * b)
+      live = ~done[mine]
+      go, count = refill_rule(int(done[mine].sum()) // unit, int(n - nxt[g]) // unit, m, minimum=min)
+      outstanding = int(np.sum(cap_pages - pages_for(length[mine][live], ps)))
+      fit = min((num_pages - int(used[g]) - outstanding) // need, m, int(n - nxt[g]) // unit)
+      plans.append((go, min(count, fit) if go and fit > 0 else 0))
+    if any(c > 0 for _, c in plans):
+      for g, (_, count) in enumerate(plans):
+        if not count:
+          continue
+        at = g * b + np.flatnonzero(done[g * b : (g + 1) * b])[: count * unit]
+        reqs = g * n + nxt[g] + np.arange(count * unit)
+        left[at] = lengths[reqs] - 1
+        length[at] = prompt_len
+        row_unit[at] = reqs // unit
+        for u in range(count):
+          unit_live[int((g * n + nxt[g]) // unit) + u] = unit
+        used[g] += count * (shared + unit * (prompt_pages - shared))
+        done[at] = False
+        free(np.isin(np.arange(gs * b), at) & (left <= 0))  # a response of one token stops at its prefill
+        nxt[g] += count * unit
+      peak = max(peak, int(used.max()))
       refills += 1
       continue
+    live = ~done
     k = int(left[live].min())  # decode steps until the next row ends (admission cannot change before)
-    waits += k if go else 0
+    waits += k if any(go for go, _ in plans) else 0
     lo, hi = length[live], length[live] + k
-    per_row = _pages_sum(lo, hi, ps)  # pages read over the k steps
-    read_all += int(per_row.sum())
-    if groups == 1:
-      read_max += int(per_row.sum())
-    else:  # per step and group: the busiest group's pages (steps 1..k of the jump)
-      by_group = np.zeros((groups, k), np.int64)
-      for g in range(groups):
+    read_all += int(_pages_sum(lo, hi, ps).sum())
+    if gs == 1:
+      read_max += int(_pages_sum(lo, hi, ps).sum())
+    else:  # per step, the group that reads most (steps 1..k of the jump)
+      by_group = np.zeros((gs, k), np.int64)
+      for g in range(gs):
         mine = group_of[live] == g
         if mine.any():
           by_group[g] = pages_for(lo[mine][:, None] + np.arange(1, k + 1)[None, :], ps).sum(axis=0)
       read_max += int(by_group.max(axis=0).sum())
-    used += int(np.sum(pages_for(hi, ps) - pages_for(lo, ps)))
-    peak = max(peak, used)
+    np.add.at(used, group_of[live], pages_for(hi, ps) - pages_for(lo, ps))
+    peak = max(peak, int(used.max()))
     live_steps += int(live.sum()) * k
     length[live] = hi
     left[live] -= k
@@ -178,7 +191,7 @@ def paged_schedule(
       page_size=ps,
       pool_wait_steps=waits,
       unit=int(unit),
-      groups=int(groups),
+      groups=gs,
   )
 
 
@@ -193,20 +206,6 @@ def page_bytes_per_device(model_config, page_size: int, mesh, rules) -> float:
   heads = heads if cfg.num_kv_heads % heads == 0 else 1
   per_token = 2 * cfg.num_kv_heads // heads * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
   return float(page_size * cfg.num_layers * per_token)
-
-
-def row_groups(rows: int, mesh, rules) -> int:
-  """The row groups of the paged attention's `shard_map`: the size of the mesh axes of "batch" (less those of the
-  KV heads), where it divides the rows; else 1."""
-  from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
-
-  if mesh is None:
-    return 1
-  rules = rules or DEFAULT_RULES
-  heads = set(logical_split(dict(mesh.shape), "act_kv_heads", rules)[0])
-  axes = [a for a in logical_split(dict(mesh.shape), "batch", rules)[0] if a not in heads]
-  g = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-  return g if g > 1 and rows % g == 0 else 1
 
 
 def analytic_kv(sched: PagedSchedule, page_bytes: float, hbm_bytes_per_s: float) -> dict:
@@ -244,23 +243,24 @@ def sampler_paged_schedule(
     sampler, lengths, num_requests: int, prompt_len: int, prompt_bucket: int, max_new_tokens: int, group_size: int
 ) -> PagedSchedule:
   """`paged_schedule` of a paged `Sampler`'s call on `num_requests` requests of `prompt_len` real prompt tokens
-  (compiled at `prompt_bucket`), `group_size` samples per prompt: its decode rows and refill size
-  (`Sampler.continuous_rows`), its pool (`PagedKV.pool_sizes`), the unit its host side picks
-  (`paged_continuous.share_unit`) and the row groups of its mesh (`row_groups`)."""
-  from minpro_jax.sampling.paged_continuous import share_unit
+  (compiled at `prompt_bucket`), `group_size` samples per prompt, as `paged_continuous.generate` runs it: its
+  decode rows and refill size (`Sampler.continuous_rows`) split into its `row_groups`, each group's pool
+  (`PagedKV.group_pool`) and the unit its host side picks."""
+  from minpro_jax.sampling.paged_continuous import row_groups, share_unit
 
-  kv = sampler.paged_kv
   rows, refill = sampler.continuous_rows(num_requests)
-  sizes = kv.pool_sizes(rows, prompt_bucket, max_new_tokens)
-  unit = share_unit(kv, group_size, rows, [prompt_len], prompt_bucket, max_new_tokens)
+  g = row_groups(sampler, rows, num_requests)[1]
+  kv = sampler.paged_kv.group_pool(g)
+  sizes = kv.pool_sizes(rows // g, prompt_bucket, max_new_tokens)
+  unit = math.gcd(share_unit(kv, group_size, rows // g, [prompt_len], prompt_bucket, max_new_tokens), num_requests // g)
   return paged_schedule(
       lengths,
-      rows=rows,
-      refill_rows=refill,
+      rows=rows // g,
+      refill_rows=max(1, refill // g),
       prompt_len=prompt_len,
       max_new_tokens=max_new_tokens,
       page_size=kv.page_size,
       num_pages=sizes["num_pages"],
       unit=unit,
-      groups=row_groups(rows, sampler.mesh, sampler.rules),
+      groups=g,
   )
