@@ -77,6 +77,8 @@ def test_the_share_unit_is_the_largest_group_divisor_that_fits_the_pool():
   assert (unit(30), unit(29), unit(16), unit(15), unit(9)) == (4, 2, 2, 1, 1)
   assert unit(30, rows=2) == 2 and unit(100, g=6, rows=4) == 3 and unit(100, g=5, rows=4) == 1
   assert unit(30, share=False) == 1 and unit(30, g=1) == 1
+  kv = PagedKV(page_size=4, num_pages=100)
+  assert [pc.share_unit(kv, 4, 8, [3, 11], 16, 24, refill_rows=m) for m in (1, 2, 3, 8)] == [1, 2, 2, 4]
 
 
 def test_shared_prompts_give_the_responses_of_separate_prefills(state):

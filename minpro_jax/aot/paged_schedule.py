@@ -252,7 +252,8 @@ def sampler_paged_schedule(
   g = row_groups(sampler, rows, num_requests)[1]
   kv = sampler.paged_kv.group_pool(g)
   sizes = kv.pool_sizes(rows // g, prompt_bucket, max_new_tokens)
-  unit = math.gcd(share_unit(kv, group_size, rows // g, [prompt_len], prompt_bucket, max_new_tokens), num_requests // g)
+  unit = share_unit(kv, group_size, rows // g, [prompt_len], prompt_bucket, max_new_tokens, max(1, refill // g))
+  unit = math.gcd(unit, num_requests // g)
   return paged_schedule(
       lengths,
       rows=rows // g,
