@@ -186,8 +186,9 @@ def test_paged_kernel_choice():
 
 # The paged sampler's whole call (`Sampler._c_paged`, shared prompts in units of 8) for a v5p-8 (4 chips) on the
 # sampler's layout data=2 x tensor=2: Qwen3-8B's heads and 2 layers in bf16, 64 decode rows, 256 prompts of 256
-# tokens, 1024 new tokens, pages of 64. Every instruction of the computations its `while` loop runs (the refill
-# and decode branches, nested loops), and the copies as large as one chip's share of a layer's page pool.
+# tokens, 1024 new tokens, pages of 64, split into 2 row groups. Every instruction of the computations its `while`
+# loop runs (the refill and decode branches, nested loops), and the copies as large as one chip's share of a layer's
+# page pool (its group's pages, its KV heads).
 _TPU_PAGED = """
 import math
 import re
@@ -238,7 +239,7 @@ while todo:
 instrs = [i for x in seen for i in comps[x].instrs]
 kernels = [i for i in instrs if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs]
 names = sorted({re.sub(r"[.]\\d+$", "", i.name) for i in kernels})
-pool = (kv.num_pages, kv.page_size, 2 * cfg.num_kv_heads // 2, cfg.head_dim)  # one chip's: heads over tensor
+pool = (kv.num_pages // 2, kv.page_size, 2 * cfg.num_kv_heads // 2, cfg.head_dim)  # a chip's: its group's, heads/2
 big = [i for i in instrs if i.opcode == "copy" and math.prod(hlo_text.dims(i.shape) or [0]) >= math.prod(pool)]
 print(f"RESULT computations={len(seen)} kernels={','.join(names)} "
       f"rpa_calls={sum('ragged_paged_attention' in i.attrs for i in kernels)} pool_copies={len(big)}")
