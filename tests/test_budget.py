@@ -290,7 +290,8 @@ def test_paged_sampler_budget_replays_the_pool_and_adds_the_attention_reads():
   b, rows = _budget_rows("fsdp=8", **{"sampling.kv_cache": "paged", "sampling.page_size": 4})
   s = b.progs.trainer_sampler
   sched = sampler_paged_schedule(s, b.lengths, 16, 6, 16, 8, 2)
-  assert sched.unit == 2 and sched.decode_steps > 0
+  # 16 rows on fsdp=8: 8 row groups of 2 rows, refills of 1 row a group, so units of 1 (`share_unit`)
+  assert (sched.groups, sched.unit, sched.num_pages) == (8, 1, 2 * 6) and sched.decode_steps > 0
   assert rows["sampling"]["iterations"] == sched.iterations
   assert rows["sampling: decode step"]["iterations"] == sched.decode_steps
   kv = rows["sampling"]["analytic_kv"]
