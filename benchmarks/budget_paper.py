@@ -33,9 +33,19 @@ MIPU_LENGTHS = ["--lengths=gamma:mean=3000", "--prompt-len=256"]
 # as many decode rows as each chip's HBM holds beside them and the learner's state
 SAMPLER_LAYOUT = ["--config.sampling.mesh=auto", "--config.sampling.decode_rows=auto"]
 
+# the paged sampler on that layout (pages of 128 tokens: 1k-token kernel blocks of 8 pages, and a row's last page
+# wastes at most 127 of its ~8k tokens), sampling and transfer only: the learner's parts are the entry above's
+PAGED = [*SAMPLER_LAYOUT, "--config.sampling.kv_cache=paged", "--config.sampling.page_size=128"]
+SAMPLER_PARTS = ["--parts=sampling,transfer"]
+
 ENTRIES = [
     ("qwen3_8b_v5p-64", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v5p-64_sampler_layout", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *SAMPLER_LAYOUT]),
+    (
+        "qwen3_8b_v5p-64_paged",
+        "v5p-64",
+        [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *PAGED, "--config.sampling.decode_rows=256", *SAMPLER_PARTS],
+    ),
     ("qwen3_8b_v5p-32", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v6e-16", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),

@@ -284,6 +284,23 @@ def test_continuous_decode_gathers_weights_every_step_on_fsdp_and_not_on_data():
   assert gathers["bytes"] < 0.05 * weights  # activations only (each device holds every weight)
 
 
+def test_paged_sampler_budget_replays_the_pool_and_adds_the_attention_reads():
+  from minpro_jax.aot.paged_schedule import page_bytes_per_device, sampler_paged_schedule
+
+  b, rows = _budget_rows("fsdp=8", **{"sampling.kv_cache": "paged", "sampling.page_size": 4})
+  s = b.progs.trainer_sampler
+  sched = sampler_paged_schedule(s, b.lengths, 16, 6, 16, 8, 2)
+  # 16 rows on fsdp=8: 8 row groups of 2 rows, refills of 1 row a group, so units of 1 (`share_unit`)
+  assert (sched.groups, sched.unit, sched.num_pages) == (8, 1, 2 * 6) and sched.decode_steps > 0
+  assert rows["sampling"]["iterations"] == sched.iterations
+  assert rows["sampling: decode step"]["iterations"] == sched.decode_steps
+  kv = rows["sampling"]["analytic_kv"]
+  cfg = s.config  # K heads of head_dim, bf16 or fp32 pages, one device holds every head on fsdp=8
+  page = 4 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
+  assert page_bytes_per_device(cfg, 4, s.mesh, s.rules) == page
+  assert kv["bytes_per_device"] == sched.kv_pages_read * page and kv["seconds"] is None  # cpu: no bandwidth
+
+
 def test_static_sampler_budget_runs_prefill_then_decode_to_the_longest_row():
   b, rows = _budget_rows("fsdp=8", **{"sampling.continuous": False})
   assert rows["sampling: prefill"]["iterations"] == 1

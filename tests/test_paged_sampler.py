@@ -77,6 +77,8 @@ def test_the_share_unit_is_the_largest_group_divisor_that_fits_the_pool():
   assert (unit(30), unit(29), unit(16), unit(15), unit(9)) == (4, 2, 2, 1, 1)
   assert unit(30, rows=2) == 2 and unit(100, g=6, rows=4) == 3 and unit(100, g=5, rows=4) == 1
   assert unit(30, share=False) == 1 and unit(30, g=1) == 1
+  kv = PagedKV(page_size=4, num_pages=100)
+  assert [pc.share_unit(kv, 4, 8, [3, 11], 16, 24, refill_rows=m) for m in (1, 2, 3, 8)] == [1, 2, 2, 4]
 
 
 def test_shared_prompts_give_the_responses_of_separate_prefills(state):
@@ -184,8 +186,9 @@ def test_paged_kernel_choice():
 
 # The paged sampler's whole call (`Sampler._c_paged`, shared prompts in units of 8) for a v5p-8 (4 chips) on the
 # sampler's layout data=2 x tensor=2: Qwen3-8B's heads and 2 layers in bf16, 64 decode rows, 256 prompts of 256
-# tokens, 1024 new tokens, pages of 64. Every instruction of the computations its `while` loop runs (the refill
-# and decode branches, nested loops), and the copies as large as one chip's share of a layer's page pool.
+# tokens, 1024 new tokens, pages of 64, split into 2 row groups. Every instruction of the computations its `while`
+# loop runs (the refill and decode branches, nested loops), and the copies as large as one chip's share of a layer's
+# page pool (its group's pages, its KV heads).
 _TPU_PAGED = """
 import math
 import re
@@ -236,7 +239,7 @@ while todo:
 instrs = [i for x in seen for i in comps[x].instrs]
 kernels = [i for i in instrs if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs]
 names = sorted({re.sub(r"[.]\\d+$", "", i.name) for i in kernels})
-pool = (kv.num_pages, kv.page_size, 2 * cfg.num_kv_heads // 2, cfg.head_dim)  # one chip's: heads over tensor
+pool = (kv.num_pages // 2, kv.page_size, 2 * cfg.num_kv_heads // 2, cfg.head_dim)  # a chip's: its group's, heads/2
 big = [i for i in instrs if i.opcode == "copy" and math.prod(hlo_text.dims(i.shape) or [0]) >= math.prod(pool)]
 print(f"RESULT computations={len(seen)} kernels={','.join(names)} "
       f"rpa_calls={sum('ragged_paged_attention' in i.attrs for i in kernels)} pool_copies={len(big)}")
@@ -256,3 +259,24 @@ def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_copies_no_pool(
   assert "ragged_paged_attention_kernel" in r["kernels"].split(","), r
   assert r["rpa_calls"] == "2", r  # one per layer
   assert r["pool_copies"] == "0", r
+
+
+def test_paged_sampler_on_row_groups_equals_static(state):
+  """On the sampler's layout data=2 x tensor=2 the paged call splits into 2 row groups (`row_groups`), each with
+  its own loop, rows and pool of 12 pages (a unit waits for pages); the responses are the static sampler's."""
+  from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
+  from minpro_jax.runtime.sharding import make_mesh
+
+  mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+  kv = PagedKV(page_size=4, num_pages=24)
+  pag = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, refill_rows=2, paged_kv=kv, mesh=mesh,
+                rules=INFERENCE_RULES)  # fmt: skip
+  assert pc.row_groups(pag, 4, 14) == (("data",), 2)
+  assert pc.row_groups(pag, 4, 7)[1] == 1  # 7 requests do not split in two
+  static = Sampler(CFG, prompt_buckets=(8, 16), continuous=False)
+  kw = dict(seed=11, group_size=2, group_ids=[40, 41, 42, 43, 44, 45, 46], policy_version=5)
+  want = static.generate(state, PROMPTS, SP, **kw)
+  got = pag.generate(state, PROMPTS, SP, **kw)
+  for f in ("response_tokens", "response_mask", "lengths", "finish_reason", "group_ids", "sample_index"):
+    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+  np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)

@@ -36,6 +36,13 @@ from minpro_jax import run_config
 from minpro_jax.aot.analysis import add_resident, analyze, does_not_fit, model_flops
 from minpro_jax.aot.hlo_cost import HloCost, Rates
 from minpro_jax.aot.lengths import draw_lengths
+from minpro_jax.aot.paged_schedule import (
+    PagedSchedule,
+    add_analytic_kv,
+    analytic_kv,
+    page_bytes_per_device,
+    sampler_paged_schedule,
+)
 from minpro_jax.aot.programs import RunPrograms, check_mesh_fits_model, model_config, run_shapes
 from minpro_jax.aot.schedule import (
     Schedule,
@@ -191,7 +198,12 @@ class Budget:
     # the caches hold the prompt bucket; the simulation sees the rows' real prompt in it (left padded)
     if s.continuous:
       rows, refill = s.continuous_rows(num_requests)
-      sched = continuous_schedule(lengths, rows, refill, p, self.buckets)
+      if s.paged_kv is not None:  # the pool's own admission, and the pages its ragged attention reads
+        sched = sampler_paged_schedule(
+            s, lengths, num_requests, self.prompt_len, p, self.shapes.response_len, self._group(name)
+        )
+      else:
+        sched = continuous_schedule(lengths, rows, refill, p, self.buckets)
       reuse = getattr(self, "_sampling", None)
       if reuse is not None and reuse[0] == (rows, refill):
         # the same decode step and refill: cost the training call's program on this schedule (the request
@@ -202,7 +214,7 @@ class Budget:
         return _Part(name, None, memory, tree, calls, shapes), sched, rows
       part = self._compile(
           name,
-          lambda: self.progs.lower_continuous(num_requests),
+          lambda: self.progs.lower_continuous(num_requests, unit=getattr(sched, "unit", 1)),
           _sampler_resolvers(sched, continuous=True),
           calls,
           f"{num_requests} requests on {rows} decode rows, refills of {refill}",
@@ -216,6 +228,10 @@ class Budget:
     pre = self._compile(f"{name}.prefill", progs._lower_prefill, calls=calls)
     dec = self._compile(f"{name}.decode", progs._lower_decode, _sampler_resolvers(sched, continuous=False), calls)
     return (pre, dec), sched, progs.shapes.sampler_rows
+
+  def _group(self, name: str) -> int:
+    """Samples per prompt of a sampler part: the step's group_size, or the evaluation's n."""
+    return int(self.c.eval.n if name == "eval" else self.c.group_size)
 
   # ------------------------------------------------------------------------------------------- rows
   def run(self) -> list[dict[str, Any]]:
@@ -365,6 +381,12 @@ class Budget:
       return [{"part": name, "fits": False, "memory": part, "bound_seconds": bound_total, **base}]
     row = self._row(name, part, sched.iterations, bound_total)
     row.update(base)
+    kv = None
+    if isinstance(sched, PagedSchedule):  # the ragged attention's KV reads: analytic, added to the HLO's cost
+      s = self.progs.trainer_sampler
+      page = page_bytes_per_device(s.config, sched.page_size, s.mesh, s.rules)
+      kv = analytic_kv(sched, page, self.sl.chip.hbm_bytes_per_s)
+      add_analytic_kv(row, kv, calls, sched.iterations)
     subs = []
     loop = next((ch for ch in part.tree.root.children if ch.kind == "while" and ch.trip_source == "given"), None)
     if loop is not None:
@@ -388,6 +410,8 @@ class Budget:
                 "per_iteration": per.as_dict(),
             }
         )
+        if is_decode and kv is not None:
+          add_analytic_kv(subs[-1], kv, calls, sched.decode_steps)
       if loop.own_overlapped > 0:  # what every iteration does outside both branches (e.g. copies of the carry)
         t = self.rates.times(loop.own)
         subs.append(

@@ -354,10 +354,11 @@ class RunPrograms:
     with use_mesh(self.mesh):
       return jax.jit(self.sampler._prepare_impl, out_shardings=shardings).lower(self.params)
 
-  def lower_continuous(self, num_requests: int, sampling=None):
+  def lower_continuous(self, num_requests: int, sampling=None, unit: int = 1):
     """The continuous sampler's whole call (the program the trainer runs: `Sampler._c_paged` with
     `sampling.kv_cache="paged"`, else `Sampler._c_all`) on `num_requests` prompts of the prompt bucket, with the
-    decode rows and refill size `Sampler.continuous_rows` gives."""
+    decode rows and refill size `Sampler.continuous_rows` gives; a paged call with `unit` samples per shared
+    prefill (`paged_continuous.share_unit`; the trainer's host side picks it from its prompts)."""
     s, p, n = self.trainer_sampler, self.shapes.prompt_len, int(num_requests)
     if not s.continuous:
       raise ConfigError(
@@ -371,11 +372,11 @@ class RunPrograms:
         _replicated(m, (n,), jnp.int32),
         _replicated(m, (n, 2), jnp.uint32),
     )
-    run = s._c_all if s.paged_kv is None else s._c_paged
+    kw = dict(sampling=sampling or self.sampling, p_len=p, rows=rows, refill=refill)
     with s.mesh_context():
-      return run.lower(
-          self.prepared_params(), requests, sampling=sampling or self.sampling, p_len=p, rows=rows, refill=refill
-      )
+      if s.paged_kv is None:
+        return s._c_all.lower(self.prepared_params(), requests, **kw)
+      return s._c_paged.lower(self.prepared_params(), requests, unit=unit, **kw)
 
   def _lower_prefill(self):
     args = self._prefill_args()

@@ -23,7 +23,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.attention_core import NEG_INF
@@ -328,7 +327,7 @@ def pallas_decode_attention(
     return kernel(q, kv, jnp.maximum(lens, 1), table, cu_q_lens, num_seqs, sm_scale=scale, soft_cap=soft_cap, **blocks)
 
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is not None and not mesh.empty and AxisType.Manual not in mesh.axis_types:
+  if mesh is not None and not mesh.empty and sharding.auto_axes(mesh):  # within a shard_map: its auto axes
     heads = sharding.mesh_axes(mesh, "act_kv_heads", kv_pages.shape[2] // 2) or None
     batch = sharding.mesh_axes(mesh, "batch", rows, exclude=heads or ()) or None
     per_device = jax.shard_map(
@@ -336,6 +335,7 @@ def pallas_decode_attention(
         mesh=mesh,
         in_specs=(P(batch, heads, None), P(None, None, heads, None), P(batch), P(batch, None)),
         out_specs=P(batch, heads, None),
+        axis_names=sharding.auto_axes(mesh),
         check_vma=False,
     )
   out = per_device(q_rhd, kv_pages, lengths, page_table)

@@ -37,7 +37,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from minpro_jax.runtime import sharding
@@ -119,7 +118,7 @@ def splash_attention(
     return _splash(q, k, v, q_seg, kv_seg, block, interpret)
 
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is not None and not mesh.empty and AxisType.Manual not in mesh.axis_types:
+  if mesh is not None and not mesh.empty and sharding.auto_axes(mesh):  # within a shard_map: its auto axes
     head_axes = sharding.mesh_axes(mesh, "act_kv_heads", kh) or None
     batch_axes = sharding.mesh_axes(mesh, "batch", b, exclude=head_axes or ()) or None
     per_device = jax.shard_map(
@@ -133,6 +132,7 @@ def splash_attention(
             P(batch_axes, None),
         ),
         out_specs=P(batch_axes, head_axes, None, None, None),
+        axis_names=sharding.auto_axes(mesh),
         check_vma=False,
     )
   out = per_device(q, k, v, q_seg, kv_seg)

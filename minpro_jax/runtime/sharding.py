@@ -186,12 +186,23 @@ def mesh_axes(mesh, logical: str, size: int, exclude: Sequence[str] = ()) -> tup
     product of their sizes does not divide `size` (the dimension then stays whole on every device).
   """
   entry = logical_to_spec((logical,))[0]
+  manual = manual_axes(mesh)
   names = tuple(
       a
       for a in (entry if isinstance(entry, tuple) else (entry,))
-      if a in mesh.axis_names and a not in exclude and mesh.shape[a] > 1
+      if a in mesh.axis_names and a not in exclude and a not in manual and mesh.shape[a] > 1
   )
   return names if names and size % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
+def manual_axes(mesh) -> frozenset[str]:
+  """The axes of an (abstract) mesh that an enclosing `jax.shard_map` made manual: no sharding names them."""
+  return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+
+
+def auto_axes(mesh) -> frozenset[str]:
+  """The axes of an (abstract) mesh a `jax.shard_map` may still split over (`axis_names`): those not manual."""
+  return frozenset(mesh.axis_names) - manual_axes(mesh)
 
 
 def _active_rules():
@@ -209,7 +220,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   if mesh is None or mesh.empty or not _active_rules():
     return x
   spec = list(logical_to_spec(logical_axes))
-  used: set[str] = set()
+  used: set[str] = set(manual_axes(mesh))  # inside a shard_map, its manual axes split nothing
   for i in reversed(range(len(spec))):  # a mesh axis claimed twice (batch and expert) stays on the later dim
     if spec[i] is None:
       continue

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from minpro_jax.models.paged_attention import combine_kv, write_slots
 
@@ -341,8 +342,8 @@ def free_rows(pool: PagePool, done: jax.Array) -> PagePool:
 
 
 def raise_on_errors(errors) -> None:
-  """Host check after a jitted run, of `PagePool.errors` (an int32 array or int). Raises RuntimeError naming
-  each broken contract."""
-  bits = int(jax.device_get(errors))
+  """Host check after a jitted run, of `PagePool.errors` (an int32 array or int; an array of several pools'
+  errors, e.g. one per row group, is OR-ed). Raises RuntimeError naming each broken contract."""
+  bits = int(np.bitwise_or.reduce(np.ravel(np.asarray(jax.device_get(errors), np.int64)), initial=0))
   if bits:
     raise RuntimeError("paged KV pool: " + "; ".join(t for b, t in _ERROR_TEXT.items() if bits & b))

@@ -17,12 +17,15 @@ fed back), which is its admitted capacity.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.moe import ROUTE_DTYPE
 from minpro_jax.models.paged_attention import KERNELS, PagedKVCache
@@ -79,6 +82,10 @@ class PagedKV:
     return dict(
         num_pages=self.num_pages or rows * per_row, page_size=self.page_size, rows=rows, max_pages_per_row=per_row
     )
+
+  def group_pool(self, groups: int) -> "PagedKV":
+    """The pool of one of `groups` row groups (`row_groups`): num_pages / groups pages (at least 1) where set."""
+    return dataclasses.replace(self, num_pages=max(self.num_pages // groups, 1) if self.num_pages else None)
 
   def kernel_fields(self, mesh=None) -> dict:
     """The `PagedKVCache` kernel fields for a sampler on `mesh` (None: jax's default devices): "auto" resolved
@@ -194,7 +201,17 @@ def admissible(pool: paged.PagePool, segs_n, nxt, m: int, max_new_tokens: int, u
 
 
 def decode_with_refills(
-    st, step_fn, prefill_fn, requests, refill_rows: int, sampling, pad_id, hd_major, proc=None, unit: int = 1
+    st,
+    step_fn,
+    prefill_fn,
+    requests,
+    refill_rows: int,
+    sampling,
+    pad_id,
+    hd_major,
+    proc=None,
+    unit: int = 1,
+    any_group=lambda x: x,
 ):
   """`continuous.decode_with_refills` on a page pool, in units of `unit` requests that share one prompt
   (`refill_units`): an iteration refills done rows with the next waiting units that fit the pool (`refill_rule`
@@ -202,7 +219,10 @@ def decode_with_refills(
   decodes one step. A refill prefills max(1, refill_rows // unit) units.
 
   Args: as `continuous.decode_with_refills`, with `st.cache` a `paged.PagePool` of B >= unit rows and N a
-  multiple of unit. Returns: the final carry (every request done; its pool's `errors` 0 in a correct run)."""
+  multiple of unit; `any_group`: bool scalar -> bool scalar, true where it is true in any row group (`run`'s
+  split), so the groups step in lockstep: an iteration refills where any group refills (a group that would not
+  refills nothing) and the loop runs until every group is done. Returns: the final carry (every request done;
+  its pool's `errors` 0 in a correct run)."""
   segs_n = requests[1]
   n, m = segs_n.shape[0], max(1, refill_rows // unit)
   r = sampling.max_new_tokens
@@ -214,7 +234,8 @@ def decode_with_refills(
 
   def refill_branch(c):
     s, nxt = c
-    _, count = plan(s, nxt)
+    go, count = plan(s, nxt)
+    count = jnp.where(go, count, 0)
     return refill_units(s, nxt, count, m, unit, prefill_fn, requests, sampling, pad_id, hd_major, proc)
 
   def step_branch(c):
@@ -223,24 +244,34 @@ def decode_with_refills(
 
   def cond(c):
     s, nxt = c
-    return (nxt < n) | ~jnp.all(s.done)
+    return any_group((nxt < n) | ~jnp.all(s.done))
 
   def body(c):
     s, nxt = c
-    return jax.lax.cond(plan(s, nxt)[0], refill_branch, step_branch, c)
+    return jax.lax.cond(any_group(plan(s, nxt)[0]), refill_branch, step_branch, c)
 
   return jax.lax.while_loop(cond, body, (st, jnp.zeros((), jnp.int32)))[0]
 
 
-def share_unit(paged_kv: PagedKV, group_size: int, rows: int, prompt_lens, p_len: int, max_new_tokens: int) -> int:
-  """Requests per shared prefill (host side): the largest divisor u of group_size with u <= rows whose unit of
-  the longest prompt fits an empty pool (so a pool that holds one request but not a whole group still runs,
-  unshared); 1 with `share_prompts` off."""
+def share_unit(
+    paged_kv: PagedKV,
+    group_size: int,
+    rows: int,
+    prompt_lens,
+    p_len: int,
+    max_new_tokens: int,
+    refill_rows: int | None = None,
+) -> int:
+  """Requests per shared prefill (host side): the largest divisor u of group_size with u <= rows (and u <=
+  refill_rows where given) whose unit of the longest prompt fits an empty pool (so a pool that holds one request
+  but not a whole group still runs, unshared); 1 with `share_prompts` off. A refill admits whole units, so a unit
+  larger than the refill size keeps done rows idle until that many are done (Qwen3-8B on v5p-64, 64 rows a group,
+  refills of 8: units of 16 take 7 % more decode steps than units of 8, `aot.paged_schedule`)."""
   if not paged_kv.share_prompts:
     return 1
   sizes = paged_kv.pool_sizes(rows, p_len, max_new_tokens)
   longest = max(int(x) for x in prompt_lens)
-  for u in range(min(group_size, rows), 0, -1):
+  for u in range(min(group_size, rows, refill_rows or rows), 0, -1):
     need = paged.request_pages(longest, max(max_new_tokens - 1, 0), paged_kv.page_size, u)
     if group_size % u == 0 and need <= sizes["num_pages"]:
       return u
@@ -259,18 +290,38 @@ def prefill_fn(model):
   return prefill
 
 
-def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows: int, refill: int, unit: int = 1):
-  """The jitted whole call (`Sampler._c_paged`): a fresh pool, then `decode_with_refills` in units of `unit`
-  requests (`share_unit`). `sampler` is the `Sampler` whose graphdef, config and options it runs. Returns the
-  [N, R] outputs, routes and the pool's error bits."""
-  sampler.trace_count += 1
+def row_groups(sampler, rows: int, num_requests: int) -> tuple[tuple[str, ...], int]:
+  """(mesh axes, their size G) a paged call splits into G independent row groups: the axes of the sampler's
+  "batch" rule that do not split the KV heads, when G > 1 divides the rows and the requests; else ((), 1).
+
+  Each group runs its own loop on its own rows / G decode rows, a pool of its own (`PagedKV.group_pool`) and a
+  contiguous block of N / G requests, so a chip holds and reads the pages of its own group's rows only (a pool
+  shared by every group would be whole on every chip). Responses do not change: each request keeps its key."""
+  from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
+
+  mesh = sampler.mesh
+  if mesh is None:
+    return (), 1
+  rules, shape = sampler.rules or DEFAULT_RULES, dict(mesh.shape)
+  heads = set(logical_split(shape, "act_kv_heads", rules)[0])
+  axes = tuple(a for a in logical_split(shape, "batch", rules)[0] if a not in heads and shape.get(a, 1) > 1)
+  g = int(np.prod([shape[a] for a in axes])) if axes else 1
+  return (axes, g) if g > 1 and rows % g == 0 and num_requests % g == 0 else ((), 1)
+
+
+def _loop(
+    sampler, state, requests, sampling: SamplingParams, p_len: int, rows: int, refill: int, unit: int, num_pages, axes
+):
+  """One row group's fresh pool of `num_pages` pages and `decode_with_refills` over its requests (all of them
+  outside a row-group split), in lockstep with the other groups over mesh `axes` (() without a split). Returns
+  the [N, R] outputs, routes and the pool's error bits ([1] int32)."""
   model = nnx.merge(sampler._graphdef, state)
   cfg, r = sampler.config, sampling.max_new_tokens
-  sizes = sampler.paged_kv.pool_sizes(rows, p_len, r)
+  sizes = {**sampler.paged_kv.pool_sizes(rows, p_len, r), "num_pages": num_pages}
   pool = paged.init_pool(
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype, **sizes
   )
-  # the pages split by KV head like the dense cache (and the Pallas kernel's shard_map), whole over row groups
+  # the pages split by KV head like the dense cache (and the Pallas kernel's shard_map)
   pool = pool._replace(kv_pages=tuple(constrain(p, (None, None, "act_kv_heads", None)) for p in pool.kv_pages))
   st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes, sampling.truncates)
   st = st._replace(cache=pool)
@@ -294,8 +345,38 @@ def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows:
       hd_major,
       sampler.logits_processor,
       unit,
+      (lambda x: jax.lax.psum(x.astype(jnp.int32), axes) > 0) if axes else (lambda x: x),
   )
-  return *st.outputs(), st.cache.errors
+  return *st.outputs(), st.cache.errors[None]
+
+
+def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows: int, refill: int, unit: int = 1):
+  """The jitted whole call (`Sampler._c_paged`): `_loop` on all rows and requests, or, split into `row_groups`,
+  one `_loop` per group in a `jax.shard_map` over the group axes (each with rows / G rows, max(1, refill / G)
+  refill rows and num_pages / G pages), the groups in lockstep (`decode_with_refills`' `any_group`: no group
+  runs a collective the others skip). `sampler` is the `Sampler` whose graphdef, config and options it runs.
+  Returns the [N, R] outputs, routes and the error bits of each group's pool ([G] int32)."""
+  sampler.trace_count += 1
+  n = requests[0].shape[0]
+  axes, g = row_groups(sampler, rows, n)
+  num_pages = sampler.paged_kv.group_pool(g).pool_sizes(rows // g, p_len, sampling.max_new_tokens)["num_pages"]
+  loop = functools.partial(
+      _loop,
+      sampler,
+      sampling=sampling,
+      p_len=p_len,
+      rows=rows // g,
+      refill=max(1, refill // g),
+      unit=unit,
+      num_pages=num_pages,
+      axes=axes,
+  )
+  if g > 1:
+    split = P(axes)
+    loop = jax.shard_map(
+        loop, mesh=sampler.mesh, in_specs=(P(), split), out_specs=split, axis_names=set(axes), check_vma=False
+    )
+  return loop(state, requests)
 
 
 def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: SamplingParams, group_size: int = 1):
@@ -310,11 +391,14 @@ def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: Sa
   """
   p_len, r = tokens.shape[1], sampling.max_new_tokens
   rows, refill_at = sampler.continuous_rows(n)
-  sizes = sampler.paged_kv.pool_sizes(rows, p_len, r)
+  g = row_groups(sampler, rows, n)[1]
+  kv = sampler.paged_kv.group_pool(g)  # one row group's pool and rows (all of them without a split)
+  sizes = kv.pool_sizes(rows // g, p_len, r)
   shape = jax.eval_shape(lambda: paged.init_pool(num_layers=1, num_kv_heads=1, head_dim=1, **sizes))
   lens = np.maximum(np.sum(np.asarray(segs) > 0, axis=1), 1)
   paged.check_request(shape, int(lens.max()), max(r - 1, 0))  # the longest prompt: its error names what suffices
-  unit = share_unit(sampler.paged_kv, group_size, rows, lens, p_len, r)
+  unit = share_unit(kv, group_size, rows // g, lens, p_len, r, max(1, refill_at // g))
+  unit = math.gcd(unit, n // g)  # whole units in every group
   requests = (tokens, segs, np.asarray(row_group).astype(np.int32), keys)
   kw = dict(sampling=sampling, p_len=p_len, rows=rows, refill=refill_at, unit=unit)
   *out, errors = to_host(sampler._c_paged(state, requests, **kw))
