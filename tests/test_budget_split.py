@@ -105,3 +105,16 @@ def test_packed_score_costs_only_the_micro_batches_that_hold_samples(tmp_path):
   assert (list(packed["used"]), list(packed["active"]), packed["micro_batches"]) == ([4], [1], 2)
   whole = HloCost((tmp_path / "score.hlo.txt").read_text(), 8).total().flops  # every micro-batch
   assert row["per_call"]["flops"] == pytest.approx(whole / 2, rel=0.05)
+
+
+def test_learner_programs_turn_windowed_einsums_off_on_tpu_only():
+  from types import SimpleNamespace
+
+  from minpro_jax.runtime.xla_options import LEARNER_TPU_OPTIONS, learner_compiler_options
+
+  def mesh(platform):
+    return SimpleNamespace(devices=np.array([SimpleNamespace(platform=platform)] * 4))
+
+  assert learner_compiler_options(mesh("tpu")) == LEARNER_TPU_OPTIONS
+  assert not any(LEARNER_TPU_OPTIONS.values())
+  assert learner_compiler_options(mesh("cpu")) is None and learner_compiler_options(None) is None

@@ -39,11 +39,11 @@ from minpro_jax.aot.lengths import draw_lengths
 from minpro_jax.aot.packed import analytic_flops, learner_packing, weight_active
 from minpro_jax.aot.programs import RunPrograms, check_mesh_fits_model, model_config, run_shapes
 from minpro_jax.aot.schedule import (
-  Schedule,
-  continuous_schedule,
-  learning_flops,
-  sampling_bound,
-  static_schedule,
+    Schedule,
+    continuous_schedule,
+    learning_flops,
+    sampling_bound,
+    static_schedule,
 )
 from minpro_jax.aot.split_step import split_step
 from minpro_jax.aot.topologies import GIB, Slice
