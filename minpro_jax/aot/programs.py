@@ -212,7 +212,8 @@ class RunPrograms:
     if c.sampling.get("devices", 0):  # not the shared-device programs, silently
       raise ConfigError(
           f"--config.sampling.devices={c.sampling.devices}: the compile-only tool compiles the programs of sampler and "
-          "learner sharing every device only; drop the override (docs/learner.md: sampling overlapped with learning)"
+          "learner sharing every device only; drop the override, or cost the split with `python -m minpro_jax.aot "
+          "--budget` (each side on its own chips: docs/aot.md, the overlapped step)"
       )
     self.c, self.cfg, self.mesh, self.shapes = c, cfg, mesh, shapes
     self.replay = bool(c.loss.router_replay)
