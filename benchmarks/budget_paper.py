@@ -37,6 +37,8 @@ SAMPLER_LAYOUT = ["--config.sampling.mesh=auto", "--config.sampling.decode_rows=
 # wastes at most 127 of its ~8k tokens), sampling and transfer only: the learner's parts are the entry above's
 PAGED = [*SAMPLER_LAYOUT, "--config.sampling.kv_cache=paged", "--config.sampling.page_size=128"]
 SAMPLER_PARTS = ["--parts=sampling,transfer"]
+LEARNER = "--parts=score,update"
+SPLIT = ["--config.sampling.devices=16", "--config.micro_batch_size=16", "--parts=sampling,score,update"]
 
 ENTRIES = [
     ("qwen3_8b_v5p-64", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
@@ -46,6 +48,11 @@ ENTRIES = [
         "v5p-64",
         [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *PAGED, "--config.sampling.decode_rows=256", *SAMPLER_PARTS],
     ),
+    # issue 37: the learner's packed rows (learner.row_tokens, in the paper configs since 2026-12-05) and its programs
+    # without windowed einsums (runtime/xla_options.py); the learner's parts only
+    ("qwen3_8b_v5p-64_packed", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *SAMPLER_LAYOUT, LEARNER]),
+    # the overlapped step: the sampler on 16 of the 32 chips (data=8 x tensor=2), the learner on the other 16
+    ("qwen3_8b_v5p-64_split16", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *SAMPLER_LAYOUT, *SPLIT]),
     ("qwen3_8b_v5p-32", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v6e-16", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
@@ -109,7 +116,7 @@ def summary(entries) -> str:
       return f"{_h(r.get('seconds_overlapped'))} ({ratio:.1f}x)" if ratio else _h(r.get("seconds_overlapped"))
 
     ev = next((r for r in rows if r["part"].startswith("eval") and not r.get("sub")), {})
-    step = part["step"]
+    step = part.get("step") or part["step (overlapped)"]  # a split (sampling.devices): its overlapped step
     if step.get("seconds_overlapped") is None:  # a part does not fit: no step time
       bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
       lines.append(

@@ -296,7 +296,12 @@ def test_an_absent_checkpoint_falls_back_on_the_named_preset():
   qwen3_8b = load_module("configs/paper/qwen3_8b.py")
 
   cfg, where = model_config(qwen3_8b.get_config())
-  assert (cfg.hidden_size, cfg.num_layers, cfg.remat, cfg.dtype) == (4096, 36, "block", "bfloat16")
+  assert (cfg.hidden_size, cfg.num_layers, cfg.remat, cfg.dtype) == (
+      4096,
+      36,
+      "dots_with_no_batch_dims_saveable",
+      "bfloat16",
+  )
   assert where.startswith("preset qwen3-8b")
   c = small_config(**{"model.source": "hf", "model.path": "/nonexistent"})
   with pytest.raises(ConfigError, match="config.model.path: '/nonexistent' has no config.json"):

@@ -4,7 +4,8 @@
 #   python -m minpro_jax.train --config=configs/paper/qwen3_8b.py:grpo,8      # any of minpro|grpo|gspo|gspo_token|cispo|m2po
 #                                                                       # with delay 0|2|4|8|16
 # Sized for v5p-64 (32 chips, mesh fsdp=-1): micro_batch_size=32 puts one sequence on each chip (the update then
-# needs 23.6 GiB per chip and is compute-bound; at 16 the batch would not split over 32 chips and every matmul
+# needs 75.1 GiB per chip with remat keeping the projections' outputs, 22.6 with remat "block", and is compute-bound
+# at 1.4x its bound: benchmarks/README.md, "Packed learner rows"; at 16 the batch would not split over 32 chips and every matmul
 # output would be all-reduced). On another slice pass --config.micro_batch_size=<a multiple of its chips that
 # divides the mini-batch of 256>: the trainer refuses a micro-batch that does not split over the chips.
 # Multi-host TPU: run the same command on every worker (launch/tpu_vm.sh). Values not known from the paper are
@@ -18,4 +19,7 @@ SLICE = "v5p-64"  # the TPU slice this config is sized for (micro_batch_size a m
 
 def get_config(arg=None):
   c = _common.paper_config("qwen3-8b", "checkpoints/Qwen3-8B-Base", arg, mesh="fsdp=-1", micro_batch_size=32)
+  # the backward recomputes only the elementwise ops (remat "block" recomputes the whole forward, 4/3 of the FLOPs):
+  # 75.1 GiB per chip on v5p-64, 79 % of its HBM; on a slice with less HBM per sequence pass --config.model.remat=block
+  c.model.remat = "dots_with_no_batch_dims_saveable"
   return c

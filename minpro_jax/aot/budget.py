@@ -36,6 +36,7 @@ from minpro_jax import run_config
 from minpro_jax.aot.analysis import add_resident, analyze, does_not_fit, model_flops
 from minpro_jax.aot.hlo_cost import HloCost, Rates
 from minpro_jax.aot.lengths import draw_lengths
+from minpro_jax.aot.packed import analytic_flops, learner_packing, weight_active
 from minpro_jax.aot.paged_schedule import (
     PagedSchedule,
     add_analytic_kv,
@@ -51,6 +52,7 @@ from minpro_jax.aot.schedule import (
     sampling_bound,
     static_schedule,
 )
+from minpro_jax.aot.split_step import split_step
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_core import live_length_buckets
@@ -117,6 +119,7 @@ class Budget:
       those); dump_hlo: a folder to write each part's optimized HLO to; hlo_from: a folder of such dumps to cost
       instead of compiling (parts without a dump are compiled).
     log: a callable for progress lines.
+    sampler_only: `sl` is the sampler's chips of a device split (`RunPrograms`; `minpro_jax.aot.split_step`).
 
   Raises:
     ConfigError: a bad field, mesh or lengths spec, naming it.
@@ -124,7 +127,7 @@ class Budget:
 
   def __init__(self, c, sl: Slice, mesh_spec: str, *, lengths: str, prompt_len: int | None = None, seed: int = 0,
                parts=PARTS, dump_hlo: str | None = None, hlo_from: str | None = None,
-               log=lambda s: None):  # fmt: skip
+               log=lambda s: None, sampler_only: bool = False):  # fmt: skip
     from minpro_jax.aot.sweep import canonical_mesh, parse_mesh
 
     run_config.validate_shapes_config(c)
@@ -143,7 +146,9 @@ class Budget:
     check_mesh_fits_model(shape, self.cfg)
     self.mesh_shape, self.mesh_name = shape, canonical_mesh(shape)
     self.mesh = make_mesh(shape, devices=devices)
-    self.progs = RunPrograms(c, self.cfg, self.mesh, self.shapes, hbm_bytes=sl.chip.hbm_bytes)
+    self.progs = RunPrograms(
+        c, self.cfg, self.mesh, self.shapes, hbm_bytes=sl.chip.hbm_bytes, sampler_only=sampler_only
+    )
     r = self.shapes.response_len
     self.lengths, self.lengths_from = draw_lengths(lengths, self.shapes.rollouts, r, seed)
     n_eval = c.eval.num_problems * c.eval.n if "eval" in self.parts else 0
@@ -152,6 +157,7 @@ class Budget:
     chip = sl.chip
     self.rates = Rates(chip.peak_bf16_flops, chip.hbm_bytes_per_s, chip.ici_bytes_per_s)
     self.buckets = live_length_buckets(self.shapes.prompt_len + r)
+    self.packed = learner_packing(c, self.shapes, self.lengths, self.prompt_len)  # None: unpacked rows
 
   # ------------------------------------------------------------------------------------------ compile
   def _compile(self, name: str, lower, resolvers=(None, None), calls: float = 1.0, shapes: str = ""):
@@ -266,15 +272,16 @@ class Budget:
     mm = dict(matmul_params=_matmul_params(self.cfg), attn_flops_per_ctx=_attn_per_ctx(self.cfg))
     fwd = learning_flops(self.lengths, self.prompt_len, **mm)
     peak_total = chips * self.sl.chip.peak_bf16_flops or float("nan")
-    mb = sh.micro_batch
+    mb, pk = sh.micro_batch, self.packed or {}
     if "score" in self.parts:
-      part = self._compile("score", self.progs._lower_score, shapes=f"{sh.rollouts}x{sh.seq_len}, micro-batch {mb}")
-      rows.append(self._row("score", part, -(-sh.rollouts // mb), fwd / peak_total if has_rates else None, "score"))
+      what = pk["score"].describe() if pk else f"{sh.rollouts}x{sh.seq_len}, micro-batch {mb}"
+      part = self._compile("score", self.progs._lower_score, shapes=what)
+      micro = -(-sh.rollouts // mb) if not pk else round(float(np.mean(pk["score"].active)))
+      rows.append(self._row("score", part, micro, fwd / peak_total if has_rates else None, "score"))
     if "update" in self.parts:
-      part = self._compile(
-          "update", self.progs._lower_update, calls=c.num_updates_per_step, shapes=f"{sh.mini_batch}x{sh.seq_len}"
-      )
-      micro = -(-sh.mini_batch // mb)
+      what = pk["update"].describe() if pk else f"{sh.mini_batch}x{sh.seq_len}"
+      part = self._compile("update", self.progs._lower_update, calls=c.num_updates_per_step, shapes=what)
+      micro = -(-sh.mini_batch // mb) if not pk else float(np.mean(pk["update"].active))
       rows.append(self._row("update", part, micro, 3 * fwd / peak_total if has_rates else None, "update"))
 
     # evaluation, amortised
@@ -321,6 +328,9 @@ class Budget:
     k x per_call; a part amortised over several steps shows one run's)."""
     if not isinstance(part, _Part):
       return {"part": name, "fits": False, "memory": part, "bound_seconds": bound}
+    packed = (self.packed or {}).get(analytic)
+    if packed is not None:  # only the micro-batches holding samples run (`minpro_jax.aot.packed`)
+      weight_active(part.tree.root, packed)
     tree, calls = part.tree, part.calls
     serial, overlapped = tree.seconds(False) * calls, tree.seconds(True) * calls
     total = tree.total() * calls
@@ -329,8 +339,9 @@ class Budget:
         analytic and self.sl.chip.peak_bf16_flops
     ):  # FLOPs XLA cannot see (Pallas kernels are custom calls): the analytic count's excess
       rows = self.shapes.mini_batch if analytic == "update" else self.shapes.rollouts
-      flops = model_flops(self.cfg, analytic, rows=rows, prompt_len=self.shapes.prompt_len,
-                          response_len=self.shapes.response_len, remat=self.cfg.remat)  # fmt: skip
+      flops = analytic_flops(self.cfg, analytic, packed) if packed else model_flops(
+          self.cfg, analytic, rows=rows, prompt_len=self.shapes.prompt_len,
+          response_len=self.shapes.response_len, remat=self.cfg.remat)  # fmt: skip
       missing = flops / self.sl.num_chips * calls - total.flops
       if missing > 0.02 * max(total.flops, 1.0):
         extra = missing / self.sl.chip.peak_bf16_flops
@@ -351,6 +362,7 @@ class Budget:
         "per_call": per.as_dict(),
         "loops": tree.loops(),
         "memory": part.memory,
+        **({"packed": packed.as_dict()} if packed is not None else {}),
     }
 
   def _sampling_rows(self, name: str, part, sched: Schedule, srows: int, bound: dict, calls: float) -> list[dict]:
@@ -523,10 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     sl = parse_slice(args.topology)
     name, config = run_config_of(config_args)
     mesh = args.mesh or config.mesh.shape or "fsdp=-1"
-    budget = Budget(
-        config,
-        sl,
-        mesh,
+    kw = dict(
         lengths=args.lengths,
         prompt_len=args.prompt_len,
         seed=args.seed,
@@ -535,7 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         hlo_from=args.hlo_from or None,
         log=lambda s: print(f"# {s}", file=sys.stderr, flush=True),
     )
-    rows = budget.run()
+    # with sampling.devices: each side on its own chips, and the overlapped step (`minpro_jax.aot.split_step`)
+    rows = (
+        split_step(config, sl, mesh, **kw)
+        if config.sampling.get("devices", 0)
+        else Budget(config, sl, mesh, **kw).run()
+    )
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

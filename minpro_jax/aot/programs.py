@@ -34,8 +34,10 @@ from jax.sharding import PartitionSpec as P
 
 from minpro_jax import run_config
 from minpro_jax.aot.abstract import abstract_params
+from minpro_jax.aot.packed import static_rows
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.config import PRESETS, ModelConfig, get_preset
+from minpro_jax.rl import packing
 from minpro_jax.rl.learner import Learner, ScoreInputs, TrainState, UpdateInputs
 from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
@@ -197,16 +199,21 @@ class RunPrograms:
     shapes: `run_shapes(c)`.
     hbm_bytes: one device's HBM (the slice's chip figure) for `sampling.decode_rows="auto"`, which then counts the
       learner's `TrainState` as resident (`minpro_jax.sampling.rows`); None or 0 (CPU): "auto" is 64 rows.
+    sampler_only: the mesh is the sampler's own devices of a split (`minpro_jax.aot.split_step`): its layout spans
+      them with no learner state beside it, as the trainer's sampler with `config.sampling.devices`.
 
   Raises:
     ConfigError: `config.sampling.devices` set: the programs of a device split are not compiled yet.
   """
 
-  def __init__(self, c, cfg: ModelConfig, mesh, shapes: RunShapes, hbm_bytes: float | None = None):
+  def __init__(
+      self, c, cfg: ModelConfig, mesh, shapes: RunShapes, hbm_bytes: float | None = None, sampler_only: bool = False
+  ):
     if c.sampling.get("devices", 0):  # not the shared-device programs, silently
       raise ConfigError(
           f"--config.sampling.devices={c.sampling.devices}: the compile-only tool compiles the programs of sampler and "
-          "learner sharing every device only; drop the override (docs/learner.md: sampling overlapped with learning)"
+          "learner sharing every device only; drop the override, or cost the split with `python -m minpro_jax.aot "
+          "--budget` (each side on its own chips: docs/aot.md, the overlapped step)"
       )
     self.c, self.cfg, self.mesh, self.shapes = c, cfg, mesh, shapes
     self.replay = bool(c.loss.router_replay)
@@ -218,10 +225,19 @@ class RunPrograms:
         run_config.optimizer_config(c),
         micro_batch_size=shapes.micro_batch,
         mesh=mesh,
+        row_tokens=packing.row_tokens(c),
+    )
+    # the learner's rows: one sample each, or with learner.row_tokens the packed rows (`minpro_jax.aot.packed`)
+    packed = static_rows(c, shapes)
+    self.update_rows, self.score_rows, self.learner_width = packed or (
+        shapes.mini_batch,
+        shapes.rollouts,
+        shapes.seq_len,
     )
     self.sampling = run_config.sampling_params(c, (STOP_ID,))
     # the trainer's sampler layout: the learner's mesh, or the sampler's own (config.sampling.mesh)
-    smesh, srules = sampler_layout(c.sampling.get("mesh", ""), mesh, cfg)
+    own = list(mesh.devices.flat) if sampler_only else None
+    smesh, srules = sampler_layout(c.sampling.get("mesh", ""), mesh, cfg, own)
     self.sampler = Sampler(
         cfg,
         precision=c.sampling.precision,
@@ -235,7 +251,7 @@ class RunPrograms:
     )
     # the sampler the trainer builds: continuous or static per `sampling.continuous`, its KV cache, its decode rows
     rows, paged_kv = run_config.sampler_decode_rows(c), paged_kernel(run_config.sampler_paged_kv(c), cfg)
-    resident = tree_bytes_per_device(self.train_state()) if rows == "auto" and hbm_bytes else 0
+    resident = tree_bytes_per_device(self.train_state()) if rows == "auto" and hbm_bytes and not sampler_only else 0
     self.decode_rows = decode_rows(c, cfg, paged_kv=paged_kv, prompt_len=shapes.prompt_len, mesh=smesh,
                                    rules=srules, hbm_bytes=hbm_bytes, other_resident_bytes=resident)  # fmt: skip
     pages_per_row = row_slots(c, paged_kv, shapes.prompt_len) // paged_kv.page_size if paged_kv else 0
@@ -259,8 +275,12 @@ class RunPrograms:
     s, rows = self.shapes, self.trainer_sampler.continuous_rows(self.shapes.rollouts)[0]
     kv = "paged KV" if self.trainer_sampler.paged_kv else "dense KV"
     table = {
-        "update": Lowered("update", self._lower_update, f"{s.mini_batch}x{s.seq_len} (micro-batch {s.micro_batch})"),
-        "score": Lowered("score", self._lower_score, f"{s.rollouts}x{s.seq_len} (micro-batch {s.micro_batch})"),
+        "update": Lowered(
+            "update", self._lower_update, f"{self.update_rows}x{self.learner_width} (micro-batch {s.micro_batch})"
+        ),
+        "score": Lowered(
+            "score", self._lower_score, f"{self.score_rows}x{self.learner_width} (micro-batch {s.micro_batch})"
+        ),
         "prefill": Lowered("prefill", self._lower_prefill, f"{s.sampler_rows}x{s.prompt_len}"),
         "decode": Lowered("decode", self._lower_decode, f"{s.sampler_rows}x{s.response_len} steps"),
         "sample": Lowered(
@@ -276,8 +296,9 @@ class RunPrograms:
 
   # ------------------------------------------------------------------------------------------ learner
   def _rows(self, n: int) -> dict[str, Any]:
-    """Abstract `UpdateInputs` fields of n rows (replicated, as the trainer passes host arrays)."""
-    shape, m = (n, self.shapes.seq_len), self.mesh
+    """Abstract `UpdateInputs` fields of n rows of the learner's width (replicated, as the trainer passes host
+    arrays)."""
+    shape, m = (n, self.learner_width), self.mesh
     out = {
         "tokens": _replicated(m, shape, jnp.int32),
         "segment_ids": _replicated(m, shape, jnp.int32),
@@ -285,7 +306,8 @@ class RunPrograms:
         "response_mask": _replicated(m, shape, jnp.bool_),
         "behavior_logp": _replicated(m, shape, jnp.float32),
         "learner_logp": _replicated(m, shape, jnp.float32),
-        "advantages": _replicated(m, (n,), jnp.float32),
+        # packed, per token (`packing.pack`); else per sample
+        "advantages": _replicated(m, shape if self.learner.row_tokens else (n,), jnp.float32),
         "routes": None,
         # truncated sampling: the learner renormalises over the sampler's kept sets (`models.logprobs`)
         "kept_logp_threshold": _replicated(m, shape, jnp.float32) if self.sampling.truncates else None,
@@ -312,16 +334,17 @@ class RunPrograms:
 
   def _lower_update(self):
     state = self.train_state()
-    inputs = UpdateInputs(**self._rows(self.shapes.mini_batch))
+    inputs = UpdateInputs(**self._rows(self.update_rows))
     shardings = jax.tree.map(lambda x: x.sharding, state)
     with use_mesh(self.mesh):
       lr_scale = _replicated(self.mesh, (), jnp.float32)
-      return self.learner.jitted_update(shardings).lower(state, inputs, self.shapes.micro_batch, lr_scale)
+      mb = min(self.shapes.micro_batch, self.update_rows)
+      return self.learner.jitted_update(shardings).lower(state, inputs, mb, lr_scale)
 
   def _lower_score(self):
-    rows = self._rows(self.shapes.rollouts)
+    rows = self._rows(self.score_rows)
     inputs = ScoreInputs(*(rows[f] for f in ScoreInputs._fields))
-    mb = min(self.shapes.micro_batch, self.shapes.rollouts)
+    mb = min(self.shapes.micro_batch, self.score_rows)
     with use_mesh(self.mesh):
       return self.learner.jitted_score.lower(self.params, inputs, mb)
 

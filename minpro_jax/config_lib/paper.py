@@ -97,4 +97,9 @@ def paper_config(preset: str, hf_path: str, arg: str | None, mesh: str, micro_ba
   c.log.mismatch_every = 10  # the score pass (a forward over every row) only for TIS/MIS or every 10th step's metrics
   c.checkpoint.keep = 3
   c.mesh.shape = mesh
+  # packed learner rows of the longest sample (the smallest budget allowed), following the lengths when a config or
+  # the command line changes them: responses average ~40 % of it at the papers' lengths, so first fit puts two or
+  # three samples in most rows and the update runs ~45 % of the micro-batches it runs unpacked (benchmarks/README.md,
+  # "Packed learner rows"); wider rows would pack no better and cost attention over the whole row
+  c.learner.row_tokens = c.data.get_ref("max_prompt_tokens") + c.sampling.get_ref("max_new_tokens")
   return c

@@ -37,6 +37,7 @@ from minpro_jax.rl.objectives import get_objective, policy_loss, resolve_hparams
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime.multihost import settle, to_host
 from minpro_jax.runtime.sharding import check_global, replicate_local_leaves
+from minpro_jax.runtime.xla_options import learner_compiler_options
 
 NUM_POSITION_BINS = 8
 
@@ -343,7 +344,8 @@ class Learner:
     self.mesh = mesh
     self._update = None  # jitted on first use, with the state's shardings as output shardings
     # public for compile-only tools (`minpro_jax.aot` lowers it)
-    self.jitted_score = jax.jit(self._score_impl, static_argnums=(2,))
+    self._options = learner_compiler_options(mesh)  # TPU: no windowed einsums (`runtime/xla_options.py`)
+    self.jitted_score = jax.jit(self._score_impl, static_argnums=(2,), compiler_options=self._options)
 
   # ----- state -----
   def init_state(self, params) -> TrainState:
@@ -495,7 +497,8 @@ class Learner:
   def jitted_update(self, state_shardings):
     """The jitted update `update` runs, `(state, UpdateInputs, micro_batch, lr_scale) -> (state, metrics)`: the state
     donated and returned laid out as `state_shardings` (a `TrainState` of shardings). Compile-only tools lower it."""
-    return jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,), out_shardings=(state_shardings, None))
+    return jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,),
+                   out_shardings=(state_shardings, None), compiler_options=self._options)  # fmt: skip
 
   def _micro_objective(self, params, micro: UpdateInputs, denom, num_tokens, num_rows, prepared):
     lc = self.loss_cfg

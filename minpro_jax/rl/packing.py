@@ -105,6 +105,29 @@ def packed_rows(num_samples: int, sample_width: int, row_tokens: int, micro_batc
   return max(1, -(-bound // micro_batch)) * micro_batch
 
 
+def _plan_shape(lengths: np.ndarray, used: int, sample_width: int, row_tokens: int, micro_batch: int):
+  """(R, W) of a plan whose first fit used `used` rows: W = max(row_tokens, longest sample), R the static
+  `packed_rows` or, should first fit need more, its rows rounded up to a micro-batch."""
+  width = max(row_tokens, int(np.max(lengths, initial=0)))
+  rows = max(packed_rows(len(lengths), sample_width, width, micro_batch), -(-used // micro_batch) * micro_batch)
+  return rows, width
+
+
+def plan_shape(lengths, sample_width: int, row_tokens: int, micro_batch: int) -> tuple[int, int, int]:
+  """(R rows, K used rows, W width) that `plan` gives samples of `lengths` real tokens in unpacked rows of
+  `sample_width`, without placing their tokens (compile-only tools: `minpro_jax.aot.packed`).
+
+  Raises:
+    ValueError: row_tokens or micro_batch <= 0, a negative length.
+  """
+  if micro_batch <= 0:
+    raise ValueError(f"micro_batch must be > 0, got {micro_batch}")
+  lengths = np.asarray(lengths, np.int64)
+  used = first_fit_decreasing(lengths, row_tokens)[2]
+  rows, width = _plan_shape(lengths, used, sample_width, row_tokens, micro_batch)
+  return rows, used, width
+
+
 def plan(segment_ids: np.ndarray, row_tokens: int, micro_batch: int) -> PackPlan:
   """Places the samples of an unpacked [N, L] batch (one sample per row, real tokens where `segment_ids != 0`) into
   packed rows of `row_tokens` tokens.
@@ -126,8 +149,7 @@ def plan(segment_ids: np.ndarray, row_tokens: int, micro_batch: int) -> PackPlan
   n, length = real.shape
   lengths = real.sum(1).astype(np.int64)
   row, offset, used = first_fit_decreasing(lengths, row_tokens)
-  width = max(row_tokens, int(lengths.max(initial=0)))
-  rows = max(packed_rows(n, length, width, micro_batch), -(-used // micro_batch) * micro_batch)
+  rows, width = _plan_shape(lengths, used, length, row_tokens, micro_batch)
   sample_of_token, col = np.nonzero(real)  # row-major: each sample's tokens in order
   rank = np.cumsum(real, axis=1)[sample_of_token, col] - 1  # index of the token inside its sample
   src = sample_of_token * length + col
