@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+from minpro_jax.rl.learner import Learner, LossConfig
+from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.rollout import RolloutBatch
 
 MODEL = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2)

@@ -41,9 +41,10 @@ from minpro_jax.errors import ConfigError
 from minpro_jax.models.quant import FP8_ACTIVATIONS, FP8_FORMATS, FP8_WEIGHT_SCALES, PRECISIONS
 from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import ADVANTAGE_MODES
-from minpro_jax.rl.learner import LossConfig, OptimizerConfig
+from minpro_jax.rl.learner import LossConfig
 from minpro_jax.rl.lr_decay import LrDecayConfig
 from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
+from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.packing import check_row_tokens
 from minpro_jax.sampling import PagedKV, SamplingParams
 
@@ -67,7 +68,7 @@ __all__ = [
     "lr_decay_config",
 ]
 
-SCHEDULES = ("constant", "cosine", "linear")  # minpro_jax.rl.learner.make_schedule's schedules
+SCHEDULES = ("constant", "cosine", "linear")  # minpro_jax.rl.optimizer.make_schedule's schedules
 KV_CACHES = ("dense", "paged")  # the continuous sampler's KV caches (minpro_jax.sampling.paged_continuous)
 # config.sampling.fp8_* field, choices, default (the sampler's FP8 options, minpro_jax.models.quant)
 FP8_OPTIONS = (

@@ -43,7 +43,8 @@ from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models import Transformer, get_preset, init_model
 from minpro_jax.models.gguf_io import load_gguf
 from minpro_jax.models.hf_io import load_hf_checkpoint
-from minpro_jax.rl.learner import Learner, make_optimizer
+from minpro_jax.rl.learner import Learner
+from minpro_jax.rl.optimizer import make_optimizer
 from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_target
 from minpro_jax.runtime import multihost
 from minpro_jax.runtime.device_split import DeviceSplit, sampler_device_count, split_devices

@@ -14,8 +14,9 @@ from minpro_jax.checkpoint import RunCheckpointer
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl.aggregation import masked_mean
-from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig, make_schedule
+from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.objectives import OBJECTIVES, register_objective
+from minpro_jax.rl.optimizer import OptimizerConfig, make_schedule
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 

@@ -15,7 +15,8 @@ from train_helpers import make_config, tiny_overrides
 
 from minpro_jax import run_config
 from minpro_jax.rl import lr_decay
-from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+from minpro_jax.rl.learner import Learner, LossConfig
+from minpro_jax.rl.optimizer import OptimizerConfig
 
 CFG = lr_decay.LrDecayConfig(baseline_steps=3, surge_ratio=3.0, period_factor=1.8, factor=0.5, min_ratio=0.1)
 

@@ -15,7 +15,8 @@ from train_helpers import make_config, tiny_overrides
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.moe import NO_ROUTE
 from minpro_jax.rl import packing
-from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+from minpro_jax.rl.learner import Learner, LossConfig
+from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.run_config import validate_config
 
 

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 from test_learner import _batch, _model, _sgd_delta
 
-from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+from minpro_jax.rl.learner import Learner, LossConfig
+from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.policy_gradient import flatten, policy_gradients
 
 CONFIGS = (

@@ -11,7 +11,8 @@ from flax import nnx
 
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.moe import NO_ROUTE, MoE, route_mismatch
-from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+from minpro_jax.rl.learner import Learner, LossConfig
+from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.sampling import Sampler, SamplingParams
 

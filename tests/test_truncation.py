@@ -12,7 +12,8 @@ from flax import nnx
 
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import logprobs_from_hidden
-from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+from minpro_jax.rl.learner import Learner, LossConfig
+from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, get_next_tokens
 

@@ -182,7 +182,8 @@ def test_resume_sees_an_edited_data_file(tmp_path):
 def test_an_update_that_makes_the_parameters_non_finite_is_skipped():
   from test_learner import _batch, _model
 
-  from minpro_jax.rl.learner import Learner, LossConfig, OptimizerConfig
+  from minpro_jax.rl.learner import Learner, LossConfig
+  from minpro_jax.rl.optimizer import OptimizerConfig
 
   model = _model()
   batch = _batch(model)
