@@ -27,17 +27,26 @@ def state():
   return nnx.split(init_model(CFG, seed=3))[1]
 
 
+def _generate_both(pag, static, state):
+  """The paged and the static sampler's responses to the 7 prompts x 2 samples at one seed."""
+  kw = dict(seed=11, group_size=2, group_ids=[40, 41, 42, 43, 44, 45, 46], policy_version=5)
+  return pag.generate(state, PROMPTS, SP, **kw), static.generate(state, PROMPTS, SP, **kw)
+
+
+def _assert_equal_samples(got, want):
+  """Token for token equal; behavior log-probs to 1e-5."""
+  for f in ("response_tokens", "response_mask", "lengths", "finish_reason", "group_ids", "sample_index"):
+    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+  np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
+
+
 def test_paged_sampler_equals_static_with_a_pool_of_one_long_row(state):
   """9 pages of 4 tokens hold one request of the longest prompt (11 + 23 tokens) and no second one, so on 4
   decode rows most of the 14 requests wait for pages; pages are freed and reused as rows stop."""
   static = Sampler(CFG, prompt_buckets=(8, 16), continuous=False)
   pag = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, refill_rows=2, paged_kv=PagedKV(page_size=4, num_pages=9))
-  kw = dict(seed=11, group_size=2, group_ids=[40, 41, 42, 43, 44, 45, 46], policy_version=5)
-  want = static.generate(state, PROMPTS, SP, **kw)
-  got = pag.generate(state, PROMPTS, SP, **kw)
-  for f in ("response_tokens", "response_mask", "lengths", "finish_reason", "group_ids", "sample_index"):
-    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-  np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
+  got, want = _generate_both(pag, static, state)
+  _assert_equal_samples(got, want)
   np.testing.assert_allclose(got.entropy, want.entropy, atol=1e-5, rtol=0)
   assert (got.finish_reason == "stop").any() and len(set(got.lengths.tolist())) > 3  # ragged
 
@@ -274,9 +283,5 @@ def test_paged_sampler_on_row_groups_equals_static(state):
   assert pc.row_groups(pag, 4, 14) == (("data",), 2)
   assert pc.row_groups(pag, 4, 7)[1] == 1  # 7 requests do not split in two
   static = Sampler(CFG, prompt_buckets=(8, 16), continuous=False)
-  kw = dict(seed=11, group_size=2, group_ids=[40, 41, 42, 43, 44, 45, 46], policy_version=5)
-  want = static.generate(state, PROMPTS, SP, **kw)
-  got = pag.generate(state, PROMPTS, SP, **kw)
-  for f in ("response_tokens", "response_mask", "lengths", "finish_reason", "group_ids", "sample_index"):
-    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
-  np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
+  got, want = _generate_both(pag, static, state)
+  _assert_equal_samples(got, want)
