@@ -47,15 +47,15 @@ KV_BLOCK_TOKENS = 1024
 def paged_kernel(paged_kv: PagedKV | None, model_config) -> PagedKV | None:
   """`paged_kv` with kernel "auto" turned into "xla" for a model whose head_dim the Pallas kernel cannot tile (not a
   multiple of `PALLAS_HEAD_DIM`: the tiny and SmolLM2 presets), so "auto" picks the kernel only where it compiles;
-  an explicit kernel is kept. An unset `num_kv_pages_per_block` becomes KV_BLOCK_TOKENS // page_size (at least 1;
-  only the Pallas kernel reads it)."""
+  an explicit kernel is kept. Where the Pallas kernel may run, an unset `num_kv_pages_per_block` becomes
+  KV_BLOCK_TOKENS // page_size (at least 1; the attention caps it at a row's pages)."""
   if paged_kv is None:
     return None
-  if paged_kv.num_kv_pages_per_block is None:
+  if paged_kv.kernel == "auto" and model_config.head_dim % PALLAS_HEAD_DIM:
+    return dataclasses.replace(paged_kv, kernel="xla")
+  if paged_kv.kernel != "xla" and paged_kv.num_kv_pages_per_block is None:
     paged_kv = dataclasses.replace(paged_kv, num_kv_pages_per_block=max(1, KV_BLOCK_TOKENS // paged_kv.page_size))
-  if paged_kv.kernel != "auto" or model_config.head_dim % PALLAS_HEAD_DIM == 0:
-    return paged_kv
-  return dataclasses.replace(paged_kv, kernel="xla")
+  return paged_kv
 
 
 def decode_rows(

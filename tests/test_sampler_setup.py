@@ -86,7 +86,7 @@ def test_sampler_kwargs_build_a_paged_sampler(tmp_path):
   tok = types.SimpleNamespace(pad_id=-1)
   ov = {"sampling.kv_cache": "paged", "sampling.page_size": 16, "sampling.num_pages": 40}
   kw = sampler_kwargs(make_config(tiny_overrides(tmp_path, **ov)), model, tok, None)
-  want = PagedKV(page_size=16, num_pages=40, kernel="xla", num_kv_pages_per_block=64)  # head_dim 32: not Pallas
+  want = PagedKV(page_size=16, num_pages=40, kernel="xla")  # head_dim 32: not Pallas, so no block sizes
   assert kw["paged_kv"] == want and kw["continuous"] and kw["decode_rows"] == 64
   sampler = Sampler(model.config, **kw)
   assert sampler.paged_kv == want
@@ -96,11 +96,12 @@ def test_sampler_kwargs_build_a_paged_sampler(tmp_path):
 def test_auto_kernel_only_for_heads_the_pallas_kernel_tiles():
   kv = PagedKV(16)
   blocks = dict(num_kv_pages_per_block=64)  # KV_BLOCK_TOKENS = 1024 tokens a block where unset
-  assert paged_kernel(kv, get_preset("tiny")) == PagedKV(16, kernel="xla", **blocks)  # head_dim 32
+  assert paged_kernel(kv, get_preset("tiny")) == PagedKV(16, kernel="xla")  # head_dim 32
+  assert paged_kernel(PagedKV(16, kernel="xla"), get_preset("tiny", head_dim=128)) == PagedKV(16, kernel="xla")
   assert paged_kernel(kv, get_preset("tiny", head_dim=128)) == PagedKV(16, **blocks)  # "auto": Pallas on TPU
   assert paged_kernel(PagedKV(16, kernel="pallas"), get_preset("tiny")).kernel == "pallas"  # explicit: kept
   assert paged_kernel(PagedKV(128, num_kv_pages_per_block=4), get_preset("tiny")).num_kv_pages_per_block == 4
-  assert paged_kernel(PagedKV(4096), get_preset("tiny")).num_kv_pages_per_block == 1
+  assert paged_kernel(PagedKV(4096), get_preset("tiny", head_dim=128)).num_kv_pages_per_block == 1
   assert paged_kernel(None, get_preset("tiny")) is None
 
 

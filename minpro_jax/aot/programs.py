@@ -184,7 +184,7 @@ def compile_only_blocks(paged_kv: PagedKV | None, mesh, pages_per_row: int, rows
   bkv = 32 if "v4" in mesh.devices.flat[0].device_kind else 128
   return dataclasses.replace(
       paged_kv,
-      num_kv_pages_per_block=paged_kv.num_kv_pages_per_block or min(pages_per_row, bkv),
+      num_kv_pages_per_block=min(pages_per_row, paged_kv.num_kv_pages_per_block or bkv),
       num_queries_per_block=paged_kv.num_queries_per_block or min(rows, 32),
   )
 

@@ -318,6 +318,8 @@ def pallas_decode_attention(
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as kernel
   rows = q_rhd.shape[0]
   scale = 1.0 / math.sqrt(q_rhd.shape[-1]) if sm_scale is None else sm_scale
+  if num_kv_pages_per_block is not None:  # the kernel refuses a block of more pages than a row's table holds
+    num_kv_pages_per_block = min(num_kv_pages_per_block, page_table.shape[1])
   blocks = dict(num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block)
   blocks = {k: v for k, v in blocks.items() if v is not None}
 
