@@ -228,3 +228,15 @@ def test_sigterm_during_setup_says_what_is_lost(tmp_path):
   out = "".join(seen) + out
   assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
   assert "error: stopped by signal 15 during setup" in out and "Traceback" not in out
+
+
+def test_a_tuple_field_given_twice_is_refused_not_joined():
+  from minpro_jax.errors import UserError
+  from minpro_jax.train import parse_config
+
+  with pytest.raises(
+      UserError, match=r"--config\.eval\.ks: given 2 times, so its values were joined into \(1, 2, 1, 8\)"
+  ):
+    parse_config(["train", "--config.eval.ks=1,2", "--config.eval.ks=1,8"])
+  c = parse_config(["train", "--config.eval.ks=1,8", "--config.delay=1", "--config.delay=3"])
+  assert c.eval.ks == (1, 8) and c.delay == 3  # once: as given; a scalar given twice: the last value
