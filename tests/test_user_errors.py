@@ -240,3 +240,21 @@ def test_a_tuple_field_given_twice_is_refused_not_joined():
     parse_config(["train", "--config.eval.ks=1,2", "--config.eval.ks=1,8"])
   c = parse_config(["train", "--config.eval.ks=1,8", "--config.delay=1", "--config.delay=3"])
   assert c.eval.ks == (1, 8) and c.delay == 3  # once: as given; a scalar given twice: the last value
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--port=99999", "--port=99999: must be a TCP port in [1, 65535], or 0 for a free one"),
+        ("--port=-1", "--port=-1: must be a TCP port"),
+        ("--grace_s=-5", "--grace_s=-5.0: must be a finite number of seconds >= 0"),
+        ("--grace_s=nan", "--grace_s=nan: must be a finite number"),
+    ],
+)
+def test_launch_local_refuses_a_bad_port_or_grace_before_starting_anything(flag, message, capsys, monkeypatch):
+  from minpro_jax import launch_local
+
+  monkeypatch.setattr(launch_local, "spawn", lambda *a, **k: pytest.fail("started processes"))
+  with pytest.raises(SystemExit) as e:
+    launch_local.main([flag, "--num_processes=1", "--", "--config.total_steps=1"])
+  assert e.value.code == 2 and message in capsys.readouterr().err
