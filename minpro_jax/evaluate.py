@@ -68,7 +68,8 @@ def apply_overrides(c, overrides: dict[str, str]) -> None:
     try:
       node[leaf] = _convert(old, text)
     except (TypeError, ValueError, SyntaxError) as e:
-      raise ConfigError(f"--{field}={text!r}: not a {type(old).__name__} ({e})") from None
+      kind = type(old).__name__
+      raise ConfigError(f"--{field}={text!r}: not {'an' if kind[0] in 'aeiou' else 'a'} {kind} ({e})") from None
 
 
 def _convert(old: Any, text: str) -> Any:

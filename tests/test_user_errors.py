@@ -258,3 +258,13 @@ def test_launch_local_refuses_a_bad_port_or_grace_before_starting_anything(flag,
   with pytest.raises(SystemExit) as e:
     launch_local.main([flag, "--num_processes=1", "--", "--config.total_steps=1"])
   assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_evaluate_names_a_value_of_the_wrong_type_with_its_type():
+  from minpro_jax.config_lib.defaults import get_config
+  from minpro_jax.evaluate import apply_overrides
+
+  with pytest.raises(ConfigError, match=r"^--eval\.n='abc': not an int \(invalid literal"):
+    apply_overrides(get_config(), {"eval.n": "abc"})
+  with pytest.raises(ConfigError, match=r"^--eval\.top_p='x': not a float \("):
+    apply_overrides(get_config(), {"eval.top_p": "x"})
