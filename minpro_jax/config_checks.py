@@ -212,6 +212,8 @@ def check_eval(c) -> None:
   need(e.n >= 1, "eval.n", f"must be >= 1, got {e.n}")
   need(e.num_problems >= 1, "eval.num_problems", f"must be >= 1, got {e.num_problems}")
   need(all(1 <= k <= e.n for k in e.ks), "eval.ks", f"every k must lie in [1, eval.n={e.n}]")
+  repeated = sorted({k for k in e.ks if tuple(e.ks).count(k) > 1})
+  need(not repeated, "eval.ks", f"{tuple(e.ks)} lists k={repeated} more than once; list each k once")
   need(0.0 < e.top_p <= 1.0, "eval.top_p", f"must lie in (0, 1] (1 = off), got {e.top_p}")
   need(e.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {e.temperature}")
   need(e.every >= 0, "eval.every", f"must be >= 0 (0 = only at start and end), got {e.every}")

@@ -16,7 +16,8 @@ a folder (an export, or any Qwen3 / Llama checkpoint) with the default config's 
 Output (default `workdir/eval/standalone/<which>_<step>`): `<benchmark>.json` per benchmark as it finishes, then
 `eval.json` and `eval.md` over all of them. Re-running the same command skips the benchmarks already written
 (resumable), provided the settings (every `eval` field, the template, the lengths, the precision, the grader) are the
-same, else it refuses: use another `--out`. Ctrl-C keeps the finished benchmarks (exit status 130).
+same, else it refuses: use another `--out`. Ctrl-C or SIGTERM ends it at once, keeping the finished benchmarks
+(exit status 128 + the signal: 130, 143).
 
 Several processes (a TPU pod's hosts; `python -m minpro_jax.launch_local --module=minpro_jax.evaluate -- ...` on one
 machine) run the same command as in training (docs/multihost.md): every process reads the checkpoint's shards onto
@@ -35,15 +36,27 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from typing import Any
 
 from minpro_jax.errors import ConfigError, UserError
 
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
 SETTABLE = ("eval.", "data.template", "data.max_prompt_tokens", "sampling.max_new_tokens", "sampling.decode_rows")
 SETTABLE += ("sampling.precision", "sampling.kv_cache", "sampling.page_size", "sampling.num_pages", "mesh.shape")
+
+
+def _stopped(signum: int, frame) -> None:
+  """Ends the process at once with 128 + `signum` (130 for Ctrl-C): each benchmark's table is written atomically as
+  it finishes, so nothing finished is lost (`os._exit`: JAX's teardown after an interrupt can crash the
+  interpreter)."""
+  del frame
+  print(
+      f"stopped by signal {signum}: the finished benchmarks are kept; re-run the same command to go on", file=sys.stderr
+  )
+  sys.stderr.flush()
+  os._exit(128 + signum)
 
 
 def apply_overrides(c, overrides: dict[str, str]) -> None:
@@ -68,7 +81,8 @@ def apply_overrides(c, overrides: dict[str, str]) -> None:
     try:
       node[leaf] = _convert(old, text)
     except (TypeError, ValueError, SyntaxError) as e:
-      raise ConfigError(f"--{field}={text!r}: not a {type(old).__name__} ({e})") from None
+      kind = type(old).__name__
+      raise ConfigError(f"--{field}={text!r}: not {'an' if kind[0] in 'aeiou' else 'a'} {kind} ({e})") from None
 
 
 def _convert(old: Any, text: str) -> Any:
@@ -290,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--no-progress", action="store_true", help="no progress bar")
   ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
   args, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+  if argv is None:  # the process's own signals: SIGTERM (a preemption, a scheduler) ends it as Ctrl-C does
+    signal.signal(signal.SIGTERM, _stopped)
   try:
     from minpro_jax.runtime import multihost
     from minpro_jax.runtime.distributed import maybe_initialize_distributed
@@ -312,9 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USER_ERROR
   except KeyboardInterrupt:
-    print("interrupted: the finished benchmarks are kept; re-run the same command to go on", file=sys.stderr)
-    sys.stderr.flush()
-    os._exit(EXIT_INTERRUPTED)  # at once: JAX's teardown after an interrupt can crash the interpreter
+    _stopped(signal.SIGINT, None)
   from minpro_jax.evaluation import to_markdown
 
   if not multihost.is_primary():

@@ -170,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = ap.parse_args(ours)
   if args.num_processes < 1 or args.devices_per_process < 1:
     ap.error(f"--num_processes={args.num_processes} and --devices_per_process={args.devices_per_process} must be >= 1")
+  if not 0 <= args.port <= 65535:
+    ap.error(f"--port={args.port}: must be a TCP port in [1, 65535], or 0 for a free one")
+  if not 0 <= args.grace_s < float("inf"):  # NaN fails too
+    ap.error(f"--grace_s={args.grace_s}: must be a finite number of seconds >= 0 (SIGTERM to SIGKILL)")
   procs = spawn(
       [sys.executable, "-m", args.module, *rest], args.num_processes, args.devices_per_process, port=args.port or None
   )

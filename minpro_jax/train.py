@@ -59,9 +59,25 @@ def parse_config(argv: list[str]):
     fv(found)
     config = holder.value
     config.keys()  # the file loads lazily: make its errors happen here
-    return config
   except (OSError, AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
     raise UserError(_flag_message(argv, e)) from e
+  _refuse_repeated_tuples(config, argv)
+  return config
+
+
+def _refuse_repeated_tuples(config, argv: list[str]) -> None:
+  """ml_collections joins the values of a tuple field given twice (`--config.eval.ks=1,2 --config.eval.ks=1,8` is
+  (1, 2, 1, 8)) where a scalar's last value wins. Raises UserError naming such a flag."""
+  names = [a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.") and "=" in a]
+  for name in sorted({n for n in names if names.count(n) > 1}):
+    value = config
+    for part in name.split("."):
+      value = value.get(part) if hasattr(value, "get") else None
+    if isinstance(value, tuple):
+      raise UserError(
+          f"--config.{name}: given {names.count(name)} times, so its values were joined into {value}; give a tuple "
+          "field once, with every value (e.g. --config.eval.ks=1,8)"
+      )
 
 
 def _find_config(flag: str) -> str:

@@ -460,9 +460,14 @@ class Trainer:
       stop = self._agreed_stop_signal()
       if stop is not None or (c.checkpoint.every and (step + 1) % c.checkpoint.every == 0):
         self._save(step, state, buffer, progress)
-      if stop is not None:
+      if stop is not None:  # the bar ends as "RL stopped", on its own line, before the message
         writer.close()
-        logger.warning("stopped by signal %d at global step %d; re-run the same command to resume", stop, step)
+        bar.set_description("RL stopped")
+        bar.close()
+        left = "the final evaluation" if step + 1 == c.total_steps else f"steps {step + 1}..{c.total_steps - 1}"
+        logger.warning(
+            "stopped by signal %d at global step %d (checkpointed); re-run the same command for %s", stop, step, left
+        )
         raise SystemExit(128 + stop)
     bar.close()
     if self.ckpt.latest_step() != c.total_steps - 1:  # before the final evaluation, so a stop during it loses nothing

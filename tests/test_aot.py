@@ -327,3 +327,64 @@ def test_the_tiny_config_fits_v5e_4_and_v5p_8():
   assert {(r["topo"], r["program"]) for r in rows} == {(t, p) for t in ("v5e-4", "v5p-8") for p in ("update", "decode")}
   for r in rows:
     assert r["fits"] == "True" and 0 < int(r["total"]) < int(r["hbm"]), r
+
+
+def test_the_environment_quiets_libtpu_without_hiding_the_users_settings(monkeypatch):
+  from minpro_jax.aot.__main__ import _prepare_environment
+
+  for k in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "LIBTPU_INIT_ARGS"):
+    monkeypatch.delenv(k, raising=False)
+  _prepare_environment("v5e-4")
+  assert os.environ["TPU_WORKER_HOSTNAMES"] == "localhost" and os.environ["TPU_ACCELERATOR_TYPE"] == "v5litepod-4"
+  assert os.environ["LIBTPU_INIT_ARGS"] == "--install_signal_handlers=false"
+  monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-8")
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_foo=1")
+  _prepare_environment("v5e-4")
+  assert os.environ["TPU_ACCELERATOR_TYPE"] == "v5p-8"
+  assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_foo=1 --install_signal_handlers=false"
+
+
+# libtpu loaded as the command loads it, then SIGTERM: one line on stderr, no load-time noise, no native stack
+_TPU_SIGTERM = """
+import os, signal, subprocess, sys, time
+child = '''
+import sys, time
+from minpro_jax.aot.__main__ import _prepare_environment, _exit_on_signal
+_prepare_environment("v5e-4")
+_exit_on_signal("KEPT")
+from minpro_jax.aot.topologies import parse_slice
+print(len(parse_slice("v5e-4").devices()), flush=True)
+time.sleep(120)
+'''
+p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+n = p.stdout.readline().strip()
+p.send_signal(signal.SIGTERM)
+out, err = p.communicate(timeout=60)
+print(f"RESULT devices={n} rc={p.returncode} err={repr(err).replace(' ', '_')}")
+"""
+
+
+@pytest.mark.xdist_group("aot_tpu")
+def test_libtpu_loads_quietly_and_a_sigterm_says_what_is_kept():
+  (r,) = run_with_libtpu(_TPU_SIGTERM, timeout=240)
+  assert r == {"devices": "4", "rc": "143", "err": "'error:_stopped_by_signal_15;_KEPT\\n'"}, r
+
+
+@pytest.mark.slow  # ~20 s at load 10
+def test_a_sigterm_mid_compile_keeps_the_rows_already_compiled(tmp_path):
+  import signal
+  import subprocess
+  import sys
+
+  out = tmp_path / "r.json"
+  cmd = [sys.executable, "-m", "minpro_jax.aot", "--topology=cpu:1", "--programs=score,update", f"--out={out}"]
+  p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+  first = p.stderr.readline()  # the score row; the update program is compiling now
+  p.send_signal(signal.SIGTERM)
+  _, err = p.communicate(timeout=120)
+  assert first.startswith("# fsdp=1 none score: total") and p.returncode == 128 + signal.SIGTERM, first + err
+  assert (
+      err == f"error: stopped by signal 15; the rows compiled so far are in --out={out}: rerun the same command "
+      "to resume from them\n"
+  )
+  assert [r["program"] for r in json.loads(out.read_text())["rows"]] == ["score"]

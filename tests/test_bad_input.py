@@ -225,3 +225,24 @@ def test_aot_warns_on_a_row_whose_micro_batch_does_not_split_over_the_batch_axes
       "(data x fsdp x expert = 4); a run on this mesh needs a micro-batch that is a multiple of 4"
   )
   assert "x expert = 2" in batch_split_warning(c, {"program": "score", "mesh": "tensor=4,expert=2"})
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--workdir=", "--dry-run"], "error: --workdir: empty; give the study's own directory"),
+        (
+            ["--workdir={run}", "--dry-run"],
+            "is the workdir of a training run (config.json, checkpoints/), not a study's",
+        ),
+        (["--workdir={tmp}/study", "--jobs=0", "--dry-run"], "error: --jobs=0: must be >= 1"),
+    ],
+)
+def test_study_workdir_and_jobs_mistakes_are_named_before_anything_runs(tmp_path, capsys, flags, words):
+  run = tmp_path / "run"
+  (run / "checkpoints").mkdir(parents=True)
+  (run / "config.json").write_text("{}")
+  argv = [f"--grid={SMOKE}", *(f.format(run=run, tmp=tmp_path) for f in flags)]
+  code, out = _study(argv, capsys)
+  assert code == 2 and words in _one_error(out.err), out.err
+  assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(run)) == ["checkpoints", "config.json"]

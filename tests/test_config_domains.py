@@ -75,7 +75,7 @@ BAD: dict[str, tuple[tuple, dict]] = {
     "eval.every": ((-1,), {}),
     "eval.num_problems": ((0,), {}),
     "eval.n": ((0,), {}),
-    "eval.ks": (((), (0,), (3,)), {}),  # eval.n=2 in the tiny config
+    "eval.ks": (((), (0,), (3,), (1, 1)), {}),  # eval.n=2 in the tiny config
     "eval.temperature": ((-1.0, INF, NAN), {}),
     "eval.top_p": ((0.0, 1.5), {}),
     "eval.seed": ((-1,), {}),

@@ -202,7 +202,7 @@ def test_evaluate_an_export_and_bad_flags(run_dir, tmp_path, capsys):
       ),
       (["--workdir", workdir, "--eval.path=/tmp/a.jsonl"], "error: config.eval.path: cannot parse an item"),
       (["--workdir", workdir, "--model.preset=qwen3_8b"], "error: --model.preset: cannot be set when evaluating"),
-      (["--workdir", workdir, "--eval.n=two"], "error: --eval.n='two': not a int"),
+      (["--workdir", workdir, "--eval.n=two"], "error: --eval.n='two': not an int"),
       (["--workdir", workdir, "--eval.nn=2"], "error: --eval.nn: no such config field"),
       (["--workdir", workdir, "stray"], "error: stray: give fields as --FIELD=VALUE"),
       (["--workdir", workdir, "--mesh.shape=data=3"], "error: --mesh.shape='data=3': mesh shape {'data': 3"),
@@ -228,3 +228,25 @@ def test_a_checkpoint_reads_back_sharded_on_a_mesh(run_dir):
     assert any(not x.sharding.is_fully_replicated for x in leaves)
     for a, b in zip(jax.tree.leaves(one), leaves):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow  # a process start and a model load: ~30 s at load 10
+def test_evaluate_stopped_by_sigterm_says_what_is_kept(run_dir, tmp_path):
+  import signal
+  import subprocess
+  import sys
+
+  from train_helpers import cli_env
+
+  workdir, _, _ = run_dir
+  cmd = [sys.executable, "-m", "minpro_jax.evaluate", "--workdir", workdir, "--out", str(tmp_path / "ev")]
+  cmd += ["--data.max_prompt_tokens=512", "--eval.num_problems=3", "--eval.n=2", "--eval.ks=1,2"]
+  p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=cli_env())
+  seen = ""
+  while "batch" not in seen:  # the progress bar: the model is loaded and sampling
+    seen += p.stderr.read(1) or pytest.fail(f"ended before sampling: {seen[-2000:]}")
+  p.send_signal(signal.SIGTERM)
+  err = seen + p.communicate(timeout=120)[1]
+  assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+  assert "stopped by signal 15: the finished benchmarks are kept; re-run the same command to go on" in err
+  assert "Traceback" not in err

@@ -78,10 +78,17 @@ def test_sigkill_then_resume_is_bitwise_equal(reference):
 
 def test_sigterm_checkpoints_exits_143_and_resumes(reference):
   tmp, ref = reference
-  ov = _overrides(tmp, "C")
+  ov = _overrides(tmp, "C") | {"log.progress": True}
   rc, err = _start_and_signal(cli_args(ov), ov["workdir"], signal.SIGTERM, when_step=1)
   assert rc == 128 + signal.SIGTERM, err[-2000:]
   stopped = max(checkpoint_steps(ov["workdir"]))
+  # the bar ends "RL stopped" at the steps done, and the message has a line of its own, naming the steps left
+  lines = err.replace("\r", "\n").splitlines()
+  assert any(x.startswith("RL stopped: ") and f"| {stopped + 1}/{STEPS} [" in x for x in lines), err[-2000:]
+  want = (
+      f"stopped by signal 15 at global step {stopped} (checkpointed); re-run the same command for steps {stopped + 1}"
+  )
+  assert any(x.startswith("20") and want in x for x in lines), err[-2000:]
   recs = metrics_records(ov["workdir"])
   assert max(recs) == stopped  # the checkpoint covers every logged step: nothing is lost
   _run(cli_args(ov))

@@ -228,3 +228,43 @@ def test_sigterm_during_setup_says_what_is_lost(tmp_path):
   out = "".join(seen) + out
   assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]
   assert "error: stopped by signal 15 during setup" in out and "Traceback" not in out
+
+
+def test_a_tuple_field_given_twice_is_refused_not_joined():
+  from minpro_jax.errors import UserError
+  from minpro_jax.train import parse_config
+
+  with pytest.raises(
+      UserError, match=r"--config\.eval\.ks: given 2 times, so its values were joined into \(1, 2, 1, 8\)"
+  ):
+    parse_config(["train", "--config.eval.ks=1,2", "--config.eval.ks=1,8"])
+  c = parse_config(["train", "--config.eval.ks=1,8", "--config.delay=1", "--config.delay=3"])
+  assert c.eval.ks == (1, 8) and c.delay == 3  # once: as given; a scalar given twice: the last value
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--port=99999", "--port=99999: must be a TCP port in [1, 65535], or 0 for a free one"),
+        ("--port=-1", "--port=-1: must be a TCP port"),
+        ("--grace_s=-5", "--grace_s=-5.0: must be a finite number of seconds >= 0"),
+        ("--grace_s=nan", "--grace_s=nan: must be a finite number"),
+    ],
+)
+def test_launch_local_refuses_a_bad_port_or_grace_before_starting_anything(flag, message, capsys, monkeypatch):
+  from minpro_jax import launch_local
+
+  monkeypatch.setattr(launch_local, "spawn", lambda *a, **k: pytest.fail("started processes"))
+  with pytest.raises(SystemExit) as e:
+    launch_local.main([flag, "--num_processes=1", "--", "--config.total_steps=1"])
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_evaluate_names_a_value_of_the_wrong_type_with_its_type():
+  from minpro_jax.config_lib.defaults import get_config
+  from minpro_jax.evaluate import apply_overrides
+
+  with pytest.raises(ConfigError, match=r"^--eval\.n='abc': not an int \(invalid literal"):
+    apply_overrides(get_config(), {"eval.n": "abc"})
+  with pytest.raises(ConfigError, match=r"^--eval\.top_p='x': not a float \("):
+    apply_overrides(get_config(), {"eval.top_p": "x"})

@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import sys
+import threading
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,6 +36,13 @@ def _prepare_environment(topology: str) -> None:
       os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     return
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip is claimed
+  # Off a TPU VM libtpu cannot read the slice from the metadata server and prints lines about it at load; these
+  # name a one-host slice (the topology compiled is --topology's, whatever they say). Its failure-signal handler
+  # would print a native stack on SIGTERM / SIGINT: `_exit_on_signal` says what is kept instead.
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", re.sub(r"^v5e-", "v5litepod-", topology))
+  if "install_signal_handlers" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+    os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} --install_signal_handlers=false".strip()
   try:
     import libtpu  # noqa: F401
   except ImportError:
@@ -40,6 +50,31 @@ def _prepare_environment(topology: str) -> None:
       if where and os.path.isdir(os.path.join(where, "libtpu")):
         sys.path.insert(0, where)
         break
+
+
+def _exit_on_signal(kept: str) -> None:
+  """Ends the process at SIGTERM / SIGINT with one line, `error: stopped by signal N; <kept>`, even while the main
+  thread compiles in native code (Python runs handlers only between bytecodes; a thread reads each signal from the
+  wakeup fd). Nothing is lost by ending at once: `--out` is replaced atomically after each row (`_write`)."""
+
+  def stop(signum, frame):
+    del frame
+    sys.stderr.write(f"error: stopped by signal {signum}; {kept}\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, stop)
+
+  def watch():
+    while data := os.read(read_fd, 1):
+      if data[0] in (signal.SIGTERM, signal.SIGINT):
+        stop(data[0], None)
+
+  threading.Thread(target=watch, name="signal-watch", daemon=True).start()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -130,14 +165,23 @@ def run_config_of(config_args: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+  command_line = argv is None  # signals are the process's own only then (not in a test calling main)
   argv = list(sys.argv[1:] if argv is None else argv)
   if "--budget" in argv:  # one global step's time and its bound (minpro_jax/aot/budget.py)
     from minpro_jax.aot.budget import main as budget_main
 
+    if command_line:
+      _exit_on_signal("nothing was written (--budget writes its --out at the end): rerun the command")
     return budget_main(argv)
   config_args = [a for a in argv if a.startswith("--config")]
   args = _parser().parse_args([a for a in argv if not a.startswith("--config")])
   _prepare_environment(args.topology)
+  if command_line:
+    _exit_on_signal(
+        f"the rows compiled so far are in --out={args.out}: rerun the same command to resume from them"
+        if args.out
+        else "nothing was kept: pass --out=FILE to keep each row as it compiles, so that a rerun resumes"
+    )
 
   from minpro_jax.errors import UserError
 

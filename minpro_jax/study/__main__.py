@@ -80,11 +80,27 @@ def write_aggregation(study_dir: str, record: dict, interval: str = "t") -> list
   return paths
 
 
+def _check_flags(args, study_dir: str) -> None:
+  """Refuses, naming the flag, an empty --workdir (the runs would go into the current directory), a training run's
+  workdir (its files beside the study's), and --jobs < 1, before anything is read or written."""
+  if not args.workdir.strip():
+    raise runner.StudyError("--workdir: empty; give the study's own directory, e.g. --workdir=runs/my_study")
+  is_run = all(os.path.exists(os.path.join(study_dir, f)) for f in ("config.json", "checkpoints"))
+  if is_run and not os.path.exists(os.path.join(study_dir, runner.STUDY_FILE)):
+    raise runner.StudyError(
+        f"--workdir={args.workdir}: is the workdir of a training run (config.json, checkpoints/), not a study's; "
+        "give the study its own directory, e.g. --workdir=runs/my_study"
+    )
+  if args.jobs < 1:
+    raise runner.StudyError(f"--jobs={args.jobs}: must be >= 1 (training runs at once)")
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (see the module docstring)."""
   args = _parser().parse_args(argv)
   study_dir = os.path.abspath(results.resolve(args.workdir))  # runs/<study> of record: results/<study>
   try:
+    _check_flags(args, study_dir)
     if args.aggregate_only and not args.grid:
       record, skipped = runner.read_study_runs(study_dir)
       if record is None:
@@ -121,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.dry_run:
       return _dry_run(args, selected, status, len(planned))
-    if args.jobs < 1:
-      raise runner.StudyError(f"--jobs={args.jobs}: must be >= 1")
     lock = runner.lock_study(study_dir)  # noqa: F841 - held until this process exits
     runner.check_not_stale(study_dir, status)
     runner.write_study(study_dir, record)
