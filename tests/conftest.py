@@ -48,6 +48,7 @@ SLOWEST_FIRST = (
     "test_train_resume",
     "test_overlap",  # two CLI runs on 8 devices and a SIGKILL + resume (~150 s)
     "test_fidelity_model",  # SFT warm start, a trajectory and four drifts at a toy size
+    "test_mipu_power",  # SFT warm start and three runs of the power study at a toy size
     "test_paged_sampler",  # a TPU compile of the paged decode loop (~95 s)
     "study_smoke",
     "test_colab_notebook",

@@ -59,9 +59,9 @@ from minpro_jax.study import fidelity_toy as ft
 from minpro_jax.study import results
 from minpro_jax.study.fidelity_run import REFERENCE, _cpu, finite_or_none
 from minpro_jax.study.mipu_power import _seed, train_step
+from minpro_jax.study.settings import SETTINGS, setting_overrides
 
 FP8 = "fp8"  # the drift of an fp8 sampler at pi's weights (MIPU's mismatch), beside the s<s> drifts
-SETTINGS = ("short", "worked")  # the task: the MIPU study's (T ~ 6) | minpro_long.py's worked steps (T ~ 70)
 TRUTH_CFG = LossConfig("cispo", (("loss_agg_mode", "seq-mean-token-sum"),))
 _SALT_TRAIN, _SALT_TRUTH, _SALT_STALE = 1, 201, 202
 
@@ -85,22 +85,6 @@ def positions(max_new_tokens: int) -> tuple[int, ...]:
   if max_new_tokens <= 16:
     return tuple(range(min(8, max_new_tokens)))
   return tuple(2**i - 1 for i in range(max_new_tokens.bit_length()) if 2**i - 1 < max_new_tokens)
-
-
-def setting_overrides(setting: str) -> dict:
-  """The config fields `setting` (one of `SETTINGS`) puts on the MIPU study's fixed fields.
-
-  Raises:
-    ValueError: an unknown setting, naming the choices; for ``worked``, minpro_long.py's placeholder rate.
-  """
-  if setting not in SETTINGS:
-    raise ValueError(f"setting {setting!r}; choose one of {SETTINGS}")
-  if setting == "short":
-    return {}
-  from minpro_jax.config_lib.files import load_module
-
-  long = load_module("configs/studies/minpro_long.py")
-  return {**long.FIXED, "optimizer.learning_rate": long.chosen_rate()}
 
 
 def loss_configs(temperature: float) -> tuple[LossConfig, ...]:

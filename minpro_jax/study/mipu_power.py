@@ -3,9 +3,12 @@ update that lowered J(mu), the reward of the policy as served, from one that did
 
     python -m minpro_jax.study.mipu_power --out=results/mipu_power                 # the default plan, resumable
     python -m minpro_jax.study.mipu_power --out=results/mipu_power --report        # tables, no runs
+    python -m minpro_jax.study.mipu_power --setting=worked --out=results/mipu_power_worked ...   # T ~ 70 (docs)
 
 The setting is the MIPU study's (`configs/studies/mipu.py`: staleness setting at delay 0, GRPO, seed 1, an fp8
-e5m2 sampler with per-tensor weight and activation scales; the tiny default task, answers of ~6 tokens). A GRPO
+e5m2 sampler with per-tensor weight and activation scales) on the task of `--setting` (`settings.SETTINGS`):
+``short``, the tiny default task (answers of ~6 tokens), or ``worked``, the long study's (eight-term chain_sum,
+worked-step SFT warm start, 128 new tokens, answers of ~60 tokens, lr 3e-5). A GRPO
 trajectory runs from the SFT warm start; at each checkpoint step k of `--checkpoints`, `--candidates` updates
 theta_k -> theta'_j each take one global step of updates (8 optimizer updates on a fresh 32 x 8 batch, each
 candidate its own batch); the trajectory goes on with candidate 0. For every pair (theta_k, theta'):
@@ -19,21 +22,31 @@ candidate its own batch); the trajectory goes on with candidate 0. For every pai
     errors (`mipu.t_post_standard_error`, `mipu.paired_difference`).
 
 The truth and the validation draws use different prompts' seeds. Each finished pair is one small JSON
-`<out>/k<k>_u<j>.json` (written atomically, last), skipped on a rerun; a rerun replays the trajectory (every batch
-is a function of the seed and the step) and computes only the missing pairs. The analysis is `mipu_power_report`.
+`<out>/k<k>_u<j>.json` (written atomically, last), skipped on a rerun; a rerun computes only the missing pairs. It
+goes on from the trajectory's state kept at the latest checkpoint at or before the first missing pair
+(`<out>/trajectory/k<k>.npz`; without one it replays the trajectory: every batch is a function of the seed and the
+step). With `--chunk-prompts` > 0 every draw runs in chunks of that many prompts (chunk i > 0 with its own sampler
+seed), each kept in `<out>/partial/k<k>_old.npz` (theta_k's draws) or `k<k>_u<j>.npz` (theta'_j's) as it finishes,
+so a killed run loses at most one chunk and its rerun draws the same samples as an unbroken run (the candidate's
+update is recomputed: it is a function of the seed). `trajectory/` and `partial/` are not committed. The analysis
+is `mipu_power_report`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -43,6 +56,7 @@ from minpro_jax.config_lib.files import load_module
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
 from minpro_jax.study import results
+from minpro_jax.study.settings import SETTINGS, setting_overrides
 
 CHECKPOINTS = (0, 6, 12, 18, 24)
 CANDIDATES = 8
@@ -54,14 +68,30 @@ DECODE_ROWS = 256  # the continuous sampler's rows: 4x the CPU default, ~2x fast
 _SALT_TRAIN, _SALT_VAL, _SALT_TRUTH = 1, 101, 102
 
 
-def study_config(workdir: str, seed: int = SEED):
-  """The MIPU study's setting (its grid's fixed fields and fp8 options) with an fp8 sampler, at `seed`."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The study's sizes (module docstring). `chunk_prompts`: prompts per kept chunk of a draw (0: a draw is one
+  chunk, as the T ~ 6 run's)."""
+
+  checkpoints: tuple[int, ...] = CHECKPOINTS
+  candidates: int = CANDIDATES
+  val_prompts: int = VAL_PROMPTS
+  truth: int = TRUTH
+  sizes: tuple[int, ...] = SUB_SIZES
+  seed: int = SEED
+  setting: str = "short"
+  chunk_prompts: int = 0
+
+
+def study_config(workdir: str, seed: int = SEED, setting: str = "short", overrides: dict | None = None):
+  """The MIPU study's setting (its grid's fixed fields and fp8 options) with an fp8 sampler, at `seed`, with
+  `setting`'s task (`settings.setting_overrides`) and then `overrides` on top."""
   mipu_study = load_module("configs/studies/mipu.py")
   g = mipu_study.get_grid()
-  c = set_fields(get_config(), {**g.fixed, "seed": seed, **mipu_study.FP8, "sampling.precision": "fp8"})
+  fields = {**g.fixed, "seed": seed, **mipu_study.FP8, "sampling.precision": "fp8", "sampling.decode_rows": DECODE_ROWS}
+  c = set_fields(get_config(), {**fields, **setting_overrides(setting), **(overrides or {})})
   c.workdir = workdir
   c.eval.every = 0
-  c.sampling.decode_rows = DECODE_ROWS
   return c
 
 
@@ -126,8 +156,12 @@ def evaluate_pair(new: dict, old: dict, truth_new: np.ndarray, truth_old: np.nda
       "j_after": float(truth_new.mean()),
       "by_n": {},
   }
-  if "tokens" in new and new["tokens"].shape == old["tokens"].shape:  # rows whose response is the same tokens
-    out["same_response_frac"] = float(np.mean(np.all(new["tokens"] == old["tokens"], axis=1)))
+  if "tokens" in old:  # T: the mean response length (tokens, with the eos) at theta_k
+    out["response_len"] = float(np.mean(np.sum(old["tokens"] >= 0, axis=1)))
+  if "tokens" in new and len(new["tokens"]) == len(old["tokens"]):  # rows whose response is the same tokens
+    both = _concat([{"tokens": new["tokens"]}, {"tokens": old["tokens"]}])["tokens"]  # one width
+    a, b = np.split(both, 2)
+    out["same_response_frac"] = float(np.mean(np.all(a == b, axis=1)))
   total = new["rewards"].size
   for n in sizes:
     out["by_n"][str(n)] = [statistics(new, old, slice(i, i + n)) for i in range(0, total - n + 1, n)]
@@ -141,91 +175,219 @@ def _atomic_json(path: str, obj) -> None:
   os.replace(tmp, path)
 
 
-def run(out: str, checkpoints, candidates: int, val_prompts: int, truth: int, sizes, seed: int = SEED) -> None:
-  """Runs (or resumes) the plan; see the module docstring."""
+# ------------------------------------------------------------------------------------------------- resume
+def _key(plan: Plan) -> str:
+  """The plan fields the draws depend on (a partial file of another plan is refused)."""
+  fields = ("seed", "setting", "val_prompts", "truth", "chunk_prompts")
+  return json.dumps({f: getattr(plan, f) for f in fields}, sort_keys=True)
+
+
+class _Partial:
+  """The finished chunks of one policy's draws at one checkpoint, kept in `path` (npz, rewritten atomically after
+  every chunk) and removed with `done`. `get(name, fn)` returns chunk `name` from the file or `fn()`, saved.
+
+  Raises:
+    ValueError: the file was made with another plan's `key` (naming it and the file to delete).
+  """
+
+  def __init__(self, path: str, key: str):
+    self.path, self.key, self.chunks = path, key, {}
+    if os.path.exists(path):
+      with np.load(path) as z:
+        if str(z["key"]) != key:
+          raise ValueError(f"{path} was made with the plan {z['key']}, this run's is {key}: delete it or use that plan")
+        for name in z.files:
+          if name != "key":
+            chunk, field = name.split("__")
+            self.chunks.setdefault(chunk, {})[field] = z[name]
+
+  def get(self, name: str, fn) -> dict[str, np.ndarray]:
+    if name not in self.chunks:
+      self.chunks[name] = fn()
+      arrays = {f"{c}__{f}": v for c, d in self.chunks.items() for f, v in d.items()}
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      with open(self.path + ".tmp", "wb") as f:
+        np.savez(f, key=self.key, **arrays)
+      os.replace(self.path + ".tmp", self.path)
+    return self.chunks[name]
+
+  def done(self) -> None:
+    if os.path.exists(self.path):
+      os.remove(self.path)
+
+
+def _concat(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  """The chunks' arrays end to end along the rows; `tokens` right-padded with -1 to the widest chunk."""
+  out = {}
+  for f in pieces[0]:
+    arrs = [p[f] for p in pieces]
+    if f == "tokens":
+      width = max(a.shape[1] for a in arrs)
+      arrs = [np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=-1) for a in arrs]
+    out[f] = np.concatenate(arrs)
+  return out
+
+
+def chunked_draw(tr, state, problems, seeds, group: int, chunk: int, part: _Partial, name: str, score=False):
+  """`draw` at `state.params` (scored by the learner at `state` when `score`) of `problems` in chunks of `chunk`
+  prompts (0: one chunk), chunk i with the sampler seed `seeds(i)`, each kept in `part` as `<name><i>`. The chunks'
+  group ids are made distinct (renumbered from the chunk's first prompt)."""
+  size = chunk or len(problems)
+  pieces = []
+  for i, lo in enumerate(range(0, len(problems), size)):
+    probs = problems[lo : lo + size]
+    d = part.get(f"{name}{i}", lambda: draw(tr, state.params, probs, seeds(i), group, state if score else None))
+    if "group_ids" in d:
+      d = {**d, "group_ids": np.unique(d["group_ids"], return_inverse=True)[1].reshape(-1) + lo}
+    pieces.append(d)
+  return _concat(pieces)
+
+
+def _trajectory_state(folder: str, key: str, k: int, like):
+  """(state, step) of the latest trajectory state kept in `folder` at a step <= k, or (None, 0)."""
+  kept = (
+      [int(f[1:-4]) for f in os.listdir(folder) if f.startswith("k") and f.endswith(".npz")]
+      if os.path.isdir(folder)
+      else []
+  )
+  kept = [s for s in kept if s <= k]
+  if not kept:
+    return None, 0
+  with open(os.path.join(folder, "key.json")) as f:
+    got = f.read()
+  if got != key:
+    raise ValueError(f"{folder} was made with the plan {got}, this run's is {key}: delete it or use that plan")
+  path = os.path.join(folder, f"k{max(kept)}.npz")
+  with np.load(path) as z:
+    leaves = [jnp.asarray(z[f"arr_{i}"]) for i in range(len(z.files))]
+  return jax.tree.unflatten(jax.tree.structure(like), leaves), max(kept)
+
+
+def _keep_trajectory_state(folder: str, key: str, k: int, state) -> None:
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, "key.json"), "w") as f:
+    f.write(key)
+  path = os.path.join(folder, f"k{k}.npz")
+  with open(path + ".tmp", "wb") as f:
+    np.savez(f, *[np.asarray(x) for x in jax.tree.leaves(state)])
+  os.replace(path + ".tmp", path)
+
+
+# ------------------------------------------------------------------------------------------------- the study
+def run(out: str, plan: Plan, overrides: dict | None = None) -> None:
+  """Runs (or resumes) `plan` into `out`, with `overrides` on top of its setting's config; see the module
+  docstring."""
   from minpro_jax.trainer import Trainer  # heavy import, after the flags are checked
 
   os.makedirs(out, exist_ok=True)
-  todo = [(k, j) for k in checkpoints for j in range(candidates) if not os.path.exists(f"{out}/k{k}_u{j}.json")]
+  pending = lambda k, j: not os.path.exists(f"{out}/k{k}_u{j}.json")  # noqa: E731
+  todo = [(k, j) for k in plan.checkpoints for j in range(plan.candidates) if pending(k, j)]
   if not todo:
     print("nothing to do", flush=True)
     return
-  c = study_config(tempfile.mkdtemp(prefix="mipu_power_"), seed)  # the trainer's workdir: nothing kept there
-  tr = Trainer.from_config(c)
-  state = tr.learner.init_state(nnx.split(tr.model)[1])
-  step = 0
-  n_val = len(tr.train_problems)
-  cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-  for k in checkpoints:
-    if k < step:
-      continue
-    while step < k:  # the GRPO trajectory, candidate 0's batches
-      state, r = train_step(tr, state, (step, _SALT_TRAIN))
-      step += 1
-      print(f"trajectory step {step}: batch reward {r:.3f}", flush=True)
-    t0 = time.time()
-    val = [tr.train_problems[i] for i in mipu.validation_indices(n_val, val_prompts, _seed(seed, k, _SALT_VAL))]
-    tru = [tr.train_problems[i] for i in mipu.validation_indices(n_val, truth, _seed(seed, k, _SALT_TRUTH, 0))]
-    val_seed, truth_seed = _seed(seed, k, _SALT_VAL, 1), _seed(seed, k, _SALT_TRUTH, 1)
-    old, truth_old = None, None
-    next_state = None
-    for j in range(candidates):
-      path = f"{out}/k{k}_u{j}.json"
-      if os.path.exists(path) and j:
-        continue
-      tc = time.time()
-      cand, batch_reward = train_step(tr, mipu.snapshot(state), (k, _SALT_TRAIN) if j == 0 else (k, 1000 + j))
-      if j == 0:
-        next_state = mipu.snapshot(cand)
-        if os.path.exists(path):
+  key, seed = _key(plan), plan.seed
+  folder = os.path.join(out, "trajectory")
+  scratch = tempfile.mkdtemp(prefix="mipu_power_")  # the trainer's workdir: nothing kept there
+  try:
+    tr = Trainer.from_config(study_config(scratch, seed, plan.setting, overrides))
+  except BaseException:
+    shutil.rmtree(scratch, ignore_errors=True)
+    raise
+  try:
+    state = tr.learner.init_state(nnx.split(tr.model)[1])
+    kept, step = _trajectory_state(folder, key, todo[0][0], state)
+    state = kept if kept is not None else state
+    if step:
+      print(f"trajectory: resuming at step {step}", flush=True)
+    n_val = len(tr.train_problems)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
+    for k in sorted({k for k, _ in todo}):
+      while step < k:  # the GRPO trajectory, candidate 0's batches
+        state, r = train_step(tr, state, (step, _SALT_TRAIN))
+        step += 1
+        print(f"trajectory step {step}: batch reward {r:.3f}", flush=True)
+      if not os.path.exists(os.path.join(folder, f"k{k}.npz")):
+        _keep_trajectory_state(folder, key, k, state)
+      t0 = time.time()
+      val = [tr.train_problems[i] for i in mipu.validation_indices(n_val, plan.val_prompts, _seed(seed, k, _SALT_VAL))]
+      tru = [tr.train_problems[i] for i in mipu.validation_indices(n_val, plan.truth, _seed(seed, k, _SALT_TRUTH, 0))]
+      val_seeds = lambda i: _seed(seed, k, _SALT_VAL, 1, *([i] if i else []))  # noqa: E731 - chunk 0: the T~6 seed
+      truth_seeds = lambda i: _seed(seed, k, _SALT_TRUTH, 1, *([i] if i else []))  # noqa: E731
+      before = _Partial(f"{out}/partial/k{k}_old.npz", key)
+      old, truth_old, cand0 = None, None, None
+      for j in range(plan.candidates):
+        if not pending(k, j):
           continue
-      if old is None:
-        old = draw(tr, state.params, val, val_seed, VAL_GROUP, score_state=state)
-        truth_old = draw(tr, state.params, tru, truth_seed, 1)["rewards"]
-      new = draw(tr, cand.params, val, val_seed, VAL_GROUP, score_state=cand)
-      truth_new = draw(tr, cand.params, tru, truth_seed, 1)["rewards"]
-      res = evaluate_pair(new, old, truth_new, truth_old, sizes)
-      res.update(
-          checkpoint=k,
-          candidate=j,
-          batch_reward=batch_reward,
-          seconds=time.time() - tc,
-          date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-          cpu=cpu or platform.processor(),
-          plan={"val_prompts": val_prompts, "val_group": VAL_GROUP, "truth": truth, "seed": seed},
-      )
-      _atomic_json(path, res)
-      print(f"k={k} u={j}: truth {res['truth']:+.4f} ({res['truth_se']:.4f}), {res['seconds']:.0f} s", flush=True)
-    print(f"checkpoint {k} done in {time.time() - t0:.0f} s", flush=True)
-    state, step = next_state, k + 1
-  tr.close()
+        tc = time.time()
+        cand, batch_reward = train_step(tr, mipu.snapshot(state), (k, _SALT_TRAIN) if j == 0 else (k, 1000 + j))
+        if old is None:
+          old = chunked_draw(tr, state, val, val_seeds, VAL_GROUP, plan.chunk_prompts, before, "val", score=True)
+          truth_old = chunked_draw(tr, state, tru, truth_seeds, 1, plan.chunk_prompts, before, "truth")["rewards"]
+        after = _Partial(f"{out}/partial/k{k}_u{j}.npz", key)
+        if after.chunks:
+          print(f"k={k} u={j}: resuming after {len(after.chunks)} chunks", flush=True)
+        new = chunked_draw(tr, cand, val, val_seeds, VAL_GROUP, plan.chunk_prompts, after, "val", score=True)
+        truth_new = chunked_draw(tr, cand, tru, truth_seeds, 1, plan.chunk_prompts, after, "truth")["rewards"]
+        res = evaluate_pair(new, old, truth_new, truth_old, plan.sizes)
+        res.update(
+            checkpoint=k,
+            candidate=j,
+            batch_reward=batch_reward,
+            seconds=time.time() - tc,
+            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            cpu=cpu or platform.processor(),
+            plan={**json.loads(key), "val_group": VAL_GROUP},
+        )
+        _atomic_json(f"{out}/k{k}_u{j}.json", res)
+        after.done()
+        cand0 = cand if j == 0 else cand0
+        print(f"k={k} u={j}: truth {res['truth']:+.4f} ({res['truth_se']:.4f}), {res['seconds']:.0f} s", flush=True)
+      before.done()
+      print(f"checkpoint {k} done in {time.time() - t0:.0f} s", flush=True)
+      if cand0 is not None:  # the trajectory's step k is candidate 0's update
+        state, step = cand0, k + 1
+  finally:
+    tr.close()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  d = Plan()
   ap.add_argument("--out", default="", help=f"the study's folder (default {results.committed('mipu_power')})")
-  ap.add_argument("--checkpoints", default=",".join(map(str, CHECKPOINTS)))
-  ap.add_argument("--candidates", type=int, default=CANDIDATES)
-  ap.add_argument("--val-prompts", type=int, default=VAL_PROMPTS)
-  ap.add_argument("--truth", type=int, default=TRUTH)
-  ap.add_argument("--sizes", default=",".join(map(str, SUB_SIZES)))
-  ap.add_argument("--seed", type=int, default=SEED)
+  ap.add_argument("--setting", default=d.setting, help=f"the task, one of {SETTINGS}")
+  ap.add_argument("--checkpoints", default=",".join(map(str, d.checkpoints)))
+  ap.add_argument("--candidates", type=int, default=d.candidates)
+  ap.add_argument("--val-prompts", type=int, default=d.val_prompts)
+  ap.add_argument("--truth", type=int, default=d.truth)
+  ap.add_argument("--sizes", default=",".join(map(str, d.sizes)))
+  ap.add_argument("--chunk-prompts", type=int, default=d.chunk_prompts, help="prompts per kept chunk (0: one)")
+  ap.add_argument("--seed", type=int, default=d.seed)
   ap.add_argument("--report", action="store_true", help="write the tables from the finished pairs; run nothing")
+  ap.add_argument("--compare", default="", help="--report: LABEL=DIR,... studies side by side")
   a = ap.parse_args(argv)
   a.out = results.resolve(a.out or results.committed("mipu_power"), "--out")
+  if a.report:
+    from minpro_jax.study import mipu_power_report
+
+    if a.compare:
+      pairs = [x.partition("=") for x in a.compare.split(",") if x]
+      if any(not lab or not sep or not path for lab, sep, path in pairs):
+        sys.exit(f"error: --compare must list LABEL=DIR pairs, got {a.compare!r}")
+      mipu_power_report.compare_report({lab: path for lab, _, path in pairs})
+      return
+    mipu_power_report.report(a.out, block=mipu_power_report.block_of(a.out))
+    return
   try:
-    checkpoints = sorted(int(x) for x in a.checkpoints.split(","))
+    checkpoints = tuple(sorted(int(x) for x in a.checkpoints.split(",")))
     sizes = tuple(int(x) for x in a.sizes.split(","))
   except ValueError:
     sys.exit("error: --checkpoints and --sizes take comma-separated integers")
   if any(n % VAL_GROUP or n > a.val_prompts * VAL_GROUP for n in sizes) or a.candidates < 1 or min(checkpoints) < 0:
     sys.exit(f"error: --sizes must be multiples of {VAL_GROUP} up to --val-prompts x {VAL_GROUP}; --candidates >= 1")
-  if a.report:
-    from minpro_jax.study import mipu_power_report
-
-    mipu_power_report.report(a.out)
-    return
-  run(a.out, checkpoints, a.candidates, a.val_prompts, a.truth, sizes, a.seed)
+  if a.setting not in SETTINGS or a.chunk_prompts < 0:
+    sys.exit(f"error: --setting must be one of {SETTINGS} (got {a.setting!r}); --chunk-prompts >= 0")
+  run(a.out, Plan(checkpoints, a.candidates, a.val_prompts, a.truth, sizes, a.seed, a.setting, a.chunk_prompts))
 
 
 if __name__ == "__main__":

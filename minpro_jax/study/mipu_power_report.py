@@ -1,11 +1,13 @@
 """The analysis of the MIPU power study (`minpro_jax.study.mipu_power`; docs/mechanism.md, part 2).
 
     python -m minpro_jax.study.mipu_power --out=results/mipu_power --report
+    python -m minpro_jax.study.mipu_power --report --compare="T~6=results/mipu_power,T~70=results/mipu_power_worked"
 
 Reads every finished pair `<out>/k<k>_u<j>.json` and writes `<out>/summary.md`, `<out>/power.png` (ROC per n, SE
-against n) and the tables between the markers
-`<!-- mipu-power:begin -->` / `<!-- mipu-power:end -->` of docs/mechanism.md. Per statistic (`mipu.STATISTICS`) and
-validation size n:
+against n) and the tables between the markers ``<!-- BLOCK:begin ... -->`` / ``<!-- BLOCK:end -->`` of
+docs/mechanism.md, BLOCK = `block_of(out)` ("mipu-power" for results/mipu_power, "mipu-power-<x>" for
+results/mipu_power_<x>). ``--compare`` puts several studies side by side in the block "mipu-power-compare"
+(`compare_table`). Per statistic (`mipu.STATISTICS`) and validation size n:
 
   * AUC: the ROC area of -statistic for "the update lowered J(mu)" (truth < 0), over every (pair, sub-draw); its 95 %
     bootstrap interval resamples pairs (a pair's sub-draws share its truth);
@@ -22,16 +24,23 @@ import glob
 import json
 import math
 import os
-import re
 
 import numpy as np
 
 from minpro_jax.rl import mipu
+from minpro_jax.study.fidelity_model_report import TASKS, replace_block
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "mechanism.md")
 BEGIN, END = "<!-- mipu-power:begin (python -m minpro_jax.study.mipu_power --report) -->", "<!-- mipu-power:end -->"
+COMPARE = "mipu-power-compare"
 BOOT = 1000
 Z_CALIBRATED, C_FIXED = 2.0, 1e-4  # the tolerances whose rollback rates the report shows
+
+
+def block_of(out: str) -> str:
+  """The docs block of the study in `out`: "mipu-power" for .../mipu_power, "mipu-power-<x>" for .../mipu_power_<x>."""
+  name = os.path.basename(os.path.normpath(out))
+  return "mipu-power" + (name[len("mipu_power") :].replace("_", "-") if name.startswith("mipu_power") else f"-{name}")
 
 
 def load(out: str) -> list[dict]:
@@ -115,7 +124,13 @@ def tables(pairs: list[dict]) -> str:
   truth_se = np.array([p["truth_se"] for p in pairs])
   ks = sorted({p["checkpoint"] for p in pairs})
   plan = pairs[0]["plan"]
+  lengths = [p["response_len"] for p in pairs if "response_len" in p]
   lines = [
+      f"Task: {TASKS[plan.get('setting', 'short')]}"
+      + (f"; validation responses of {np.mean(lengths):.1f} tokens on average at theta_k" if lengths else "")
+      + (f"; draws in chunks of {plan['chunk_prompts']} prompts" if plan.get("chunk_prompts") else "")
+      + ".",
+      "",
       f"{len(pairs)} updates theta_k -> theta' at checkpoints k = {', '.join(map(str, ks))} of the GRPO run; truth "
       f"from {plan['truth']} coupled fp8 samples per policy (paired SE median {np.median(truth_se):.4f}); "
       f"{plan['val_prompts']} x {plan['val_group']} validation samples per pair, cut into sub-draws. "
@@ -252,8 +267,8 @@ def plot(pairs: list[dict], path: str) -> None:
   plt.close(fig)
 
 
-def report(out: str, doc: str = DOC) -> str:
-  """Writes `<out>/summary.md` and the docs/mechanism.md section between the markers; returns the markdown."""
+def report(out: str, doc: str = DOC, block: str = "mipu-power") -> str:
+  """Writes `<out>/summary.md` and the section of `doc` between `block`'s markers; returns the markdown."""
   pairs = load(out)
   if not pairs:
     raise SystemExit(f"error: no finished pair under {out}; run the study first")
@@ -264,11 +279,56 @@ def report(out: str, doc: str = DOC) -> str:
     f.write("# MIPU power study (minpro_jax.study.mipu_power)\n\n" + md + "\n\n![ROC and SE vs n](power.png)\n")
   link = os.path.relpath(os.path.abspath(png), os.path.dirname(os.path.abspath(doc)))  # the plot, seen from the doc
   md += f"\n\n![ROC and SE vs n]({link})"
-  if os.path.exists(doc):
-    text = open(doc).read()
-    if BEGIN in text and END in text:
-      text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n\n{md}\n\n{END}", text, flags=re.S)
-      with open(doc, "w") as f:
-        f.write(text)
+  replace_block(doc, block, f"\n{md}\n")
   print(md)
   return md
+
+
+def compare_table(studies: dict[str, list[dict]]) -> str:
+  """Markdown: per study (a row group), its task and size, the truth's spread, and per statistic the AUC at every
+  validation size n of any study (a dash where the study has no such n) and n_half (`tables`' definitions)."""
+  sizes = sorted({n for pairs in studies.values() for n in pairs[0]["by_n"]}, key=int)
+  lines = [
+      "| study | task, pairs, truth | statistic | " + " | ".join(f"AUC, n = {n}" for n in sizes) + " | n_half |",
+      "|---|---|---|" + "---:|" * (len(sizes) + 1),
+  ]
+  rng = np.random.default_rng(0)
+  for label, pairs in studies.items():
+    plan, truth = pairs[0]["plan"], np.array([p["truth"] for p in pairs])
+    lengths = [p["response_len"] for p in pairs if "response_len" in p]
+    about = (
+        f"{plan.get('setting', 'short')}{f', T = {np.mean(lengths):.0f}' if lengths else ''}; {len(pairs)} pairs; "
+        f"truth of {plan['truth']} (SE {np.median([p['truth_se'] for p in pairs]):.4f}), median abs "
+        f"{np.median(np.abs(truth)):.4f}, lowered J in {int((truth < 0).sum())}"
+    )
+    n_max = sorted(pairs[0]["by_n"], key=int)[-1]
+    change = {s: typical_change(pairs, s, n_max)[0] for s in ("delta_t", "delta_j")}
+    for i, stat in enumerate(mipu.STATISTICS):
+      cells = []
+      for n in sizes:
+        if n not in pairs[0]["by_n"]:
+          cells.append("–")
+          continue
+        a, lo, hi = auc_with_interval(pairs, stat, n, rng)
+        cells.append(f"{a:.2f} [{lo:.2f}, {hi:.2f}]")
+      se = np.mean([d[f"{stat}_se"] for p in pairs for d in p["by_n"][n_max]])
+      c = change["delta_j" if stat == "delta_j" else "delta_t"]
+      n_half = f"{int(n_max) * (se / (0.5 * c)) ** 2:,.0f}" if c > 0 else "∞"
+      head = f"| {label} | {about} |" if i == 0 else "| | |"
+      lines.append(f"{head} `{stat}` | " + " | ".join(cells) + f" | {n_half} |")
+  return "\n".join(lines)
+
+
+def compare_report(studies: dict[str, str], doc: str = DOC) -> str:
+  """Writes the side-by-side table of `studies` (label -> study folder) into the block `COMPARE` of `doc`, prints
+  and returns it. Raises SystemExit naming a folder with no finished pair."""
+  loaded = {}
+  for label, out in studies.items():
+    pairs = load(out) if os.path.isdir(out) else []
+    if not pairs:
+      raise SystemExit(f"error: no finished pair under {out}; run the study first")
+    loaded[label] = pairs
+  table = compare_table(loaded)
+  replace_block(doc, COMPARE, f"\n{table}\n")
+  print(table)
+  return table
