@@ -282,9 +282,12 @@ def test_the_command_line_reports_and_resumes(tmp_path, capsys):
         (["--topology=cpu:8", "--remat=sometimes"], "--remat=sometimes"),
     ],
 )
-def test_command_line_mistakes_exit_2_naming_the_field(args, message, capsys):
+def test_command_line_mistakes_exit_2_naming_the_field(args, message, capsys, monkeypatch):
   from minpro_jax.aot.__main__ import main
 
+  for k in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "LIBTPU_INIT_ARGS", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
+    monkeypatch.setenv(k, "")  # main sets them for a TPU topology: undone after the test, so the worker's later
+    monkeypatch.delenv(k)  # subprocesses (which load libtpu) do not inherit e.g. TPU_ACCELERATOR_TYPE=v9-8
   assert main(args) == 2
   assert message in capsys.readouterr().err
 
