@@ -3,6 +3,7 @@ record per drift, on-policy every token-mean method has the same gradient, a rer
 the trajectory, a run killed in the truth or in a cell resumes to the same record, and the report regenerates from
 the records, alone and side by side with another study."""
 
+import functools
 import json
 import os
 import tempfile
@@ -10,7 +11,7 @@ import tempfile
 import numpy as np
 import pytest
 from test_mismatch_every import _coin_grade
-from train_helpers import tiny_overrides
+from train_helpers import kill_at_call, tiny_overrides
 
 from minpro_jax.study import fidelity_model as fm
 from minpro_jax.study import fidelity_model_report as fmr
@@ -81,15 +82,7 @@ def test_a_killed_run_resumes_in_the_truth_and_in_a_cell(study, capsys, monkeypa
   os.remove(os.path.join(out, "s4.json"))
   os.remove(os.path.join(out, "trajectory", "truth.npz"))
   real_draw, calls = fm.draw, []
-
-  def draw_until(n):
-    def f(*args):
-      calls.append(1)
-      if len(calls) == n:
-        raise RuntimeError("killed")
-      return real_draw(*args)
-
-    return f
+  draw_until = functools.partial(kill_at_call, real_draw, calls=calls)
 
   chunks = 2 * PLAN.truth_prompts // PLAN.chunk_prompts  # 4 truth chunks, then the cell's 3 batches
   monkeypatch.setattr(fm, "draw", draw_until(2))  # killed in the truth's second chunk

@@ -2,6 +2,7 @@
 a rerun that goes on from the kept trajectory state, a pair killed between its chunks resuming to the same record,
 and the side-by-side report of two studies."""
 
+import functools
 import json
 import os
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from test_mipu_statistics import _pair
 from test_mismatch_every import _coin_grade
-from train_helpers import tiny_overrides
+from train_helpers import kill_at_call, tiny_overrides
 
 from minpro_jax.study import mipu_power as mp
 from minpro_jax.study import mipu_power_report as mpr
@@ -70,15 +71,7 @@ def test_a_pair_killed_between_chunks_resumes_to_the_same_record(study, capsys, 
   kept = json.load(open(os.path.join(out, "k1_u1.json")))
   os.remove(os.path.join(out, "k1_u1.json"))
   real_draw, calls = mp.draw, []
-
-  def draw_until(n):
-    def f(*args):
-      calls.append(1)
-      if len(calls) == n:
-        raise RuntimeError("killed")
-      return real_draw(*args)
-
-    return f
+  draw_until = functools.partial(kill_at_call, real_draw, calls=calls)
 
   # theta_1's draws: 2 validation + 3 truth chunks; theta'_1's: 2 validation chunks, then killed in its truth
   monkeypatch.setattr(mp, "draw", draw_until(5 + 2 + 2))

@@ -104,3 +104,16 @@ def checkpoint_steps(workdir: str) -> list[int]:
   """The steps of the checkpoints under workdir/checkpoints, ascending ([] before the first)."""
   d = os.path.join(workdir, "checkpoints")
   return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
+
+
+def kill_at_call(real, n: int, calls: list):
+  """`real` wrapped to append to `calls` at every call and raise RuntimeError("killed") at call n (0: never): a
+  study killed mid-run, for the resume tests (monkeypatch it over the study's `draw`)."""
+
+  def f(*args):
+    calls.append(1)
+    if len(calls) == n:
+      raise RuntimeError("killed")
+    return real(*args)
+
+  return f

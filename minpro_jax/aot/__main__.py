@@ -27,8 +27,9 @@ import threading
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _prepare_environment(topology: str) -> None:
-  """Before JAX starts: N virtual CPU devices for cpu:N; libtpu importable (and shareable) for TPU slices."""
+def _prepare_environment(topology: str, quiet: bool = True) -> None:
+  """Before JAX starts: N virtual CPU devices for cpu:N; libtpu importable (and shareable) for TPU slices, and with
+  `quiet` (a command line's own process, not a test calling `main`) libtpu's load-time lines and signal handler off."""
   if topology.startswith("cpu:"):
     n = topology.split(":", 1)[1]
     flags = os.environ.get("XLA_FLAGS", "")
@@ -39,9 +40,10 @@ def _prepare_environment(topology: str) -> None:
   # Off a TPU VM libtpu cannot read the slice from the metadata server and prints lines about it at load; these
   # name a one-host slice (the topology compiled is --topology's, whatever they say). Its failure-signal handler
   # would print a native stack on SIGTERM / SIGINT: `_exit_on_signal` says what is kept instead.
-  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", re.sub(r"^v5e-", "v5litepod-", topology))
-  if "install_signal_handlers" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+  if quiet:
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", re.sub(r"^v5e-", "v5litepod-", topology))
+  if quiet and "install_signal_handlers" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
     os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} --install_signal_handlers=false".strip()
   try:
     import libtpu  # noqa: F401
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     return budget_main(argv)
   config_args = [a for a in argv if a.startswith("--config")]
   args = _parser().parse_args([a for a in argv if not a.startswith("--config")])
-  _prepare_environment(args.topology)
+  _prepare_environment(args.topology, quiet=command_line)
   if command_line:
     _exit_on_signal(
         f"the rows compiled so far are in --out={args.out}: rerun the same command to resume from them"
