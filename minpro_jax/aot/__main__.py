@@ -59,8 +59,12 @@ def _exit_on_signal(kept: str) -> None:
   thread compiles in native code (Python runs handlers only between bytecodes; a thread reads each signal from the
   wakeup fd). Nothing is lost by ending at once: `--out` is replaced atomically after each row (`_write`)."""
 
+  first = threading.Lock()  # the main thread's handler and the watcher may both see one signal: one line
+
   def stop(signum, frame):
     del frame
+    if not first.acquire(blocking=False):
+      threading.Event().wait()  # the other caller is ending the process
     sys.stderr.write(f"error: stopped by signal {signum}; {kept}\n")
     sys.stderr.flush()
     os._exit(128 + signum)
