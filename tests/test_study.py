@@ -411,13 +411,16 @@ def test_the_long_mipu_grid(monkeypatch):
   fp32, fp8 = pilot.values()
   assert (fp32.sampling.precision, fp8.sampling.precision, fp8.sampling.fp8_format) == ("fp32", "fp8", "e5m2")
   assert (fp8.sft.target, fp8.delay, fp8.optimizer.learning_rate, fp8.loss.rollout_is) == ("worked", 0, 3e-5, None)
-  with pytest.raises(GridError, match="FP8_CONFIRMED is still the placeholder False"):
-    grid.load_grid(MIPU_LONG + ":main")
+  monkeypatch.setattr(mipu_long, "FP8_CONFIRMED", False)
+  with pytest.raises(ValueError, match="FP8_CONFIRMED is still the placeholder False"):
+    mipu_long.get_grid("main")
   monkeypatch.setattr(mipu_long, "FP8_CONFIRMED", True)
   planned = {r.name: c for r, _, c in grid.plan(mipu_long.get_grid("main"), "/tmp/study", validate=False)}
-  assert len(planned) == 25 and list(planned)[:5] == [
-      f"variant-{v}_seed-0" for v in ("fp32", "grpo", "tis", "mipu", "random")
+  assert len(planned) == 30 and list(planned)[:6] == [
+      f"variant-{v}_seed-0" for v in ("fp32", "grpo", "tis", "mipu", "random", "mipu-dj")
   ]
+  dj = planned["variant-mipu-dj_seed-1"]
+  assert (dj.mipu.statistic, dj.mipu.val_prompts, dj.mipu.gap_tolerance, dj.loss.rollout_is) == ("delta_j", 64, 0, "token")
   mipu, rnd = planned["variant-mipu_seed-3"], planned["variant-random_seed-3"]
   assert (mipu.loss.rollout_is, mipu.mipu.rollback, mipu.mipu.mode, mipu.mipu.gap_tolerance) == (
       "token",

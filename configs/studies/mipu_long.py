@@ -10,12 +10,14 @@
 # e5m2 weights and activations, which hurt GRPO there, docs/mipu.md); when the fp8 run's held-out curve falls
 # below the fp32 one at this length, set FP8_CONFIRMED = True (or try another FP8 setting and pilot it again).
 # The main grid: GRPO fp32, GRPO fp8, TIS, MIPU as the paper defines it (TIS + the T_post rollback with a fixed
-# c = GAP_TOLERANCE) and the random rollback at the rate of the same seed's MIPU run. MIPU with the statistic the
-# mechanism study (issue 38) finds to have power is not in the grid: that study has not named one yet.
+# c = GAP_TOLERANCE) and the random rollback at the rate of the same seed's MIPU run; last, `mipu-dj`: MIPU with
+# Step 2 on the statistic the mechanism study (issue 38, docs/mechanism.md) found to have power, delta_j at
+# n = DJ_PROMPTS x VAL_GROUP_SIZE = 512 with c = 0 (as configs/studies/mipu_delta_j.py).
 #
 # Both stages run at minpro_long.LEARNING_RATE, a PLACEHOLDER until minpro_long's stage 0 chooses it: they refuse
 # to run until then, and the main grid also until FP8_CONFIRMED. Cost: like a minpro_long run at delay 0 plus
-# MIPU's validation (16 x 8 samples) per step for mipu and random: about 25 runs x 15-20 min, 7-8 h.
+# MIPU's validation (16 x 8 samples) per step for mipu and random, 2 x 512 for mipu-dj: about 30 runs x 15-30 min,
+# 9-11 h.
 """The long-response MIPU grid of issue 40 (numbers to tune are the constants below)."""
 
 from minpro_jax.config_lib.files import load_module
@@ -25,15 +27,16 @@ from minpro_jax.study.grid import Grid
 long = load_module("minpro_long.py", relative_to=__file__)  # the long staleness study's setting
 
 STAGES = ("pilot", "main")
-VARIANTS = ("grpo", "tis", "mipu", "random")  # config_lib/mipu_variants.py; "fp32" (GRPO, fp32 sampler) comes first
+VARIANTS = ("grpo", "tis", "mipu", "random", "mipu-dj")  # "fp32" (GRPO, fp32 sampler) comes first
 PILOT_SEEDS = (0,)
 SEEDS = (0, 1, 2, 3, 4)  # as minpro_long's stage 1: a seed's runs share their warm start
 
 # ------------------------------------------------------------------ the mismatch at this length: TUNE THESE
 FP8 = {"sampling.fp8_weight_scale": "tensor", "sampling.fp8_format": "e5m2", "sampling.fp8_activations": "tensor"}
-FP8_CONFIRMED = False  # PLACEHOLDER: True once the pilot shows FP8 hurting GRPO at this length
+FP8_CONFIRMED = True  # the pilot (results/mipu_long_pilot): fp8 GRPO fell to 3.0 % from 9.2 %, fp32 rose to 19.2 %
 VAL_PROMPTS, VAL_GROUP_SIZE = 16, 8  # 128 validation samples per check, as the short MIPU study
 GAP_TOLERANCE = 1e-4  # c: keep the update iff T_post >= -c (the paper's setting)
+DJ_PROMPTS = 64  # mipu-dj: 64 x 8 = 512 validation samples per policy and check, keep iff delta_j >= 0
 # ------------------------------------------------------------------
 
 
@@ -42,10 +45,12 @@ def variants(names=VARIANTS) -> dict[str, dict]:
   step2 = {"mipu.val_prompts": VAL_PROMPTS, "mipu.val_group_size": VAL_GROUP_SIZE, "mipu.gap_tolerance": GAP_TOLERANCE}
   out = {"fp32": {}}
   for v in names:
-    ov = {**variant_overrides(v), **FP8}
+    ov = {**variant_overrides("mipu" if v == "mipu-dj" else v), **FP8}  # config_lib/mipu_variants.py
     ov.pop("loss.method")  # grpo: in the fixed fields
     if v in ("mipu", "random"):
       ov.update(step2)
+    if v == "mipu-dj":
+      ov.update({**step2, "mipu.val_prompts": DJ_PROMPTS, "mipu.statistic": "delta_j", "mipu.gap_tolerance": 0.0})
     out[v] = ov
   return out
 
