@@ -24,7 +24,6 @@ same command continues exactly as if it had never stopped (tests/test_train_resu
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
@@ -53,8 +52,10 @@ from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.packing import row_tokens
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
+from minpro_jax.rl.update_metrics import combine_update_metrics
 from minpro_jax.run_progress import RunProgress
 from minpro_jax.run_setup import RunParts, setup_run
+from minpro_jax.run_watch import MAX_ALL_SKIPPED_STEPS, RunWatch
 from minpro_jax.runtime import host_batch, multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampler_setup import sampler_kwargs
@@ -303,7 +304,7 @@ class Trainer:
         "time/learn": dt,
         "throughput/learn_tokens_per_s": float(batch.segment_ids.sum()) / max(dt, 1e-9),
     }
-    return state, {**metrics, **_combine_update_metrics(ups)}
+    return state, {**metrics, **combine_update_metrics(ups)}
 
   # ------------------------------------------------------------------ evaluation and checkpoints
   def _eval_and_keep_best(self, params, eval_step: int, name: str, progress: RunProgress) -> dict[str, Any]:
@@ -423,7 +424,7 @@ class Trainer:
         dynamic_ncols=True,
         disable=not c.log.progress or not multihost.is_primary(),
     )
-    watch = _RunWatch(self.model.config.vocab_size)
+    watch = RunWatch(self.model.config.vocab_size)
     for step in range(start, c.total_steps):
       t0 = time.time()
       surge = lr_decay.SurgeState.from_json(progress.lr_decay)
@@ -518,84 +519,6 @@ def _exit_during_final_eval(signum: int, workdir: str) -> None:
   os._exit(128 + signum)
 
 
-MAX_ALL_SKIPPED_STEPS = 3  # global steps in a row whose every update was skipped before the run stops
-COLLAPSE_ZERO_REWARD_STEPS = 10  # global steps in a row with zero reward before a warning
-COLLAPSE_ENTROPY_FRACTION = 0.95  # response entropy above this share of log(vocab) is a warning
-
-
-class _RunWatch:
-  """Watches the per-step metrics for what must not pass silently: a run whose updates are all skipped (returns
-  True to stop it) and a collapsed policy (logged as a warning: entropy at its maximum, or rewards at zero)."""
-
-  def __init__(self, vocab_size: int):
-    self.max_entropy = math.log(vocab_size)
-    self.all_skipped = 0
-    self.zero_reward = 0
-    self.warned_entropy = False
-
-  def observe(self, step: int, m: dict[str, Any]) -> bool:
-    updates = m.get("learn/skipped_updates")
-    if updates is not None:
-      self.all_skipped = self.all_skipped + 1 if updates >= m.get("learn/updates", 1) else 0
-    self.zero_reward = self.zero_reward + 1 if m["reward/mean"] == 0 else 0
-    if self.zero_reward == COLLAPSE_ZERO_REWARD_STEPS:
-      logger.warning(
-          "reward 0 for %d global steps in a row (step %d): the policy may have collapsed", self.zero_reward, step
-      )
-    if not self.warned_entropy and m["response/entropy"] >= COLLAPSE_ENTROPY_FRACTION * self.max_entropy:
-      self.warned_entropy = True  # once per run: a model trained from scratch without SFT starts there
-      logger.warning(
-          "response entropy %.2f nats at step %d is at its maximum (log V = %.2f): the policy is close to "
-          "uniform; lower optimizer.learning_rate",
-          m["response/entropy"],
-          step,
-          self.max_entropy,
-      )
-    return self.all_skipped >= MAX_ALL_SKIPPED_STEPS
-
-
 def _eval_metrics(res: dict[str, Any]) -> dict[str, Any]:
   """The metrics.jsonl entries of an evaluation: its macro scores, and pass@1 as eval/avg_score."""
   return {**{f"eval/{k}": v for k, v in res["macro"].items()}, "eval/avg_score": res["macro"].get("pass@1")}
-
-
-def _combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
-  """The metrics of a step's updates as one record: max of *_max, min of *_min, sums of counts, means of the rest.
-
-  By response-position bin (None for bins no response reached), token-weighted over the updates: the mean weight,
-  the mean learner-behaviour |log ratio|, and the weights' effective sample size as a fraction of the bin's tokens,
-  ESS / n = (sum w)^2 / (n sum w^2) (Kish's effective sample size;
-  1: equal weights). The learner's entropy and K3 are also listed update by update (`*_by_update`)."""
-  out: dict[str, Any] = {}
-  per_bin = {}
-  if "tokens_by_position_bin" in ups[0]:
-    cnt = np.asarray([u["tokens_by_position_bin"] for u in ups], np.float64)
-    tot = cnt.sum(0)
-    for k in ("weight_by_position_bin", "weight_sq_by_position_bin", "abs_log_ratio_by_position_bin"):
-      if k in ups[0]:
-        per_bin[k] = (np.asarray([u[k] for u in ups], np.float64) * cnt).sum(0) / np.maximum(tot, 1)
-    as_list = lambda x: [float(v) if t > 0 else None for v, t in zip(x, tot)]  # noqa: E731
-    for k in ("weight_by_position_bin", "abs_log_ratio_by_position_bin"):
-      if k in per_bin:
-        out[f"learn/{k}"] = as_list(per_bin[k])
-    if "weight_sq_by_position_bin" in per_bin:
-      with np.errstate(all="ignore"):
-        ess = per_bin["weight_by_position_bin"] ** 2 / per_bin["weight_sq_by_position_bin"]
-      out["learn/ess_frac_by_position_bin"] = as_list(np.where(np.isfinite(ess), ess, 0.0))
-  for k in ups[0]:
-    if k in per_bin or k == "tokens_by_position_bin":
-      continue
-    vals = np.asarray([u[k] for u in ups], np.float64)
-    if k.endswith("_max"):
-      out[f"learn/{k}"] = float(vals.max())
-    elif k.endswith("_min"):
-      out[f"learn/{k}"] = float(vals.min())
-    elif k == "update_skipped":
-      out["learn/skipped_updates"] = int(vals.sum())
-      out["learn/updates"] = len(ups)
-    else:
-      out[f"learn/{k}"] = float(vals.mean())
-  for k in ("entropy_mean", "learner_behavior/k3"):  # how they move over the step's updates (staleness grows)
-    if k in ups[0]:
-      out[f"learn/{k}_by_update"] = [float(u[k]) for u in ups]
-  return out

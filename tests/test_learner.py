@@ -193,10 +193,10 @@ def test_update_reports_the_learner_entropy_and_k3_against_the_behavior(model_an
   assert 0.02 < float(metrics["learner_behavior/k3"]) < 0.1  # behavior = learner + N(0, 0.3^2): k3 ~ 0.045
   assert 0.0 < float(metrics["entropy_mean"]) <= np.log(VOCAB)
   # the step record: the mean over its updates and the values update by update
-  from minpro_jax.trainer import _combine_update_metrics
+  from minpro_jax.rl.update_metrics import combine_update_metrics
 
   ups = [{"entropy_mean": np.float32(e), "learner_behavior/k3": np.float32(k)} for e, k in ((1.0, 0.25), (2.0, 0.5))]
-  rec = _combine_update_metrics(ups)
+  rec = combine_update_metrics(ups)
   assert rec["learn/entropy_mean"] == 1.5 and rec["learn/entropy_mean_by_update"] == [1.0, 2.0]
   assert rec["learn/learner_behavior/k3"] == 0.375 and rec["learn/learner_behavior/k3_by_update"] == [0.25, 0.5]
 
@@ -414,7 +414,7 @@ def test_update_reports_weight_square_and_log_ratio_by_position_bin(model_and_ba
   ratio| over the bin's tokens) equal a naive loop over the tokens; the step record's ESS fraction per bin is
   (sum w)^2 / (n sum w^2) over the step's updates. GRPO with token TIS at theta = theta_k has the known weight
   w_t = min(pi_k / mu, 2) (the PPO ratio is 1), so the expected values come from the batch alone."""
-  from minpro_jax.trainer import _combine_update_metrics
+  from minpro_jax.rl.update_metrics import combine_update_metrics
 
   model = model_and_batch[0]
   batch = _batch(model, length=20, seed=1)  # responses of up to 18 tokens: position bins 0-7, 8-15, 16-31
@@ -440,7 +440,7 @@ def test_update_reports_weight_square_and_log_ratio_by_position_bin(model_and_ba
   assert np.all(got["tokens_by_position_bin"][len(used) :] == 0)
   # two updates of one step: token-weighted over the updates, ESS from the pooled sums; bins without tokens: None
   ups = [{k: np.asarray(v) for k, v in metrics.items()}] * 2
-  rec = _combine_update_metrics(ups)
+  rec = combine_update_metrics(ups)
   for b in used:
     sel = mask & (bins == b)
     np.testing.assert_allclose(
@@ -477,7 +477,7 @@ def test_minpro_weight_by_position_bin_pins_the_prefix_min_weights(model_and_bat
       8 and 1/2 * 1/2 = 1/4 after it;
     * by a plain loop over the tokens (`_minpro_weights_naive`) for random ratios;
   and the step record's `learn/weight_by_position_bin` (None for bins no response reached) carries the same values."""
-  from minpro_jax.trainer import _combine_update_metrics
+  from minpro_jax.rl.update_metrics import combine_update_metrics
 
   model = model_and_batch[0]
   batch = _batch(model, length=20, seed=1)  # responses of up to 18 tokens
@@ -501,7 +501,7 @@ def test_minpro_weight_by_position_bin_pins_the_prefix_min_weights(model_and_bat
   np.testing.assert_allclose(got["weight_by_position_bin"][:used], want, rtol=1e-5)
   np.testing.assert_array_equal(got["tokens_by_position_bin"], n_bin[:used] + [0] * (8 - used))
   assert np.all(got["weight_by_position_bin"][used:] == 0)
-  rec = _combine_update_metrics([got])
+  rec = combine_update_metrics([got])
   np.testing.assert_allclose(rec["learn/weight_by_position_bin"][:used], want, rtol=1e-5)
   assert rec["learn/weight_by_position_bin"][used:] == [None] * (8 - used)
 

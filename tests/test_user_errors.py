@@ -201,7 +201,8 @@ def test_an_update_that_makes_the_parameters_non_finite_is_skipped():
 def test_a_run_whose_updates_keep_being_skipped_stops_on_its_last_good_state(tmp_path, monkeypatch):
   from minpro_jax.errors import TrainingError
   from minpro_jax.rl import learner as learner_mod
-  from minpro_jax.trainer import MAX_ALL_SKIPPED_STEPS, Trainer
+  from minpro_jax.run_watch import MAX_ALL_SKIPPED_STEPS
+  from minpro_jax.trainer import Trainer
 
   monkeypatch.setattr(learner_mod, "_all_finite", lambda tree: jnp.asarray(False))  # every update is non-finite
   tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, total_steps=8, delay=0)))
