@@ -228,16 +228,22 @@ def compare_table(studies: dict[str, list[dict]]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def load_studies(studies: dict[str, str], load_fn, what: str) -> dict[str, list]:
+  """label -> `load_fn(folder)` for each of `studies` (label -> study folder). Raises SystemExit naming a folder
+  with no finished `what` (e.g. "cells")."""
+  loaded = {}
+  for label, out in studies.items():
+    records = load_fn(out) if os.path.isdir(out) else []
+    if not records:
+      raise SystemExit(f"error: no finished {what} in {out}; run the study first (without --report)")
+    loaded[label] = records
+  return loaded
+
+
 def compare_report(studies: dict[str, str], doc: str = DOC) -> int:
   """Writes the side-by-side table of `studies` (label -> study folder) into the block `COMPARE` of `doc` and
   prints it; returns 0. Raises SystemExit naming a folder with no finished cell."""
-  loaded = {}
-  for label, out in studies.items():
-    cells = load(out) if os.path.isdir(out) else []
-    if not cells:
-      raise SystemExit(f"error: no finished cells in {out}; run the study first (without --report)")
-    loaded[label] = cells
-  table = compare_table(loaded)
+  table = compare_table(load_studies(studies, load, "cells"))
   print(table)
   if replace_block(doc, COMPARE, "\n" + table):
     print(f"wrote the {COMPARE} table of {doc}")

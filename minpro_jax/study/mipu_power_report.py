@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from minpro_jax.rl import mipu
-from minpro_jax.study.fidelity_model_report import TASKS, replace_block
+from minpro_jax.study.fidelity_model_report import TASKS, load_studies, replace_block
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "mechanism.md")
 BEGIN, END = "<!-- mipu-power:begin (python -m minpro_jax.study.mipu_power --report) -->", "<!-- mipu-power:end -->"
@@ -322,13 +322,7 @@ def compare_table(studies: dict[str, list[dict]]) -> str:
 def compare_report(studies: dict[str, str], doc: str = DOC) -> str:
   """Writes the side-by-side table of `studies` (label -> study folder) into the block `COMPARE` of `doc`, prints
   and returns it. Raises SystemExit naming a folder with no finished pair."""
-  loaded = {}
-  for label, out in studies.items():
-    pairs = load(out) if os.path.isdir(out) else []
-    if not pairs:
-      raise SystemExit(f"error: no finished pair under {out}; run the study first")
-    loaded[label] = pairs
-  table = compare_table(loaded)
+  table = compare_table(load_studies(studies, load, "pairs"))
   replace_block(doc, COMPARE, f"\n{table}\n")
   print(table)
   return table
