@@ -173,6 +173,14 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
   workdir = os.path.abspath(workdir)
   c = load_run_config(workdir)
   kind, directory, step = _which(workdir, which)
+  if kind == "final" and step + 1 < c.total_steps:
+    logger.warning(
+        "--which=final: the run in %s stopped after global step %d of %d (total_steps); its newest checkpoint is "
+        "read, not a finished run's final parameters (re-run its training command to finish it)",
+        workdir,
+        step + 1,
+        c.total_steps,
+    )
   tokenizer = load_run_tokenizer(workdir, c)
   cfg = model_config(c, tokenizer)
   with nnx.use_eager_sharding(False) if mesh is None else use_mesh(mesh, DEFAULT_RULES):

@@ -7,7 +7,9 @@ The weights' layout conversion itself is `save_hf_checkpoint`'s, tested against 
 """
 
 import json
+import logging
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +117,21 @@ def test_partial_restore_reads_only_the_parameters(run_dir):
   # the seed offset of the run's evaluation of these parameters: global steps done (step 6 is the 7th), not the
   # checkpoint's optimizer-update count (a standalone --which=final once sampled with eval.seed + updates)
   assert run.eval_step == 7 and run_load.load_run(workdir, "best").eval_step == 4
+
+
+def test_final_of_a_stopped_run_says_it_is_the_newest_checkpoint(run_dir, tmp_path, caplog):
+  workdir, _, _ = run_dir
+  stopped = str(tmp_path / "stopped")
+  shutil.copytree(workdir, stopped)
+  cfg_path = os.path.join(stopped, "config.json")
+  cfg = json.load(open(cfg_path))
+  cfg["total_steps"] = 20  # the newest checkpoint is after global step 7 of 20
+  json.dump(cfg, open(cfg_path, "w"))
+  with caplog.at_level(logging.WARNING, logger="minpro_jax.run_load"):
+    run_load.load_run(workdir, "final")  # finished (total_steps 4 <= 7): nothing to say
+    assert not caplog.records
+    assert run_load.load_run(stopped, "final").step == 6
+  assert "stopped after global step 7 of 20 (total_steps)" in caplog.text
 
 
 def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):
