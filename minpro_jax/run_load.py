@@ -62,11 +62,41 @@ class LoadedRun:
   eval_step: int
 
 
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+  """{"a": {"b": 1}} -> {"a.b": 1}."""
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+def changed_fields(before: dict, now: dict) -> list[str]:
+  """`field (before -> now)` for every dotted field whose value differs between two config dicts (absent: None)."""
+  a, b = _flat(before), _flat(now)
+  return [f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
 def save_run_files(workdir: str, c, tokenizer) -> None:
-  """Writes `config.json` (and `tokenizer.model` for a trained sentencepiece tokenizer) into `workdir`."""
+  """Writes `config.json` (and `tokenizer.model` for a trained sentencepiece tokenizer) into `workdir`. When it
+  replaces the config.json of an earlier start of the run, logs a warning naming the fields that changed (those the
+  resume check lets change, e.g. `optimizer.learning_rate` or `total_steps`: they apply from the resumed step on)."""
   path = os.path.join(workdir, CONFIG_FILE)
+  text = c.to_json_best_effort(indent=2)
+  if os.path.isfile(path):
+    try:
+      with open(path) as f:
+        changed = changed_fields(json.load(f), json.loads(text))
+    except (OSError, ValueError):
+      changed = []  # an unreadable earlier file is replaced below
+    if changed:
+      logger.warning(
+          "%s: this start changes %d config field(s) of the run's earlier start, from the resumed step on: %s",
+          workdir,
+          len(changed),
+          "; ".join(changed[:12]) + (f"; and {len(changed) - 12} more" if len(changed) > 12 else ""),
+      )
   with open(path + ".tmp", "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
+    f.write(text)
   os.replace(path + ".tmp", path)
   if c.tokenizer.kind == "train_spm":
     with open(os.path.join(workdir, TOKENIZER_FILE + ".tmp"), "wb") as f:

@@ -134,6 +134,21 @@ def test_final_of_a_stopped_run_says_it_is_the_newest_checkpoint(run_dir, tmp_pa
   assert "stopped after global step 7 of 20 (total_steps)" in caplog.text
 
 
+def test_a_resume_that_changes_fields_names_them(tmp_path, caplog):
+  c = make_config(tiny_overrides(tmp_path))
+  c.tokenizer.kind = "path"  # a tokenizer read from where the config points: only config.json is written
+  run_load.save_run_files(str(tmp_path), c, None)
+  with caplog.at_level(logging.WARNING, logger="minpro_jax.run_load"):
+    run_load.save_run_files(str(tmp_path), c, None)  # the same config: nothing to say
+    assert not caplog.records
+    c.optimizer.learning_rate, c.total_steps = 1e-5, 9
+    run_load.save_run_files(str(tmp_path), c, None)
+  (rec,) = caplog.records
+  assert "changes 2 config field(s)" in rec.getMessage() and "optimizer.learning_rate (" in rec.getMessage()
+  assert "-> 1e-05)" in rec.getMessage() and "total_steps (4 -> 9)" in rec.getMessage()
+  assert run_load.load_run_config(str(tmp_path)).total_steps == 9
+
+
 def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):
   workdir, _, _ = run_dir
   with pytest.raises(CheckpointError, match=r"--which=9: no run checkpoint of that step .* keeps steps \[5, 6\]"):
