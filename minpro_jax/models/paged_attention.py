@@ -2,11 +2,12 @@
 
 The semantics of `jax.experimental.pallas.ops.tpu.ragged_paged_attention` (the TPU kernel vLLM's tpu-inference
 and MaxText use), on the pool's heads-major pages [num_pages, 2K, page_size, head_dim] with keys at even and values
-at odd combined heads (`sampling.paged`; the kernel reads token-major pages, `kernel_layout`); sequence s owns `page_indices[s]` in token order and holds `kv_lens[s]` tokens, the
-last q_len of which are its queries (cu_q_lens[s]..cu_q_lens[s + 1]); a query at kv position p sees keys
-0..p (and only the last `sliding_window` of them when set). Grouped-query heads as in `attention_core`: query
-head h reads KV head h // G. Scores are fp32: (q · k) * sm_scale, then soft_cap * tanh(scores / soft_cap)
-when set, then the mask; probabilities and the output are in the queries' dtype, as `masked_attention`.
+at odd combined heads (`sampling.paged`; the kernel reads token-major pages, `kernel_layout`); sequence s owns
+`page_indices[s]` in token order and holds `kv_lens[s]` tokens, the last q_len of which are its queries
+(cu_q_lens[s]..cu_q_lens[s + 1]); a query at kv position p sees keys 0..p (and only the last `sliding_window` of
+them when set). Grouped-query heads as in `attention_core`: query head h reads KV head h // G. Scores are fp32:
+(q · k) * sm_scale, then soft_cap * tanh(scores / soft_cap) when set, then the mask; probabilities and the output
+are in the queries' dtype, as `masked_attention`.
 
 This is the CPU/GPU path and the reference the Pallas kernel is tested against. `ragged_paged_attention`
 gathers every query's whole page list, O(tokens x pages_per_seq x page_size) work, so it is meant for small
