@@ -10,6 +10,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_pa
 
 from minpro_jax.models.attention_core import masked_attention
 from minpro_jax.models.paged_attention import (
+    kernel_layout,
     live_page_buckets,
     paged_decode_attention,
     pallas_decode_attention,
@@ -45,10 +46,10 @@ def test_decode_attention_equals_dense_on_ragged_rows(dtype, tol):
   size, an idle row (zeros)."""
   rng = np.random.default_rng(0)
   ps, lengths = 4, [5, 1, 11, 0, 8]
-  kv = rng.standard_normal((16, ps, 2 * K, HD)).astype(np.float32)
+  kv = rng.standard_normal((16, 2 * K, ps, HD)).astype(np.float32)
   table = np.array([[3, 9, 0], [7, 0, 0], [12, 3, 5], [0, 0, 0], [2, 14, 0]], np.int32)  # page 3 in rows 0 and 2
-  hist_k = [[kv[table[r, i // ps], i % ps, 0::2] for i in range(n)] for r, n in enumerate(lengths)]
-  hist_v = [[kv[table[r, i // ps], i % ps, 1::2] for i in range(n)] for r, n in enumerate(lengths)]
+  hist_k = [[kv[table[r, i // ps], 0::2, i % ps] for i in range(n)] for r, n in enumerate(lengths)]
+  hist_v = [[kv[table[r, i // ps], 1::2, i % ps] for i in range(n)] for r, n in enumerate(lengths)]
   q = rng.standard_normal((5, H, HD)).astype(np.float32)
   got = paged_decode_attention(
       jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(lengths, jnp.int32), jnp.asarray(table)
@@ -76,7 +77,7 @@ def test_decode_attention_reads_only_the_live_pages():
   tokens; one jitted program serves every bucket."""
   rng = np.random.default_rng(5)
   ps, maxp = 4, 4
-  kv = rng.standard_normal((12, ps, 2 * K, HD)).astype(np.float32)
+  kv = rng.standard_normal((12, 2 * K, ps, HD)).astype(np.float32)
   kv[10], kv[11] = 1e3, np.nan
   pages = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 8]], np.int32)
   q = rng.standard_normal((3, H, HD)).astype(np.float32)
@@ -86,8 +87,8 @@ def test_decode_attention_reads_only_the_live_pages():
     table[:, :bucket] = 10
     for r, n in enumerate(lengths):
       table[r, : -(-n // ps)] = pages[r, : -(-n // ps)]
-    hist_k = [[kv[table[r, i // ps], i % ps, 0::2] for i in range(n)] for r, n in enumerate(lengths)]
-    hist_v = [[kv[table[r, i // ps], i % ps, 1::2] for i in range(n)] for r, n in enumerate(lengths)]
+    hist_k = [[kv[table[r, i // ps], 0::2, i % ps] for i in range(n)] for r, n in enumerate(lengths)]
+    hist_v = [[kv[table[r, i // ps], 1::2, i % ps] for i in range(n)] for r, n in enumerate(lengths)]
     got = decode(
         jnp.asarray(q), jnp.asarray(kv), jnp.asarray(lengths, jnp.int32), jnp.asarray(table), buckets=(1, 2, 4)
     )
@@ -107,14 +108,14 @@ def test_decode_attention_reads_only_the_live_pages():
 def test_ragged_matches_jax_reference_mixed_prefill_and_decode(kw):
   """Against jax's own `ref_ragged_paged_attention`: sequences with 3, 1 and 2 queries, a padded 4th."""
   rng = np.random.default_rng(1)
-  kv = jnp.asarray(rng.standard_normal((20, 4, 2 * K, HD)), jnp.float32)
+  kv = jnp.asarray(rng.standard_normal((20, 2 * K, 4, HD)), jnp.float32)  # the pool's heads-major pages
   kv_lens = jnp.array([7, 3, 10, 0], jnp.int32)
   cu = jnp.array([0, 3, 4, 6, 6], jnp.int32)
   pages = jnp.asarray(rng.permutation(20)[:12].reshape(4, 3), jnp.int32)
   q = jnp.asarray(rng.standard_normal((8, H, HD)), jnp.float32)
-  args = (q, kv, kv_lens, pages, cu, jnp.array([3], jnp.int32))
-  want = ref_ragged_paged_attention(*args, **kw)
-  got = ragged_paged_attention(*args, **kw)
+  args = (kv_lens, pages, cu, jnp.array([3], jnp.int32))
+  want = ref_ragged_paged_attention(q, kernel_layout(kv), *args, **kw)  # the kernel's token-major pages
+  got = ragged_paged_attention(q, kv, *args, **kw)
   np.testing.assert_allclose(np.asarray(got[:6]), np.asarray(want), atol=2e-6, rtol=2e-6)
   assert np.all(np.asarray(got[6:]) == 0)  # tokens past cu_q_lens[num_seqs]
 
@@ -122,7 +123,7 @@ def test_ragged_matches_jax_reference_mixed_prefill_and_decode(kw):
 def test_pallas_wrapper_passes_the_kernel_decode_arguments():
   """`pallas_decode_attention` with jax's reference kernel in place of the Pallas one equals the plain path."""
   rng = np.random.default_rng(2)
-  kv = jnp.asarray(rng.standard_normal((12, 3, 2 * K, HD)), jnp.float32)
+  kv = jnp.asarray(rng.standard_normal((12, 2 * K, 3, HD)), jnp.float32)
   lengths = jnp.array([4, 0, 7], jnp.int32)
   table = jnp.asarray(rng.permutation(12)[:9].reshape(3, 3), jnp.int32)
   q = jnp.asarray(rng.standard_normal((3, H, HD)), jnp.float32)
@@ -136,7 +137,7 @@ def test_pallas_wrapper_runs_per_device_under_a_mesh():
   kernel in a shard_map, rows over data and KV heads over tensor (each device a pair of combined heads per KV
   head): with jax's reference kernel in place of the Pallas one it equals the plain path on the whole arrays."""
   rng = np.random.default_rng(3)
-  kv = jnp.asarray(rng.standard_normal((16, 3, 2 * K, HD)), jnp.float32)
+  kv = jnp.asarray(rng.standard_normal((16, 2 * K, 3, HD)), jnp.float32)
   lengths = jnp.array([4, 0, 7, 9, 1, 3, 8, 2], jnp.int32)
   table = jnp.asarray(rng.integers(0, 16, (8, 3)), jnp.int32)  # rows may share pages: attention only reads them
   q = jnp.asarray(rng.standard_normal((8, H, HD)), jnp.float32)
@@ -145,20 +146,20 @@ def test_pallas_wrapper_runs_per_device_under_a_mesh():
 
   def kernel(q, kv, *args, **kw):
     calls.append((q.shape, kv.shape))
-    return ragged_paged_attention(q, kv, *args, **kw)
+    return ragged_paged_attention(q, jnp.swapaxes(kv, 1, 2), *args, **kw)  # given the kernel's token-major pages
 
   mesh = make_mesh({"data": 4, "tensor": 2}, devices=jax.devices()[:8])
   with use_mesh(mesh, INFERENCE_RULES):
     got = jax.jit(lambda *a: pallas_decode_attention(*a, kernel=kernel))(q, kv, lengths, table)
-  assert calls == [((2, H // 2, HD), (16, 3, K, HD))]  # one device's rows and heads, every page
+  assert calls == [((2, H // 2, HD), (16, 3, K, HD))]  # one device's rows and heads, every page, token-major
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
 
 def test_bad_shapes_raise():
-  q, kv = jnp.zeros((2, H, HD)), jnp.zeros((4, 2, 2 * K, HD))
+  q, kv = jnp.zeros((2, H, HD)), jnp.zeros((4, 2 * K, 2, HD))
   lengths, table = jnp.ones((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32)
   with pytest.raises(ValueError, match="combined-head"):
-    paged_decode_attention(q, jnp.zeros((4, 2, 3, HD)), lengths, table)
+    paged_decode_attention(q, jnp.zeros((4, 3, 2, HD)), lengths, table)
   with pytest.raises(ValueError, match="int32"):
     paged_decode_attention(q, kv, lengths.astype(jnp.float32), table)
   with pytest.raises(ValueError, match="2 queries for 3 rows"):
@@ -410,3 +411,39 @@ def test_full_pool_makes_admission_wait_and_broken_contracts_are_flagged():
   bad = _admit(pool, jnp.array([0, 2]), jnp.array([8, 8]), jnp.array([8, 8]), kv, kv)  # 4 pages, 3 free
   with pytest.raises(RuntimeError, match="no free page"):
     paged.raise_on_errors(bad.errors)
+
+
+def test_the_pool_is_heads_major_keys_even_values_odd():
+  """The layout the TPU path relies on (docs/sampler.md): a prompt's token t of KV head k lands at
+  kv_pages[page_table[row, t // ps], 2k, t % ps] (its value at 2k + 1), for `admit`, `append_token` and the
+  partial page `fork_rows` copies; `kernel_layout` gives the kernel's token-major [num_pages, ps, 2K, hd]."""
+  rng = np.random.default_rng(9)
+  ps, layers = 4, 2
+  pool = paged.init_pool(
+      num_layers=layers, num_pages=8, page_size=ps, num_kv_heads=K, head_dim=HD, rows=2, max_pages_per_row=3
+  )
+  assert pool.kv_pages[0].shape == (8, 2 * K, ps, HD) and pool.page_size == ps
+  k = rng.standard_normal((layers, 1, 6, K, HD)).astype(np.float32)
+  v = rng.standard_normal((layers, 1, 6, K, HD)).astype(np.float32)
+  pool = _admit(pool, jnp.array([0]), jnp.array([6]), jnp.array([8]), jnp.asarray(k), jnp.asarray(v))
+  kn = rng.standard_normal((layers, 2, K, HD)).astype(np.float32)
+  vn = rng.standard_normal((layers, 2, K, HD)).astype(np.float32)
+  pool = _append(pool, jnp.asarray(kn), jnp.asarray(vn), jnp.array([True, False]))  # token 6 of row 0
+  pool = _fork(pool, jnp.array([0]), jnp.array([1]), jnp.array([8]))  # row 1: page 0 shared, page 1 copied
+  assert int(pool.errors) == 0
+  keys = np.concatenate([k[:, 0], kn[:, :1]], axis=1)  # [layers, 7, K, hd] in token order
+  values = np.concatenate([v[:, 0], vn[:, :1]], axis=1)
+  table = np.asarray(pool.page_table)
+  assert table[1, 0] == table[0, 0] and table[1, 1] != table[0, 1]
+  for i in range(layers):
+    pages = np.asarray(pool.kv_pages[i])
+    token_major = np.asarray(kernel_layout(pool.kv_pages[i]))
+    assert token_major.shape == (8, ps, 2 * K, HD)
+    for row in (0, 1):
+      for t in range(7):
+        page, slot = table[row, t // ps], t % ps
+        for h in range(K):
+          np.testing.assert_array_equal(pages[page, 2 * h, slot], keys[i, t, h])
+          np.testing.assert_array_equal(pages[page, 2 * h + 1, slot], values[i, t, h])
+          np.testing.assert_array_equal(token_major[page, slot, 2 * h], keys[i, t, h])
+          np.testing.assert_array_equal(token_major[page, slot, 2 * h + 1], values[i, t, h])

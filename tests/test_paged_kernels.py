@@ -26,12 +26,12 @@ def test_pallas_paged_attention_kernel_in_interpret_mode():
 
   rng = np.random.default_rng(6)
   ps, maxp = 4, 4
-  kv = _bf16_exact(rng.standard_normal((24, ps, 2 * K, HD)))
+  kv = _bf16_exact(rng.standard_normal((24, 2 * K, ps, HD)))  # the pool's heads-major pages
   lengths = jnp.array([5, 16, 9], jnp.int32)
   table = jnp.asarray(rng.permutation(24)[:12].reshape(3, maxp), jnp.int32)
   q = _bf16_exact(rng.standard_normal((3, H, HD)) * 0.5)
   want = paged_decode_attention(q, kv, lengths, table, sm_scale=0.5)
-  k_pages, v_pages = (jnp.transpose(kv[:, :, i::2], (2, 0, 1, 3)) for i in (0, 1))
+  k_pages, v_pages = (jnp.transpose(kv[:, i::2], (1, 0, 2, 3)) for i in (0, 1))
   with pltpu.force_tpu_interpret_mode():
     got = paged_attention(q * 0.5, k_pages, v_pages, lengths, table, pages_per_compute_block=2)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
@@ -49,7 +49,7 @@ RPA_INTERPRET_ERROR = (
 def test_pallas_ragged_paged_attention_kernel_in_interpret_mode():
   """The kernel the TPU path calls (`pallas_decode_attention`), in TPU interpret mode, against the reference."""
   rng = np.random.default_rng(7)
-  kv = _bf16_exact(rng.standard_normal((24, 4, 2 * K, HD)))
+  kv = _bf16_exact(rng.standard_normal((24, 2 * K, 4, HD)))
   lengths = jnp.array([5, 16, 9], jnp.int32)
   table = jnp.asarray(rng.permutation(24)[:12].reshape(3, 4), jnp.int32)
   q = _bf16_exact(rng.standard_normal((3, H, HD)))
@@ -83,7 +83,7 @@ for name, dt in (("bf16", jnp.bfloat16), ("fp32", jnp.float32)):
   fn = functools.partial(pallas_decode_attention, num_kv_pages_per_block=8, num_queries_per_block=32)
   with use_mesh(mesh):
     compiled = jax.jit(fn).lower(
-        arg((rows, h, hd), dt), arg((pages, ps, 2 * kh, hd), dt), arg((rows,), jnp.int32), arg((rows, per_row), jnp.int32)
+        arg((rows, h, hd), dt), arg((pages, 2 * kh, ps, hd), dt), arg((rows,), jnp.int32), arg((rows, per_row), jnp.int32)
     ).compile()
   kernels = set()
   for line in compiled.as_text().splitlines():
@@ -94,7 +94,7 @@ for name, dt in (("bf16", jnp.bfloat16), ("fp32", jnp.float32)):
 fn = functools.partial(pallas_decode_attention, num_kv_pages_per_block=64, num_queries_per_block=8)
 with use_mesh(mesh):
   jax.jit(fn).lower(
-      arg((8, h, hd), jnp.bfloat16), arg((64, ps, 2 * kh, hd), jnp.bfloat16), arg((8,), jnp.int32),
+      arg((8, h, hd), jnp.bfloat16), arg((64, 2 * kh, ps, hd), jnp.bfloat16), arg((8,), jnp.int32),
       arg((8, 3), jnp.int32)
   ).compile()
 print("RESULT dtype=capped kernels=compiled")

@@ -158,6 +158,7 @@ def test_a_shared_prefill_stores_the_prompts_full_pages_once(state):
   def row_kv(p, r):  # [layers, tokens, 2K, hd] of row r in token order
     n_pages = -(-int(p.lengths[r]) // 4)
     kv = np.stack([np.asarray(layer)[np.asarray(p.page_table)[r, :n_pages]] for layer in p.kv_pages])
+    kv = np.swapaxes(kv, 2, 3)  # heads-major pages [layers, n_pages, 2K, 4, hd] -> [layers, n_pages, 4, 2K, hd]
     return kv.reshape(kv.shape[0], -1, *kv.shape[3:])[:, : int(p.lengths[r])]
 
   for a, b in zip(by_req(shared), by_req(alone)):
@@ -194,13 +195,14 @@ def test_paged_kernel_choice():
 
 
 # The paged sampler's whole call (`Sampler._c_paged`, shared prompts in units of 8) for a v5p-8 (4 chips) on the
-# sampler's layout data=2 x tensor=2: Qwen3-8B's heads and 2 layers in bf16, 64 decode rows, 256 prompts of 256
-# tokens, 1024 new tokens, pages of 64, split into 2 row groups. Every instruction of the computations its `while`
-# loop runs (the refill and decode branches, nested loops), and the copies as large as one chip's share of a layer's
-# page pool (its group's pages, its KV heads).
+# sampler's layout data=D x tensor=T (argv): Qwen3-8B's heads and 2 layers in bf16, 64 decode rows, 256 prompts of
+# 256 tokens, 1024 new tokens, pages of 64, split into D row groups. Every instruction of the computations its
+# `while` loop runs (the refill and decode branches, nested loops), and the copies as large as one chip's share of a
+# layer's page pool (its group's pages, its KV heads).
 _TPU_PAGED = """
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -219,7 +221,8 @@ topology = topologies.get_topology_desc(
     platform="tpu", topology_name="v5p:2x2x1", chip_config_name="default", chips_per_host_bounds=(2, 2, 1),
     num_slices=1,
 )
-mesh = make_mesh({"data": 2, "tensor": 2}, devices=topology.devices)
+data, tensor = int(sys.argv[1]), int(sys.argv[2])
+mesh = make_mesh({"data": data, "tensor": tensor}, devices=topology.devices)
 cfg = get_preset("qwen3-8b").replace(num_layers=2)
 kv = PagedKV(page_size=64, num_pages=512, num_kv_pages_per_block=8, num_queries_per_block=32)  # kernel "auto"
 s = Sampler(cfg, precision="bf16", mesh=mesh, rules=INFERENCE_RULES, prompt_buckets=(256,), decode_rows=64, paged_kv=kv)
@@ -248,26 +251,29 @@ while todo:
 instrs = [i for x in seen for i in comps[x].instrs]
 kernels = [i for i in instrs if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs]
 names = sorted({re.sub(r"[.]\\d+$", "", i.name) for i in kernels})
-pool = (kv.num_pages // 2, kv.page_size, 2 * cfg.num_kv_heads // 2, cfg.head_dim)  # a chip's: its group's, heads/2
+pool = (kv.num_pages // data, 2 * cfg.num_kv_heads // tensor, kv.page_size, cfg.head_dim)  # a chip's share
 big = [i for i in instrs if i.opcode == "copy" and math.prod(hlo_text.dims(i.shape) or [0]) >= math.prod(pool)]
 print(f"RESULT computations={len(seen)} kernels={','.join(names)} "
       f"rpa_calls={sum('ragged_paged_attention' in i.attrs for i in kernels)} pool_copies={len(big)}")
 """
 
 
-def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_copies_no_pool():
+@pytest.mark.parametrize("data,tensor", [(2, 2), (1, 4)])
+def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_copies_the_pool_once_per_layer(data, tensor):
   """On TPU ("auto" on v5p chips, compile-only) every decode step's attention is jax's Pallas ragged paged
-  attention kernel on the pool's own layout (per chip, `pallas_decode_attention`'s shard_map), one call per layer,
-  and the loop holds no copy as large as a chip's share of a layer's page pool. Measured 2026-12-04 on one chip:
-  the plain-JAX path ("xla") copies each step's gathered pages, [64, 1280, 16, 128], twice; on tensor=4 (2K = 4
-  combined heads per chip) the token write relayouts the pool around each scatter (docs/sampler.md)."""
+  attention kernel (per chip, `pallas_decode_attention`'s shard_map), one call per layer, and the loop's only copies
+  as large as a chip's share of a layer's page pool are the kernel's token-major operand (`kernel_layout`), one per
+  layer and decode step: the heads-major pool is written (`write_per_head`), admitted and forked in place. Measured
+  2026-12-06 (libtpu 0.0.42.1): with the token-major pool of before, tensor=4 (2K = 4 combined heads per chip) had
+  10 such copies (the token write, `admit` and `fork_rows` relayouting the pool around each scatter) and tensor=2
+  (2K = 8) none (the kernel's layout was the pool's); heads-major has 2 on both (docs/sampler.md)."""
   from tests.tpu_helpers import run_with_libtpu
 
-  (r,) = run_with_libtpu(_TPU_PAGED, timeout=400)
+  (r,) = run_with_libtpu(f"import sys; sys.argv[1:] = ['{data}', '{tensor}']\n" + _TPU_PAGED, timeout=400)
   assert int(r["computations"]) > 10  # the loop's branches and nested loops were walked
   assert "ragged_paged_attention_kernel" in r["kernels"].split(","), r
   assert r["rpa_calls"] == "2", r  # one per layer
-  assert r["pool_copies"] == "0", r
+  assert r["pool_copies"] == "2", r  # one per layer: the kernel's operand
 
 
 def test_paged_sampler_on_row_groups_equals_static(state):

@@ -1,12 +1,13 @@
 """Ragged paged attention in plain JAX: each query attends to its own sequence's keys, read from KV pages.
 
 The semantics of `jax.experimental.pallas.ops.tpu.ragged_paged_attention` (the TPU kernel vLLM's tpu-inference
-and MaxText use): pages [num_pages, page_size, 2K, head_dim] with keys at even and values at odd combined
-heads (`sampling.paged`); sequence s owns `page_indices[s]` in token order and holds `kv_lens[s]` tokens, the
-last q_len of which are its queries (cu_q_lens[s]..cu_q_lens[s + 1]); a query at kv position p sees keys
-0..p (and only the last `sliding_window` of them when set). Grouped-query heads as in `attention_core`: query
-head h reads KV head h // G. Scores are fp32: (q · k) * sm_scale, then soft_cap * tanh(scores / soft_cap)
-when set, then the mask; probabilities and the output are in the queries' dtype, as `masked_attention`.
+and MaxText use), on the pool's heads-major pages [num_pages, 2K, page_size, head_dim] with keys at even and values
+at odd combined heads (`sampling.paged`; the kernel reads token-major pages, `kernel_layout`); sequence s owns
+`page_indices[s]` in token order and holds `kv_lens[s]` tokens, the last q_len of which are its queries
+(cu_q_lens[s]..cu_q_lens[s + 1]); a query at kv position p sees keys 0..p (and only the last `sliding_window` of
+them when set). Grouped-query heads as in `attention_core`: query head h reads KV head h // G. Scores are fp32:
+(q · k) * sm_scale, then soft_cap * tanh(scores / soft_cap) when set, then the mask; probabilities and the output
+are in the queries' dtype, as `masked_attention`.
 
 This is the CPU/GPU path and the reference the Pallas kernel is tested against. `ragged_paged_attention`
 gathers every query's whole page list, O(tokens x pages_per_seq x page_size) work, so it is meant for small
@@ -56,7 +57,7 @@ class PagedKVCache:
   the sampler from `sampling.paged.append_slots`). A pytree whose arrays are its leaves; the kernel choice is
   static.
 
-  kv_pages: L arrays [num_pages, page_size, 2K, head_dim] (one array inside a layer).
+  kv_pages: L arrays [num_pages, 2K, page_size, head_dim] (one array inside a layer).
   page, slot: [B] int32 page and slot the row's new token goes to (page num_pages: no write).
   lengths: [B] int32 tokens of each row, the new one included (0: an idle row).
   page_table: [B, pages_per_row] int32.
@@ -98,27 +99,50 @@ def combine_kv(k: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
 
 
-def write_slots(kv_pages: jax.Array, page: jax.Array, slot: jax.Array, k_rkh: jax.Array, v_rkh: jax.Array) -> jax.Array:
-  """Write one token per row into one layer's pages.
+def kernel_layout(kv_pages: jax.Array) -> jax.Array:
+  """One layer's pool pages [num_pages, 2K, page_size, hd] -> the token-major [num_pages, page_size, 2K, hd] the
+  Pallas kernel reads (a transpose: on TPU a copy of the pages it is given, so call it on a chip's share only)."""
+  return jnp.swapaxes(kv_pages, 1, 2)
+
+
+def write_per_head(kv_pages: jax.Array, page: jax.Array, slot: jax.Array, kv: jax.Array) -> jax.Array:
+  """kv_pages[page[i], c, slot[i]] = kv[i, c] for every combined head c: a scatter indexed by (page, head, slot)
+  whose window is one [head_dim] row of a [page_size, head_dim] tile, so a pool split by KV head is written where
+  it lies, in its own layout (a scatter of [2K, head_dim] windows wants the heads minor, and TPU relayouts the pool
+  around it).
 
   Args:
-    kv_pages: [num_pages, page_size, 2K, hd] one layer's pages.
+    kv_pages: [num_pages, 2K, page_size, hd]; page, slot: [...] int32 (page num_pages drops the write).
+    kv: [..., 2K, hd] the tokens' combined heads (`combine_kv`), cast to the pool's dtype.
+
+  Returns:
+    The pages, updated.
+  """
+  heads = jnp.arange(kv_pages.shape[1], dtype=jnp.int32)
+  return kv_pages.at[page[..., None], heads, slot[..., None]].set(kv.astype(kv_pages.dtype), mode="drop")
+
+
+def write_slots(kv_pages: jax.Array, page: jax.Array, slot: jax.Array, k_rkh: jax.Array, v_rkh: jax.Array) -> jax.Array:
+  """Write one token per row into one layer's pages (`write_per_head`).
+
+  Args:
+    kv_pages: [num_pages, 2K, page_size, hd] one layer's pages.
     page, slot: [rows] int32 (`sampling.paged.append_slots`); page num_pages drops the row's write.
     k_rkh, v_rkh: [rows, K, hd] the new keys/values (RoPE applied).
 
   Returns:
-    The layer's pages, updated.
+    The layer's pages, with kv_pages[page[r], 2k, slot[r]] = k_rkh[r, k] and [.., 2k + 1, ..] = v_rkh[r, k].
   """
-  return kv_pages.at[page, slot].set(combine_kv(k_rkh, v_rkh).astype(kv_pages.dtype), mode="drop")
+  return write_per_head(kv_pages, page, slot, combine_kv(k_rkh, v_rkh))
 
 
 def _check(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array, soft_cap, window) -> None:
   if q.ndim != 3 or kv_pages.ndim != 4:
     raise ValueError(
-        f"paged attention: q must be [tokens, q_heads, head_dim] and kv_pages [num_pages, page_size, 2K, head_dim], "
+        f"paged attention: q must be [tokens, q_heads, head_dim] and kv_pages [num_pages, 2K, page_size, head_dim], "
         f"got {q.shape} and {kv_pages.shape}"
     )
-  kk, hd = kv_pages.shape[2], kv_pages.shape[3]
+  kk, hd = kv_pages.shape[1], kv_pages.shape[3]
   if kk % 2 or q.shape[2] != hd or q.shape[1] % (kk // 2):
     raise ValueError(
         f"paged attention: kv_pages {kv_pages.shape} needs an even combined-head count 2K with K dividing the "
@@ -141,15 +165,15 @@ def _check(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: 
 def _attend(q, kv_pages, page_ids, kv_len, pos, valid, *, sm_scale, soft_cap, window=None, k_scale=None, v_scale=None):
   """Per query t: attend q[t] to the kv_len[t] tokens of pages page_ids[t], keys 0..pos[t] only."""
   t, h, hd = q.shape
-  kh = kv_pages.shape[2] // 2
+  kh = kv_pages.shape[1] // 2
   g = h // kh
   dt = q.dtype
-  # one gather per operand straight into heads-major [T, K, P, ps, hd] (combined head 2k: keys, 2k + 1: values),
-  # so the dots below batch over (T, K) with no transpose or strided copy of the gathered pages
+  # one gather per operand of whole [page_size, hd] tiles into heads-major [T, K, P, ps, hd] (combined head 2k:
+  # keys, 2k + 1: values), so the dots below batch over (T, K) with no transpose or strided copy of the pages
   heads = 2 * jnp.arange(kh)[None, :, None]
   ids = page_ids[:, None, :]  # [T, 1, P]
-  k = kv_pages[ids, :, heads].reshape(t, kh, -1, hd)  # [T, K, S, hd], S = P * page_size in token order
-  v = kv_pages[ids, :, heads + 1].reshape(t, kh, -1, hd)
+  k = kv_pages[ids, heads].reshape(t, kh, -1, hd)  # [T, K, S, hd], S = P * page_size in token order
+  v = kv_pages[ids, heads + 1].reshape(t, kh, -1, hd)
   if k_scale is not None:
     k = k.astype(jnp.float32) * k_scale
   if v_scale is not None:
@@ -183,11 +207,13 @@ def ragged_paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
 ) -> jax.Array:
-  """Mixed prefill and decode attention over paged KV, the Pallas kernel's signature and semantics.
+  """Mixed prefill and decode attention over paged KV, the Pallas kernel's signature and semantics (on the pool's
+  heads-major pages: `ragged_paged_attention(q, kv, ...)` equals the kernel's `(q, kernel_layout(kv), ...)`).
 
   Args:
     q: [tokens, q_heads, head_dim] the queries of all sequences, concatenated.
-    kv_pages: [num_pages, page_size, 2K, head_dim] one layer's pages (keys even, values odd combined heads).
+    kv_pages: [num_pages, 2K, page_size, head_dim] one layer's pages (keys even, values odd combined heads;
+      the kernel's own layout is `kernel_layout` of it).
     kv_lens: [max_seqs] int32 tokens in each sequence's cache, its queries included (the last q_len).
     page_indices: [max_seqs, pages_per_seq] int32 pages of each sequence in token order.
     cu_q_lens: [max_seqs + 1] int32 cumulative query counts; sequence s's queries are rows
@@ -250,7 +276,7 @@ def paged_decode_attention(
 
   Args:
     q_rhd: [rows, q_heads, head_dim] queries (compute dtype), query head h reads KV head h // G.
-    kv_pages: [num_pages, page_size, 2K, head_dim] one layer's pages (`sampling.paged.PagePool.kv_pages`).
+    kv_pages: [num_pages, 2K, page_size, head_dim] one layer's pages (`sampling.paged.PagePool.kv_pages`).
     lengths: [rows] int32 tokens of each row, the query's own included (0: an idle row, output zeros).
     page_table: [rows, pages_per_row] int32 (`PagePool.page_table`).
     sm_scale: score scale (default 1 / sqrt(head_dim), `attention_core`'s).
@@ -266,7 +292,7 @@ def paged_decode_attention(
   _check(q_rhd, kv_pages, lengths, page_table, soft_cap, None)
   if q_rhd.shape[0] != lengths.shape[0]:
     raise ValueError(f"paged_decode_attention: {q_rhd.shape[0]} queries for {lengths.shape[0]} rows")
-  ps, maxp = kv_pages.shape[1], page_table.shape[1]
+  ps, maxp = kv_pages.shape[2], page_table.shape[1]
   buckets = live_page_buckets(maxp, ps) if buckets is None else tuple(int(b) for b in buckets)
   if buckets[-1] != maxp or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
     raise ValueError(
@@ -304,9 +330,11 @@ def pallas_decode_attention(
   """`paged_decode_attention` through the Pallas TPU kernel (`ragged_paged_attention`, one query per row).
 
   Idle rows (length 0) are passed with length 1, which the kernel requires (q_len <= kv_len), and their
-  output is zeroed. The block sizes go to the kernel (None: its tuned table, which needs a TPU runtime, so a
-  compile-only lowering on a CPU host must give both). `kernel` replaces the kernel with a function of the
-  same signature (tests pass jax's `ref_ragged_paged_attention`). Under a mesh (`use_mesh`; a Mosaic kernel is not
+  output is zeroed. The pool's heads-major pages reach the kernel in its token-major layout (`kernel_layout`,
+  inside the per-device function, so a chip transposes its own share of the pages only). The block sizes go to
+  the kernel (None: its tuned table, which needs a TPU runtime, so a compile-only lowering on a CPU host must give
+  both). `kernel` replaces the kernel with a function of the same signature, token-major pages included (tests
+  pass jax's `ref_ragged_paged_attention`). Under a mesh (`use_mesh`; a Mosaic kernel is not
   partitioned automatically) it runs per device in a `jax.shard_map`, as `splash_attention`: heads split over the
   mesh axes of "act_kv_heads" (query heads and the pool's combined heads alike, where they divide K), rows over
   those of "batch" (where they divide the rows), the pages whole on every device of a row group. Shapes and the
@@ -326,16 +354,17 @@ def pallas_decode_attention(
   def per_device(q, kv, lens, table):
     n = q.shape[0]
     cu_q_lens, num_seqs = jnp.arange(n + 1, dtype=jnp.int32), jnp.array([n], jnp.int32)
-    return kernel(q, kv, jnp.maximum(lens, 1), table, cu_q_lens, num_seqs, sm_scale=scale, soft_cap=soft_cap, **blocks)
+    kv, lens = kernel_layout(kv), jnp.maximum(lens, 1)
+    return kernel(q, kv, lens, table, cu_q_lens, num_seqs, sm_scale=scale, soft_cap=soft_cap, **blocks)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and not mesh.empty and sharding.auto_axes(mesh):  # within a shard_map: its auto axes
-    heads = sharding.mesh_axes(mesh, "act_kv_heads", kv_pages.shape[2] // 2) or None
+    heads = sharding.mesh_axes(mesh, "act_kv_heads", kv_pages.shape[1] // 2) or None
     batch = sharding.mesh_axes(mesh, "batch", rows, exclude=heads or ()) or None
     per_device = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(batch, heads, None), P(None, None, heads, None), P(batch), P(batch, None)),
+        in_specs=(P(batch, heads, None), P(None, heads, None, None), P(batch), P(batch, None)),
         out_specs=P(batch, heads, None),
         axis_names=sharding.auto_axes(mesh),
         check_vma=False,

@@ -322,7 +322,7 @@ def _loop(
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype, **sizes
   )
   # the pages split by KV head like the dense cache (and the Pallas kernel's shard_map)
-  pool = pool._replace(kv_pages=tuple(constrain(p, (None, None, "act_kv_heads", None)) for p in pool.kv_pages))
+  pool = pool._replace(kv_pages=tuple(constrain(p, (None, "act_kv_heads", None, None)) for p in pool.kv_pages))
   st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes, sampling.truncates)
   st = st._replace(cache=pool)
   cos_s, sin_s = rope_tables(jnp.arange(p_len + r)[None], cfg)
