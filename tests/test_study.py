@@ -420,7 +420,12 @@ def test_the_long_mipu_grid(monkeypatch):
       f"variant-{v}_seed-0" for v in ("fp32", "grpo", "tis", "mipu", "random", "mipu-dj")
   ]
   dj = planned["variant-mipu-dj_seed-1"]
-  assert (dj.mipu.statistic, dj.mipu.val_prompts, dj.mipu.gap_tolerance, dj.loss.rollout_is) == ("delta_j", 64, 0, "token")
+  assert (dj.mipu.statistic, dj.mipu.val_prompts, dj.mipu.gap_tolerance, dj.loss.rollout_is) == (
+      "delta_j",
+      64,
+      0,
+      "token",
+  )
   mipu, rnd = planned["variant-mipu_seed-3"], planned["variant-random_seed-3"]
   assert (mipu.loss.rollout_is, mipu.mipu.rollback, mipu.mipu.mode, mipu.mipu.gap_tolerance) == (
       "token",
