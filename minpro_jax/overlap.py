@@ -89,7 +89,7 @@ class StepRunner:
     if not self.split:  # sampler and learner on the same devices: the sampler converts the parameters itself
       batch, metrics = tr.sample_step(state, step)
       buffer.push(step, batch)
-      return self._learn(state, buffer.pop(step), lr_scale, metrics)
+      return self._learn(state, tr.learner_batch(buffer.pop(step)), lr_scale, metrics)
     t0 = time.time()
     with use_mesh(tr.mesh):
       prepared = tr.sampler.prepare_params(state.params)  # the weight transfer, once per version
@@ -97,8 +97,8 @@ class StepRunner:
     if not self.overlapped:
       batch, metrics = tr.sample_step(state, step, prepared)
       buffer.push(step, batch)
-      return self._learn(state, buffer.pop(step), lr_scale, {**metrics, **transfer})
-    released = buffer.pop(step)  # pushed at step - delay < step: this step's batch is not needed
+      return self._learn(state, tr.learner_batch(buffer.pop(step)), lr_scale, {**metrics, **transfer})
+    released = tr.learner_batch(buffer.pop(step))  # pushed at step - delay < step: this step's batch is not needed
     if released is None:
       batch, metrics = tr.sample_step(state, step, prepared)
       buffer.push(step, batch)
