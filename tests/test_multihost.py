@@ -7,7 +7,7 @@ with `python -m minpro_jax.launch_local` exactly as the README's "Multi-host" se
   in-process all-reduce over 4 devices and gloo's over 2 processes sum partial results in another order (fp32
   round-off, ~1e-7 here).
 * both processes SIGKILLed at a random moment and relaunched with the same command end with the metrics of the
-  uninterrupted two-process run, exactly; SIGTERM to one process stops both after the same step, checkpointed;
+  uninterrupted two-process run, exactly, resuming from a delay buffer each process wrote its rows of; SIGTERM to one process stops both after the same step, checkpointed;
 * a resume with another process count fails naming both counts;
 * `python -m minpro_jax.evaluate` in two processes gives the one-process tables, written once, resumable;
 * the host primitives (all-gather, row split, grading split, config check) in two processes;
@@ -172,6 +172,12 @@ def test_sigkill_both_processes_then_relaunch_matches(runs):
     for p in procs:
       p.kill()
   killed_at = checkpoint_steps(ov["workdir"])
+  newest = os.path.join(ov["workdir"], "checkpoints", str(killed_at[-1]))
+  with open(os.path.join(newest, "meta", "metadata")) as f:
+    layout = json.load(f)["buffer"]  # the resume reads a delay buffer written per process
+  assert layout["rows"] == 8 and list(layout["batches"]) == ["0"]  # delay 1: one waiting batch of 8 rows
+  assert layout["batches"]["0"]["advantages"] == [[8], "<f4"]
+  assert os.listdir(os.path.join(newest, "buffer", "ocdbt.process_1", "d"))  # process 1 wrote its rows
   r = subprocess.run(_launch_args(ov), env=_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, (seed, r.stdout[-3000:])
   assert metrics_records(ov["workdir"]) == metrics_records(two), f"seed {seed}, killed with checkpoints {killed_at}"
