@@ -3,7 +3,8 @@
 A run checkpoint at global step s holds
   * "state": the learner `TrainState` (parameters, optax state incl. its step count, update counter),
   * "buffer": the rollout batches waiting in the delay buffer (without them a resumed run would change
-    its staleness),
+    its staleness); in a multi-process run each process writes and reads back its own rows of them (global arrays,
+    `minpro_jax.rl.process_batch`),
   * "meta": JSON with the global step, the data iterator state, the best evaluation score so far and
     counters.
 PRNG keys are derived from (seed, global step), so they need no storage beyond the step.
@@ -28,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from minpro_jax.errors import CheckpointError, DiskFullError
-from minpro_jax.runtime import multihost
+from minpro_jax.runtime import host_batch, multihost
 
 logger = logging.getLogger(__name__)
 
@@ -113,17 +114,29 @@ class RunCheckpointer:
   def _restore_meta(self, step: int) -> dict[str, Any]:
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-  def _restore_arrays(self, step: int, state_template: Any) -> tuple[Any, dict[str, Any]]:
+  def _restore_arrays(self, step: int, state_template: Any, batches_template: Any = None) -> tuple[Any, dict[str, Any]]:
+    """(state, buffer tree); with `batches_template` (the waiting batches as abstract global arrays, a per-process
+    buffer: `process_batch.buffer_template`) each process reads back only its rows of them."""
+    buffer_args = ocp.args.StandardRestore()
+    if batches_template is not None:
+      count = len(batches_template)
+      buffer_args = ocp.args.StandardRestore(
+          {
+              "count": np.zeros((), np.int64),
+              "steps": np.zeros((count + 1,), np.int64),
+              "batches": batches_template or {"_": np.zeros(())},
+          }
+      )
     restored = self._mngr.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(state_template)), buffer=ocp.args.StandardRestore()
-        ),
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(state_template)), buffer=buffer_args)
     )
-    return restored["state"], jax.tree.map(np.asarray, restored["buffer"])
+    return restored["state"], jax.tree.map(_host_rows, restored["buffer"])
 
   def restore_latest(
-      self, state_template: Any, check_meta: Callable[[dict[str, Any]], None] | None = None
+      self,
+      state_template: Any,
+      check_meta: Callable[[dict[str, Any]], None] | None = None,
+      buffer_template: Callable[[dict[str, Any]], Any] | None = None,
   ) -> tuple[int, Any, dict[str, Any], dict[str, Any]] | None:
     """Restores the newest run checkpoint that reads back, falling back to older ones.
 
@@ -137,6 +150,8 @@ class RunCheckpointer:
     Args:
       state_template: pytree giving the state's structure, dtypes and shardings.
       check_meta: called with each checkpoint's meta before its arrays are read; exceptions it raises propagate.
+      buffer_template: called with the meta: the abstract waiting batches of a buffer written per process
+        (`process_batch.buffer_template`; each process then gets back its own rows), or None for one written whole.
 
     Returns:
       (step, state, buffer_state, meta), or None when there is no run checkpoint.
@@ -156,7 +171,8 @@ class RunCheckpointer:
       if check_meta is not None:
         check_meta(meta)
       try:
-        state, buffer_state = self._restore_arrays(step, state_template)
+        batches = None if buffer_template is None else buffer_template(meta)
+        state, buffer_state = self._restore_arrays(step, state_template, batches)
       except Exception as e:  # noqa: BLE001
         errors.append((step, e))
         continue
@@ -252,13 +268,23 @@ def _tree_bytes(tree: Any) -> int:
   return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
+def _host_rows(x):
+  """A restored buffer leaf on the host: this process's rows of a global array written per process, else numpy."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return host_batch.local_rows(x)
+  return np.asarray(x)
+
+
 def _numpy_tree(tree):
-  """Orbax refuses empty arrays and containers: store the buffer's steps with a -1 sentinel and a count."""
+  """Orbax refuses empty arrays and containers: store the buffer's steps with a -1 sentinel and a count. Global
+  (per-process) batch arrays stay as they are: orbax writes each process's rows from it."""
   steps = np.asarray(tree.get("steps", np.zeros((0,), np.int64)), np.int64).reshape(-1)
   out = {"count": np.asarray(steps.size, np.int64), "steps": np.concatenate([steps, np.full(1, -1, np.int64)])}
   batches = tree.get("batches", {})
   out["batches"] = (
-      {k: {f: np.asarray(v) for f, v in b.items()} for k, b in batches.items()} if batches else {"_": np.zeros(())}
+      {k: {f: v if isinstance(v, jax.Array) else np.asarray(v) for f, v in b.items()} for k, b in batches.items()}
+      if batches
+      else {"_": np.zeros(())}
   )
   return out
 

@@ -89,7 +89,7 @@ class StepRunner:
     if not self.split:  # sampler and learner on the same devices: the sampler converts the parameters itself
       batch, metrics = tr.sample_step(state, step)
       buffer.push(step, batch)
-      return self._learn(state, buffer.pop(step), lr_scale, metrics)
+      return self._learn(state, self._released(buffer, step), lr_scale, metrics)
     t0 = time.time()
     with use_mesh(tr.mesh):
       prepared = tr.sampler.prepare_params(state.params)  # the weight transfer, once per version
@@ -97,8 +97,8 @@ class StepRunner:
     if not self.overlapped:
       batch, metrics = tr.sample_step(state, step, prepared)
       buffer.push(step, batch)
-      return self._learn(state, buffer.pop(step), lr_scale, {**metrics, **transfer})
-    released = buffer.pop(step)  # pushed at step - delay < step: this step's batch is not needed
+      return self._learn(state, self._released(buffer, step), lr_scale, {**metrics, **transfer})
+    released = self._released(buffer, step)  # pushed at step - delay < step: this step's batch is not needed
     if released is None:
       batch, metrics = tr.sample_step(state, step, prepared)
       buffer.push(step, batch)
@@ -116,6 +116,13 @@ class StepRunner:
       state, learn_metrics = learning.result()  # waits for the updates even when sampling failed
     buffer.push(step, batch)
     return state, before, {**metrics, **learn_metrics, **transfer}
+
+  def _released(self, buffer: RolloutBuffer, step: int):
+    """The batch `buffer` releases at `step` (or None) as the learner takes it: in a multi-process run each
+    process's rows staged as global arrays (`Trainer.learner_batch`, collective: called here, in the main thread);
+    in one process the batch itself."""
+    released = buffer.pop(step)
+    return released if jax.process_count() == 1 else self.tr.learner_batch(released)
 
   def _learn(self, state, released, lr_scale: float, metrics: dict[str, Any]):
     if released is None:

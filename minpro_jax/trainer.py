@@ -9,7 +9,8 @@ One global step s:
   4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), split
      it into `num_updates_per_step` mini-batches and take one optimizer update on each (at the learning rate times
      the LR-decay multiplier, `minpro_jax.rl.lr_decay`); the staleness this gives is derived in
-     `minpro_jax.rl.rollout`;
+     `minpro_jax.rl.rollout`; in a multi-process run each process pushes, holds and checkpoints only its rows, and
+     the learner's global arrays are assembled from them (`minpro_jax.rl.process_batch`);
   5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.mipu_step`): sample validation prompts with the updated
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
@@ -46,10 +47,10 @@ from minpro_jax.mipu_step import MipuStep
 from minpro_jax.mipu_step import summary as mipu_summary
 from minpro_jax.models.moe import route_mismatch
 from minpro_jax.overlap import StepRunner
-from minpro_jax.rl import lr_decay, rollout_metrics
+from minpro_jax.rl import lr_decay, process_batch, rollout_metrics
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
-from minpro_jax.rl.learner import Learner, staleness
+from minpro_jax.rl.learner import Learner
 from minpro_jax.rl.packing import row_tokens
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.rl.update_metrics import combine_update_metrics
@@ -260,7 +261,7 @@ class Trainer:
       metrics.update({f"sampler_learner/{k}": v for k, v in mm.items()})
       if "router_mismatch" in gstats:
         metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
-    return batch, metrics
+    return process_batch.own_rows(batch, c.prompts_per_step, c.group_size), metrics  # several processes: its rows
 
   def _fill_informative(self, params, step: int, gen, problems, group_ids, version: int):
     """`dynamic_sampling.fill_informative` for global step `step`: round k > 0 draws the next `prompts_per_step`
@@ -285,16 +286,29 @@ class Trainer:
         first, sample_round, group_size=c.group_size, max_rounds=rounds, pad_id=self.sampler_kw["pad_id"]
     )
 
-  def learn_step(self, state, batch: RolloutBatch, lr_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
-    """Step 4: one optimizer update per mini-batch of a released batch, at `lr_scale` x the scheduled rate."""
+  def learner_batch(self, released: RolloutBatch | None) -> RolloutBatch | process_batch.StagedBatch | None:
+    """What `learn_step` takes of the batch the delay buffer released (`process_batch.for_learner`: in several
+    processes, the global arrays made from each process's rows). Every process calls it at the same point, from the
+    main thread (it makes collective host calls)."""
+    c = self.c
+    return process_batch.for_learner(
+        released,
+        self.mesh,
+        c.prompts_per_step * c.group_size,
+        packed=self.learner.row_tokens is not None,
+        replay=self.learner.loss_cfg.router_replay,
+    )
+
+  def learn_step(
+      self, state, batch: RolloutBatch | process_batch.StagedBatch, lr_scale: float = 1.0
+  ) -> tuple[Any, dict[str, Any]]:
+    """Step 4: one optimizer update per mini-batch of a released batch (`learner_batch`), at `lr_scale` x the
+    scheduled rate (`process_batch.updates`)."""
     t0 = time.time()
-    ups, stale = [], []
-    for mini in batch.split(self.c.num_updates_per_step):
-      stale.append(staleness(int(state.step), mini.policy_version))
-      with use_mesh(self.mesh):
-        state, m = self.learner.update(state, mini, lr_scale)
-      ups.append(m)
-    stale = np.concatenate(stale)
+    with use_mesh(self.mesh):
+      state, ups, stale, tokens = process_batch.updates(
+          self.learner, state, batch, self.c.num_updates_per_step, lr_scale
+      )
     dt = time.time() - t0
     metrics: dict[str, Any] = {
         "staleness/min": int(stale.min()),
@@ -302,7 +316,7 @@ class Trainer:
         "staleness/max": int(stale.max()),
         "staleness/histogram": np.bincount(stale).tolist(),  # [k]: samples used k updates after they were drawn
         "time/learn": dt,
-        "throughput/learn_tokens_per_s": float(batch.segment_ids.sum()) / max(dt, 1e-9),
+        "throughput/learn_tokens_per_s": float(tokens) / max(dt, 1e-9),
     }
     return state, {**metrics, **combine_update_metrics(ups)}
 
@@ -324,7 +338,12 @@ class Trainer:
         "progress": progress.to_json(),
         "process_count": multihost.process_count(),
     }
-    self.ckpt.save(step, state, buffer.state_dict(), meta)
+    buf = buffer.state_dict()
+    if multihost.process_count() > 1:  # each process writes its own rows of the waiting batches
+      n = self.c.prompts_per_step * self.c.group_size
+      meta["buffer"] = process_batch.buffer_layout(buf, n)
+      buf = process_batch.buffer_to_global(buf, n)
+    self.ckpt.save(step, state, buf, meta)
 
   def _restore(self, state, buffer: RolloutBuffer, progress: RunProgress) -> tuple[Any, RunProgress, int]:
     """The newest run checkpoint that reads back (after the config check), or the fresh state: (state, progress,
@@ -340,7 +359,7 @@ class Trainer:
             "command), or start a new run in another --config.workdir"
         )
 
-    restored = self.ckpt.restore_latest(state, check_meta=check)
+    restored = self.ckpt.restore_latest(state, check_meta=check, buffer_template=process_batch.buffer_template)
     if restored is None:
       return state, progress, 0
     latest, state, buf_state, meta = restored
@@ -351,6 +370,8 @@ class Trainer:
           f"total_steps={self.c.total_steps}; raise total_steps to continue it, or use another --config.workdir"
       )
     buffer.load_state_dict(buffer_state_from_restored(buf_state))
+    if "buffer" not in meta:  # written whole by process 0 (one process, or before per-process buffers)
+      buffer.map_batches(lambda b: process_batch.own_rows(b, self.c.prompts_per_step, self.c.group_size))
     self.loader.set_state(meta["data"])
     if start == self.c.total_steps:
       logger.warning(

@@ -6,7 +6,7 @@ MODE "primitives": initializes jax.distributed through `maybe_initialize_distrib
 the host-side primitives of `minpro_jax.runtime.multihost`, the per-process batches of `.host_batch` and the
 trainer's data order on a 2 x 2 mesh, and writes what this process saw to OUT_DIR/process_<i>.json. MODE "layout": places a tree with a one-device scalar on the
 mesh of every device (`sharding.replicate_local_leaves`), checks and saves it with orbax, and records what
-`sharding.check_global` says of leaves that are not global. MODE "fail": process 1 exits with status 3, the others wait.
+`sharding.check_global` says of leaves that are not global. MODE "process_batch": the per-process learner inputs and delay buffer of `rl.process_batch`. MODE "fail": process 1 exits with status 3, the others wait.
 MODE "sleep": every process waits for SIGTERM, records it in OUT_DIR/process_<i>.signal and exits 143. MODE
 "stubborn": every process ignores SIGTERM and waits.
 """
@@ -184,12 +184,93 @@ def layout(out_dir: str) -> dict:
   }
 
 
+def per_process_batch(out_dir: str) -> dict:
+  """`rl.process_batch` in two processes: each keeps its rows of a step's batch, the learner's global arrays are
+  staged from them, mini-batch j is sliced on the devices (its 4 rows are one process's), and the delay buffer is
+  checkpointed and restored per process."""
+  from minpro_jax.runtime.distributed import maybe_initialize_distributed
+
+  assert maybe_initialize_distributed() is True
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
+  from minpro_jax.rl import process_batch
+  from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
+  from minpro_jax.runtime import host_batch, multihost
+  from minpro_jax.runtime.sharding import make_mesh
+
+  mesh = make_mesh({"data": 2, "fsdp": 2})
+  n, length = 8, 5
+  tokens = np.arange(n * length, dtype=np.int32).reshape(n, length)
+  whole = RolloutBatch(  # the step's graded batch, as every process has it after grading
+      tokens=tokens,
+      segment_ids=(tokens % 5 != 0).astype(np.int32),
+      positions=np.tile(np.arange(length, dtype=np.int32), (n, 1)),
+      response_mask=np.tile(np.arange(length) >= 2, (n, 1)),
+      behavior_logp=(-tokens / 100.0).astype(np.float32),
+      learner_logp=np.zeros((n, length), np.float32),
+      advantages=np.arange(n, dtype=np.float32),
+      rewards=np.arange(n, dtype=np.float32) / 8,
+      group_ids=np.arange(n, dtype=np.int64) // 2,
+      policy_version=np.full(n, 7, np.int64),
+      response_lengths=np.full(n, 3, np.int32),
+      truncated=np.zeros(n, bool),
+  )
+  mine = process_batch.own_rows(whole, 4, 2)
+  staged = process_batch.stage(mine, mesh, n)
+  minis = list(process_batch.mini_batches(staged, 2, mesh))
+  sums = [jax.jit(lambda x: jnp.sum(x.advantages))(m) for m in minis]  # a program on each mini-batch
+  try:
+    host_batch.staging_sharding(jax.devices()[::-1])
+    order_error = None
+  except ValueError as e:
+    order_error = str(e)
+  # the delay buffer: each process checkpoints and restores its own rows
+  buffer = RolloutBuffer(1)
+  buffer.push(0, mine)
+  state = buffer.state_dict()
+  meta = {"global_step": 0, "buffer": process_batch.buffer_layout(state, n)}
+  ckpt = RunCheckpointer(os.path.join(out_dir, "run"))
+  params = {"w": jax.make_array_from_process_local_data(NamedSharding(mesh, P()), np.arange(4.0, dtype=np.float32))}
+  ckpt.save(0, params, process_batch.buffer_to_global(state, n), meta)
+  multihost.barrier("saved")
+  files = sorted(os.listdir(os.path.join(out_dir, "run", "checkpoints", "0", "buffer")))
+  _, _, buf_state, _ = ckpt.restore_latest(params, buffer_template=process_batch.buffer_template)
+  restored = RolloutBuffer(1)
+  restored.load_state_dict(buffer_state_from_restored(buf_state))
+  back = restored.pop(1)
+  ckpt.close()
+  return {
+      "own_first_tokens": mine.tokens[:, 0].tolist(),
+      "staged_shards": [int(s.data.shape[0]) for s in staged.arrays.tokens.addressable_shards],
+      "staged_local_rows": host_batch.local_rows(staged.arrays.tokens)[:, 0].tolist(),
+      "policy_version": staged.policy_version.tolist(),
+      "real_tokens": staged.real_tokens,
+      "mini_tokens": [multihost.to_host(m.tokens).tolist() for m in minis],
+      "mini_local_rows": [host_batch.local_rows(m.tokens)[:, 0].tolist() for m in minis],
+      "mini_sharded": [m.tokens.sharding == process_batch.learner_sharding(mesh, 4) for m in minis],
+      "mini_sums": [float(multihost.to_host(x)) for x in sums],
+      "gathered_equal": bool(np.array_equal(process_batch.gather_batch(mine, n).tokens, tokens)),
+      "order_error": order_error,
+      "buffer_files": files,
+      "restored_first_tokens": back.tokens[:, 0].tolist(),
+      "restored_equal": all(np.array_equal(v, mine.to_dict()[k]) for k, v in back.to_dict().items()),
+  }
+
+
 def main() -> None:
   mode, out_dir = sys.argv[1], sys.argv[2]
   index = int(os.environ["JAX_PROCESS_ID"])
   if mode == "primitives":
     with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
       json.dump(primitives(out_dir), f)
+  elif mode == "process_batch":
+    with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
+      json.dump(per_process_batch(out_dir), f)
   elif mode == "layout":
     with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
       json.dump(layout(out_dir), f)

@@ -7,7 +7,7 @@ with `python -m minpro_jax.launch_local` exactly as the README's "Multi-host" se
   in-process all-reduce over 4 devices and gloo's over 2 processes sum partial results in another order (fp32
   round-off, ~1e-7 here).
 * both processes SIGKILLed at a random moment and relaunched with the same command end with the metrics of the
-  uninterrupted two-process run, exactly; SIGTERM to one process stops both after the same step, checkpointed;
+  uninterrupted two-process run, exactly, resuming from a delay buffer each process wrote its rows of; SIGTERM to one process stops both after the same step, checkpointed;
 * a resume with another process count fails naming both counts;
 * `python -m minpro_jax.evaluate` in two processes gives the one-process tables, written once, resumable;
 * the host primitives (all-gather, row split, grading split, config check) in two processes;
@@ -172,6 +172,12 @@ def test_sigkill_both_processes_then_relaunch_matches(runs):
     for p in procs:
       p.kill()
   killed_at = checkpoint_steps(ov["workdir"])
+  newest = os.path.join(ov["workdir"], "checkpoints", str(killed_at[-1]))
+  with open(os.path.join(newest, "meta", "metadata")) as f:
+    layout = json.load(f)["buffer"]  # the resume reads a delay buffer written per process
+  assert layout["rows"] == 8 and list(layout["batches"]) == ["0"]  # delay 1: one waiting batch of 8 rows
+  assert layout["batches"]["0"]["advantages"] == [[8], "<f4"]
+  assert os.listdir(os.path.join(newest, "buffer", "ocdbt.process_1", "d"))  # process 1 wrote its rows
   r = subprocess.run(_launch_args(ov), env=_env(), capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, (seed, r.stdout[-3000:])
   assert metrics_records(ov["workdir"]) == metrics_records(two), f"seed {seed}, killed with checkpoints {killed_at}"
@@ -289,6 +295,31 @@ def test_host_primitives_in_two_processes(tmp_path):
   assert seen[0]["batch_ids"] == seen[1]["batch_ids"]
   assert set(seen[0]["my_ids"]).isdisjoint(seen[1]["my_ids"])
   assert seen[0]["my_ids"] + seen[1]["my_ids"] == seen[0]["batch_ids"]
+
+
+@LAUNCH_GROUP
+def test_per_process_learner_inputs_and_buffer_in_two_processes(tmp_path):
+  """Each process keeps its rows of a step's batch; the learner's global arrays are staged from them (each
+  process's rows on its own devices); mini-batch j
+  (4 rows, all owned by process j) is sliced on the devices and split over all four, so process 1 holds rows of
+  process 0's mini-batch; the delay buffer is written and read back per process."""
+  p = _worker("process_batch", tmp_path)
+  out = _finish(p, 300)
+  assert p.returncode == 0, out[-3000:]
+  tokens = np.arange(40).reshape(8, 5)
+  for i in range(2):
+    s = json.load(open(tmp_path / f"process_{i}.json"))
+    assert s["own_first_tokens"] == tokens[4 * i : 4 * i + 4, 0].tolist()  # its own rows only
+    assert s["staged_shards"] == [2, 2]  # its 4 rows over its 2 devices: nothing crossed a process
+    assert s["staged_local_rows"] == s["own_first_tokens"]
+    assert s["policy_version"] == [7] * 8 and s["real_tokens"] == 32  # the [N] vectors the metrics read
+    assert s["mini_tokens"] == [tokens[:4].tolist(), tokens[4:].tolist()] and s["mini_sharded"] == [True, True]
+    assert s["mini_local_rows"] == [tokens[2 * i : 2 * i + 2, 0].tolist(), tokens[4 + 2 * i : 6 + 2 * i, 0].tolist()]
+    assert s["mini_sums"] == [6.0, 22.0] and s["gathered_equal"]
+    assert s["order_error"] == "staging_sharding: the devices are not in process order (processes [1, 1, 0, 0])"
+    assert s["restored_first_tokens"] == s["own_first_tokens"] and s["restored_equal"]
+    assert "ocdbt.process_1" in s["buffer_files"]
+  assert os.listdir(tmp_path / "run" / "checkpoints" / "0" / "buffer" / "ocdbt.process_1" / "d")  # process 1's rows
 
 
 @pytest.mark.xdist_group("multihost_one_device")

@@ -405,11 +405,36 @@ class Learner:
     if m % mb:
       raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
     arrays, pad = self.update_inputs(batch, mb)
+    return self.update_arrays(state, arrays, lr_scale, pad_fraction=pad)
+
+  def update_arrays(
+      self, state: TrainState, arrays: UpdateInputs, lr_scale: float = 1.0, *, pad_fraction: float | None = None
+  ) -> tuple[TrainState, dict[str, Any]]:
+    """`update` of a mini-batch given as its device arrays (donates `state`): in a multi-process run the global
+    [M, ...] arrays the processes assembled from their own rows (`minpro_jax.rl.process_batch`), laid out on the
+    learner's batch sharding. Unpacked rows only (per-sample `advantages` [M]).
+
+    Args:
+      pad_fraction: the padding share of the slots run, or None to count it on the devices (`_pad_counts`: the same
+        value `packing.pad_fraction` gives on the host).
+
+    Returns and skips as `update`.
+
+    Raises:
+      ValueError: M not divisible by the micro-batch size.
+    """
+    m = arrays.tokens.shape[0]
+    mb = min(self.micro_batch_size, m)
+    if m % mb:
+      raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
+    if pad_fraction is None:
+      real, active = (int(x) for x in to_host(_pad_counts(arrays.segment_ids, mb)))
+      pad_fraction = 1.0 - float(real) / max(active * mb * arrays.tokens.shape[1], 1)
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
       self._update = self.jitted_update(shardings)
     state, metrics = self._update(state, arrays, mb, np.asarray(lr_scale, np.float32))
-    return state, {**to_host(metrics), "pad_fraction": np.float32(pad)}
+    return state, {**to_host(metrics), "pad_fraction": np.float32(pad_fraction)}
 
   def update_inputs(self, batch: RolloutBatch, mb: int) -> tuple[UpdateInputs, float]:
     """(the device arrays an update of `batch` reads: its rows, or with `row_tokens` its packed rows, `mb` rows per
@@ -557,6 +582,15 @@ class Learner:
         }
     )
     return new_state, out_metrics
+
+
+@jax.jit(static_argnums=(1,))
+def _pad_counts(segment_ids: jax.Array, micro_batch: int) -> tuple[jax.Array, jax.Array]:
+  """(int32 real tokens of the [M, W] `segment_ids`, int32 micro-batches of `micro_batch` rows holding one): the
+  counts `packing.pad_fraction` takes on the host, on the devices (replicated scalars)."""
+  real = segment_ids != 0
+  per_micro = real.reshape(real.shape[0] // micro_batch, -1).any(1)
+  return jnp.sum(real, dtype=jnp.int32), jnp.sum(per_micro, dtype=jnp.int32)
 
 
 def staleness(update_index: int, policy_version: np.ndarray) -> np.ndarray:

@@ -243,6 +243,10 @@ class RolloutBuffer:
       return self._items.pop(0)[1]
     return None
 
+  def map_batches(self, fn) -> None:
+    """Replaces every waiting batch b by `fn(b)` (steps kept)."""
+    self._items = [(s, fn(b)) for s, b in self._items]
+
   def state_dict(self) -> dict[str, Any]:
     """Checkpointable contents: the waiting batches and their steps (needed so a resumed run keeps its staleness)."""
     return {

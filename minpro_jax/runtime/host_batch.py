@@ -62,6 +62,35 @@ def batch_sharding(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> NamedShard
   return NamedSharding(mesh, P(tuple(axes) or None))
 
 
+def staging_sharding(devices, num_rows: int | None = None) -> NamedSharding:
+  """The sharding that splits a batch's rows over the processes in process order, so that process i's devices hold
+  exactly its rows (`process_group_rows`, for a row count that divides by the process count): over every device
+  (process-major) when `num_rows` divides by the device count, else over the processes alone (each process's rows
+  replicated on its devices). Each process places its rows on it with `global_rows` and no row crosses a process;
+  a jitted program then reshards them to the learner's batch sharding (`minpro_jax.rl.process_batch`), or orbax
+  writes each process's rows.
+
+  Args:
+    devices: the devices to stage on (a mesh's `devices`, any shape, or a list), in an order where each process's
+      devices are adjacent and the processes ascend (`make_mesh`'s default order; `jax.devices()`'s).
+    num_rows: the global row count, or None (the rows split over the processes alone).
+
+  Raises:
+    ValueError: a process holds none of `devices`, or not as many as another, or they are not in process order.
+  """
+  flat = list(np.asarray(devices).flat)
+  count = jax.process_count()
+  procs = [d.process_index for d in flat]
+  if procs != sorted(procs):
+    raise ValueError(f"staging_sharding: the devices are not in process order (processes {procs})")
+  per = [procs.count(i) for i in range(count)]
+  if len(set(per)) != 1 or per[0] == 0:
+    raise ValueError(f"staging_sharding: the processes hold {per} of the {len(flat)} devices, not equal shares")
+  mesh = jax.sharding.Mesh(np.asarray(flat, object).reshape(count, per[0]), ("process", "local"))
+  every = num_rows is not None and num_rows % len(flat) == 0
+  return NamedSharding(mesh, P(("process", "local") if every else "process"))
+
+
 def process_blocks(sharding: jax.sharding.Sharding, shape: int | tuple[int, ...]) -> list[tuple[int, int]]:
   """[(start, stop)] of the rows of an array of `shape` ([num_rows, ...]; an int: [num_rows]) that each process's
   devices hold under `sharding`, by process index; (0, 0) for a process holding none.

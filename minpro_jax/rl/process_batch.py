@@ -1,0 +1,231 @@
+"""The learner's inputs from per-process rows (issue 37 item 4): after grading, each process keeps only its rows.
+
+In a run of n processes, with N = `prompts_per_step` x `group_size` rows a step:
+  1. `own_rows`: the batch a step pushes into the delay buffer holds only this process's rows, the whole groups of
+     `host_batch.process_group_rows` (the step's sample metrics and advantages were computed before, as
+     docs/multihost.md says). The buffer, and its checkpoint, therefore hold N/n rows per process.
+  2. `stage` (when the buffer releases the batch): the learner's [N, ...] global arrays (`UpdateInputs`) are made
+     from every process's rows with `jax.make_array_from_process_local_data` on the staging sharding
+     (`host_batch.staging_sharding`: rows split over the processes in order, and over each process's devices when
+     they divide, so no row leaves its host); the [N] per-sample
+     vectors the step's metrics read (`policy_version`, real tokens) are all-gathered (16 bytes a row).
+  3. `mini_batches`: mini-batch j (rows [j M, (j + 1) M)) is sliced on the devices and resharded to the learner's
+     batch sharding (`learner_sharding`) by one jitted program; its rows may sit on one process and the devices, not
+     the hosts, move them.
+  4. `Learner.update_arrays` takes those global arrays.
+  5. `buffer_to_global` / `buffer_layout` / `buffer_template`: each process writes its own rows of the waiting
+     batches to the orbax checkpoint (global arrays on the staging sharding of every device) and reads back only
+     them on resume (`checkpoint.RunCheckpointer.restore_latest`, `host_batch.local_rows`).
+
+In a one-process run `own_rows`, `gather_batch` and `buffer_to_global` return their input, and the trainer keeps
+its host path (`RolloutBatch.split`, `Learner.update`), so a one-process run is unchanged bit for bit.
+
+Collective host calls: `stage`, `gather_batch` (all-gathers) and `buffer_to_global`'s checkpoint write are called by
+every process at the same point, from the main thread (the overlapped step's learner thread only runs programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from minpro_jax.rl.learner import Learner, UpdateInputs, staleness
+from minpro_jax.rl.rollout import RolloutBatch
+from minpro_jax.runtime import host_batch, multihost
+from minpro_jax.runtime.sharding import batch_split
+
+
+def own_rows(batch: RolloutBatch, prompts_per_step: int, group_size: int) -> RolloutBatch:
+  """This process's rows of the step's global batch (`host_batch.process_group_rows`), copied so the global arrays
+  can be freed; `batch` itself in a one-process run.
+
+  Raises:
+    ValueError: `batch` is not the step's N = prompts_per_step x group_size rows; as `process_group_rows`.
+  """
+  if jax.process_count() == 1:
+    return batch
+  if batch.size != prompts_per_step * group_size:
+    raise ValueError(f"own_rows: a batch of {batch.size} rows, the step has {prompts_per_step * group_size}")
+  rows = host_batch.process_group_rows(prompts_per_step, group_size)
+  return jax.tree.map(np.array, batch.select(rows))
+
+
+def gather_batch(local: RolloutBatch, num_rows: int) -> RolloutBatch:
+  """The global batch of `num_rows` rows on every process from each process's rows (an all-gather of every field):
+  what the learner's packing reads (its plan spans the mini-batch's rows of every process). `local` in a
+  one-process run."""
+  if jax.process_count() == 1:
+    return local
+  return RolloutBatch.from_dict({k: multihost.gather_rows(v, num_rows) for k, v in local.to_dict().items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedBatch:
+  """A released batch as the learner's global arrays (`stage`).
+
+  Attributes:
+    arrays: `UpdateInputs` of global [N, ...] arrays on the staging sharding (rows split over the processes).
+    policy_version: [N] int64 version that sampled each row, of every process's rows.
+    real_tokens: the batch's real (segment id != 0) tokens over every process.
+  """
+
+  arrays: UpdateInputs
+  policy_version: np.ndarray
+  real_tokens: int
+
+  @property
+  def size(self) -> int:
+    return int(self.policy_version.shape[0])
+
+
+def stage(local: RolloutBatch, mesh: jax.sharding.Mesh, num_rows: int, replay: bool = False) -> StagedBatch:
+  """The global arrays an update reads, made from this process's rows `local` on the staging sharding of the
+  learner's devices (`mesh.devices`); every process calls it at the same point (one all-gather of [N, 2] int64).
+
+  Args:
+    local: this process's rows (`own_rows`) of a batch of `num_rows` rows.
+    replay: router replay (`LossConfig.router_replay`): the routes travel too.
+
+  Raises:
+    ValueError: replay without routes in the batch; `local` is not this process's share of `num_rows`; the mesh's
+      devices are not in process order with equal shares (`host_batch.staging_sharding`).
+  """
+  fields = {f: getattr(local, f) for f in UpdateInputs._fields[:-2]}
+  if replay:
+    if local.routes is None:
+      raise ValueError(
+          "LossConfig.router_replay=True but the batch has no routes; sample it with Sampler(record_routes=True)"
+      )
+    fields["routes"] = local.routes
+  if local.kept_logp_threshold is not None:
+    fields["kept_logp_threshold"] = local.kept_logp_threshold
+  placed = host_batch.global_rows(fields, host_batch.staging_sharding(mesh.devices, num_rows), num_rows)
+  per_row = np.stack([local.policy_version, local.segment_ids.sum(1)], axis=1).astype(np.int64)
+  every = multihost.gather_rows(per_row, num_rows)
+  return StagedBatch(UpdateInputs(**placed), every[:, 0], int(every[:, 1].sum()))
+
+
+def learner_sharding(mesh: jax.sharding.Mesh, rows: int) -> jax.sharding.NamedSharding:
+  """The learner's batch sharding of a [rows, ...] mini-batch: rows over the mesh axes the logical "batch" axis maps
+  to (those of size > 1), or replicated when their product does not divide `rows`."""
+  axes = tuple(a for a in batch_split(dict(mesh.shape))[0] if mesh.shape.get(a, 1) > 1)
+  if rows % math.prod(mesh.shape[a] for a in axes):
+    axes = ()
+  return host_batch.batch_sharding(mesh, axes)
+
+
+@functools.lru_cache(maxsize=64)
+def _take(sharding: jax.sharding.NamedSharding, start: int, size: int):
+  """A jitted program: rows [start, start + size) of every leaf, laid out as `sharding`."""
+  return jax.jit(lambda tree: jax.tree.map(lambda a: a[start : start + size], tree), out_shardings=sharding)
+
+
+def mini_batches(staged: StagedBatch, num: int, mesh: jax.sharding.Mesh) -> Iterator[UpdateInputs]:
+  """`num` equal consecutive mini-batches of `staged`, each sliced on the devices and laid out on the learner's
+  batch sharding (`learner_sharding`), one at a time (a mini-batch is made when the loop asks for it).
+
+  Raises:
+    ValueError: the batch size is not divisible by `num` (`RolloutBatch.split`'s message).
+  """
+  n = staged.size
+  if num <= 0 or n % num:
+    raise ValueError(f"cannot split a batch of {n} samples into {num} equal mini-batches")
+  m = n // num
+  sharding = learner_sharding(mesh, m)
+  for j in range(num):
+    yield multihost.settle(_take(sharding, j * m, m)(staged.arrays))
+
+
+def for_learner(
+    released: RolloutBatch | None, mesh: jax.sharding.Mesh, num_rows: int, *, packed: bool, replay: bool
+) -> RolloutBatch | StagedBatch | None:
+  """What `updates` takes of the batch of `num_rows` rows the delay buffer released (None passes through): in one
+  process the batch itself; in several, where each holds its own rows, their global arrays on the learner's devices
+  (`stage`), or, with packing (`packed`: the plan spans every process's rows) or a mesh whose devices are not in
+  process order with equal shares, the rows all-gathered to every host (`gather_batch`). Collective (module
+  docstring)."""
+  if released is None or jax.process_count() == 1:
+    return released
+  try:
+    host_batch.staging_sharding(mesh.devices)
+  except ValueError:
+    packed = True  # this mesh cannot take per-process rows: the host path
+  if packed:
+    return gather_batch(released, num_rows)
+  return stage(released, mesh, num_rows, replay)
+
+
+def updates(
+    learner: Learner, state: Any, batch: RolloutBatch | StagedBatch, num: int, lr_scale: float = 1.0
+) -> tuple[Any, list[dict[str, Any]], np.ndarray, int]:
+  """`num` optimizer updates, one per equal consecutive mini-batch of `batch` (host rows: `Learner.update`; staged:
+  `mini_batches` and `Learner.update_arrays`), inside the caller's `use_mesh`.
+
+  Returns:
+    (the state after them, each update's metrics, the [N] int64 staleness of every row at its update, the batch's
+    real tokens).
+
+  Raises:
+    ValueError: the batch size is not divisible by `num`; as the learner's update.
+  """
+  ups, stale = [], []
+  if isinstance(batch, StagedBatch):
+    if num <= 0 or batch.size % num:
+      raise ValueError(f"cannot split a batch of {batch.size} samples into {num} equal mini-batches")
+    minis = mini_batches(batch, num, learner.mesh)
+    for arrays, version in zip(minis, np.split(batch.policy_version, num)):
+      stale.append(staleness(int(state.step), version))
+      state, m = learner.update_arrays(state, arrays, lr_scale)
+      ups.append(m)
+    return state, ups, np.concatenate(stale), batch.real_tokens
+  for mini in batch.split(num):
+    stale.append(staleness(int(state.step), mini.policy_version))
+    state, m = learner.update(state, mini, lr_scale)
+    ups.append(m)
+  return state, ups, np.concatenate(stale), int(batch.segment_ids.sum())
+
+
+# ---------------------------------------------------------------------------------------------- the delay buffer
+def buffer_layout(state: dict[str, Any], num_rows: int) -> dict[str, Any]:
+  """JSON for the checkpoint's meta: {"rows": N, "batches": {name: {field: [global shape, dtype]}}} of the
+  `RolloutBuffer.state_dict()` `state` of this process's rows: what `buffer_template` restores."""
+  batches = {}
+  for name, fields in state["batches"].items():
+    batches[name] = {f: [[num_rows, *np.shape(v)[1:]], np.asarray(v).dtype.str] for f, v in fields.items()}
+  return {"rows": int(num_rows), "batches": batches}
+
+
+def buffer_to_global(state: dict[str, Any], num_rows: int) -> dict[str, Any]:
+  """`RolloutBuffer.state_dict()` of this process's rows with every batch field as a global [N, ...] array on the
+  staging sharding of all devices: orbax then writes each process's rows from that process. `state` itself in a
+  one-process run.
+
+  Raises:
+    ValueError: as `host_batch.global_rows` / `staging_sharding`.
+  """
+  if jax.process_count() == 1:
+    return state
+  sharding = host_batch.staging_sharding(jax.devices(), num_rows)
+  batches = {k: host_batch.global_rows(dict(b), sharding, num_rows) for k, b in state["batches"].items()}
+  return {"steps": state["steps"], "batches": batches}
+
+
+def buffer_template(meta: dict[str, Any]) -> dict[str, Any] | None:
+  """The abstract batches (`jax.ShapeDtypeStruct`s on the staging sharding of all devices) of the buffer written
+  with `buffer_layout(...)` in `meta["buffer"]`, for `RunCheckpointer.restore_latest`; None for a checkpoint whose
+  buffer was written whole by process 0 (one-process runs, and multi-process runs before per-process buffers)."""
+  layout = meta.get("buffer")
+  if layout is None:
+    return None
+  sharding = host_batch.staging_sharding(jax.devices(), layout["rows"])
+  return {
+      name: {
+          f: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding) for f, (shape, dtype) in b.items()
+      }
+      for name, b in layout["batches"].items()
+  }
