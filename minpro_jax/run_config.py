@@ -69,7 +69,9 @@ __all__ = [
 ]
 
 SCHEDULES = ("constant", "cosine", "linear")  # minpro_jax.rl.optimizer.make_schedule's schedules
-KV_CACHES = ("dense", "paged")  # the continuous sampler's KV caches (minpro_jax.sampling.paged_continuous)
+# config.sampling.kv_cache: "auto" (`resolve_kv_cache`), or the continuous sampler's KV caches
+# (minpro_jax.sampling.paged_continuous)
+KV_CACHES = ("auto", "dense", "paged")
 # config.sampling.fp8_* field, choices, default (the sampler's FP8 options, minpro_jax.models.quant)
 FP8_OPTIONS = (
     ("fp8_weight_scale", FP8_WEIGHT_SCALES, "tensor"),
@@ -174,16 +176,38 @@ def sampler_decode_rows(c) -> int | str:
   return rows
 
 
+def resolve_kv_cache(kv_cache: str, continuous: bool) -> str:
+  """The KV cache `sampling.kv_cache` stands for with the sampler `sampling.continuous` picks: "auto" is "paged"
+  with the continuous sampler and "dense" with the static one (which has no paged cache); "dense" and "paged" are
+  themselves. The one place "auto" is resolved (the trainer, the evaluation and the aot tool all reach it through
+  `sampler_paged_kv`). Any other value is returned as it is, for `sampler_paged_kv` to refuse."""
+  if kv_cache == "auto":
+    return "paged" if continuous else "dense"
+  return kv_cache
+
+
+def sampler_kv_cache(c) -> str:
+  """`config.sampling.kv_cache` resolved (`resolve_kv_cache`): "dense" or "paged". A config from before the field
+  (no `sampling.kv_cache`) ran the dense cache and stays on it.
+
+  Raises:
+    ConfigError: an unknown kv_cache.
+  """
+  kind = c.sampling.get("kv_cache", "dense")
+  _need(kind in KV_CACHES, "sampling.kv_cache", f"{kind!r}; choose one of {KV_CACHES}")
+  return resolve_kv_cache(kind, bool(c.sampling.continuous))
+
+
 def sampler_paged_kv(c) -> PagedKV | None:
   """The `Sampler(paged_kv=...)` of `config.sampling.kv_cache` / `page_size` / `num_pages` ("dense", 64, 0 where
-  a config lacks them): a `PagedKV` for "paged" (num_pages 0 = None, the dense cache's memory), None for "dense".
+  a config lacks them): a `PagedKV` where the cache resolves to "paged" (`sampler_kv_cache`; num_pages 0 = None,
+  the dense cache's memory), None where it resolves to "dense".
 
   Raises:
     ConfigError: an unknown kv_cache, "paged" without sampling.continuous, a page_size < 1, a num_pages < 0, or
       a pool too small for one response at the configured lengths (it would wait forever).
   """
-  kind = c.sampling.get("kv_cache", "dense")
-  _need(kind in KV_CACHES, "sampling.kv_cache", f"{kind!r}; choose one of {KV_CACHES}")
+  kind = sampler_kv_cache(c)
   page_size, num_pages = c.sampling.get("page_size", 64), c.sampling.get("num_pages", 0)
   is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
   _need(is_int(page_size) and page_size >= 1, "sampling.page_size", f"must be an int >= 1 (tokens), got {page_size!r}")

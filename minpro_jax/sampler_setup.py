@@ -8,6 +8,7 @@ both compile the same programs for the same config.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -18,6 +19,8 @@ from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.sampling import PagedKV, paged
 from minpro_jax.sampling.rows import AUTO, device_hbm_bytes, resolve_decode_rows, tree_bytes_per_device
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS
+
+logger = logging.getLogger(__name__)
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -101,6 +104,18 @@ def decode_rows(
   )
 
 
+def kv_cache_line(c, paged_kv: PagedKV | None, rows: int) -> str:
+  """The resolved sampler for the run's log: "continuous, kv_cache=auto -> paged (pages of 16, pool auto, kernel
+  xla), 64 decode rows" (`run_config.sampler_kv_cache` resolves "auto")."""
+  kind, asked = run_config.sampler_kv_cache(c), c.sampling.get("kv_cache", "dense")
+  cache = f"kv_cache={asked}" + (f" -> {kind}" if asked != kind else "")
+  if paged_kv is not None:
+    pool = paged_kv.num_pages or "auto"
+    cache += f" (pages of {paged_kv.page_size}, pool {pool}, kernel {paged_kv.kernel})"
+  mode = "continuous" if c.sampling.continuous else "static"
+  return f"{mode}, {cache}, {rows} decode rows"
+
+
 def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: int = 2) -> dict[str, Any]:
   """`Sampler(model.config, **sampler_kwargs(...))` for run config `c`.
 
@@ -128,6 +143,7 @@ def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: i
       hbm_bytes=device_hbm_bytes(jax.local_devices()),
       other_resident_bytes=learner_copies * tree_bytes_per_device(nnx.state(model, nnx.Param)),
   )
+  logger.info("sampler: %s", kv_cache_line(c, paged_kv, rows))
   return dict(
       precision=c.sampling.precision,
       **run_config.sampler_fp8_options(c),

@@ -267,7 +267,8 @@ def _budget_rows(mesh, **fields):
 
 
 def test_continuous_decode_gathers_weights_every_step_on_fsdp_and_not_on_data():
-  b, rows = _budget_rows("fsdp=8")
+  dense = {"sampling.kv_cache": "dense"}  # the dense continuous sampler's schedule (the paged one's: below)
+  b, rows = _budget_rows("fsdp=8", **dense)
   rows_count, refill = b.progs.trainer_sampler.continuous_rows(16)
   sched = continuous_schedule(b.lengths, rows_count, refill, 16, b.buckets)
   assert rows["sampling"]["iterations"] == sched.iterations
@@ -279,7 +280,7 @@ def test_continuous_decode_gathers_weights_every_step_on_fsdp_and_not_on_data():
   gathers = rows["sampling: decode step"]["per_iteration"]["collectives"].get("all-gather", {})
   assert gathers.get("count", 0) >= b.cfg.num_layers and "fsdp" in gathers["axes"]
   assert gathers["bytes"] >= 0.9 * weights  # every weight matrix is gathered at every decode step
-  _, rows = _budget_rows("data=8")
+  _, rows = _budget_rows("data=8", **dense)
   gathers = rows["sampling: decode step"]["per_iteration"]["collectives"].get("all-gather", {"bytes": 0})
   assert gathers["bytes"] < 0.05 * weights  # activations only (each device holds every weight)
 

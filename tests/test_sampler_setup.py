@@ -2,6 +2,8 @@
 `Sampler(paged_kv=...)` by `sampler_setup.sampler_kwargs`, with the same trainer steps as the dense cache; and the
 aot tool compiles the paged sampler for a TPU slice."""
 
+import logging
+import pathlib
 import types
 import zlib
 
@@ -25,7 +27,7 @@ from minpro_jax.study.runner import config_differences
 @pytest.mark.parametrize(
     "overrides, field, text",
     [
-        ({"sampling.kv_cache": "pages"}, "sampling.kv_cache", "choose one of ('dense', 'paged')"),
+        ({"sampling.kv_cache": "pages"}, "sampling.kv_cache", "choose one of ('auto', 'dense', 'paged')"),
         ({"sampling.kv_cache": "paged", "sampling.continuous": False}, "sampling.kv_cache", "sampling.continuous=True"),
         ({"sampling.page_size": 0}, "sampling.page_size", "int >= 1"),
         ({"sampling.num_pages": -1}, "sampling.num_pages", "0 = auto"),
@@ -43,15 +45,62 @@ def test_bad_kv_cache_fields_name_the_field_and_the_fix(tmp_path, overrides, fie
   assert text in str(e.value)
 
 
-def test_the_fields_give_the_samplers_paged_kv(tmp_path):
+@pytest.mark.parametrize(
+    "kv_cache, continuous, want",
+    [("auto", True, "paged"), ("auto", False, "dense"), ("dense", True, "dense"), ("dense", False, "dense")]
+    + [("paged", True, "paged"), ("paged", False, "paged")],  # paged + static: sampler_paged_kv refuses it (above)
+)
+def test_the_resolution_table_of_kv_cache(kv_cache, continuous, want):
+  assert run_config.resolve_kv_cache(kv_cache, continuous) == want
+
+
+def test_the_default_is_auto_paged_with_pages_of_16_on_the_continuous_sampler(tmp_path):
+  """The default config's cache is "auto": paged (pages of 16, the pool of the dense cache's memory) with the
+  continuous sampler, dense with the static one; a config from before the fields ran dense."""
   c = make_config(tiny_overrides(tmp_path))
-  assert run_config.sampler_paged_kv(c) is None  # dense
+  assert (c.sampling.kv_cache, c.sampling.page_size, c.sampling.num_pages, c.sampling.continuous) == (
+      "auto",
+      16,
+      0,
+      True,
+  )
+  assert run_config.sampler_kv_cache(c) == "paged"
+  assert run_config.sampler_paged_kv(c) == PagedKV(page_size=16, num_pages=None)
+  c.sampling.continuous = False
+  run_config.validate_shapes_config(c)  # auto with the static sampler is no error
+  assert run_config.sampler_kv_cache(c) == "dense" and run_config.sampler_paged_kv(c) is None
+  c.sampling.continuous, c.sampling.kv_cache = True, "dense"
+  assert run_config.sampler_paged_kv(c) is None
+  del c.sampling["kv_cache"], c.sampling["page_size"], c.sampling["num_pages"]  # a config from before the fields
+  assert run_config.sampler_kv_cache(c) == "dense" and run_config.sampler_paged_kv(c) is None
+
+
+def test_the_fields_give_the_samplers_paged_kv(tmp_path):
   c = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged", "sampling.page_size": 8}))
   assert run_config.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=None)  # 0 = auto
   c.sampling.num_pages = 5
   assert run_config.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=5)
-  del c.sampling["kv_cache"], c.sampling["page_size"], c.sampling["num_pages"]  # a config from before the fields
-  assert run_config.sampler_paged_kv(c) is None
+
+
+def test_the_paper_configs_and_the_study_grids_keep_the_dense_cache():
+  """Their committed results (and step budgets) ran with the dense cache: they pin it, so the default's flip to
+  "auto" does not change what they run."""
+  from minpro_jax.config_lib import files
+  from minpro_jax.study import grid
+
+  configs = pathlib.Path(__file__).parent.parent / "configs"
+  papers = sorted((configs / "paper").glob("*.py"))
+  assert len(papers) >= 5
+  for path in papers:
+    c = files.load_module(str(path)).get_config()
+    assert (c.sampling.kv_cache, c.sampling.page_size) == ("dense", 128), path
+    assert run_config.sampler_paged_kv(c) is None
+  studies = configs / "studies"
+  stages = {"minpro_long": ("stage0", "stage0b", "stage1"), "mipu_long": ("pilot", "main")}
+  specs = [f"{p}:{a}" if a else str(p) for p in sorted(studies.glob("*.py")) for a in stages.get(p.stem, ("",))]
+  assert len(specs) >= 10
+  for spec in specs:
+    assert grid.load_grid(spec).fixed.get("sampling.kv_cache") == "dense", spec
 
 
 def test_the_fields_do_not_make_a_finished_study_run_stale(tmp_path):
@@ -81,7 +130,8 @@ def test_row_slots_and_auto_rows_of_a_paged_pool(tmp_path):
   assert by_pool(5) == 12  # an int is taken as it is
 
 
-def test_sampler_kwargs_build_a_paged_sampler(tmp_path):
+def test_sampler_kwargs_build_a_paged_sampler(tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger="minpro_jax.sampler_setup")
   model = init_model(get_preset("tiny"), seed=0)
   tok = types.SimpleNamespace(pad_id=-1)
   ov = {"sampling.kv_cache": "paged", "sampling.page_size": 16, "sampling.num_pages": 40}
@@ -90,7 +140,16 @@ def test_sampler_kwargs_build_a_paged_sampler(tmp_path):
   assert kw["paged_kv"] == want and kw["continuous"] and kw["decode_rows"] == 64
   sampler = Sampler(model.config, **kw)
   assert sampler.paged_kv == want
-  assert sampler_kwargs(make_config(tiny_overrides(tmp_path)), model, tok, None)["paged_kv"] is None
+  dense = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "dense"}))
+  assert sampler_kwargs(dense, model, tok, None)["paged_kv"] is None
+  auto = sampler_kwargs(make_config(tiny_overrides(tmp_path)), model, tok, None)  # the default: paged, pages of 16
+  assert auto["paged_kv"] == PagedKV(page_size=16, kernel="xla") and auto["continuous"]
+  lines = [r.getMessage() for r in caplog.records if r.name == "minpro_jax.sampler_setup"]
+  assert lines == [  # the run's log says what each cache resolved to
+      "sampler: continuous, kv_cache=paged (pages of 16, pool 40, kernel xla), 64 decode rows",
+      "sampler: continuous, kv_cache=dense, 64 decode rows",
+      "sampler: continuous, kv_cache=auto -> paged (pages of 16, pool auto, kernel xla), 64 decode rows",
+  ]
 
 
 def test_auto_kernel_only_for_heads_the_pallas_kernel_tiles():

@@ -489,6 +489,41 @@ def test_study_json_of_another_grid_is_refused_unless_forced(tmp_path):
     runner.check_study(str(tmp_path), rec3)
 
 
+def test_pinning_a_moved_default_at_its_old_value_keeps_the_study(tmp_path):
+  """The grids pin `sampling.kv_cache="dense"` since its default became "auto" (2026-12-06): a study.json written
+  before (no such fixed field) is the same study, its finished runs stay done and none is relaunched; pinning another
+  value, or unpinning a stored pin, is still another study."""
+  g = grid.load_grid(SMOKE)
+  assert g.fixed["sampling.kv_cache"] == runner.MOVED_DEFAULTS["sampling.kv_cache"] == "dense"
+  planned = grid.plan(g, str(tmp_path), validate=False)
+  rec = runner.study_record(SMOKE, g, [r for r, _, _ in planned])
+  old = json.loads(json.dumps(rec))
+  del old["fixed"]["sampling.kv_cache"]
+  runner.write_study(str(tmp_path), old)
+  runner.check_study(str(tmp_path), rec)  # the old study.json, today's grid: not refused
+  assert runner.study_differences(old, rec) == []
+  run, _, config = planned[0]
+  ran = config.to_dict()  # what the run's summary.json holds: the old defaults, and before the fields existed
+  ran["sampling"].update(kv_cache="dense", page_size=64)
+  for stored in (ran, {**ran, "sampling": {k: v for k, v in ran["sampling"].items() if k != "kv_cache"}}):
+    (tmp_path / run.name).mkdir(exist_ok=True)
+    (tmp_path / run.name / "summary.json").write_text(json.dumps({"config": stored}))
+    assert runner.run_status(str(tmp_path / run.name), config, grid.run_overrides(g, run, str(tmp_path))) == (
+        "done",
+        [],
+    )
+  for value in ("paged", "auto"):
+    other = {**rec, "fixed": {**rec["fixed"], "sampling.kv_cache": value}}
+    assert runner.study_differences(old, other) == [f"fixed sampling.kv_cache: '(unset)' there, {value!r} here"]
+    with pytest.raises(runner.StudyError, match="fixed sampling.kv_cache"):
+      runner.check_study(str(tmp_path), other)
+  assert runner.study_differences(rec, old) == ["fixed sampling.kv_cache: 'dense' there, '(unset)' here"]
+  for f in ("eval.n", "sampling.max_new_tokens"):  # fields with no moved default: pinning one is still a change
+    assert runner.study_differences({**old, "fixed": {k: v for k, v in old["fixed"].items() if k != f}}, old) == [
+        f"fixed {f}: '(unset)' there, {old['fixed'][f]!r} here"
+    ]
+
+
 def test_paths_into_the_configs_old_folder_name_the_moved_files(tmp_path, capsys):
   """Issue 39 moved `minpro_jax/configs/` to `configs/`: a study.json written before (its base and grid paths) is
   the same study, its grid still loads, the trainer still reads an old --config path, and config files that share

@@ -67,6 +67,7 @@ FIXED = {
     **{f"data.task_config.{k}": v for k, v in CHAIN_SUM.items()},
     "data.max_prompt_tokens": MAX_PROMPT_TOKENS,
     "sampling.max_new_tokens": MAX_NEW_TOKENS,
+    "sampling.kv_cache": "dense",  # the cache its committed results ran with (the default until 2026-12-06)
     **SFT,
     "eval.every": EVAL_EVERY,
     "eval.num_problems": EVAL_PROBLEMS,

@@ -80,11 +80,12 @@ def base_config() -> ConfigDict:
   # the sampler's own mesh over the learner's devices (runtime/inference_mesh.py): "" = the learner's mesh and rules;
   # "tensor=4", "data=4,tensor=2" (weights split over tensor, replicated over data), or "auto"
   c.sampling.mesh = ""
-  # the continuous sampler's KV cache (docs/sampler.md#paged-kv): "dense" = prompt bucket + max_new_tokens slots per
-  # decode row; "paged" = a pool of pages per layer, allocated as a row grows and freed when it stops
-  # (sampling/paged_continuous.py). Same responses either way.
-  c.sampling.kv_cache = "dense"
-  c.sampling.page_size = 64  # kv_cache=paged: tokens per page
+  # the sampler's KV cache (docs/sampler.md#paged-kv): "dense" = prompt bucket + max_new_tokens slots per decode row;
+  # "paged" = a pool of pages per layer, allocated as a row grows and freed when it stops (continuous sampler only,
+  # sampling/paged_continuous.py); "auto" = paged with the continuous sampler, dense with the static one
+  # (run_config.resolve_kv_cache). Same responses either way.
+  c.sampling.kv_cache = "auto"
+  c.sampling.page_size = 16  # paged: tokens per page (16 the fastest on CPU, benchmarks/README.md; TPU: 64-256)
   c.sampling.num_pages = 0  # kv_cache=paged: pages per layer; 0 = auto (the dense cache's memory: no request waits)
   # devices of the sampler's own (runtime/device_split.py): 0 = every device, shared with the learner; a count or a
   # fraction in (0, 1) of the devices (the learner's mesh.shape spans the rest). With delay >= 1 and overlap, step

@@ -73,6 +73,12 @@ ADDED_FIELDS = {
     "sampling.devices": 0,
     "sampling.overlap": True,
 }
+# Defaults of the base config that changed after studies were run, each with its value before: a stored study.json
+# whose fixed fields lack one ran with that value, so a grid that now pins it there is the same study (its runs'
+# configs are the same). Pinning any other value, or unpinning, is another study.
+MOVED_DEFAULTS = {
+    "sampling.kv_cache": "dense",  # "auto" (paged with the continuous sampler) since 2026-12-06
+}
 _ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
 
@@ -154,13 +160,15 @@ def read_study_runs(study_dir: str) -> tuple[dict[str, Any] | None, list[str]]:
 
 
 def study_differences(stored: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
-  """What differs between a stored `study.json` and this grid's record, one phrase each ([] = the same study)."""
+  """What differs between a stored `study.json` and this grid's record, one phrase each ([] = the same study). A
+  fixed field the stored grid lacks that this one pins to its `MOVED_DEFAULTS` value is no difference."""
   out = []
   if files.canonical(stored.get("base") or "") != files.canonical(record["base"]):  # a moved path is the same
     out.append(f"base config {stored.get('base')!r} there, {record['base']!r} here")
   f0, f1 = stored.get("fixed", {}), record["fixed"]
   for k in sorted(set(f0) | set(f1)):
-    if f0.get(k) != f1.get(k):
+    pins_old_default = k not in f0 and k in f1 and MOVED_DEFAULTS.get(k, _ABSENT) == f1[k]
+    if f0.get(k) != f1.get(k) and not pins_old_default:
       out.append(f"fixed {k}: {f0.get(k, '(unset)')!r} there, {f1.get(k, '(unset)')!r} here")
   v0, v1 = stored.get("variants", {}), record.get("variants", {})
   for k in sorted(set(v0) | set(v1)):
