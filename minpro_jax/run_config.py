@@ -11,6 +11,7 @@ sampler take. The resume check (one workdir, one experiment) is `minpro_jax/resu
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any
@@ -67,6 +68,8 @@ __all__ = [
     "optimizer_config",
     "lr_decay_config",
 ]
+
+logger = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "cosine", "linear")  # minpro_jax.rl.optimizer.make_schedule's schedules
 # config.sampling.kv_cache: "auto" (`resolve_kv_cache`), or the continuous sampler's KV caches
@@ -231,6 +234,16 @@ def sampler_paged_kv(c) -> PagedKV | None:
       f"{num_pages} pages of {page_size} tokens cannot hold one response of data.max_prompt_tokens + "
       f"sampling.max_new_tokens - 1 = {tokens} tokens ({per_row} pages); raise it, or 0 = auto",
   )
+  if page_size > tokens:
+    logger.warning(
+        "sampling.page_size=%d is longer than a whole response (data.max_prompt_tokens + sampling.max_new_tokens "
+        "- 1 = %d tokens): every row holds one page with %d unused slots, and the auto pool (num_pages=0) is that "
+        "much larger than the dense cache; use pages of at most %d tokens (16-256 are usual)",
+        page_size,
+        tokens,
+        page_size - tokens,
+        tokens,
+    )
   return PagedKV(page_size=page_size, num_pages=num_pages or None)
 
 

@@ -82,6 +82,19 @@ def test_the_fields_give_the_samplers_paged_kv(tmp_path):
   assert run_config.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=5)
 
 
+def test_a_page_longer_than_a_response_is_warned_about(tmp_path, caplog):
+  c = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged"}))
+  tokens = c.data.max_prompt_tokens + c.sampling.max_new_tokens - 1
+  with caplog.at_level(logging.WARNING, logger="minpro_jax.run_config"):
+    c.sampling.page_size = tokens  # one page holds a whole response: nothing to say
+    run_config.sampler_paged_kv(c)
+    assert not caplog.records
+    c.sampling.page_size = 100_000
+    assert run_config.sampler_paged_kv(c) == PagedKV(page_size=100_000, num_pages=None)
+  assert "page_size=100000 is longer than a whole response" in caplog.text
+  assert f"{100_000 - tokens} unused slots" in caplog.text
+
+
 def test_the_paper_configs_and_the_study_grids_keep_the_dense_cache():
   """Their committed results (and step budgets) ran with the dense cache: they pin it, so the default's flip to
   "auto" does not change what they run."""

@@ -164,7 +164,9 @@ def check_request(pool: PagePool, prompt_len: int, max_new_tokens: int, group_si
     raise ValueError(
         f"paged KV: a group of {group_size} x ({prompt_len} + {max_new_tokens}) tokens needs {need} pages and "
         f"{group_size} rows; the pool has {pool.num_pages} pages and {pool.rows} rows; raise num_pages / rows "
-        "(PagedKV.num_pages or config sampling.num_pages; the sampler's decode_rows)"
+        "(PagedKV.num_pages or config sampling.num_pages; the sampler's decode_rows). Where the sampler's batch "
+        "axes split the call into row groups (paged_continuous.row_groups), each group's pool is num_pages / groups "
+        "pages: raise num_pages by that factor"
     )
 
 
