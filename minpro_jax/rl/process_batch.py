@@ -151,11 +151,12 @@ def for_learner(
   docstring)."""
   if released is None or jax.process_count() == 1:
     return released
+  gather = packed
   try:
     host_batch.staging_sharding(mesh.devices)
   except ValueError:
-    packed = True  # this mesh cannot take per-process rows: the host path
-  if packed:
+    gather = True  # this mesh cannot take per-process rows: the host path
+  if gather:
     return gather_batch(released, num_rows)
   return stage(released, mesh, num_rows, replay)
 
