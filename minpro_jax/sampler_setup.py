@@ -39,25 +39,15 @@ def row_slots(c, paged_kv: PagedKV | None, prompt_len: int) -> int:
   return paged.pages_for(prompt_len + max(r - 1, 0), paged_kv.page_size) * paged_kv.page_size
 
 
-PALLAS_HEAD_DIM = 128  # the Pallas ragged paged attention holds head_dim in whole 128-lane vregs (its asserts)
-# KV tokens per block of the Pallas kernel where `PagedKV.num_kv_pages_per_block` is unset: its tuned table has no
-# entry past 4k-token rows and falls back to 128 pages a block, which at pages of 128 tokens (16k tokens of Qwen3-8B's
-# 4 combined heads per chip, 17 MB a buffer) overflows a v5p's VMEM at compile time (CompileTimeScopedVmemOom);
-# the table's own entries hold about 1k tokens a block (e.g. 8 pages of 128).
-KV_BLOCK_TOKENS = 1024
+PALLAS_HEAD_DIM = 128  # "auto" calls the Pallas kernel only at head_dims of whole 128-lane vregs (Qwen3's)
 
 
 def paged_kernel(paged_kv: PagedKV | None, model_config) -> PagedKV | None:
-  """`paged_kv` with kernel "auto" turned into "xla" for a model whose head_dim the Pallas kernel cannot tile (not a
-  multiple of `PALLAS_HEAD_DIM`: the tiny and SmolLM2 presets), so "auto" picks the kernel only where it compiles;
-  an explicit kernel is kept. Where the Pallas kernel may run, an unset `num_kv_pages_per_block` becomes
-  KV_BLOCK_TOKENS // page_size (at least 1; the attention caps it at a row's pages)."""
-  if paged_kv is None:
-    return None
-  if paged_kv.kernel == "auto" and model_config.head_dim % PALLAS_HEAD_DIM:
+  """`paged_kv` with kernel "auto" turned into "xla" for a model whose head_dim is not a multiple of
+  `PALLAS_HEAD_DIM` (the tiny and SmolLM2 presets), so "auto" picks the Pallas kernel only where its tiles are
+  whole vregs; an explicit kernel is kept."""
+  if paged_kv is not None and paged_kv.kernel == "auto" and model_config.head_dim % PALLAS_HEAD_DIM:
     return dataclasses.replace(paged_kv, kernel="xla")
-  if paged_kv.kernel != "xla" and paged_kv.num_kv_pages_per_block is None:
-    paged_kv = dataclasses.replace(paged_kv, num_kv_pages_per_block=max(1, KV_BLOCK_TOKENS // paged_kv.page_size))
   return paged_kv
 
 

@@ -167,6 +167,25 @@ def test_parse_keeps_tuple_shapes_and_entry():
   assert comps["outer_body"].by_name["scan"].shape.startswith("(s32[]")
 
 
+KERNEL_HLO = """
+HloModule m
+
+ENTRY %main (q: bf16[16,8,128], pages: bf16[2,1024,128,128]) -> bf16[16,8,128] {
+  %q = bf16[16,8,128]{2,1,0} parameter(0)
+  %pages = bf16[2,1024,128,128]{3,2,1,0} parameter(1)
+  %splash.1 = bf16[16,8,128]{2,1,0} custom-call(%q, %pages), custom_call_target="tpu_custom_call"
+  ROOT %paged_attention.3 = bf16[16,8,128]{2,1,0} custom-call(%splash.1, %pages, %pages), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_a_paged_attention_kernel_counts_its_result_not_the_pool():
+  """A Pallas kernel counts its operands and result, except jax's paged attention kernels (`DMA_KERNELS`), which
+  DMA only the pages they read: only their result (the budget adds the pages analytically)."""
+  q, pool = 16 * 8 * 128 * 2, 2 * 1024 * 128 * 128 * 2
+  assert HloCost(KERNEL_HLO, 1).total().hbm_bytes == (q + pool + q) + q
+
+
 # ------------------------------------------------------------------------------------------- schedule
 def _naive_continuous(lengths, rows, refill, p_len, buckets):
   """The continuous sampler's loop, one iteration at a time, as `decode_with_refills` / `decode_step` run it."""

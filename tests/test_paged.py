@@ -1,26 +1,33 @@
-"""Paged KV (`sampling/paged.py`) and ragged paged attention (`models/paged_attention.py`): attention equals dense
+"""Paged KV (`sampling/paged.py`) and paged decode attention (`models/paged_attention.py`): attention equals dense
 attention over each row's own length while rows are admitted, grow, finish and reuse pages; the pool's
-bookkeeping equals a naive Python model step by step. The Pallas kernels: tests/test_paged_kernels.py."""
+bookkeeping equals a naive Python model step by step. The Pallas kernel: tests/test_paged_kernels.py."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from minpro_jax.models.attention_core import masked_attention
 from minpro_jax.models.paged_attention import (
-    kernel_layout,
+    KVPages,
     live_page_buckets,
     paged_decode_attention,
     pallas_decode_attention,
-    ragged_paged_attention,
 )
 from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 from minpro_jax.sampling import paged
 
 K, H, HD = 2, 4, 8  # KV heads, query heads (G = 2), head_dim
+
+
+def pages_of(kv, dtype=jnp.float32) -> KVPages:
+  """[num_pages, 2K, ps, hd] with keys at even and values at odd heads (how the tests below draw them) -> the
+  pool's `KVPages` (each [K, num_pages, ps, hd])."""
+  kv = jnp.asarray(kv, dtype)
+  return KVPages(*(jnp.transpose(kv[:, i::2], (1, 0, 2, 3)) for i in (0, 1)))
 
 
 def dense_decode(q_rhd, hist_k, hist_v, lengths, dtype):
@@ -52,7 +59,7 @@ def test_decode_attention_equals_dense_on_ragged_rows(dtype, tol):
   hist_v = [[kv[table[r, i // ps], 1::2, i % ps] for i in range(n)] for r, n in enumerate(lengths)]
   q = rng.standard_normal((5, H, HD)).astype(np.float32)
   got = paged_decode_attention(
-      jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(lengths, jnp.int32), jnp.asarray(table)
+      jnp.asarray(q, dtype), pages_of(kv, dtype), jnp.asarray(lengths, jnp.int32), jnp.asarray(table)
   )
   assert got.dtype == dtype and got.shape == (5, H, HD)
   got = np.asarray(got.astype(jnp.float32))
@@ -89,9 +96,7 @@ def test_decode_attention_reads_only_the_live_pages():
       table[r, : -(-n // ps)] = pages[r, : -(-n // ps)]
     hist_k = [[kv[table[r, i // ps], 0::2, i % ps] for i in range(n)] for r, n in enumerate(lengths)]
     hist_v = [[kv[table[r, i // ps], 1::2, i % ps] for i in range(n)] for r, n in enumerate(lengths)]
-    got = decode(
-        jnp.asarray(q), jnp.asarray(kv), jnp.asarray(lengths, jnp.int32), jnp.asarray(table), buckets=(1, 2, 4)
-    )
+    got = decode(jnp.asarray(q), pages_of(kv), jnp.asarray(lengths, jnp.int32), jnp.asarray(table), buckets=(1, 2, 4))
     live = np.array(lengths) > 0
     want = dense_decode(q, hist_k, hist_v, lengths, jnp.float32)
     np.testing.assert_allclose(np.asarray(got)[live], want[live], atol=2e-6, rtol=2e-6)
@@ -99,70 +104,71 @@ def test_decode_attention_reads_only_the_live_pages():
   assert decode._cache_size() == 1
   table = jnp.zeros((3, maxp), jnp.int32)
   with pytest.raises(ValueError, match="buckets"):
-    paged_decode_attention(jnp.asarray(q), jnp.asarray(kv), jnp.ones((3,), jnp.int32), table, buckets=(1, 2))
+    paged_decode_attention(jnp.asarray(q), pages_of(kv), jnp.ones((3,), jnp.int32), table, buckets=(1, 2))
 
 
-@pytest.mark.parametrize(
-    "kw", [dict(sm_scale=0.35), dict(sm_scale=0.35, soft_cap=1.5), dict(sm_scale=0.5, sliding_window=3, k_scale=0.5)]
-)
-def test_ragged_matches_jax_reference_mixed_prefill_and_decode(kw):
-  """Against jax's own `ref_ragged_paged_attention`: sequences with 3, 1 and 2 queries, a padded 4th."""
-  rng = np.random.default_rng(1)
-  kv = jnp.asarray(rng.standard_normal((20, 2 * K, 4, HD)), jnp.float32)  # the pool's heads-major pages
-  kv_lens = jnp.array([7, 3, 10, 0], jnp.int32)
-  cu = jnp.array([0, 3, 4, 6, 6], jnp.int32)
-  pages = jnp.asarray(rng.permutation(20)[:12].reshape(4, 3), jnp.int32)
-  q = jnp.asarray(rng.standard_normal((8, H, HD)), jnp.float32)
-  args = (kv_lens, pages, cu, jnp.array([3], jnp.int32))
-  want = ref_ragged_paged_attention(q, kernel_layout(kv), *args, **kw)  # the kernel's token-major pages
-  got = ragged_paged_attention(q, kv, *args, **kw)
-  np.testing.assert_allclose(np.asarray(got[:6]), np.asarray(want), atol=2e-6, rtol=2e-6)
-  assert np.all(np.asarray(got[6:]) == 0)  # tokens past cu_q_lens[num_seqs]
+def _kernel_as_reference(calls=None):
+  """A stand-in with the signature of jax's Pallas `paged_attention` (pre-scaled q, k / v pages, lengths >= 1, a
+  table padded to whole blocks): the plain path at scale 1, recording the shapes it is given."""
+
+  def kernel(q, k_pages, v_pages, lengths, table, *, pages_per_compute_block, megacore_mode):
+    assert table.shape[1] % pages_per_compute_block == 0
+    if not isinstance(lengths, jax.core.Tracer):  # the kernel needs every row to hold a token
+      assert int(jnp.min(lengths)) >= 1
+    if calls is not None:
+      calls.append((q.shape, k_pages.shape, table.shape, megacore_mode))
+    return paged_decode_attention(q, KVPages(k_pages, v_pages), lengths, table, sm_scale=1.0)
+
+  return kernel
 
 
 def test_pallas_wrapper_passes_the_kernel_decode_arguments():
-  """`pallas_decode_attention` with jax's reference kernel in place of the Pallas one equals the plain path."""
+  """`pallas_decode_attention` with a stand-in for the kernel equals the plain path: q scaled by 1 / sqrt(hd)
+  before the call, idle rows zeroed, a table of 3 pages padded to blocks of 2; a soft cap is refused."""
   rng = np.random.default_rng(2)
-  kv = jnp.asarray(rng.standard_normal((12, 2 * K, 3, HD)), jnp.float32)
+  kv = pages_of(rng.standard_normal((12, 2 * K, 3, HD)))
   lengths = jnp.array([4, 0, 7], jnp.int32)
   table = jnp.asarray(rng.permutation(12)[:9].reshape(3, 3), jnp.int32)
   q = jnp.asarray(rng.standard_normal((3, H, HD)), jnp.float32)
-  want = paged_decode_attention(q, kv, lengths, table, soft_cap=3.0)
-  got = pallas_decode_attention(q, kv, lengths, table, soft_cap=3.0, kernel=ref_ragged_paged_attention)
+  want = paged_decode_attention(q, kv, lengths, table)
+  calls = []
+  got = pallas_decode_attention(q, kv, lengths, table, pages_per_compute_block=2, kernel=_kernel_as_reference(calls))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
+  assert np.all(np.asarray(got)[1] == 0) and calls == [((3, H, HD), (K, 12, 3, HD), (3, 4), None)]
+  with pytest.raises(ValueError, match="soft cap"):
+    pallas_decode_attention(q, kv, lengths, table, soft_cap=3.0, kernel=_kernel_as_reference())
 
 
 def test_pallas_wrapper_runs_per_device_under_a_mesh():
   """Under the sampler's mesh (data=4 x tensor=2 on cpu:8, `INFERENCE_RULES`) `pallas_decode_attention` runs the
-  kernel in a shard_map, rows over data and KV heads over tensor (each device a pair of combined heads per KV
-  head): with jax's reference kernel in place of the Pallas one it equals the plain path on the whole arrays."""
+  kernel in a shard_map, rows over data and KV heads over tensor, each device its KV heads' pages in the pool's
+  own layout (no relayout): with a stand-in for the kernel it equals the plain path on the whole arrays; with
+  `megacore` each device's 2 rows split over the cores ("batch")."""
   rng = np.random.default_rng(3)
-  kv = jnp.asarray(rng.standard_normal((16, 2 * K, 3, HD)), jnp.float32)
+  kv = pages_of(rng.standard_normal((16, 2 * K, 3, HD)))
   lengths = jnp.array([4, 0, 7, 9, 1, 3, 8, 2], jnp.int32)
   table = jnp.asarray(rng.integers(0, 16, (8, 3)), jnp.int32)  # rows may share pages: attention only reads them
   q = jnp.asarray(rng.standard_normal((8, H, HD)), jnp.float32)
   want = paged_decode_attention(q, kv, lengths, table)
   calls = []
-
-  def kernel(q, kv, *args, **kw):
-    calls.append((q.shape, kv.shape))
-    return ragged_paged_attention(q, jnp.swapaxes(kv, 1, 2), *args, **kw)  # given the kernel's token-major pages
-
   mesh = make_mesh({"data": 4, "tensor": 2}, devices=jax.devices()[:8])
+  fn = functools.partial(pallas_decode_attention, megacore=True, kernel=_kernel_as_reference(calls))
   with use_mesh(mesh, INFERENCE_RULES):
-    got = jax.jit(lambda *a: pallas_decode_attention(*a, kernel=kernel))(q, kv, lengths, table)
-  assert calls == [((2, H // 2, HD), (16, 3, K, HD))]  # one device's rows and heads, every page, token-major
+    got = jax.jit(fn)(q, kv, lengths, table)
+  assert calls == [((2, H // 2, HD), (1, 16, 3, HD), (2, 3), "batch")]  # one device's rows and head, every page
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
 
 def test_bad_shapes_raise():
-  q, kv = jnp.zeros((2, H, HD)), jnp.zeros((4, 2 * K, 2, HD))
+  q, kv = jnp.zeros((2, H, HD)), pages_of(jnp.zeros((4, 2 * K, 2, HD)))
   lengths, table = jnp.ones((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32)
-  with pytest.raises(ValueError, match="combined-head"):
-    paged_decode_attention(q, jnp.zeros((4, 3, 2, HD)), lengths, table)
+  with pytest.raises(ValueError, match="K dividing the 4 query heads"):
+    paged_decode_attention(q, KVPages(jnp.zeros((3, 4, 2, HD)), jnp.zeros((3, 4, 2, HD))), lengths, table)
+  with pytest.raises(ValueError, match="both"):
+    paged_decode_attention(q, KVPages(kv.k, kv.v[:, :3]), lengths, table)
   with pytest.raises(ValueError, match="int32"):
     paged_decode_attention(q, kv, lengths.astype(jnp.float32), table)
-  with pytest.raises(ValueError, match="2 queries for 3 rows"):
+  with pytest.raises(ValueError, match="for 2 queries"):
     paged_decode_attention(q, kv, jnp.ones((3,), jnp.int32), jnp.zeros((3, 2), jnp.int32))
   with pytest.raises(ValueError, match="soft_cap"):
     paged_decode_attention(q, kv, lengths, table, soft_cap=0.0)
@@ -413,16 +419,17 @@ def test_full_pool_makes_admission_wait_and_broken_contracts_are_flagged():
     paged.raise_on_errors(bad.errors)
 
 
-def test_the_pool_is_heads_major_keys_even_values_odd():
-  """The layout the TPU path relies on (docs/sampler.md): a prompt's token t of KV head k lands at
-  kv_pages[page_table[row, t // ps], 2k, t % ps] (its value at 2k + 1), for `admit`, `append_token` and the
-  partial page `fork_rows` copies; `kernel_layout` gives the kernel's token-major [num_pages, ps, 2K, hd]."""
+def test_the_pool_layout_is_the_kernels_k_and_v_pages():
+  """The layout the TPU path relies on (docs/sampler.md): a prompt's token t of KV head h lands at
+  kv_pages[l].k[h, page_table[row, t // ps], t % ps] (its value in .v at the same index), for `admit`,
+  `append_token` and the partial page `fork_rows` copies: jax's Pallas `paged_attention` reads exactly these
+  [K, num_pages, ps, hd] arrays as its k_pages / v_pages."""
   rng = np.random.default_rng(9)
   ps, layers = 4, 2
   pool = paged.init_pool(
       num_layers=layers, num_pages=8, page_size=ps, num_kv_heads=K, head_dim=HD, rows=2, max_pages_per_row=3
   )
-  assert pool.kv_pages[0].shape == (8, 2 * K, ps, HD) and pool.page_size == ps
+  assert pool.kv_pages[0].k.shape == pool.kv_pages[0].v.shape == (K, 8, ps, HD) and pool.page_size == ps
   k = rng.standard_normal((layers, 1, 6, K, HD)).astype(np.float32)
   v = rng.standard_normal((layers, 1, 6, K, HD)).astype(np.float32)
   pool = _admit(pool, jnp.array([0]), jnp.array([6]), jnp.array([8]), jnp.asarray(k), jnp.asarray(v))
@@ -436,14 +443,10 @@ def test_the_pool_is_heads_major_keys_even_values_odd():
   table = np.asarray(pool.page_table)
   assert table[1, 0] == table[0, 0] and table[1, 1] != table[0, 1]
   for i in range(layers):
-    pages = np.asarray(pool.kv_pages[i])
-    token_major = np.asarray(kernel_layout(pool.kv_pages[i]))
-    assert token_major.shape == (8, ps, 2 * K, HD)
+    kp, vp = (np.asarray(a) for a in pool.kv_pages[i])
     for row in (0, 1):
       for t in range(7):
         page, slot = table[row, t // ps], t % ps
         for h in range(K):
-          np.testing.assert_array_equal(pages[page, 2 * h, slot], keys[i, t, h])
-          np.testing.assert_array_equal(pages[page, 2 * h + 1, slot], values[i, t, h])
-          np.testing.assert_array_equal(token_major[page, slot, 2 * h], keys[i, t, h])
-          np.testing.assert_array_equal(token_major[page, slot, 2 * h + 1], values[i, t, h])
+          np.testing.assert_array_equal(kp[h, page, slot], keys[i, t, h])
+          np.testing.assert_array_equal(vp[h, page, slot], values[i, t, h])

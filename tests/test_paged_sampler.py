@@ -155,11 +155,12 @@ def test_a_shared_prefill_stores_the_prompts_full_pages_once(state):
   assert len(set(partial.tolist())) == 6 and (refcount[partial] == 1).all()
   by_req = lambda st: np.argsort(np.where(np.asarray(st.req) < 6, np.asarray(st.req), 99))[:6]
 
-  def row_kv(p, r):  # [layers, tokens, 2K, hd] of row r in token order
+  def row_kv(p, r):  # [layers, 2 (k, v), K, tokens, hd] of row r in token order
     n_pages = -(-int(p.lengths[r]) // 4)
-    kv = np.stack([np.asarray(layer)[np.asarray(p.page_table)[r, :n_pages]] for layer in p.kv_pages])
-    kv = np.swapaxes(kv, 2, 3)  # heads-major pages [layers, n_pages, 2K, 4, hd] -> [layers, n_pages, 4, 2K, hd]
-    return kv.reshape(kv.shape[0], -1, *kv.shape[3:])[:, : int(p.lengths[r])]
+    kv = np.stack(
+        [np.stack([np.asarray(a)[:, np.asarray(p.page_table)[r, :n_pages]] for a in layer]) for layer in p.kv_pages]
+    )
+    return kv.reshape(*kv.shape[:3], -1, kv.shape[-1])[:, :, :, : int(p.lengths[r])]
 
   for a, b in zip(by_req(shared), by_req(alone)):
     np.testing.assert_allclose(row_kv(pool, a), row_kv(alone.cache, b), atol=1e-5, rtol=0)
@@ -168,26 +169,27 @@ def test_a_shared_prefill_stores_the_prompts_full_pages_once(state):
 
 
 def test_paged_kernel_choice():
-  """ "auto" takes the plain-JAX path off TPU; the Pallas block sizes go only to the Pallas kernel."""
-  kv = PagedKV(num_kv_pages_per_block=8, num_queries_per_block=32)
+  """ "auto" takes the plain-JAX path off TPU; the Pallas block, and whether the chips have two cores, go only to
+  the Pallas kernel."""
+  kv = PagedKV(pages_per_compute_block=8)
   assert kv.kernel_fields() == {"kernel": "xla"}  # the tests' CPU devices
-  tpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="tpu")]))
-  assert PagedKV(kernel="pallas", num_kv_pages_per_block=8).kernel_fields(tpu_mesh) == {
+  chip = lambda cores: types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="tpu", num_cores=cores)]))
+  assert PagedKV(kernel="pallas", pages_per_compute_block=8).kernel_fields(chip(2)) == {
       "kernel": "pallas",
-      "num_kv_pages_per_block": 8,
-      "num_queries_per_block": None,
+      "pages_per_compute_block": 8,
+      "megacore": True,
   }
-  assert PagedKV(kernel="auto").kernel_fields(tpu_mesh) == {
+  assert PagedKV(kernel="auto").kernel_fields(chip(1)) == {
       "kernel": "pallas",
-      "num_kv_pages_per_block": None,
-      "num_queries_per_block": None,
+      "pages_per_compute_block": None,
+      "megacore": False,
   }
   with pytest.raises(ValueError, match=r"^PagedKV.kernel='pallas' needs TPU devices, the sampler's are cpu"):
     PagedKV(kernel="pallas").kernel_fields()
   with pytest.raises(ValueError, match="kernel"):
     PagedKV(kernel="mosaic")
-  with pytest.raises(ValueError, match="num_queries_per_block"):
-    PagedKV(num_queries_per_block=0)
+  with pytest.raises(ValueError, match="pages_per_compute_block"):
+    PagedKV(pages_per_compute_block=0)
   with pytest.raises(ValueError, match=r"^PagedKV.share_prompts='no' must be True or False"):
     PagedKV(share_prompts="no")
   kv = PagedKV(page_size=np.int64(16), num_pages=np.int32(40))
@@ -224,7 +226,7 @@ topology = topologies.get_topology_desc(
 data, tensor = int(sys.argv[1]), int(sys.argv[2])
 mesh = make_mesh({"data": data, "tensor": tensor}, devices=topology.devices)
 cfg = get_preset("qwen3-8b").replace(num_layers=2)
-kv = PagedKV(page_size=64, num_pages=512, num_kv_pages_per_block=8, num_queries_per_block=32)  # kernel "auto"
+kv = PagedKV(page_size=64, num_pages=512)  # kernel "auto"
 s = Sampler(cfg, precision="bf16", mesh=mesh, rules=INFERENCE_RULES, prompt_buckets=(256,), decode_rows=64, paged_kv=kv)
 with nnx.use_eager_sharding(False):
   raw = nnx.split(nnx.eval_shape(lambda: Transformer(s._input_config, rngs=nnx.Rngs(0))))[1]
@@ -251,29 +253,28 @@ while todo:
 instrs = [i for x in seen for i in comps[x].instrs]
 kernels = [i for i in instrs if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs]
 names = sorted({re.sub(r"[.]\\d+$", "", i.name) for i in kernels})
-pool = (kv.num_pages // data, 2 * cfg.num_kv_heads // tensor, kv.page_size, cfg.head_dim)  # a chip's share
+pool = (cfg.num_kv_heads // tensor, kv.num_pages // data, kv.page_size, cfg.head_dim)  # a chip's k or v share
 big = [i for i in instrs if i.opcode == "copy" and math.prod(hlo_text.dims(i.shape) or [0]) >= math.prod(pool)]
 print(f"RESULT computations={len(seen)} kernels={','.join(names)} "
-      f"rpa_calls={sum('ragged_paged_attention' in i.attrs for i in kernels)} pool_copies={len(big)}")
+      f"calls={sum('paged_attention' in i.attrs for i in kernels)} pool_copies={len(big)}")
 """
 
 
 @pytest.mark.parametrize("data,tensor", [(2, 2), (1, 4)])
-def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_copies_the_pool_once_per_layer(data, tensor):
-  """On TPU ("auto" on v5p chips, compile-only) every decode step's attention is jax's Pallas ragged paged
-  attention kernel (per chip, `pallas_decode_attention`'s shard_map), one call per layer, and the loop's only copies
-  as large as a chip's share of a layer's page pool are the kernel's token-major operand (`kernel_layout`), one per
-  layer and decode step: the heads-major pool is written (`write_per_head`), admitted and forked in place. Measured
-  2026-12-06 (libtpu 0.0.42.1): with the token-major pool of before, tensor=4 (2K = 4 combined heads per chip) had
-  10 such copies (the token write, `admit` and `fork_rows` relayouting the pool around each scatter) and tensor=2
-  (2K = 8) none (the kernel's layout was the pool's); heads-major has 2 on both (docs/sampler.md)."""
+def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_never_copies_the_pool(data, tensor):
+  """On TPU ("auto" on v5p chips, compile-only) every decode step's attention is jax's Pallas paged attention
+  kernel (per chip, `pallas_decode_attention`'s shard_map), one call per layer, and the loop has no copy as large as
+  a chip's share of a layer's keys or values: the pool is the kernel's own layout, written, admitted and forked in
+  place. Measured 2026-12-06 (libtpu 0.0.42.1, docs/sampler.md): the token-major pool of before had 10 such copies at
+  tensor=4 and none at tensor=2; the heads-major [pages, 2K, ps, hd] pool with the ragged kernel had 2 on both (its
+  token-major operand, one per layer and decode step)."""
   from tests.tpu_helpers import run_with_libtpu
 
   (r,) = run_with_libtpu(f"import sys; sys.argv[1:] = ['{data}', '{tensor}']\n" + _TPU_PAGED, timeout=400)
   assert int(r["computations"]) > 10  # the loop's branches and nested loops were walked
-  assert "ragged_paged_attention_kernel" in r["kernels"].split(","), r
-  assert r["rpa_calls"] == "2", r  # one per layer
-  assert r["pool_copies"] == "2", r  # one per layer: the kernel's operand
+  assert any("paged_attention" in k for k in r["kernels"].split(",")), r
+  assert r["calls"] == "2", r  # one per layer
+  assert r["pool_copies"] == "0", r
 
 
 def test_paged_sampler_on_row_groups_equals_static(state):

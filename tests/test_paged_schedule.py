@@ -7,10 +7,12 @@ import pytest
 from minpro_jax.aot.paged_schedule import paged_schedule
 
 
-def _naive(lengths, *, rows, refill_rows, prompt_len, max_new_tokens, page_size, num_pages, unit, groups):
+def _naive(lengths, *, rows, refill_rows, prompt_len, max_new_tokens, page_size, num_pages, unit, groups, read_block=1):
   """The paged sampler's loop on the host, one iteration at a time: `groups` row groups in lockstep, each with its
-  rows, its block of requests and its pool, each page with its own reference count."""
+  rows, its block of requests and its pool, each page with its own reference count; a row's attention reads its
+  pages in whole blocks of `read_block`."""
   ceil = lambda x: -(-x // page_size)
+  blocks = lambda pages: -(-pages // read_block) * read_block
   n, m = len(lengths) // groups, max(1, refill_rows // unit)
   cap = prompt_len + max_new_tokens - 1
   shared = prompt_len // page_size if unit > 1 else 0
@@ -75,7 +77,7 @@ def _naive(lengths, *, rows, refill_rows, prompt_len, max_new_tokens, page_size,
         if length[g][r] % page_size == 0:
           table[g][r].append(alloc(g))
         length[g][r] += 1
-        per_group[g] += ceil(length[g][r])
+        per_group[g] += blocks(ceil(length[g][r]))
         left[g][r] -= 1
     read_all += sum(per_group)
     read_max += max(per_group)
@@ -102,12 +104,13 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_paged_schedule_matches_naive_loop(case):
+@pytest.mark.parametrize("read_block", [1, 3])
+def test_paged_schedule_matches_naive_loop(case, read_block):
   rows, refill, p, r, ps, pages, unit, groups = case
   rng = np.random.default_rng(sum(case))
   lengths = rng.integers(1, r + 1, size=12)
   kw = dict(rows=rows, refill_rows=refill, prompt_len=p, max_new_tokens=r, page_size=ps, num_pages=pages,
-            unit=unit, groups=groups)  # fmt: skip
+            unit=unit, groups=groups, read_block=read_block)  # fmt: skip
   got = paged_schedule(lengths, **kw)
   want = _naive(list(lengths), **kw)
   assert {k: getattr(got, k) for k in want} == want
@@ -122,6 +125,10 @@ def test_paged_schedule_by_hand():
   # a pool of 3 pages holds one row at full length (3 + 2 tokens = 3 pages): the second waits for the first
   s = paged_schedule([3, 2], rows=2, refill_rows=2, prompt_len=3, max_new_tokens=3, page_size=2, num_pages=3)
   assert (s.refills, s.decode_steps, s.pool_wait_steps, s.kv_pages_read_all) == (2, 3, 2, 2 + 3 + 2)
+  # the Pallas kernel's blocks of 2 pages: step 1 reads 2 + 2, step 2 ceil(3 / 2) x 2 = 4 pages
+  s = paged_schedule([3, 2], rows=2, refill_rows=2, prompt_len=3, max_new_tokens=3, page_size=2, num_pages=8,
+                     read_block=2)  # fmt: skip
+  assert (s.decode_steps, s.kv_pages_read_all) == (2, 4 + 4)
 
 
 def test_paged_schedule_refuses_a_unit_the_pool_cannot_hold():

@@ -167,13 +167,10 @@ def test_sampler_kwargs_build_a_paged_sampler(tmp_path, caplog):
 
 def test_auto_kernel_only_for_heads_the_pallas_kernel_tiles():
   kv = PagedKV(16)
-  blocks = dict(num_kv_pages_per_block=64)  # KV_BLOCK_TOKENS = 1024 tokens a block where unset
   assert paged_kernel(kv, get_preset("tiny")) == PagedKV(16, kernel="xla")  # head_dim 32
   assert paged_kernel(PagedKV(16, kernel="xla"), get_preset("tiny", head_dim=128)) == PagedKV(16, kernel="xla")
-  assert paged_kernel(kv, get_preset("tiny", head_dim=128)) == PagedKV(16, **blocks)  # "auto": Pallas on TPU
+  assert paged_kernel(kv, get_preset("tiny", head_dim=128)) == kv  # "auto": Pallas on TPU
   assert paged_kernel(PagedKV(16, kernel="pallas"), get_preset("tiny")).kernel == "pallas"  # explicit: kept
-  assert paged_kernel(PagedKV(128, num_kv_pages_per_block=4), get_preset("tiny")).num_kv_pages_per_block == 4
-  assert paged_kernel(PagedKV(4096), get_preset("tiny", head_dim=128)).num_kv_pages_per_block == 1
   assert paged_kernel(None, get_preset("tiny")) is None
 
 
@@ -250,9 +247,8 @@ def test_a_trainer_step_with_paged_kv_equals_dense(tmp_path, monkeypatch):
 
 def test_the_aot_tool_compiles_the_paged_sampler_for_tpu():
   """`--programs=sample` with kv_cache=paged lowers the trainer's paged call (`Sampler._c_paged`) and compiles it
-  for a v5p-8: with head_dim 128 the Pallas kernel (PagedKV kernel "auto" on TPU devices) at the block sizes
-  `compile_only_blocks` gives (its tuned table needs a TPU runtime); with head_dim 16, which the kernel cannot tile,
-  the plain-JAX attention (`sampler_setup.paged_kernel`)."""
+  for a v5p-8: with head_dim 128 the Pallas kernel (PagedKV kernel "auto" on TPU devices); with head_dim 16, not
+  whole vregs, the plain-JAX attention (`sampler_setup.paged_kernel`)."""
   code = """
 import pathlib, sys
 sys.path.insert(0, "tests")
@@ -268,13 +264,13 @@ for hd in (16, 128):
   progs = RunPrograms(c, model_config(c)[0], make_mesh({"fsdp": 4}, devices=sl.devices()), run_shapes(c))
   kv = progs.trainer_sampler.paged_kv
   (row,) = sweep(c, sl, ["fsdp=-1"], programs=["sample"])
-  print("RESULT", f"hd={hd}", f"kernel={kv.kernel}", f"blocks={kv.num_kv_pages_per_block},{kv.num_queries_per_block}",
+  print("RESULT", f"hd={hd}", f"kernel={kv.kernel}", f"kernel_used={progs.trainer_sampler.paged_kv.kernel_fields(progs.sampler.mesh)['kernel']}",
         f"fits={row.get('fits')}", f"error={row.get('error', '').replace(' ', '_')[:80]}",
         f"shapes={row['shapes'].replace(' ', '_')}")
 """
   rows = run_with_libtpu(code)
   shapes = "8_requests_on_8_rows,_paged_KV"
   assert rows == [
-      {"hd": "16", "kernel": "xla", "blocks": "None,None", "fits": "True", "error": "", "shapes": shapes},
-      {"hd": "128", "kernel": "auto", "blocks": "3,8", "fits": "True", "error": "", "shapes": shapes},  # 37 tokens
+      {"hd": "16", "kernel": "xla", "kernel_used": "xla", "fits": "True", "error": "", "shapes": shapes},
+      {"hd": "128", "kernel": "auto", "kernel_used": "pallas", "fits": "True", "error": "", "shapes": shapes},
   ]

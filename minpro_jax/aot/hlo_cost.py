@@ -13,6 +13,8 @@ Per computation (its own instructions, fused computations included, nested loops
 - HBM bytes: for every top-level instruction that touches memory, its operands read plus its result written, where
   a fusion operand used only through (dynamic-)slices or gathers counts the sliced bytes and an in-place
   dynamic-update-slice or scatter counts its update, not the whole buffer (as XLA's own fusion cost analysis does);
+  a paged attention kernel (`DMA_KERNELS`) counts its result only: it copies the pages it reads from HBM itself,
+  which the HLO cannot show, so the caller adds them analytically (`aot.paged_schedule.analytic_kv`);
 - collectives: kind, result bytes, group size, the mesh axes the group spans, and the bytes one chip receives over
   ICI (all-gather R(n-1)/n, reduce-scatter R(n-1), all-reduce 2R(n-1)/n, all-to-all R(n-1)/n, permute R; R the
   result, n the group size: ring algorithms).
@@ -44,6 +46,10 @@ from minpro_jax.aot.hlo_text import (
     parse_hlo,
     shape_bytes,
 )
+
+# Pallas kernels (custom calls, by instruction name) that take their big operands in HBM and DMA only the parts
+# they read: jax's paged attention kernels, given the whole page pool and reading each row's own pages
+DMA_KERNELS = ("paged_attention", "ragged_paged_attention")
 
 _NO_MEMORY = {
     "parameter",
@@ -308,6 +314,8 @@ class HloCost:
         if callee in self.comps:
           c.flops += sum(_matmul_flops(i, self.comps[callee]) for i in self.comps[callee].instrs)
       c.hbm_bytes += self._fusion_bytes(ins, comp)
+    elif ins.opcode == "custom-call" and ins.name.startswith(DMA_KERNELS):
+      c.hbm_bytes += shape_bytes(ins.shape)
     elif ins.opcode in ("async-start",):
       for callee in called(ins.attrs, "calls"):
         if callee in self.comps:

@@ -14,9 +14,10 @@ tokens take a second.
 
 On a mesh with data-parallel axes the call splits into `groups` row groups (`paged_continuous.run`): each runs
 its own rows, pool and block of N / G requests, in lockstep with the others (an iteration refills where any
-group's admission refills; the others refill nothing). Per decode step the ragged attention reads each live row's
-ceil((P + t) / page_size) pages; each group's chips read their own rows' pages, and a step lasts as long as its
-busiest group: `kv_pages_read` sums, over decode steps, the pages of the group that reads most.
+group's admission refills; the others refill nothing). Per decode step the attention reads each live row's
+ceil((P + t) / page_size) pages (the Pallas kernel: rounded up to whole blocks, `read_block`); each group's chips
+read their own rows' pages, and a step lasts as long as its busiest group: `kv_pages_read` sums, over decode
+steps, the pages of the group that reads most.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def paged_schedule(
     num_pages: int,
     unit: int = 1,
     groups: int = 1,
+    read_block: int = 1,
 ) -> PagedSchedule:
   """The paged continuous sampler's iterations on requests of `lengths` (module docstring).
 
@@ -87,6 +89,8 @@ def paged_schedule(
     groups: G row groups in lockstep (`paged_continuous.run`'s split): group g runs requests [g N / G, (g + 1)
       N / G) on its own B rows and pool; an iteration refills where any group's admission refills (the others
       refill nothing), else every group decodes one step.
+    read_block: pages the attention reads at a time: a row of n pages reads ceil(n / read_block) x read_block
+      (the Pallas kernel loads whole blocks of `pages_per_compute_block` pages; 1: only the row's own pages).
 
   Raises:
     ValueError: G x unit not dividing N, unit > rows, or a request that could never fit the empty pool (it
@@ -94,6 +98,7 @@ def paged_schedule(
   """
   lengths = np.asarray(lengths, np.int64)
   n_all, b, ps, gs = int(lengths.size), int(rows), int(page_size), int(groups)
+  rb = int(read_block)  # the reads count in blocks of rb pages, rb * ps tokens
   if n_all % (gs * unit) or unit > b:
     raise ValueError(f"paged_schedule: groups {gs} x unit {unit} must divide N={n_all}, unit <= rows {b}")
   n = n_all // gs  # requests per group
@@ -161,15 +166,15 @@ def paged_schedule(
     k = int(left[live].min())  # decode steps until the next row ends (admission cannot change before)
     waits += k if any(go for go, _ in plans) else 0
     lo, hi = length[live], length[live] + k
-    read_all += int(_pages_sum(lo, hi, ps).sum())
+    read_all += rb * int(_pages_sum(lo, hi, rb * ps).sum())
     if gs == 1:
-      read_max += int(_pages_sum(lo, hi, ps).sum())
+      read_max += rb * int(_pages_sum(lo, hi, rb * ps).sum())
     else:  # per step, the group that reads most (steps 1..k of the jump)
       by_group = np.zeros((gs, k), np.int64)
       for g in range(gs):
         mine = group_of[live] == g
         if mine.any():
-          by_group[g] = pages_for(lo[mine][:, None] + np.arange(1, k + 1)[None, :], ps).sum(axis=0)
+          by_group[g] = rb * pages_for(lo[mine][:, None] + np.arange(1, k + 1)[None, :], rb * ps).sum(axis=0)
       read_max += int(by_group.max(axis=0).sum())
     np.add.at(used, group_of[live], pages_for(hi, ps) - pages_for(lo, ps))
     peak = max(peak, int(used.max()))
@@ -245,7 +250,8 @@ def sampler_paged_schedule(
   """`paged_schedule` of a paged `Sampler`'s call on `num_requests` requests of `prompt_len` real prompt tokens
   (compiled at `prompt_bucket`), `group_size` samples per prompt, as `paged_continuous.generate` runs it: its
   decode rows and refill size (`Sampler.continuous_rows`) split into its `row_groups`, each group's pool
-  (`PagedKV.group_pool`) and the unit its host side picks."""
+  (`PagedKV.group_pool`), the unit its host side picks and, with the Pallas kernel, its block of pages."""
+  from minpro_jax.models.paged_attention import kernel_block
   from minpro_jax.sampling.paged_continuous import row_groups, share_unit
 
   rows, refill = sampler.continuous_rows(num_requests)
@@ -254,6 +260,9 @@ def sampler_paged_schedule(
   sizes = kv.pool_sizes(rows // g, prompt_bucket, max_new_tokens)
   unit = share_unit(kv, group_size, rows // g, [prompt_len], prompt_bucket, max_new_tokens, max(1, refill // g))
   unit = math.gcd(unit, num_requests // g)
+  fields, block = kv.kernel_fields(sampler.mesh), 1
+  if fields["kernel"] == "pallas":
+    block = kernel_block(fields["pages_per_compute_block"], kv.page_size, sizes["max_pages_per_row"])
   return paged_schedule(
       lengths,
       rows=rows // g,
@@ -264,4 +273,5 @@ def sampler_paged_schedule(
       num_pages=sizes["num_pages"],
       unit=unit,
       groups=g,
+      read_block=block,
   )

@@ -41,8 +41,7 @@ from minpro_jax.rl import packing
 from minpro_jax.rl.learner import Learner, ScoreInputs, TrainState, UpdateInputs
 from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
-from minpro_jax.sampler_setup import decode_rows, paged_kernel, row_slots
-from minpro_jax.sampling import PagedKV
+from minpro_jax.sampler_setup import decode_rows, paged_kernel
 from minpro_jax.sampling.rows import tree_bytes_per_device
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS, Sampler
 
@@ -174,21 +173,6 @@ def _with_shardings(lowered, compiled) -> Any:
   )
 
 
-def compile_only_blocks(paged_kv: PagedKV | None, mesh, pages_per_row: int, rows: int) -> PagedKV | None:
-  """`paged_kv` with the Pallas kernel's block sizes set where they are unset and the kernel runs (a TPU mesh):
-  the kernel's own defaults off its tuned table (`ragged_paged_attention.tuned_block_sizes`: min(pages per row,
-  128, or 32 on v4) KV pages and min(rows, 32) queries per block), since that table asks the runtime for its TPU
-  and a compile for a TPU topology on another host has none."""
-  if paged_kv is None or paged_kv.kernel_fields(mesh)["kernel"] != "pallas":
-    return paged_kv
-  bkv = 32 if "v4" in mesh.devices.flat[0].device_kind else 128
-  return dataclasses.replace(
-      paged_kv,
-      num_kv_pages_per_block=min(pages_per_row, paged_kv.num_kv_pages_per_block or bkv),
-      num_queries_per_block=paged_kv.num_queries_per_block or min(rows, 32),
-  )
-
-
 class RunPrograms:
   """Builds the run's programs for one model config on one mesh (the learner and sampler the trainer would).
 
@@ -254,8 +238,6 @@ class RunPrograms:
     resident = tree_bytes_per_device(self.train_state()) if rows == "auto" and hbm_bytes and not sampler_only else 0
     self.decode_rows = decode_rows(c, cfg, paged_kv=paged_kv, prompt_len=shapes.prompt_len, mesh=smesh,
                                    rules=srules, hbm_bytes=hbm_bytes, other_resident_bytes=resident)  # fmt: skip
-    pages_per_row = row_slots(c, paged_kv, shapes.prompt_len) // paged_kv.page_size if paged_kv else 0
-    paged_kv = compile_only_blocks(paged_kv, smesh, pages_per_row, min(self.decode_rows, shapes.rollouts))
     self.trainer_sampler = Sampler(
         cfg,
         precision=c.sampling.precision,

@@ -3,12 +3,11 @@
 Memory follows live tokens instead of rows x maximum length (vLLM's PagedAttention, Kwon et al. 2023). Every
 function here is a pure, jit-traceable function of an explicit `PagePool` pytree; the host keeps no state.
 
-Layout: one array per layer, heads-major [num_pages, 2 * K, page_size, head_dim] with the keys of KV head k at
-combined head 2k and its values at 2k + 1: a page of one combined head is a [page_size, head_dim] tile, so a pool
-split by KV head (tensor parallelism, e.g. 2K = 4 combined heads per chip) is written, admitted, forked and
-gathered by `models.paged_attention` in place. `jax.experimental.pallas.ops.tpu.ragged_paged_attention` reads
-token-major pages; `models.paged_attention.kernel_layout` swaps a chip's share at the kernel call only. All
-layers share one page table: page p of a row holds the same tokens in every layer.
+Layout: per layer a `models.paged_attention.KVPages` of keys and values, each [K, num_pages, page_size,
+head_dim], the layout of jax's Pallas `paged_attention` kernel: a page of one KV head is a [page_size, head_dim]
+tile, so a pool split by KV head (tensor parallelism) is written, admitted, forked and read in place, by the
+plain-JAX attention and the kernel alike. All layers share one page table: page p of a row holds the same tokens
+in every layer.
 
 Invariants (docs/sampler.md):
 - refcount[p] is the number of page-table entries, over all rows, that own page p; a page is free iff its count
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minpro_jax.models.paged_attention import combine_kv, write_per_head, write_slots
+from minpro_jax.models.paged_attention import KVPages, write_slots
 
 ERR_NO_PAGE = 1  # an allocation found no free page (admission was not checked)
 ERR_ROW_BUSY = 2  # admission or fork into a row that still holds a request
@@ -45,8 +44,8 @@ _ERROR_TEXT = {
 class PagePool(NamedTuple):
   """The KV pages of all layers and their bookkeeping (a pytree; donate it between steps).
 
-  kv_pages: L arrays [num_pages, 2 * K, page_size, head_dim] (compute dtype): keys at even, values at odd
-    combined heads (kv_pages[l][p, 2k, s]: the key of KV head k at slot s of page p).
+  kv_pages: L `KVPages` (compute dtype), keys and values each [K, num_pages, page_size, head_dim]
+    (kv_pages[l].k[h, p, s]: the key of KV head h at slot s of page p).
   refcount: [num_pages] int32, page-table entries owning each page (0: free).
   page_table: [rows, max_pages_per_row] int32, the pages of each row in token order (0 past its own).
   lengths: [rows] int32, tokens stored per row.
@@ -54,7 +53,7 @@ class PagePool(NamedTuple):
   errors: int32 scalar, OR of the ERR_* bits of broken contracts (0 in a correct run).
   """
 
-  kv_pages: tuple[jax.Array, ...]
+  kv_pages: tuple[KVPages, ...]
   refcount: jax.Array
   page_table: jax.Array
   lengths: jax.Array
@@ -67,7 +66,7 @@ class PagePool(NamedTuple):
 
   @property
   def page_size(self) -> int:
-    return self.kv_pages[0].shape[2]
+    return self.kv_pages[0].k.shape[2]
 
   @property
   def rows(self) -> int:
@@ -111,9 +110,9 @@ def init_pool(
   for name, n in sizes.items():
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
       raise ValueError(f"init_pool: {name}={n!r} must be a positive int")
-  shape = (num_pages, 2 * num_kv_heads, page_size, head_dim)
+  shape = (num_kv_heads, num_pages, page_size, head_dim)
   return PagePool(
-      kv_pages=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+      kv_pages=tuple(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)),
       refcount=jnp.zeros((num_pages,), jnp.int32),
       page_table=jnp.zeros((rows, max_pages_per_row), jnp.int32),
       lengths=jnp.zeros((rows,), jnp.int32),
@@ -233,8 +232,7 @@ def admit(
   page = jnp.where(tok[None] < prompt_lens[:, None], ids[:, jnp.minimum(tok // ps, maxp - 1)], n)  # [M, T]
   page = jnp.where(ok[:, None], page, n)
   slot = jnp.broadcast_to(tok % ps, page.shape)
-  kv = combine_kv(k_lmtkh, v_lmtkh)  # [L, M, T, 2K, hd]
-  kv_pages = tuple(write_per_head(p, page, slot, kv[i]) for i, p in enumerate(pool.kv_pages))  # [M, T] tokens
+  kv_pages = tuple(write_slots(p, page, slot, k_lmtkh[i], v_lmtkh[i]) for i, p in enumerate(pool.kv_pages))
   dst = jnp.where(ok, row_ix, nrows)
   errors = pool.errors | jnp.where(jnp.any(busy), ERR_ROW_BUSY, 0) | jnp.where(jnp.any(too_long), ERR_ROW_FULL, 0)
   return PagePool(
@@ -280,7 +278,7 @@ def fork_rows(pool: PagePool, src: jax.Array, dst: jax.Array, capacities: jax.Ar
   table = jnp.where((j == full[:, None]) & partial[:, None] & (new_page[:, None] < n), new_page[:, None], table)
   src_partial = jnp.take_along_axis(src_table, jnp.minimum(full, maxp - 1)[:, None], axis=1)[:, 0]
   to = jnp.where(partial, new_page, n)
-  kv_pages = tuple(p.at[to].set(p[src_partial], mode="drop") for p in pool.kv_pages)
+  kv_pages = tuple(KVPages(*(a.at[:, to].set(a[:, src_partial], mode="drop") for a in p)) for p in pool.kv_pages)
   out = jnp.where(ok, dst_ix, nrows)
   return PagePool(
       kv_pages=kv_pages,

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.moe import ROUTE_DTYPE
-from minpro_jax.models.paged_attention import KERNELS, PagedKVCache
+from minpro_jax.models.paged_attention import KERNELS, PagedKVCache, has_megacore
 from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, keys_head_dim_major
 from minpro_jax.runtime.multihost import to_host
@@ -48,22 +48,19 @@ class PagedKV:
   share_prompts: prefill each prompt once for its group's samples and share its full pages among them
     (`refill_units`); False prefills and stores every sample's prompt (the A/B baseline). Same responses.
   kernel: the decode attention: "xla" (`models.paged_attention.paged_decode_attention`, plain JAX), "pallas"
-    (jax's Pallas TPU `ragged_paged_attention` on the pool's layout; TPU only) or "auto" (pallas when the
+    (jax's Pallas TPU `paged_attention` on the pool's own layout; TPU only) or "auto" (pallas when the
     sampler's devices, its mesh's or else jax's default, are TPUs).
-  num_kv_pages_per_block, num_queries_per_block: the Pallas kernel's block sizes; None: its tuned table, which
-    asks the runtime for its TPU, so compiling for a TPU topology on another host (the aot tool, tests) needs
-    both.
+  pages_per_compute_block: the Pallas kernel's block of pages; None: 1024 tokens' worth (`pallas_decode_attention`).
   """
 
   page_size: int = 64
   num_pages: int | None = None
   share_prompts: bool = True
   kernel: str = "auto"
-  num_kv_pages_per_block: int | None = None
-  num_queries_per_block: int | None = None
+  pages_per_compute_block: int | None = None
 
   def __post_init__(self):
-    for name in ("page_size", "num_pages", "num_kv_pages_per_block", "num_queries_per_block"):
+    for name in ("page_size", "num_pages", "pages_per_compute_block"):
       v = getattr(self, name)
       if (v is not None or name == "page_size") and (
           not isinstance(v, numbers.Integral) or isinstance(v, (bool, np.bool_)) or v < 1
@@ -89,19 +86,18 @@ class PagedKV:
 
   def kernel_fields(self, mesh=None) -> dict:
     """The `PagedKVCache` kernel fields for a sampler on `mesh` (None: jax's default devices): "auto" resolved
-    by the devices' platform."""
+    by the devices' platform, and for the Pallas kernel its block and whether the chips have two cores."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     kernel = self.kernel
     if kernel == "auto":
-      device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
       kernel = "pallas" if device.platform == "tpu" else "xla"
-    elif kernel == "pallas":
-      device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-      if device.platform != "tpu":
-        raise ValueError(
-            f"PagedKV.kernel='pallas' needs TPU devices, the sampler's are {device.platform}: use 'auto' or 'xla'"
-        )
-    blocks = dict(num_kv_pages_per_block=self.num_kv_pages_per_block, num_queries_per_block=self.num_queries_per_block)
-    return dict(kernel=kernel, **(blocks if kernel == "pallas" else {}))
+    elif kernel == "pallas" and device.platform != "tpu":
+      raise ValueError(
+          f"PagedKV.kernel='pallas' needs TPU devices, the sampler's are {device.platform}: use 'auto' or 'xla'"
+      )
+    if kernel != "pallas":
+      return dict(kernel=kernel)
+    return dict(kernel=kernel, pages_per_compute_block=self.pages_per_compute_block, megacore=has_megacore(device))
 
 
 def _prompt_kv(small_k, small_v, n_real, keys_hd_major: bool):
@@ -322,7 +318,7 @@ def _loop(
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype, **sizes
   )
   # the pages split by KV head like the dense cache (and the Pallas kernel's shard_map)
-  pool = pool._replace(kv_pages=tuple(constrain(p, (None, "act_kv_heads", None, None)) for p in pool.kv_pages))
+  pool = pool._replace(kv_pages=jax.tree.map(lambda a: constrain(a, ("act_kv_heads", None, None, None)), pool.kv_pages))
   st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes, sampling.truncates)
   st = st._replace(cache=pool)
   cos_s, sin_s = rope_tables(jnp.arange(p_len + r)[None], cfg)
