@@ -15,8 +15,10 @@ import jax
 from flax import nnx
 
 from minpro_jax import run_config
+from minpro_jax.errors import ConfigError
 from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.sampling import PagedKV, paged
+from minpro_jax.sampling.paged_continuous import row_group_axes
 from minpro_jax.sampling.rows import AUTO, device_hbm_bytes, resolve_decode_rows, tree_bytes_per_device
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS
 
@@ -96,14 +98,35 @@ def decode_rows(
 
 def kv_cache_line(c, paged_kv: PagedKV | None, rows: int) -> str:
   """The resolved sampler for the run's log: "continuous, kv_cache=auto -> paged (pages of 16, pool auto, kernel
-  xla), 64 decode rows" (`run_config.sampler_kv_cache` resolves "auto")."""
+  xla), 64 decode rows" (`run_config.sampler_kv_cache` resolves "auto"; rows that are no batch bucket say what they
+  round up to)."""
   kind, asked = run_config.sampler_kv_cache(c), c.sampling.get("kv_cache", "dense")
   cache = f"kv_cache={asked}" + (f" -> {kind}" if asked != kind else "")
   if paged_kv is not None:
     pool = paged_kv.num_pages or "auto"
     cache += f" (pages of {paged_kv.page_size}, pool {pool}, kernel {paged_kv.kernel})"
   mode = "continuous" if c.sampling.continuous else "static"
-  return f"{mode}, {cache}, {rows} decode rows"
+  bucket = next((b for b in DEFAULT_BATCH_BUCKETS if b >= rows), rows)  # `Sampler.continuous_rows` rounds up
+  rounded = f" (runs as {bucket}: decode rows round up to a batch bucket)" if bucket != rows else ""
+  return f"{mode}, {cache}, {rows} decode rows{rounded}"
+
+
+def _check_group_pool(c, paged_kv: PagedKV | None, rows: int, mesh, rules) -> None:
+  """A fixed pool (`sampling.num_pages`) splits over the sampler's row groups (`paged_continuous.row_groups`):
+  each group's num_pages / G pages must hold one row at full length, else its requests would wait forever.
+
+  Raises:
+    ConfigError: naming sampling.num_pages, the groups and the pages a group needs."""
+  if paged_kv is None or not paged_kv.num_pages:
+    return
+  _, groups = row_group_axes(mesh, rules)
+  need = row_slots(c, paged_kv, c.data.max_prompt_tokens) // paged_kv.page_size
+  if groups > 1 and rows % groups == 0 and paged_kv.num_pages // groups < need:
+    raise ConfigError(
+        f"config.sampling.num_pages: {paged_kv.num_pages} pages split over the sampler's {groups} row groups (its "
+        f"data axes, sampling.mesh) leave {paged_kv.num_pages // groups} a group, fewer than one row's {need} pages of {paged_kv.page_size} "
+        f"at full length; raise it to at least {groups * need}, or 0 = auto",
+    )
 
 
 def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: int = 2) -> dict[str, Any]:
@@ -133,6 +156,7 @@ def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: i
       hbm_bytes=device_hbm_bytes(jax.local_devices()),
       other_resident_bytes=learner_copies * tree_bytes_per_device(nnx.state(model, nnx.Param)),
   )
+  _check_group_pool(c, paged_kv, rows, sampler_mesh, sampler_rules)
   logger.info("sampler: %s", kv_cache_line(c, paged_kv, rows))
   return dict(
       precision=c.sampling.precision,

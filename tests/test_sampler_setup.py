@@ -143,6 +143,23 @@ def test_row_slots_and_auto_rows_of_a_paged_pool(tmp_path):
   assert by_pool(5) == 12  # an int is taken as it is
 
 
+def test_a_fixed_pool_too_small_for_its_row_groups_is_a_config_error(tmp_path):
+  """sampling.num_pages splits over the sampler's data groups (data=2 x tensor=2 on cpu:4): each must hold one
+  row at full length, checked when the sampler is built, not by a request that waits forever."""
+  from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
+  from minpro_jax.runtime.sharding import make_mesh
+  from minpro_jax.sampler_setup import _check_group_pool
+
+  c = make_config(tiny_overrides(tmp_path))
+  need = row_slots(c, PagedKV(16), c.data.max_prompt_tokens) // 16
+  mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+  _check_group_pool(c, PagedKV(16, 2 * need), 8, mesh, INFERENCE_RULES)
+  _check_group_pool(c, PagedKV(16, 2 * need - 1), 8, None, None)  # no mesh: one group
+  _check_group_pool(c, PagedKV(16, 2 * need - 1), 7, mesh, INFERENCE_RULES)  # 7 rows do not split in two
+  with pytest.raises(ConfigError, match=rf"^config.sampling.num_pages: {2 * need - 1} pages split .* 2 row groups"):
+    _check_group_pool(c, PagedKV(16, 2 * need - 1), 8, mesh, INFERENCE_RULES)
+
+
 def test_sampler_kwargs_build_a_paged_sampler(tmp_path, caplog):
   caplog.set_level(logging.INFO, logger="minpro_jax.sampler_setup")
   model = init_model(get_preset("tiny"), seed=0)
@@ -157,11 +174,14 @@ def test_sampler_kwargs_build_a_paged_sampler(tmp_path, caplog):
   assert sampler_kwargs(dense, model, tok, None)["paged_kv"] is None
   auto = sampler_kwargs(make_config(tiny_overrides(tmp_path)), model, tok, None)  # the default: paged, pages of 16
   assert auto["paged_kv"] == PagedKV(page_size=16, kernel="xla") and auto["continuous"]
+  sampler_kwargs(make_config(tiny_overrides(tmp_path, **{"sampling.decode_rows": 100})), model, tok, None)
   lines = [r.getMessage() for r in caplog.records if r.name == "minpro_jax.sampler_setup"]
-  assert lines == [  # the run's log says what each cache resolved to
+  assert lines == [  # the run's log says what each cache resolved to, and rows rounded up to a batch bucket
       "sampler: continuous, kv_cache=paged (pages of 16, pool 40, kernel xla), 64 decode rows",
       "sampler: continuous, kv_cache=dense, 64 decode rows",
       "sampler: continuous, kv_cache=auto -> paged (pages of 16, pool auto, kernel xla), 64 decode rows",
+      "sampler: continuous, kv_cache=auto -> paged (pages of 16, pool auto, kernel xla), 100 decode rows (runs as "
+      "128: decode rows round up to a batch bucket)",
   ]
 
 

@@ -286,22 +286,28 @@ def prefill_fn(model):
   return prefill
 
 
+def row_group_axes(mesh, rules) -> tuple[tuple[str, ...], int]:
+  """(mesh axes, their size G) of the sampler's "batch" rule that do not split the KV heads: the row groups a
+  paged call on `mesh` splits into where G divides its rows and requests (`row_groups`); ((), 1) without a mesh."""
+  from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
+
+  if mesh is None:
+    return (), 1
+  rules, shape = rules or DEFAULT_RULES, dict(mesh.shape)
+  heads = set(logical_split(shape, "act_kv_heads", rules)[0])
+  axes = tuple(a for a in logical_split(shape, "batch", rules)[0] if a not in heads and shape.get(a, 1) > 1)
+  return axes, int(np.prod([shape[a] for a in axes])) if axes else 1
+
+
 def row_groups(sampler, rows: int, num_requests: int) -> tuple[tuple[str, ...], int]:
   """(mesh axes, their size G) a paged call splits into G independent row groups: the axes of the sampler's
-  "batch" rule that do not split the KV heads, when G > 1 divides the rows and the requests; else ((), 1).
+  "batch" rule that do not split the KV heads (`row_group_axes`), when G > 1 divides the rows and the requests;
+  else ((), 1).
 
   Each group runs its own loop on its own rows / G decode rows, a pool of its own (`PagedKV.group_pool`) and a
   contiguous block of N / G requests, so a chip holds and reads the pages of its own group's rows only (a pool
   shared by every group would be whole on every chip). Responses do not change: each request keeps its key."""
-  from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
-
-  mesh = sampler.mesh
-  if mesh is None:
-    return (), 1
-  rules, shape = sampler.rules or DEFAULT_RULES, dict(mesh.shape)
-  heads = set(logical_split(shape, "act_kv_heads", rules)[0])
-  axes = tuple(a for a in logical_split(shape, "batch", rules)[0] if a not in heads and shape.get(a, 1) > 1)
-  g = int(np.prod([shape[a] for a in axes])) if axes else 1
+  axes, g = row_group_axes(sampler.mesh, sampler.rules)
   return (axes, g) if g > 1 and rows % g == 0 and num_requests % g == 0 else ((), 1)
 
 
