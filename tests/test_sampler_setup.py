@@ -95,9 +95,10 @@ def test_a_page_longer_than_a_response_is_warned_about(tmp_path, caplog):
   assert f"{100_000 - tokens} unused slots" in caplog.text
 
 
-def test_the_paper_configs_and_the_study_grids_keep_the_dense_cache():
-  """Their committed results (and step budgets) ran with the dense cache: they pin it, so the default's flip to
-  "auto" does not change what they run."""
+def test_the_paper_configs_and_the_study_grids_pin_their_cache():
+  """The study grids' committed results (and the paper configs' step budgets) ran with the dense cache: they pin
+  it, so the default's flip to "auto" does not change what they run; the Qwen3-8B paper config runs the paged
+  cache on its own sampler layout, the setting its budget entry measures."""
   from minpro_jax.config_lib import files
   from minpro_jax.study import grid
 
@@ -106,6 +107,10 @@ def test_the_paper_configs_and_the_study_grids_keep_the_dense_cache():
   assert len(papers) >= 5
   for path in papers:
     c = files.load_module(str(path)).get_config()
+    if path.stem == "qwen3_8b":
+      assert (c.sampling.kv_cache, c.sampling.page_size, c.sampling.mesh) == ("paged", 128, "data=-1,tensor=8")
+      assert run_config.sampler_paged_kv(c) == PagedKV(128) and c.sampling.decode_rows == "auto"
+      continue
     assert (c.sampling.kv_cache, c.sampling.page_size) == ("dense", 128), path
     assert run_config.sampler_paged_kv(c) is None
   studies = configs / "studies"

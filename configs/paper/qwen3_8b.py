@@ -22,4 +22,11 @@ def get_config(arg=None):
   # the backward recomputes only the elementwise ops (remat "block" recomputes the whole forward, 4/3 of the FLOPs):
   # 75.1 GiB per chip on v5p-64, 79 % of its HBM; on a slice with less HBM per sequence pass --config.model.remat=block
   c.model.remat = "dots_with_no_batch_dims_saveable"
+  # the sampler on its own layout (tensor=8: each chip one of Qwen3-8B's 8 KV heads and 1/8 of the weights, -1 data
+  # groups of as many rows as fit) with the paged KV cache (pages of 128 read in place by jax's Pallas paged
+  # attention): on v5p-64 an estimated 481 s a step, 1.33x its bound, against ~5.2x for the dense cache
+  # (benchmarks/README.md, "The paged sampler in the budget"); --config.sampling.kv_cache=dense for the A/B
+  c.sampling.kv_cache = "paged"
+  c.sampling.mesh = "data=-1,tensor=8"
+  c.sampling.decode_rows = "auto"
   return c
