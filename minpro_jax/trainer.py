@@ -4,7 +4,9 @@ One global step s:
   1. take the next prompt batch (B prompts) from the data iterator;
   2. sample G responses per prompt from the newest parameters (version v = updates so far), recording the
      sampler's behavior log-probs and v per sample; score the same tokens with the learner at v (training-precision
-     log-probs, for TIS/MIS every step, else only for the mismatch metrics every `log.mismatch_every` steps);
+     log-probs, for TIS/MIS every step, else only for the mismatch metrics every `log.mismatch_every` steps); in a
+     multi-process run each process gets back, grades and scores only its rows (whole groups:
+     `Sampler.generate(own_rows=True)`, `process_batch.score`);
   3. grade the responses and compute group advantages (by explicit group ids);
   4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), split
      it into `num_updates_per_step` mini-batches and take one optimizer update on each (at the learning rate times
@@ -45,7 +47,6 @@ from minpro_jax.evaluation import evaluate, grade_split
 from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
 from minpro_jax.mipu_step import MipuStep
 from minpro_jax.mipu_step import summary as mipu_summary
-from minpro_jax.models.moe import route_mismatch
 from minpro_jax.overlap import StepRunner
 from minpro_jax.rl import lr_decay, process_batch, rollout_metrics
 from minpro_jax.rl.advantages import group_advantages
@@ -128,17 +129,22 @@ class Trainer:
   def _rollout(
       self, state, gen, problems, group_size: int, score: bool = True, graded=None
   ) -> tuple[RolloutBatch, list[str], dict[str, Any]]:
-    """Grades `gen` (prompt-major rows of `problems`; `graded` = (texts, rewards, stats) when already graded) and,
+    """Grades `gen` (prompt-major rows of `problems`, or in a multi-process run this process's rows of them:
+    `Sampler.generate(own_rows=True)`; `graded` = (texts, rewards, stats) of every row when already graded) and,
     with `score`, scores it with the learner at `state.params` (else its `learner_logp` stays zero:
     `Trainer.scoring`). With `reward.mask_truncated` (DAPO's overlong filtering) truncated rows get no loss: their
     response mask is cleared after the advantages are computed with their rewards.
 
     Returns:
-      (the `RolloutBatch` with rewards, advantages and learner log-probs; the response texts; the grading stats,
-      with the seconds spent grading under "seconds").
+      (the `RolloutBatch` of `gen`'s rows with rewards, advantages and learner log-probs; the response texts of
+      every row, None where another process graded; the grading stats, with the seconds spent grading under
+      "seconds").
     """
     t0 = time.time()
     texts, rewards, gstats = graded or self.grade(gen, problems, group_size)
+    num_rows = len(problems) * group_size
+    own = len(gen) != num_rows  # this process's rows: whole groups, so their advantages are exact
+    rewards = rewards[multihost.process_rows(num_rows)] if own else rewards
     adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(gen.group_ids), mode=self.c.advantage_mode))
     batch = RolloutBatch.from_generation(gen, rewards=rewards, advantages=adv.astype(np.float32))
     if self.c.reward.mask_truncated:
@@ -148,10 +154,13 @@ class Trainer:
       return batch, texts, gstats
     recorded = batch.routes is not None  # the learner's own routes ([N, L, layers, k]) only to compare with them
     with use_mesh(self.mesh):
-      scored = self.learner.score(state.params, batch, return_routes=recorded)
+      if own:  # its rows in, its rows of the log-probs out (collective; `process_batch.score`)
+        scored = process_batch.score(self.learner, state.params, batch, num_rows, return_routes=recorded)
+      else:
+        scored = self.learner.score(state.params, batch, return_routes=recorded)
     learner_logp, learner_routes = scored if recorded else (scored, None)
     if recorded:  # where the learner's router, at the sampling version, picks other experts
-      gstats["router_mismatch"] = route_mismatch(learner_routes, batch.routes)[0]
+      gstats["router_mismatch"] = rollout_metrics.route_mismatch_frac(learner_routes, batch.routes, own)
     return (
         batch.replace(learner_logp=np.where(batch.response_mask, learner_logp, 0.0).astype(np.float32)),
         texts,
@@ -159,19 +168,25 @@ class Trainer:
     )
 
   def grade(self, gen, problems, group_size: int) -> tuple[list[str | None], np.ndarray, dict[str, Any]]:
-    """The response texts of `gen` (prompt-major rows of `problems`) on this process's rows (`grade_split` grades
-    only those; None on the others'), the [N] float32 rewards of every row and the grading stats."""
+    """The response texts of `gen` (prompt-major rows of `problems`, or this process's rows of them) on this
+    process's rows (`grade_split` grades only those; None on the others'), the [N] float32 rewards of every row
+    and the grading stats."""
     c = self.c
-    texts: list[str | None] = [None] * len(gen)
-    mine = multihost.process_rows(len(gen))  # the rows `grade_split` grades here: only they are decoded
-    texts[mine] = self._decode(gen, mine)
+    n = len(problems) * group_size
+    texts: list[str | None] = [None] * n
+    mine = multihost.process_rows(n)  # the rows `grade_split` grades here: only they are decoded
+    own = len(gen) != n  # `gen` holds only them (`Sampler.generate(own_rows=True)`)
+    texts[mine] = self._decode(gen, slice(None) if own else mine)
+    truncated = np.zeros(n, bool)
+    truncated[mine] = gen.truncated if own else gen.truncated[mine]
     golds = [p.answer for p in problems for _ in range(group_size)]
     rewards, gstats = grade_split(
-        texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(gen.truncated)
+        texts, golds, mode=c.reward.mode, format_reward=c.reward.format_reward, truncated=list(truncated)
     )
     if c.reward.overlong_buffer:  # DAPO's soft overlong penalty on top of the grader's score (case B32)
       max_len, buf, f = c.sampling.max_new_tokens, c.reward.overlong_buffer, c.reward.overlong_factor
-      rewards = [r + overlong_penalty(int(n), max_len, buf, f) for r, n in zip(rewards, gen.lengths)]
+      lengths = multihost.gather_rows(gen.lengths, n) if own else gen.lengths  # [N] int32, small
+      rewards = [r + overlong_penalty(int(k), max_len, buf, f) for r, k in zip(rewards, lengths)]
     return texts, np.asarray(rewards, np.float32), gstats
 
   def generate_texts(self, params, prompts: list[str], n: int, seed: int) -> list[list[str]]:
@@ -225,6 +240,7 @@ class Trainer:
     version = int(state.step)
     params = state.params if sampler_params is None else sampler_params
     group_ids = step * c.prompts_per_step + np.arange(len(problems))
+    dynamic_sampling = c.sampling.drop_equal_reward_groups  # DAPO's: rl/dynamic_sampling.py, over global rounds
     gen = self._generate(
         params,
         problems,
@@ -233,17 +249,19 @@ class Trainer:
         c.group_size,
         group_ids=group_ids,
         policy_version=version,
+        own_rows=not dynamic_sampling,  # several processes: each gets its rows (whole groups) back
     )
+    rows = host_batch.process_group_rows(c.prompts_per_step, c.group_size)  # this process's rows
     graded, dynamic = None, {}
-    if c.sampling.drop_equal_reward_groups:  # DAPO's dynamic sampling: rl/dynamic_sampling.py
+    if dynamic_sampling:
       filled, dynamic = self._fill_informative(params, step, gen, problems, group_ids, version)
-      gen, graded = filled.gen, (filled.texts, filled.rewards, filled.stats)
+      gen, graded = filled.gen.select(rows), (filled.texts, filled.rewards, filled.stats)
     t1 = time.time()
     score, logs_mismatch = self.scoring(step)
     batch, texts, gstats = self._rollout(state, gen, problems, c.group_size, score=score, graded=graded)
     t2, t_grade = time.time(), gstats["seconds"]
-    rows = host_batch.process_group_rows(c.prompts_per_step, c.group_size)  # this process's rows: its share
-    sampled = rollout_metrics.sample_metrics(gen, batch, rows, len(gen))  # of the statistics, gathered as [N, k]
+    n = c.prompts_per_step * c.group_size  # `gen` and `batch` hold this process's rows of them: its share of the
+    sampled = rollout_metrics.sample_metrics(gen, batch, slice(None), n)  # statistics, gathered as [N, k]
     n_tok = sampled.pop("tokens")
     metrics = {
         **sampled,
@@ -257,11 +275,11 @@ class Trainer:
         **dynamic,
     }
     if logs_mismatch:  # the same steps whether or not the loss scored every step: runs stay comparable
-      mm = rollout_metrics.mismatch_metrics(batch, rows, len(gen))
+      mm = rollout_metrics.mismatch_metrics(batch, slice(None), n)
       metrics.update({f"sampler_learner/{k}": v for k, v in mm.items()})
       if "router_mismatch" in gstats:
         metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
-    return process_batch.own_rows(batch, c.prompts_per_step, c.group_size), metrics  # several processes: its rows
+    return batch, metrics  # several processes: its rows
 
   def _fill_informative(self, params, step: int, gen, problems, group_ids, version: int):
     """`dynamic_sampling.fill_informative` for global step `step`: round k > 0 draws the next `prompts_per_step`

@@ -6,7 +6,8 @@ MODE "primitives": initializes jax.distributed through `maybe_initialize_distrib
 the host-side primitives of `minpro_jax.runtime.multihost`, the per-process batches of `.host_batch` and the
 trainer's data order on a 2 x 2 mesh, and writes what this process saw to OUT_DIR/process_<i>.json. MODE "layout": places a tree with a one-device scalar on the
 mesh of every device (`sharding.replicate_local_leaves`), checks and saves it with orbax, and records what
-`sharding.check_global` says of leaves that are not global. MODE "process_batch": the per-process learner inputs and delay buffer of `rl.process_batch`. MODE "fail": process 1 exits with status 3, the others wait.
+`sharding.check_global` says of leaves that are not global. MODE "process_batch": the per-process learner inputs and delay buffer of `rl.process_batch`. MODE
+"sampled_rows": the sampler's outputs and the score pass per process. MODE "fail": process 1 exits with status 3, the others wait.
 MODE "sleep": every process waits for SIGTERM, records it in OUT_DIR/process_<i>.signal and exits 143. MODE
 "stubborn": every process ignores SIGTERM and waits.
 """
@@ -262,6 +263,74 @@ def per_process_batch(out_dir: str) -> dict:
   }
 
 
+def sampled_rows(out_dir: str) -> dict:
+  """Per-process sampler outputs and score pass: each process gets back only its rows of `Sampler.generate`
+  (`own_rows=True`, continuous and static samplers) and of `process_batch.score`, equal to its rows of the global
+  ones; the router-mismatch fraction reduced over the processes equals the whole batch's."""
+  from minpro_jax.runtime.distributed import maybe_initialize_distributed
+
+  assert maybe_initialize_distributed() is True
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from minpro_jax.models import get_preset, init_model
+  from minpro_jax.models.moe import route_mismatch
+  from minpro_jax.rl import process_batch, rollout_metrics
+  from minpro_jax.rl.learner import Learner, LossConfig
+  from minpro_jax.rl.optimizer import OptimizerConfig
+  from minpro_jax.rl.rollout import RolloutBatch
+  from minpro_jax.runtime import host_batch
+  from minpro_jax.runtime.sharding import make_mesh, use_mesh
+  from minpro_jax.sampling import Sampler, SamplingParams
+
+  mesh = make_mesh({"data": 2, "fsdp": 2})
+  kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+  model = init_model(get_preset("tiny", **kw, head_dim=16), seed=0, mesh=mesh)
+  params = nnx.split(model)[1]
+  prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+  sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+  rows = host_batch.process_group_rows(4, 2)
+  out: dict = {"rows": [rows.start, rows.stop]}
+  for name, continuous in (("continuous", True), ("static", False)):
+    sampler = Sampler(model.config, mesh=mesh, continuous=continuous, decode_rows=4)
+    with use_mesh(mesh):
+      whole = sampler.generate(params, prompts, sp, 7, group_size=2, group_ids=[10, 11, 12, 13], policy_version=3)
+      mine = sampler.generate(
+          params, prompts, sp, 7, group_size=2, group_ids=[10, 11, 12, 13], policy_version=3, own_rows=True
+      )
+    want = whole.select(rows)
+    out[name] = {
+        "len": len(mine),
+        "shapes": [list(mine.response_tokens.shape), list(mine.prompt_tokens.shape)],
+        "equal": all(
+            np.array_equal(getattr(mine, f), getattr(want, f))
+            for f in ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask", "behavior_logp", "entropy")
+            + ("lengths", "finish_reason", "group_ids", "sample_index")
+        ),
+        "group_ids": mine.group_ids.tolist(),
+    }
+  n = len(whole)
+  batch = RolloutBatch.from_generation(whole, rewards=np.zeros(n, np.float32), advantages=np.zeros(n, np.float32))
+  learner = Learner(model, LossConfig(), OptimizerConfig(), micro_batch_size=4, mesh=mesh)
+  with use_mesh(mesh):
+    global_logp = learner.score(params, batch)
+    local_logp = process_batch.score(learner, params, batch.select(rows), n)
+  mask = batch.response_mask[rows]
+  rng = np.random.default_rng(0)  # routes of 8 rows x 3 tokens x 2 layers x k = 2, some unrecorded
+  recorded = rng.integers(0, 4, (8, 3, 2, 2)).astype(np.int16)
+  recorded[:, -1] = -1
+  own = rng.integers(0, 4, (8, 3, 2, 2)).astype(np.int16)
+  return {
+      **out,
+      "score_shape": list(local_logp.shape),
+      "score_max_diff": float(np.abs(np.where(mask, local_logp - global_logp[rows], 0.0)).max()),
+      "route_frac": rollout_metrics.route_mismatch_frac(own[rows], recorded[rows], True),
+      "route_frac_whole": route_mismatch(own, recorded)[0],
+      "addressable": jax.local_device_count(),
+  }
+
+
 def main() -> None:
   mode, out_dir = sys.argv[1], sys.argv[2]
   index = int(os.environ["JAX_PROCESS_ID"])
@@ -271,6 +340,9 @@ def main() -> None:
   elif mode == "process_batch":
     with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
       json.dump(per_process_batch(out_dir), f)
+  elif mode == "sampled_rows":
+    with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
+      json.dump(sampled_rows(out_dir), f)
   elif mode == "layout":
     with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
       json.dump(layout(out_dir), f)

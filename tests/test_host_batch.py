@@ -114,3 +114,36 @@ def test_mismatch_metrics_equal_the_whole_batch_ones():
   assert sorted(got) == sorted(want) and got["mismatch_k3"] > 0
   for k, v in want.items():
     assert got[k] == pytest.approx(float(v), rel=1e-5), k
+
+
+def test_rows_to_host_in_one_process_is_every_row_without_the_padding():
+  mesh = make_mesh({"data": 2, "fsdp": 4})
+  sharded = jax.device_put(
+      np.arange(24.0).reshape(12, 2), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  )
+  tree = (sharded, None, np.arange(12))
+  for own in (False, True):  # one process owns every row: the same arrays either way
+    (x, none, y), rows = host_batch.rows_to_host(tree, 10, mesh.devices, own)
+    assert rows == slice(0, 10) and none is None
+    assert isinstance(x, np.ndarray) and x.tolist() == np.arange(20.0).reshape(10, 2).tolist()
+    assert y.tolist() == list(range(10))
+
+
+def test_generation_batch_select_keeps_the_rows_of_every_per_row_field():
+  gen = GenerationBatch(
+      prompt_tokens=np.arange(8).reshape(4, 2),
+      prompt_mask=np.ones((4, 2), bool),
+      response_tokens=np.arange(12).reshape(4, 3),
+      response_mask=np.ones((4, 3), bool),
+      behavior_logp=np.zeros((4, 3), np.float32),
+      entropy=None,
+      lengths=np.asarray([3, 2, 1, 3], np.int32),
+      finish_reason=np.asarray(["stop", "length", "stop", "stop"]),
+      group_ids=np.asarray([5, 5, 6, 6]),
+      sample_index=np.asarray([0, 1, 0, 1], np.int32),
+      policy_version=4,
+  )
+  part = gen.select(slice(2, 4))
+  assert len(part) == 2 and part.response_tokens.tolist() == [[6, 7, 8], [9, 10, 11]]
+  assert part.group_ids.tolist() == [6, 6] and part.lengths.tolist() == [1, 3] and part.entropy is None
+  assert part.truncated.tolist() == [False, False] and part.policy_version == 4 and gen.group_ids.shape == (4,)

@@ -10,7 +10,8 @@ with `python -m minpro_jax.launch_local` exactly as the README's "Multi-host" se
   uninterrupted two-process run, exactly, resuming from a delay buffer each process wrote its rows of; SIGTERM to one process stops both after the same step, checkpointed;
 * a resume with another process count fails naming both counts;
 * `python -m minpro_jax.evaluate` in two processes gives the one-process tables, written once, resumable;
-* the host primitives (all-gather, row split, grading split, config check) in two processes;
+* the host primitives (all-gather, row split, grading split, config check) in two processes, and each process's
+  rows of the sampler's outputs and of the score pass;
 * `launch_local` ends the others when one fails and forwards SIGTERM.
 """
 
@@ -55,6 +56,9 @@ def _overrides(tmp, name):
       total_steps=STEPS,
       micro_batch_size=4,  # splits over data x fsdp = 4 (run_config.check_micro_batch_split)
       **{"mesh.shape": "data=2,fsdp=2", "eval.every": 2, "checkpoint.every": 1, "checkpoint.keep": 2},
+      # the dense sampler's outputs come back per process (the paged one, "auto"'s choice here, still all-gathers
+      # them inside and each process keeps its rows: the one-device-per-process run below takes that path)
+      **{"sampling.kv_cache": "dense"},
   )
 
 
@@ -320,6 +324,25 @@ def test_per_process_learner_inputs_and_buffer_in_two_processes(tmp_path):
     assert s["restored_first_tokens"] == s["own_first_tokens"] and s["restored_equal"]
     assert "ocdbt.process_1" in s["buffer_files"]
   assert os.listdir(tmp_path / "run" / "checkpoints" / "0" / "buffer" / "ocdbt.process_1" / "d")  # process 1's rows
+
+
+@LAUNCH_GROUP
+def test_sampler_outputs_and_score_pass_per_process_in_two_processes(tmp_path):
+  """`Sampler.generate(own_rows=True)` (continuous and static) and `process_batch.score` give each process only its
+  4 rows (whole groups), equal to its rows of the all-gathered outputs; the log-probs to float round-off (another
+  sharding of the same program)."""
+  p = _worker("sampled_rows", tmp_path)
+  out = _finish(p, 300)
+  assert p.returncode == 0, out[-3000:]
+  for i in range(2):
+    s = json.load(open(tmp_path / f"process_{i}.json"))
+    assert s["rows"] == [4 * i, 4 * i + 4]
+    for name in ("continuous", "static"):
+      assert s[name]["len"] == 4 and s[name]["shapes"] == [[4, 6], [4, 64]], (name, s[name])
+      assert s[name]["equal"], name
+      assert s[name]["group_ids"] == [10 + 2 * i] * 2 + [11 + 2 * i] * 2
+    assert s["score_shape"] == [4, 70] and s["score_max_diff"] < 1e-5, s
+    assert s["route_frac"] == s["route_frac_whole"] and 0 < s["route_frac"] < 1
 
 
 @pytest.mark.xdist_group("multihost_one_device")

@@ -1,9 +1,11 @@
-"""The learner's inputs from per-process rows (issue 37 item 4): after grading, each process keeps only its rows.
+"""The learner's inputs from per-process rows (issue 37 item 4): each process holds only its rows of a step's batch.
 
 In a run of n processes, with N = `prompts_per_step` x `group_size` rows a step:
-  1. `own_rows`: the batch a step pushes into the delay buffer holds only this process's rows, the whole groups of
-     `host_batch.process_group_rows` (the step's sample metrics and advantages were computed before, as
-     docs/multihost.md says). The buffer, and its checkpoint, therefore hold N/n rows per process.
+  1. The sampler returns each process its rows (`Sampler.generate(own_rows=True)`: the whole groups of
+     `host_batch.process_group_rows`), and `score` runs the learner's score pass on them: the score inputs are
+     staged from each process's rows and each process reads back its rows of the log-probs. The step's batch is
+     then this process's rows; `own_rows` keeps them of a global batch (dynamic sampling's rounds, a checkpoint
+     written whole). The buffer, and its checkpoint, therefore hold N/n rows per process.
   2. `stage` (when the buffer releases the batch): the learner's [N, ...] global arrays (`UpdateInputs`) are made
      from every process's rows with `jax.make_array_from_process_local_data` on the staging sharding
      (`host_batch.staging_sharding`: rows split over the processes in order, and over each process's devices when
@@ -17,24 +19,25 @@ In a run of n processes, with N = `prompts_per_step` x `group_size` rows a step:
      batches to the orbax checkpoint (global arrays on the staging sharding of every device) and reads back only
      them on resume (`checkpoint.RunCheckpointer.restore_latest`, `host_batch.local_rows`).
 
-In a one-process run `own_rows`, `gather_batch` and `buffer_to_global` return their input, and the trainer keeps
-its host path (`RolloutBatch.split`, `Learner.update`), so a one-process run is unchanged bit for bit.
+In a one-process run `own_rows`, `gather_batch` and `buffer_to_global` return their input, `score` is
+`Learner.score`, and the trainer keeps its host path (`RolloutBatch.split`, `Learner.update`), so a one-process run
+is unchanged bit for bit.
 
-Collective host calls: `stage`, `gather_batch` (all-gathers) and `buffer_to_global`'s checkpoint write are called by
-every process at the same point, from the main thread (the overlapped step's learner thread only runs programs).
+Collective host calls: `score`, `stage`, `gather_batch` (all-gathers) and `buffer_to_global`'s checkpoint write are
+called by every process at the same point, from the main thread (the overlapped step's learner thread only runs
+programs).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Iterator
 
 import jax
 import numpy as np
 
-from minpro_jax.rl.learner import Learner, UpdateInputs, staleness
+from minpro_jax.rl.learner import Learner, ScoreInputs, UpdateInputs, staleness
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime import host_batch, multihost
 from minpro_jax.runtime.sharding import batch_split
@@ -119,12 +122,6 @@ def learner_sharding(mesh: jax.sharding.Mesh, rows: int) -> jax.sharding.NamedSh
   return host_batch.batch_sharding(mesh, axes)
 
 
-@functools.lru_cache(maxsize=64)
-def _take(sharding: jax.sharding.NamedSharding, start: int, size: int):
-  """A jitted program: rows [start, start + size) of every leaf, laid out as `sharding`."""
-  return jax.jit(lambda tree: jax.tree.map(lambda a: a[start : start + size], tree), out_shardings=sharding)
-
-
 def mini_batches(staged: StagedBatch, num: int, mesh: jax.sharding.Mesh) -> Iterator[UpdateInputs]:
   """`num` equal consecutive mini-batches of `staged`, each sliced on the devices and laid out on the learner's
   batch sharding (`learner_sharding`), one at a time (a mini-batch is made when the loop asks for it).
@@ -138,7 +135,7 @@ def mini_batches(staged: StagedBatch, num: int, mesh: jax.sharding.Mesh) -> Iter
   m = n // num
   sharding = learner_sharding(mesh, m)
   for j in range(num):
-    yield multihost.settle(_take(sharding, j * m, m)(staged.arrays))
+    yield multihost.settle(host_batch.take_rows(sharding, j * m, m)(staged.arrays))
 
 
 def for_learner(
@@ -159,6 +156,53 @@ def for_learner(
   if gather:
     return gather_batch(released, num_rows)
   return stage(released, mesh, num_rows, replay)
+
+
+def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, return_routes: bool = False):
+  """`Learner.score` of a batch of `num_rows` rows of which this process holds its own (`local`: whole groups,
+  `host_batch.process_group_rows`), returning this process's rows of the [N, L] log-probs (and with
+  `return_routes` of the learner's [N, L, layers, k] routes); `learner.score(params, local)` in one process.
+
+  The score inputs are staged from each process's rows (`host_batch.global_rows` on the staging sharding of the
+  learner's devices), resharded to the learner's batch sharding on the devices, scored by the learner's program,
+  and each process reads its rows of the outputs back from its own devices (`host_batch.rows_to_host`): no host
+  holds the batch. With packing (`learner.row_tokens`: the plan spans every process's rows) or a mesh whose
+  devices cannot hold each process's rows, the rows are all-gathered and scored whole (`gather_batch`), and each
+  process keeps its rows of the result. Collective: every process calls it at the same point, in the caller's
+  `use_mesh`.
+
+  Raises:
+    ValueError: N not divisible by the micro-batch size; replay without routes; `local` is not this process's
+      share of `num_rows`.
+  """
+  if jax.process_count() == 1:
+    return learner.score(params, local, return_routes=return_routes)
+  mesh = learner.mesh
+  try:
+    staging = None if mesh is None else host_batch.staging_sharding(mesh.devices, num_rows)
+  except ValueError:
+    staging = None
+  if staging is None or learner.row_tokens is not None:
+    rows = multihost.process_rows(num_rows)
+    out = learner.score(params, gather_batch(local, num_rows), return_routes=return_routes)
+    return jax.tree.map(lambda a: np.array(a[rows]), out)
+  mb = min(learner.micro_batch_size, num_rows)
+  if num_rows % mb:
+    raise ValueError(f"batch of {num_rows} rows is not divisible by micro_batch_size {mb}")
+  fields = {f: getattr(local, f) for f in ScoreInputs._fields[:-2]}
+  if learner.loss_cfg.router_replay:
+    if local.routes is None:
+      raise ValueError(
+          "LossConfig.router_replay=True but the batch has no routes; sample it with Sampler(record_routes=True)"
+      )
+    fields["routes"] = local.routes
+  if local.kept_logp_threshold is not None:
+    fields["kept_logp_threshold"] = local.kept_logp_threshold
+  placed = multihost.settle(host_batch.global_rows(fields, staging, num_rows))
+  placed = multihost.settle(host_batch.take_rows(learner_sharding(mesh, num_rows), 0, num_rows)(placed))
+  logp, routes = multihost.settle(learner.jitted_score(params, ScoreInputs(**placed), mb))
+  (logp, routes), _ = host_batch.rows_to_host((logp, routes if return_routes else None), num_rows, mesh.devices, True)
+  return (logp, routes) if return_routes else logp
 
 
 def updates(

@@ -17,9 +17,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from minpro_jax.models.moe import route_mismatch
 from minpro_jax.rl.aggregation import LOG_RATIO_CLAMP, k3
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.runtime import multihost
+from minpro_jax.runtime import host_batch, multihost
 from minpro_jax.sampling.batch import GenerationBatch
 
 # the per-row columns gathered from every process
@@ -32,9 +33,10 @@ def sample_metrics(gen: GenerationBatch, batch: RolloutBatch, rows: slice, num_r
   token count under "tokens", over all `num_rows` rows of every process.
 
   Args:
-    gen, batch: the step's sampler output and rollout batch; this process reads only their rows `rows` (its
-      `host_batch.process_group_rows`, or `multihost.process_rows(num_rows)`: the same contiguous even split).
-    rows: this process's rows.
+    gen, batch: the step's sampler output and rollout batch, of every row or of this process's rows only; this
+      process reads only their rows `rows`.
+    rows: this process's rows of `gen` and `batch` (its `host_batch.process_group_rows`, or
+      `multihost.process_rows(num_rows)`: the same contiguous even split; slice(None) when they hold only those).
     num_rows: the global row count N.
 
   Every process must call it at the same point (one all-gather in a multi-process run).
@@ -96,3 +98,16 @@ def mismatch_metrics(batch: RolloutBatch, rows: slice, num_rows: int) -> dict[st
       "mismatch_k1": mean("k1_sum"),
       "mismatch_k3": mean("k3_sum"),
   }
+
+
+def route_mismatch_frac(own_routes, recorded_routes, per_process: bool) -> float:
+  """`moe.route_mismatch`'s fraction of the recorded routes the learner's router picks other experts for: over
+  these rows, or with `per_process` over every process's rows (each passes its own; their counts are summed with
+  `host_batch.batch_stats`, so the fraction equals one process's). Collective with `per_process` in a
+  multi-process run."""
+  frac, count = route_mismatch(own_routes, recorded_routes)
+  if not per_process:
+    return frac
+  stats = host_batch.batch_stats({"differ": np.asarray([round(frac * count)]), "recorded": np.asarray([count])})
+  total = stats["recorded"]["sum"]
+  return stats["differ"]["sum"] / total if total else 0.0

@@ -5,7 +5,7 @@ prompt p are rows [p G, (p + 1) G)). With n processes, process i owns the whole 
 [i B/n, (i + 1) B/n), i.e. rows [i B G/n, (i + 1) B G/n): group advantages computed from its own rows are exact,
 and the rows are the contiguous block its devices hold when the batch axis splits over the mesh's `data`/`fsdp`
 axes in process order (`check_layout`). `global_rows` makes the global sharded array from every process's block
-(`jax.make_array_from_process_local_data`), `local_rows` reads a process's block back, and `batch_stats` reduces a step's statistics from per-process partial
+(`jax.make_array_from_process_local_data`), `local_rows` reads a process's block back (`rows_to_host`: a device output's rows per process), and `batch_stats` reduces a step's statistics from per-process partial
 sums, so no host needs the global batch. docs/multihost.md says what is wired into the trainer.
 
 Every function is exact in a single-process run (one process owns every row) and makes no collective call there.
@@ -14,6 +14,7 @@ Every function is exact in a single-process run (one process owns every row) and
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from minpro_jax.errors import ConfigError
+from minpro_jax.runtime import multihost
 
 
 def process_prompts(prompts_per_step: int, index: int | None = None, count: int | None = None) -> slice:
@@ -191,6 +193,55 @@ def local_rows(x: jax.Array) -> np.ndarray:
       out = np.empty((stop - start, *x.shape[1:]), x.dtype)
     out[rows.start - start : rows.stop - start] = np.asarray(shard.data)
   return np.empty((0, *x.shape[1:]), x.dtype) if out is None else out
+
+
+@functools.lru_cache(maxsize=64)
+def take_rows(sharding: jax.sharding.Sharding, start: int, size: int):
+  """A jitted program: rows [start, start + size) of every leaf of a tree of global arrays, laid out as `sharding`
+  (the devices move the rows; no host holds them). Collective: every process runs it at the same point."""
+  return jax.jit(lambda tree: jax.tree.map(lambda a: a[start : start + size], tree), out_shardings=sharding)
+
+
+def rows_to_host(tree: Any, num_rows: int, devices, own: bool) -> tuple[Any, slice]:
+  """The first `num_rows` rows of every array leaf of `tree` on the host: all of them (`own` False, or one process),
+  or with `own` only this process's rows (`multihost.process_rows(num_rows)`: whole groups when the prompts split
+  over the processes), read from its own devices.
+
+  With `own` in a multi-process run, the device leaves are first laid out with the rows split over the processes
+  in order (`take_rows` to `staging_sharding(devices, num_rows)`: the devices move them) and each process reads its
+  block (`local_rows`): no all-gather. Host (numpy) leaves, and every leaf when `devices` cannot take that layout
+  (None, not in process order with equal shares, or rows that do not split over the processes), are brought whole (`multihost.to_host`) and sliced.
+  Collective in a multi-process run: every process calls it at the same point with the same tree structure.
+
+  Args:
+    tree: a pytree of [>= num_rows, ...] arrays (device or numpy); None leaves pass through.
+    num_rows: the rows that count (the rest, padding, are dropped).
+    devices: the devices the device leaves live on (a mesh's `devices`), or None.
+    own: return only this process's rows.
+
+  Returns:
+    (the tree of numpy arrays, the rows [start, stop) of the `num_rows` they are).
+  """
+  if not own or jax.process_count() == 1:
+    return jax.tree.map(lambda a: np.asarray(a)[:num_rows], multihost.to_host(tree)), slice(0, num_rows)
+  rows = multihost.process_rows(num_rows)
+  sharding = None
+  if devices is not None and num_rows % jax.process_count() == 0:
+    try:
+      sharding = staging_sharding(devices, num_rows)
+    except ValueError:
+      sharding = None  # this layout cannot put each process's rows on its devices: the host path
+  leaves, treedef = jax.tree.flatten(tree)
+  on_device = [i for i, x in enumerate(leaves) if sharding is not None and isinstance(x, jax.Array)]
+  out = list(leaves)
+  if on_device:
+    placed = multihost.settle(take_rows(sharding, 0, num_rows)(multihost.settle([leaves[i] for i in on_device])))
+    for i, x in zip(on_device, placed):
+      out[i] = local_rows(x)
+  for i, x in enumerate(leaves):
+    if i not in on_device:
+      out[i] = np.asarray(multihost.to_host(x))[rows]
+  return jax.tree.unflatten(treedef, out), rows
 
 
 STATS = ("sum", "count", "min", "max")

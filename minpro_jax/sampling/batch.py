@@ -59,6 +59,11 @@ class GenerationBatch:
   def __len__(self) -> int:
     return int(self.response_tokens.shape[0])
 
+  def select(self, rows: slice | np.ndarray) -> "GenerationBatch":
+    """The batch of rows `rows` (a slice or an index array) of every per-row field."""
+    per_row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return dataclasses.replace(self, **{k: v[rows] for k, v in per_row.items() if isinstance(v, np.ndarray)})
+
   @property
   def truncated(self) -> np.ndarray:
     """[N] bool, True for rows that hit max_new_tokens without a stop id."""

@@ -57,6 +57,7 @@ from minpro_jax.models.quant import (
 )
 from minpro_jax.models.rope import rope_tables
 from minpro_jax.models.transformer import KVCache, Transformer, keys_head_dim_major
+from minpro_jax.runtime.host_batch import process_prompts, rows_to_host
 from minpro_jax.runtime.inference_mesh import layout_name, param_shardings, reshard
 from minpro_jax.runtime.multihost import settle, to_host
 from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
@@ -391,8 +392,7 @@ class Sampler:
       return pc.generate(self, state, tokens, segs, row_group, keys, n, sampling, group_size)
     if self.in_loop_refill:
       requests = (tokens, segs, row_group.astype(np.int32), keys)
-      out = self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at)
-      return to_host(out)
+      return self._c_all(state, requests, sampling=sampling, p_len=p_len, rows=rows, refill=refill_at)
     st = settle(self._c_init(rows=rows, num_requests=n, slots=p_len + sampling.max_new_tokens, sampling=sampling))
     done = np.ones(rows, bool)
     nxt = 0  # next waiting request
@@ -414,7 +414,7 @@ class Sampler:
       done = to_host(st.done)
       if not waiting and done.all():
         break
-    return to_host(st.outputs())
+    return st.outputs()
 
   def continuous_rows(self, num_requests: int) -> tuple[int, int]:
     """(decode rows, rows per refill) the continuous sampler runs a call of `num_requests` rows on: `decode_rows`
@@ -483,6 +483,7 @@ class Sampler:
       group_size: int = 1,
       group_ids: Sequence[int] | None = None,
       policy_version: int | None = None,
+      own_rows: bool = False,
   ) -> GenerationBatch:
     """Samples `group_size` responses for every prompt.
 
@@ -496,9 +497,12 @@ class Sampler:
       group_ids: N0 ints, one per prompt (default 0..N0-1); every sample of a prompt carries it.
       policy_version: optional int, the version (number of optimizer updates) of the params, stamped on
         the batch (None: -1 = unversioned).
+      own_rows: in a multi-process run, return only this process's rows (whole groups, prompts
+        `host_batch.process_prompts(N0)`), read from its own devices (`host_batch.rows_to_host`) instead of
+        all-gathered; every process passes the same prompts. The same batch as False in one process.
 
     Returns:
-      A `GenerationBatch` of N0 * G rows.
+      A `GenerationBatch` of N0 * G rows (with `own_rows`, this process's N0 * G / processes rows).
 
     Raises:
       ValueError: empty prompt list or prompt, token ids outside the vocabulary, a prompt longer than the
@@ -511,6 +515,8 @@ class Sampler:
       raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     prompts = self._check_prompts(prompts)
     n0 = len(prompts)
+    if own_rows:
+      process_prompts(n0)  # raises unless the prompts split into whole groups over the processes
     if group_ids is None:
       group_ids = np.arange(n0, dtype=np.int64)
     else:
@@ -544,31 +550,29 @@ class Sampler:
         base = jax.random.wrap_key_data(np.asarray(jax.random.key_data(seed)), impl=jax.random.key_impl(seed))
       row_keys = jax.vmap(lambda g, s: jax.random.fold_in(jax.random.fold_in(base, g), s))(g_all, s_all)
       if self.continuous:
-        tok, logp, ent, mask, stopped, routes, kept = self._generate_continuous(
-            state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling, group_size
-        )
+        out = self._generate_continuous(state, tokens[:n], segs[:n], row_keys[:n], row_group, n, sampling, group_size)
       else:
         st = settle(
             self.jitted_prefill(state, tokens, segs, row_keys, active, g_all.astype(np.int32), sampling=sampling)
         )
-        st = self.jitted_decode(state, st, sampling=sampling, cache_offset=p_len)
-        tok, logp, ent, mask, stopped, routes, kept = to_host(st.outputs())
-    mask = mask[:n]
+        out = self.jitted_decode(state, st, sampling=sampling, cache_offset=p_len).outputs()
+      devices = None if self.mesh is None else self.mesh.devices
+      (tok, logp, ent, mask, stopped, routes, kept), mine = rows_to_host(out, n, devices, own_rows)
     return GenerationBatch(
-        prompt_tokens=tokens[:n],
-        prompt_mask=segs[:n].astype(bool),
-        response_tokens=tok[:n],
+        prompt_tokens=tokens[mine],
+        prompt_mask=segs[mine].astype(bool),
+        response_tokens=tok,
         response_mask=mask,
-        behavior_logp=logp[:n],
-        entropy=ent[:n],
+        behavior_logp=logp,
+        entropy=ent,
         lengths=mask.sum(-1).astype(np.int32),
-        finish_reason=np.where(stopped[:n], FINISH_STOP, FINISH_LENGTH),
-        group_ids=row_group,
-        sample_index=row_sample,
+        finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH),
+        group_ids=row_group[mine],
+        sample_index=row_sample[mine],
         policy_version=version,
         temperature=sampling.logprob_temperature,
-        routes=None if routes is None else routes[:n],
-        kept_logp_threshold=None if kept is None else kept[:n],
+        routes=routes,
+        kept_logp_threshold=kept,
     )
 
   def _check_prompts(self, prompts) -> list[list[int]]:
