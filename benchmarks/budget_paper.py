@@ -8,8 +8,9 @@ the cost model or with another `--lengths`); `--only` picks entries by substring
 Lengths: gamma(shape 2, mean 8,192) clipped at the config's max_new_tokens (mean ~8.1k at 20,480, 3.9 % truncated)
 for the MinPRO configs, mean 3,000 at MIPU's 8,192; prompts of 256 real tokens. The configs are used as they stand
 (prompt bucket data.max_prompt_tokens), so the figures move when the sampler and learner issues change the code.
-An entry named `<name>_sampler_layout` is the same setting with `SAMPLER_LAYOUT`'s config fields (the sampler's
-own mesh and decode rows): its "after" beside the entry's "before".
+Qwen3-8B on v5p-64 has its before and after: `_fsdp_dense` (the learner's mesh, 64 rows, the dense cache: the
+config of 2026-12-03), `_sampler_layout` (its own mesh and rows, dense), `_paged` (paged on mesh=auto) and the config
+as it stands (paged on data x tensor=8).
 Needs libtpu (`make setup`). Each entry compiles 4 programs, 5-40 minutes on this project's 2-core CPU.
 """
 
@@ -29,12 +30,16 @@ PAPER = "configs/paper"
 MINPRO_LENGTHS = ["--lengths=gamma:mean=8192", "--prompt-len=256"]
 MIPU_LENGTHS = ["--lengths=gamma:mean=3000", "--prompt-len=256"]
 
-# the sampler on its own layout (issue 36): data x tensor with tensor groups within a host, weights resident, and
-# as many decode rows as each chip's HBM holds beside them and the learner's state
-SAMPLER_LAYOUT = ["--config.sampling.mesh=auto", "--config.sampling.decode_rows=auto"]
+# the baseline the issues started from: the learner's FSDP mesh and rules, 64 decode rows, the dense cache
+FSDP_DENSE = ["--config.sampling.mesh=", "--config.sampling.decode_rows=64", "--config.sampling.kv_cache=dense"]
 
-# the paged sampler on that layout (pages of 128 tokens: 1k-token kernel blocks of 8 pages, and a row's last page
-# wastes at most 127 of its ~8k tokens), sampling and transfer only: the learner's parts are the entry above's
+# the sampler on its own layout (issue 36): data x tensor with tensor groups within a host, weights resident, and
+# as many decode rows as each chip's HBM holds beside them and the learner's state; the dense cache
+SAMPLER_LAYOUT = ["--config.sampling.mesh=auto", "--config.sampling.decode_rows=auto"]
+DENSE_LAYOUT = [*SAMPLER_LAYOUT, "--config.sampling.kv_cache=dense"]
+
+# the paged sampler on that layout (pages of 128 tokens, 1k-token kernel blocks of 8 pages), sampling and transfer
+# only: the learner's parts are the first entry's. The Qwen3-8B paper config itself runs paged on data=-1 x tensor=8
 PAGED = [*SAMPLER_LAYOUT, "--config.sampling.kv_cache=paged", "--config.sampling.page_size=128"]
 SAMPLER_PARTS = ["--parts=sampling,transfer"]
 LEARNER = "--parts=score,update"
@@ -42,17 +47,14 @@ SPLIT = ["--config.sampling.devices=16", "--config.micro_batch_size=16", "--part
 
 ENTRIES = [
     ("qwen3_8b_v5p-64", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
-    ("qwen3_8b_v5p-64_sampler_layout", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *SAMPLER_LAYOUT]),
-    (
-        "qwen3_8b_v5p-64_paged",
-        "v5p-64",
-        [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *PAGED, "--config.sampling.decode_rows=256", *SAMPLER_PARTS],
-    ),
+    ("qwen3_8b_v5p-64_fsdp_dense", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *FSDP_DENSE]),
+    ("qwen3_8b_v5p-64_sampler_layout", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *DENSE_LAYOUT]),
+    ("qwen3_8b_v5p-64_paged", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *PAGED, *SAMPLER_PARTS]),
     # issue 37: the learner's packed rows (learner.row_tokens, in the paper configs since 2026-12-05) and its programs
     # without windowed einsums (runtime/xla_options.py); the learner's parts only
-    ("qwen3_8b_v5p-64_packed", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *SAMPLER_LAYOUT, LEARNER]),
+    ("qwen3_8b_v5p-64_packed", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *DENSE_LAYOUT, LEARNER]),
     # the overlapped step: the sampler on 16 of the 32 chips (data=8 x tensor=2), the learner on the other 16
-    ("qwen3_8b_v5p-64_split16", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *SAMPLER_LAYOUT, *SPLIT]),
+    ("qwen3_8b_v5p-64_split16", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *DENSE_LAYOUT, *SPLIT]),
     ("qwen3_8b_v5p-32", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v6e-16", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),

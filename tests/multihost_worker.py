@@ -282,7 +282,7 @@ def sampled_rows(out_dir: str) -> dict:
   from minpro_jax.rl.rollout import RolloutBatch
   from minpro_jax.runtime import host_batch
   from minpro_jax.runtime.sharding import make_mesh, use_mesh
-  from minpro_jax.sampling import Sampler, SamplingParams
+  from minpro_jax.sampling import PagedKV, Sampler, SamplingParams
 
   mesh = make_mesh({"data": 2, "fsdp": 2})
   kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -292,8 +292,8 @@ def sampled_rows(out_dir: str) -> dict:
   sp = SamplingParams(temperature=1.0, max_new_tokens=6)
   rows = host_batch.process_group_rows(4, 2)
   out: dict = {"rows": [rows.start, rows.stop]}
-  for name, continuous in (("continuous", True), ("static", False)):
-    sampler = Sampler(model.config, mesh=mesh, continuous=continuous, decode_rows=4)
+  for name, continuous, paged_kv in (("continuous", True, None), ("paged", True, PagedKV(4)), ("static", False, None)):
+    sampler = Sampler(model.config, mesh=mesh, continuous=continuous, decode_rows=4, paged_kv=paged_kv)
     with use_mesh(mesh):
       whole = sampler.generate(params, prompts, sp, 7, group_size=2, group_ids=[10, 11, 12, 13], policy_version=3)
       mine = sampler.generate(

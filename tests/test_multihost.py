@@ -56,9 +56,6 @@ def _overrides(tmp, name):
       total_steps=STEPS,
       micro_batch_size=4,  # splits over data x fsdp = 4 (run_config.check_micro_batch_split)
       **{"mesh.shape": "data=2,fsdp=2", "eval.every": 2, "checkpoint.every": 1, "checkpoint.keep": 2},
-      # the dense sampler's outputs come back per process (the paged one, "auto"'s choice here, still all-gathers
-      # them inside and each process keeps its rows: the one-device-per-process run below takes that path)
-      **{"sampling.kv_cache": "dense"},
   )
 
 
@@ -328,7 +325,7 @@ def test_per_process_learner_inputs_and_buffer_in_two_processes(tmp_path):
 
 @LAUNCH_GROUP
 def test_sampler_outputs_and_score_pass_per_process_in_two_processes(tmp_path):
-  """`Sampler.generate(own_rows=True)` (continuous and static) and `process_batch.score` give each process only its
+  """`Sampler.generate(own_rows=True)` (continuous dense and paged, static) and `process_batch.score` give each process only its
   4 rows (whole groups), equal to its rows of the all-gathered outputs; the log-probs to float round-off (another
   sharding of the same program)."""
   p = _worker("sampled_rows", tmp_path)
@@ -337,7 +334,7 @@ def test_sampler_outputs_and_score_pass_per_process_in_two_processes(tmp_path):
   for i in range(2):
     s = json.load(open(tmp_path / f"process_{i}.json"))
     assert s["rows"] == [4 * i, 4 * i + 4]
-    for name in ("continuous", "static"):
+    for name in ("continuous", "paged", "static"):
       assert s[name]["len"] == 4 and s[name]["shapes"] == [[4, 6], [4, 64]], (name, s[name])
       assert s[name]["equal"], name
       assert s[name]["group_ids"] == [10 + 2 * i] * 2 + [11 + 2 * i] * 2

@@ -43,6 +43,21 @@ from minpro_jax.runtime import host_batch, multihost
 from minpro_jax.runtime.sharding import batch_split
 
 
+def _input_fields(local, names, replay: bool) -> dict:
+  """The learner-input arrays of a process's rows: `names` of `local` (a `RolloutBatch`), its routes with router
+  replay, its kept-logp thresholds where it has them. Raises ValueError: replay without routes in the batch."""
+  fields = {f: getattr(local, f) for f in names}
+  if replay:
+    if local.routes is None:
+      raise ValueError(
+          "LossConfig.router_replay=True but the batch has no routes; sample it with Sampler(record_routes=True)"
+      )
+    fields["routes"] = local.routes
+  if local.kept_logp_threshold is not None:
+    fields["kept_logp_threshold"] = local.kept_logp_threshold
+  return fields
+
+
 def own_rows(batch: RolloutBatch, prompts_per_step: int, group_size: int) -> RolloutBatch:
   """This process's rows of the step's global batch (`host_batch.process_group_rows`), copied so the global arrays
   can be freed; `batch` itself in a one-process run.
@@ -98,15 +113,7 @@ def stage(local: RolloutBatch, mesh: jax.sharding.Mesh, num_rows: int, replay: b
     ValueError: replay without routes in the batch; `local` is not this process's share of `num_rows`; the mesh's
       devices are not in process order with equal shares (`host_batch.staging_sharding`).
   """
-  fields = {f: getattr(local, f) for f in UpdateInputs._fields[:-2]}
-  if replay:
-    if local.routes is None:
-      raise ValueError(
-          "LossConfig.router_replay=True but the batch has no routes; sample it with Sampler(record_routes=True)"
-      )
-    fields["routes"] = local.routes
-  if local.kept_logp_threshold is not None:
-    fields["kept_logp_threshold"] = local.kept_logp_threshold
+  fields = _input_fields(local, UpdateInputs._fields[:-2], replay)
   placed = host_batch.global_rows(fields, host_batch.staging_sharding(mesh.devices, num_rows), num_rows)
   per_row = np.stack([local.policy_version, local.segment_ids.sum(1)], axis=1).astype(np.int64)
   every = multihost.gather_rows(per_row, num_rows)
@@ -189,15 +196,7 @@ def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, 
   mb = min(learner.micro_batch_size, num_rows)
   if num_rows % mb:
     raise ValueError(f"batch of {num_rows} rows is not divisible by micro_batch_size {mb}")
-  fields = {f: getattr(local, f) for f in ScoreInputs._fields[:-2]}
-  if learner.loss_cfg.router_replay:
-    if local.routes is None:
-      raise ValueError(
-          "LossConfig.router_replay=True but the batch has no routes; sample it with Sampler(record_routes=True)"
-      )
-    fields["routes"] = local.routes
-  if local.kept_logp_threshold is not None:
-    fields["kept_logp_threshold"] = local.kept_logp_threshold
+  fields = _input_fields(local, ScoreInputs._fields[:-2], learner.loss_cfg.router_replay)
   placed = multihost.settle(host_batch.global_rows(fields, staging, num_rows))
   placed = multihost.settle(host_batch.take_rows(learner_sharding(mesh, num_rows), 0, num_rows)(placed))
   logp, routes = multihost.settle(learner.jitted_score(params, ScoreInputs(**placed), mb))
