@@ -25,7 +25,8 @@ def get_config(arg=None):
   # the sampler on its own layout (tensor=8: each chip one of Qwen3-8B's 8 KV heads and 1/8 of the weights, -1 data
   # groups of as many rows as fit) with the paged KV cache (pages of 128 read in place by jax's Pallas paged
   # attention): on v5p-64 an estimated 481 s a step, 1.33x its bound, against ~5.2x for the dense cache
-  # (benchmarks/README.md, "The paged sampler in the budget"); --config.sampling.kv_cache=dense for the A/B
+  # (benchmarks/README.md, "The paged sampler in the budget"); --config.sampling.kv_cache=dense for the A/B. On a
+  # slice of fewer than 8 chips pass --config.sampling.mesh=auto (v5p-8: tensor=4, 60.1 GB per chip)
   c.sampling.kv_cache = "paged"
   c.sampling.mesh = "data=-1,tensor=8"
   c.sampling.decode_rows = "auto"
