@@ -197,6 +197,7 @@ def test_parse_sampling_mesh_and_auto():
         ("tensor", 8, "cannot parse 'tensor'"),
         ("tensor=0,data=-1", 8, "sizes must be >= 1"),
         ("data=8,tensor=1,data=2", 8, "gives axis 'data' twice"),  # once a silent data=2
+        ("data=-1,tensor=8", 4, r"fixed sizes \(8\) do not divide the sampler's 4 devices.*or 'auto'"),  # v5p-8
     ],
 )
 def test_parse_sampling_mesh_errors(spec, devices, match):

@@ -105,7 +105,10 @@ def parse_sampling_mesh(
   known = math.prod(v for v in shape.values() if v != -1)
   if -1 in shape.values():
     if num_devices % known:
-      _fail(f"{spec!r}: the fixed sizes ({known}) do not divide the learner mesh's {num_devices} devices")
+      _fail(
+          f"{spec!r}: the fixed sizes ({known}) do not divide the sampler's {num_devices} devices (the learner mesh's, "
+          "or config.sampling.devices); on a smaller slice give a smaller tensor, or 'auto'"
+      )
     shape = {a: num_devices // known if v == -1 else v for a, v in shape.items()}
   out = {"data": shape.get("data", 1), "tensor": shape.get("tensor", 1)}
   n, t = out["data"] * out["tensor"], out["tensor"]
