@@ -3,7 +3,8 @@
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.methods import NextTokens, SamplingParams, get_next_tokens, truncation_logits
 from minpro_jax.sampling.paged_continuous import PagedKV
-from minpro_jax.sampling.sampler import PreparedParams, Sampler
+from minpro_jax.sampling.prepared import PreparedParams
+from minpro_jax.sampling.sampler import Sampler
 
 __all__ = [
     "FINISH_LENGTH",

@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +65,7 @@ from minpro_jax.sampling import paged_continuous as pc
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.loop import LoopState, decode_loop, init_loop_state, sample_step
 from minpro_jax.sampling.methods import SamplingParams
+from minpro_jax.sampling.prepared import PreparedParams, param_shapes, signature_diff
 
 DEFAULT_PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -74,47 +74,6 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
   i = bisect.bisect_left(buckets, n)
   return buckets[i] if i < len(buckets) else None
-
-
-def _signature_diff(got: tuple, want: tuple) -> str:
-  """Which part of two `PreparedParams.signature`s differs, e.g. "precision ('bf16', this Sampler: 'fp32')"."""
-  names = ("precision", "fp8_activations", "fp8_weight_scale", "fp8_format", "fuse_qkv", "layout")
-  for name, a, b in zip(names, got, want):
-    if a != b:
-      return f"{name} ({a!r}, this Sampler: {b!r})"
-  got_cfg, want_cfg = got[-1], want[-1]
-  fields = [f.name for f in dataclasses.fields(want_cfg) if getattr(got_cfg, f.name) != getattr(want_cfg, f.name)]
-  return (
-      "ModelConfig ("
-      + ", ".join(f"{f}={getattr(got_cfg, f)!r}, this Sampler: {getattr(want_cfg, f)!r}" for f in fields)
-      + ")"
-  )
-
-
-def _param_shapes(state) -> list[tuple[str, tuple[int, ...]]]:
-  """(path, shape) of every parameter array of an nnx State, in tree order (for mismatch messages)."""
-  return [
-      (jax.tree_util.keystr(k).removesuffix(".value"), x.shape) for k, x in jax.tree_util.tree_leaves_with_path(state)
-  ]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PreparedParams:
-  """Parameters already converted by `Sampler.prepare_params`: pass them to `generate` any number of times.
-
-  The conversion (precision cast and per-layer copy, step 2 of the module docstring) then runs once per
-  parameter version instead of once per `generate` call, like a weight sync to an inference engine. It holds
-  one parameter-sized buffer for as long as the object lives.
-
-  Attributes:
-    state: the converted `nnx.State` (per-layer layout, the sampler's precision).
-    signature: (precision, fp8_activations, fp8_weight_scale, fp8_format, fuse_qkv, layout, ModelConfig) of the
-      Sampler that made it (layout: `inference_mesh.layout_name` of its mesh and rules, None on one device);
-      `generate` of a Sampler with another signature rejects it.
-  """
-
-  state: Any
-  signature: tuple
 
 
 class Sampler:
@@ -238,7 +197,7 @@ class Sampler:
     with nnx.use_eager_sharding(False):
       abstract_in = nnx.eval_shape(lambda: Transformer(self._input_config, rngs=nnx.Rngs(0)))
       self._graphdef, abstract_out = nnx.split(nnx.eval_shape(lambda: Transformer(self.config, rngs=nnx.Rngs(0))))
-    self._abstract_leaves = _param_shapes(nnx.split(abstract_in)[1])
+    self._abstract_leaves = param_shapes(nnx.split(abstract_in)[1])
     # where `prepare_params` puts every converted parameter ({key path: NamedSharding}; None: one device)
     self.param_shardings = None if mesh is None else param_shardings(abstract_out, mesh, rules or DEFAULT_RULES)
     # the static sampler's jitted parts (public for compile-only tools: `minpro_jax.aot` lowers them)
@@ -432,7 +391,7 @@ class Sampler:
     return use_mesh(self.mesh, self.rules or DEFAULT_RULES)
 
   def _check_state(self, state):
-    got = _param_shapes(state)
+    got = param_shapes(state)
     if got == self._abstract_leaves:
       return
     if len(got) != len(self._abstract_leaves):
@@ -461,7 +420,7 @@ class Sampler:
     """
     if isinstance(params, PreparedParams):
       if params.signature != self._signature:
-        diff = _signature_diff(params.signature, self._signature)
+        diff = signature_diff(params.signature, self._signature)
         raise ValueError(
             f"params were prepared by a Sampler with another {diff}; call prepare_params of this "
             "Sampler on the raw parameters"
