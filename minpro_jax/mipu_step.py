@@ -22,16 +22,31 @@ decide whether to keep them, and roll back to the snapshot taken before them whe
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from minpro_jax import run_config
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
+from minpro_jax.runtime import multihost
 from minpro_jax.sampling import Sampler
 
 LEARNER_PRECISION = "fp32"  # the sampler precision whose log-probs are the learner's (rho = 1 at equal weights)
+
+
+class _Draw(NamedTuple):
+  """A validation draw: `batch`, this process's rows of it (a `RolloutBatch`: every row in one process); the [B]
+  per-row statistics of every process's rows: `terms` and `has` (`inference_gap_terms`), `rewards`, `group_ids`;
+  and T = sum(terms) / sum(has)."""
+
+  batch: Any
+  terms: np.ndarray
+  has: np.ndarray
+  rewards: np.ndarray
+  group_ids: np.ndarray
+  t: float
 
 
 class MipuStep:
@@ -55,15 +70,29 @@ class MipuStep:
     if m.ground_truth and m.mode == "gap":
       self.truth_sampler = Sampler(trainer.model.config, **{**trainer.sampler_kw, "precision": LEARNER_PRECISION})
 
-  def _draw(self, state, problems, seed: int):
-    """The validation draw of `problems` at `state.params` (sampler precision), scored by the learner there:
-    (the `RolloutBatch`, the T terms, their mask, T)."""
+  def _own_rows(self, num_prompts: int) -> bool:
+    """Whether each process samples, grades and scores only its rows of a validation draw (whole groups): in a
+    multi-process run whose process count divides `num_prompts`."""
+    n = jax.process_count()
+    return n > 1 and num_prompts % n == 0
+
+  def _draw(self, state, problems, seed: int) -> _Draw:
+    """The validation draw of `problems` at `state.params` (sampler precision), scored by the learner there. In
+    several processes each holds its rows (`_own_rows`) and the [B] per-row statistics are all-gathered (one
+    [B, 4] table), so T and its standard errors are those of one process."""
     tr, m = self.trainer, self.cfg
-    gen = tr._generate(state.params, problems, tr.sampling, seed, m.val_group_size, policy_version=int(state.step))
+    own = self._own_rows(len(problems))
+    gen = tr._generate(
+        state.params, problems, tr.sampling, seed, m.val_group_size, policy_version=int(state.step), own_rows=own
+    )
     batch, _, _ = tr._rollout(state, gen, problems, m.val_group_size)
     terms, has = inference_gap_terms(batch.learner_logp, batch.behavior_logp, batch.advantages, batch.response_mask)
-    terms, has = np.asarray(terms), np.asarray(has)
-    return batch, terms, has, float(terms.sum() / max(has.sum(), 1))
+    per_row = np.stack([np.asarray(terms), np.asarray(has), batch.rewards, batch.group_ids], 1).astype(np.float64)
+    if own:
+      per_row = multihost.gather_rows(per_row, len(problems) * m.val_group_size)
+    terms, has = per_row[:, 0].astype(np.float32), per_row[:, 1].astype(bool)
+    rewards, group_ids = per_row[:, 2].astype(np.float32), per_row[:, 3].astype(np.int64)
+    return _Draw(batch, terms, has, rewards, group_ids, float(terms.sum() / max(has.sum(), 1)))
 
   def calibrate(self, state) -> float:
     """`mipu.tolerance=calibrated`'s c from `calibration_draws` validation draws of T at `state.params`."""
@@ -71,7 +100,7 @@ class MipuStep:
     t = []
     for d in range(m.calibration_draws):
       idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(d, 5))
-      t.append(self._draw(state, [tr.train_problems[i] for i in idx], tr._step_seed(d, 6))[3])
+      t.append(self._draw(state, [tr.train_problems[i] for i in idx], tr._step_seed(d, 6)).t)
     return mipu.calibrated_tolerance(t, float(m.calibration_z))
 
   def check(
@@ -80,7 +109,7 @@ class MipuStep:
     """The Step-2 test of `state.params` (just updated; read only) against `-tolerance` (default
     `mipu.gap_tolerance`). `before`, the state at theta_k (read only), is needed by the paired statistics. Returns
     the check, its metrics and the validation batch (a `RolloutBatch`: the sampler's mu' and the learner's pi'
-    log-probs of its tokens).
+    log-probs of its tokens; this process's rows of it in a multi-process run).
 
     Raises:
       ValueError: a paired `mipu.statistic` without `before`.
@@ -90,23 +119,23 @@ class MipuStep:
     idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(step, 3))
     problems = [tr.train_problems[i] for i in idx]
     seed = tr._step_seed(step, 4)
-    batch, terms, has, t_post = self._draw(state, problems, seed)
+    new = self._draw(state, problems, seed)
     paired = {}
     if m.statistic != "t_post":
       if before is None:
         raise ValueError(f"mipu.statistic={m.statistic!r} compares with theta_k: pass its state as `before`")
-      old, old_terms, old_has, t_before = self._draw(before, problems, seed)  # same prompts and keys: coupled
-      d_t, d_t_se = mipu.paired_difference(terms, has, old_terms, old_has, batch.group_ids)
-      ones = np.ones(batch.size, bool)
-      d_j, d_j_se = mipu.paired_difference(batch.rewards, ones, old.rewards, ones, batch.group_ids)
-      paired = dict(t_before=t_before, delta_t=d_t, delta_t_se=d_t_se, delta_j=d_j, delta_j_se=d_j_se)
-    value = {"t_post": t_post, **paired}[m.statistic]
+      old = self._draw(before, problems, seed)  # same prompts and keys: coupled
+      d_t, d_t_se = mipu.paired_difference(new.terms, new.has, old.terms, old.has, new.group_ids)
+      ones = np.ones(len(new.rewards), bool)
+      d_j, d_j_se = mipu.paired_difference(new.rewards, ones, old.rewards, ones, new.group_ids)
+      paired = dict(t_before=old.t, delta_t=d_t, delta_t_se=d_t_se, delta_j=d_j, delta_j_se=d_j_se)
+    value = {"t_post": new.t, **paired}[m.statistic]
     check = mipu.GapCheck(
-        t_post=t_post,
-        t_post_se=mipu.t_post_standard_error(terms, has, batch.group_ids),
+        t_post=new.t,
+        t_post_se=mipu.t_post_standard_error(new.terms, new.has, new.group_ids),
         accepted=mipu.accept_update(value, tolerance),
-        reward_mean=float(batch.rewards.mean()),
-        num_samples=batch.size,
+        reward_mean=float(new.rewards.mean()),
+        num_samples=len(new.rewards),
         statistic=value,
         **paired,
     )
@@ -114,10 +143,13 @@ class MipuStep:
     metrics.update({f"mipu/{k}": v for k, v in paired.items()})
     metrics["mipu/tolerance"] = tolerance
     if self.truth_sampler is not None:
-      truth = tr._generate(state.params, problems, tr.sampling, seed, m.val_group_size, sampler=self.truth_sampler)
-      j_pi = float(tr.grade(truth, problems, m.val_group_size)[1].mean())
+      own = self._own_rows(len(problems))
+      truth = tr._generate(
+          state.params, problems, tr.sampling, seed, m.val_group_size, sampler=self.truth_sampler, own_rows=own
+      )
+      j_pi = float(tr.grade(truth, problems, m.val_group_size)[1].mean())  # [B] rewards of every process's rows
       metrics.update({"mipu/j_learner": j_pi, "mipu/j_gap": check.reward_mean - j_pi})
-    return check, metrics, batch
+    return check, metrics, new.batch
 
   def __call__(self, state, before, step: int, progress) -> tuple[Any, dict[str, Any]]:
     """Decides on the step's updates; returns the state kept (`before`, the snapshot, on a rollback) and the

@@ -26,6 +26,7 @@ same command continues exactly as if it had never stopped (tests/test_train_resu
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -50,6 +51,7 @@ from minpro_jax.mipu_step import summary as mipu_summary
 from minpro_jax.overlap import StepRunner
 from minpro_jax.rl import lr_decay, process_batch, rollout_metrics
 from minpro_jax.rl.advantages import group_advantages
+from minpro_jax.rl.dynamic_rows import take_own_groups
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner
 from minpro_jax.rl.packing import row_tokens
@@ -58,7 +60,7 @@ from minpro_jax.rl.update_metrics import combine_update_metrics
 from minpro_jax.run_progress import RunProgress
 from minpro_jax.run_setup import RunParts, setup_run
 from minpro_jax.run_watch import MAX_ALL_SKIPPED_STEPS, RunWatch
-from minpro_jax.runtime import host_batch, multihost
+from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampler_setup import sampler_kwargs
 from minpro_jax.sampling import Sampler, SamplingParams
@@ -153,11 +155,15 @@ class Trainer:
     if not score:
       return batch, texts, gstats
     recorded = batch.routes is not None  # the learner's own routes ([N, L, layers, k]) only to compare with them
+    num = self.c.num_updates_per_step  # packed: each mini-batch on its own (`packed_batch`)
+    chunk = num_rows // num if num_rows % num == 0 else None
     with use_mesh(self.mesh):
       if own:  # its rows in, its rows of the log-probs out (collective; `process_batch.score`)
-        scored = process_batch.score(self.learner, state.params, batch, num_rows, return_routes=recorded)
+        scored = process_batch.score(
+            self.learner, state.params, batch, num_rows, return_routes=recorded, chunk_rows=chunk
+        )
       else:
-        scored = self.learner.score(state.params, batch, return_routes=recorded)
+        scored = self.learner.score(state.params, batch, return_routes=recorded, chunk_rows=chunk)
     learner_logp, learner_routes = scored if recorded else (scored, None)
     if recorded:  # where the learner's router, at the sampling version, picks other experts
       gstats["router_mismatch"] = rollout_metrics.route_mismatch_frac(learner_routes, batch.routes, own)
@@ -240,7 +246,6 @@ class Trainer:
     version = int(state.step)
     params = state.params if sampler_params is None else sampler_params
     group_ids = step * c.prompts_per_step + np.arange(len(problems))
-    dynamic_sampling = c.sampling.drop_equal_reward_groups  # DAPO's: rl/dynamic_sampling.py, over global rounds
     gen = self._generate(
         params,
         problems,
@@ -249,13 +254,12 @@ class Trainer:
         c.group_size,
         group_ids=group_ids,
         policy_version=version,
-        own_rows=not dynamic_sampling,  # several processes: each gets its rows (whole groups) back
+        own_rows=True,  # several processes: each gets its rows (whole groups) back
     )
-    rows = host_batch.process_group_rows(c.prompts_per_step, c.group_size)  # this process's rows
     graded, dynamic = None, {}
-    if dynamic_sampling:
+    if c.sampling.drop_equal_reward_groups:  # DAPO's: rl/dynamic_sampling.py, each process its rows of each round
       filled, dynamic = self._fill_informative(params, step, gen, problems, group_ids, version)
-      gen, graded = filled.gen.select(rows), (filled.texts, filled.rewards, filled.stats)
+      gen, graded = filled.gen, (filled.texts, filled.rewards, filled.stats)
     t1 = time.time()
     score, logs_mismatch = self.scoring(step)
     batch, texts, gstats = self._rollout(state, gen, problems, c.group_size, score=score, graded=graded)
@@ -294,28 +298,22 @@ class Trainer:
         problems = next(self.loader)
         seed = self._step_seed(step, 1000 + k)
         gen = self._generate(
-            params, problems, self.sampling, seed, c.group_size, group_ids=group_ids, policy_version=version
-        )
+            params, problems, self.sampling, seed, c.group_size, group_ids=group_ids, policy_version=version,
+            own_rows=True,
+        )  # fmt: skip
       return Round(gen, *self.grade(gen, problems, c.group_size))
 
     first = sample_round(0, gen, problems)
-    rounds = int(c.sampling.max_sampling_rounds)
-    return fill_informative(
-        first, sample_round, group_size=c.group_size, max_rounds=rounds, pad_id=self.sampler_kw["pad_id"]
-    )
+    rounds, pad_id = int(c.sampling.max_sampling_rounds), self.sampler_kw["pad_id"]
+    take = functools.partial(take_own_groups, group_size=c.group_size, pad_id=pad_id)  # collective
+    return fill_informative(first, sample_round, group_size=c.group_size, max_rounds=rounds, pad_id=pad_id, take=take)
 
   def learner_batch(self, released: RolloutBatch | None) -> RolloutBatch | process_batch.StagedBatch | None:
     """What `learn_step` takes of the batch the delay buffer released (`process_batch.for_learner`: in several
     processes, the global arrays made from each process's rows). Every process calls it at the same point, from the
     main thread (it makes collective host calls)."""
     c = self.c
-    return process_batch.for_learner(
-        released,
-        self.mesh,
-        c.prompts_per_step * c.group_size,
-        packed=self.learner.row_tokens is not None,
-        replay=self.learner.loss_cfg.router_replay,
-    )
+    return process_batch.for_learner(released, self.learner, c.prompts_per_step * c.group_size, c.num_updates_per_step)
 
   def learn_step(
       self, state, batch: RolloutBatch | process_batch.StagedBatch, lr_scale: float = 1.0

@@ -185,6 +185,42 @@ def layout(out_dir: str) -> dict:
   }
 
 
+def _dynamic_rounds(np, jax) -> dict:
+  """Dynamic sampling's filled batch from per-process rounds (`dynamic_rows.take_own_groups`) against this
+  process's rows of `take_groups` over the whole rounds: two rounds of 4 groups of 2, prompts 3 and 5 wide."""
+  from minpro_jax.rl.dynamic_rows import take_own_groups
+  from minpro_jax.rl.dynamic_sampling import take_groups
+  from minpro_jax.sampling.batch import GenerationBatch
+
+  rng = np.random.default_rng(3)
+
+  def round_(p):
+    return GenerationBatch(
+        prompt_tokens=rng.integers(1, 50, (8, p)).astype(np.int32),
+        prompt_mask=rng.random((8, p)) < 0.8,
+        response_tokens=rng.integers(1, 50, (8, 4)).astype(np.int32),
+        response_mask=rng.random((8, 4)) < 0.7,
+        behavior_logp=rng.normal(size=(8, 4)).astype(np.float32),
+        entropy=rng.random((8, 4)).astype(np.float32),
+        lengths=rng.integers(0, 5, 8).astype(np.int32),
+        finish_reason=np.where(rng.random(8) < 0.5, "stop", "length"),
+        group_ids=np.repeat(np.arange(4, dtype=np.int64), 2),
+        sample_index=np.tile(np.arange(2, dtype=np.int32), 4),
+        policy_version=3,
+    )
+
+  whole = [round_(3), round_(5)]
+  groups = [(1, 0), (0, 3), (1, 2), (0, 1)]  # slot 0 from process 0's round-1 rows, slot 1 from process 1's, ...
+  rows = slice(4 * jax.process_index(), 4 * jax.process_index() + 4)
+  want = take_groups(whole, groups, 2, pad_id=0).select(rows)
+  got = take_own_groups([g.select(rows) for g in whole], groups, 2, 0)
+  fields = [f for f in want.__dataclass_fields__ if f != "group_ids"]
+  return {
+      "equal": {f: bool(np.array_equal(getattr(got, f), getattr(want, f))) for f in fields},
+      "shape": list(got.prompt_tokens.shape),
+  }
+
+
 def per_process_batch(out_dir: str) -> dict:
   """`rl.process_batch` in two processes: each keeps its rows of a step's batch, the learner's global arrays are
   staged from them, mini-batch j is sliced on the devices (its 4 rows are one process's), and the delay buffer is
@@ -245,7 +281,9 @@ def per_process_batch(out_dir: str) -> dict:
   restored.load_state_dict(buffer_state_from_restored(buf_state))
   back = restored.pop(1)
   ckpt.close()
+  dynamic = _dynamic_rounds(np, jax)
   return {
+      "dynamic": dynamic,
       "own_first_tokens": mine.tokens[:, 0].tolist(),
       "staged_shards": [int(s.data.shape[0]) for s in staged.arrays.tokens.addressable_shards],
       "staged_local_rows": host_batch.local_rows(staged.arrays.tokens)[:, 0].tolist(),
@@ -280,7 +318,7 @@ def sampled_rows(out_dir: str) -> dict:
   from minpro_jax.rl.learner import Learner, LossConfig
   from minpro_jax.rl.optimizer import OptimizerConfig
   from minpro_jax.rl.rollout import RolloutBatch
-  from minpro_jax.runtime import host_batch
+  from minpro_jax.runtime import host_batch, multihost
   from minpro_jax.runtime.sharding import make_mesh, use_mesh
   from minpro_jax.sampling import PagedKV, Sampler, SamplingParams
 
@@ -316,6 +354,15 @@ def sampled_rows(out_dir: str) -> dict:
   with use_mesh(mesh):
     global_logp = learner.score(params, batch)
     local_logp = process_batch.score(learner, params, batch.select(rows), n)
+  # packing from per-process rows (`packed_batch`): each process packs its mini-batch (4 rows, 2 updates)
+  packed = Learner(model, LossConfig(), OptimizerConfig(), micro_batch_size=2, mesh=mesh, row_tokens=70)
+  with use_mesh(mesh):
+    packed_whole = packed.score(params, batch, chunk_rows=4)
+    packed_mine = process_batch.score(packed, params, batch.select(rows), n, chunk_rows=4)
+    staged = process_batch.for_learner(batch.select(rows), packed, n, 2)
+    minis = [jax.tree.map(multihost.to_host, m) for m in process_batch.mini_batches(staged, 2, mesh)]
+  host_minis = [packed.update_inputs(mini, 2)[0] for mini in batch.split(2)]
+  fields = ("tokens", "segment_ids", "positions", "response_mask", "behavior_logp", "advantages")
   mask = batch.response_mask[rows]
   rng = np.random.default_rng(0)  # routes of 8 rows x 3 tokens x 2 layers x k = 2, some unrecorded
   recorded = rng.integers(0, 4, (8, 3, 2, 2)).astype(np.int16)
@@ -325,6 +372,12 @@ def sampled_rows(out_dir: str) -> dict:
       **out,
       "score_shape": list(local_logp.shape),
       "score_max_diff": float(np.abs(np.where(mask, local_logp - global_logp[rows], 0.0)).max()),
+      "packed_score_max_diff": float(np.abs(np.where(mask, packed_mine - packed_whole[rows], 0.0)).max()),
+      "packed_staged": type(staged).__name__,
+      "packed_rows": list(staged.arrays.tokens.shape),
+      "packed_equal": all(
+          np.array_equal(getattr(m, f), np.asarray(getattr(h, f))) for m, h in zip(minis, host_minis) for f in fields
+      ),
       "route_frac": rollout_metrics.route_mismatch_frac(own[rows], recorded[rows], True),
       "route_frac_whole": route_mismatch(own, recorded)[0],
       "addressable": jax.local_device_count(),

@@ -43,8 +43,9 @@ def test_packed_rows_per_mini_batch_from_the_draw():
   # update, mini-batch 1: 10 -> row 0, 8 -> row 1, 3 -> row 1 (11), 2 -> row 0 (12): 2 rows, 1 of 2 micro-batches;
   # mini-batch 2: 9 -> row 0, 4 -> row 1, 2 -> row 0 (11), 1 -> row 0 (12): 2 rows
   assert pk["update"].used == (2, 2) and pk["update"].active == (1, 1) and pk["update"].active_fraction == 0.5
-  # score packs all 8: 10, 9, 8 open rows 0-2; 4 -> row 2 (12); 3 -> row 1 (12); 2 -> row 0 (12); 2 -> row 3; 1 -> row 3
-  assert pk["score"].used == (4,) and pk["score"].rows == 8 and pk["score"].active == (2,)
+  # score packs the same mini-batches side by side in one run of 2 x 4 rows: 2 of its 4 micro-batches run
+  assert pk["score"].used == (2, 2) and pk["score"].rows == 8 and pk["score"].active == (1, 1)
+  assert pk["score"].active_fraction == 0.5 and pk["score"].chunks_per_run == 2
   assert pk["update"].real_tokens == pk["score"].real_tokens == 39
   assert learner_packing(_config(), shapes, np.zeros(8, int), 2) is None and static_rows(_config(), shapes) is None
 

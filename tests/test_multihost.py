@@ -2,8 +2,9 @@
 with `python -m minpro_jax.launch_local` exactly as the README's "Multi-host" section says.
 
 * 2 processes x 2 CPU devices on the mesh data=2,fsdp=2 give the per-step metrics of 1 process x 4 devices on the
-  same mesh: every sampled token, reward, length, advantage, staleness and evaluation score equal; the float
-  statistics of the log-probs (sampler-learner mismatch, policy ratios, weights) within 1e-5, because XLA's
+  same mesh, with packed learner rows, dynamic sampling and MIPU's rollback test: every sampled token, reward, length, advantage,
+  staleness, rollback decision and evaluation score equal; the float statistics of the log-probs (sampler-learner
+  mismatch, policy ratios, weights, T_post) within 1e-5, because XLA's
   in-process all-reduce over 4 devices and gloo's over 2 processes sum partial results in another order (fp32
   round-off, ~1e-7 here).
 * both processes SIGKILLed at a random moment and relaunched with the same command end with the metrics of the
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 REWARDS = np.asarray([1.0, 0.0, 0.5, 0.5, 0.25, 1.0, 0.0, 0.0], np.float32)  # tests/multihost_worker.py's batch
 # Metrics that are float statistics of log-probs: equal up to the reduction order of the collectives.
-ROUNDOFF = ("sampler_learner/", "learn/")
+ROUNDOFF = ("sampler_learner/", "learn/", "mipu/t_post")
 EXACT_LEARN = ("learn/updates", "learn/skipped_updates")
 # The tests that need no run of the `runs` fixture: another xdist group, free to go to the other worker.
 LAUNCH_GROUP = pytest.mark.xdist_group("multihost_launch")
@@ -56,6 +57,12 @@ def _overrides(tmp, name):
       total_steps=STEPS,
       micro_batch_size=4,  # splits over data x fsdp = 4 (run_config.check_micro_batch_split)
       **{"mesh.shape": "data=2,fsdp=2", "eval.every": 2, "checkpoint.every": 1, "checkpoint.keep": 2},
+      # each process packs its own mini-batch (rl/packed_batch.py), holds its rows of dynamic sampling's rounds
+      # (rl/dynamic_rows.py) and samples and scores its rows of MIPU's validation draw; the one-process run packs,
+      # fills and checks the same rows (the soft overlong penalty makes some groups' rewards unequal: a filled
+      # batch that takes groups across rounds and processes, a T_post that is not 0)
+      **{"learner.row_tokens": 38, "mipu.rollback": True, "sampling.drop_equal_reward_groups": True},
+      **{"reward.overlong_buffer": 5},
   )
 
 
@@ -303,7 +310,8 @@ def test_per_process_learner_inputs_and_buffer_in_two_processes(tmp_path):
   """Each process keeps its rows of a step's batch; the learner's global arrays are staged from them (each
   process's rows on its own devices); mini-batch j
   (4 rows, all owned by process j) is sliced on the devices and split over all four, so process 1 holds rows of
-  process 0's mini-batch; the delay buffer is written and read back per process."""
+  process 0's mini-batch; the delay buffer is written and read back per process; dynamic sampling's filled batch
+  is assembled from each process's rows of its rounds."""
   p = _worker("process_batch", tmp_path)
   out = _finish(p, 300)
   assert p.returncode == 0, out[-3000:]
@@ -320,6 +328,8 @@ def test_per_process_learner_inputs_and_buffer_in_two_processes(tmp_path):
     assert s["order_error"] == "staging_sharding: the devices are not in process order (processes [1, 1, 0, 0])"
     assert s["restored_first_tokens"] == s["own_first_tokens"] and s["restored_equal"]
     assert "ocdbt.process_1" in s["buffer_files"]
+    # dynamic sampling: each process's rows of the filled batch from every process's rows of the rounds
+    assert s["dynamic"]["shape"] == [4, 5] and all(s["dynamic"]["equal"].values()), s["dynamic"]
   assert os.listdir(tmp_path / "run" / "checkpoints" / "0" / "buffer" / "ocdbt.process_1" / "d")  # process 1's rows
 
 
@@ -327,7 +337,8 @@ def test_per_process_learner_inputs_and_buffer_in_two_processes(tmp_path):
 def test_sampler_outputs_and_score_pass_per_process_in_two_processes(tmp_path):
   """`Sampler.generate(own_rows=True)` (continuous dense and paged, static) and `process_batch.score` give each process only its
   4 rows (whole groups), equal to its rows of the all-gathered outputs; the log-probs to float round-off (another
-  sharding of the same program)."""
+  sharding of the same program). Packed, each process packs its own mini-batch: the staged packed rows equal
+  `Learner.update_inputs` of each mini-batch, the score pass the chunked `Learner.score`."""
   p = _worker("sampled_rows", tmp_path)
   out = _finish(p, 300)
   assert p.returncode == 0, out[-3000:]
@@ -339,6 +350,9 @@ def test_sampler_outputs_and_score_pass_per_process_in_two_processes(tmp_path):
       assert s[name]["equal"], name
       assert s[name]["group_ids"] == [10 + 2 * i] * 2 + [11 + 2 * i] * 2
     assert s["score_shape"] == [4, 70] and s["score_max_diff"] < 1e-5, s
+    # packed: each process packs its own mini-batch as one process would; no host gathers the batch
+    assert s["packed_staged"] == "StagedBatch" and s["packed_rows"] == [8, 70], s
+    assert s["packed_equal"] and s["packed_score_max_diff"] < 1e-5, s
     assert s["route_frac"] == s["route_frac_whole"] and 0 < s["route_frac"] < 1
 
 

@@ -88,6 +88,27 @@ def test_pack_matches_a_naive_loop_and_unpacks_back(model_and_batch, row_tokens,
     np.testing.assert_array_equal(back, np.where(batch.segment_ids != 0, getattr(batch, f), 0), err_msg=f)
 
 
+def test_chunk_plans_pack_each_chunk_as_its_own_plan_in_one_shape(model_and_batch):
+  """`plan_chunks` / `pack_chunks`: chunk c's rows are `pack` of chunk c alone (the mini-batch an update packs), all
+  chunks of one width (the batch's longest sample) and row count; `unpack_chunks` puts every token back."""
+  _, batch = model_and_batch
+  plans = packing.plan_chunks(batch.segment_ids, 4, 8, 2)
+  longest = int((batch.segment_ids != 0).sum(1).max())
+  assert longest > 8 and [(p.num_rows, p.width) for p in plans] == [plans[0][:2]] * 2 and plans[0].width == longest
+  rows = packing.pack_chunks(batch, plans)
+  r = plans[0].num_rows
+  for c in range(2):
+    alone = packing.plan(batch.segment_ids[4 * c : 4 * c + 4], 8, 2, width=longest)
+    want = packing.pack(batch.select(slice(4 * c, 4 * c + 4)), alone)
+    for f, v in want.items():
+      np.testing.assert_array_equal(rows[f][c * r : c * r + alone.num_rows], v, err_msg=f)
+      assert not rows[f][c * r + alone.num_rows : (c + 1) * r].any(), f
+  back = packing.unpack_chunks(rows["tokens"], plans, batch.tokens.shape)
+  np.testing.assert_array_equal(back, np.where(batch.segment_ids != 0, batch.tokens, 0))
+  with pytest.raises(ValueError, match="8 samples do not split into chunks of 3"):
+    packing.plan_chunks(batch.segment_ids, 3, 8, 2)
+
+
 def test_pad_fraction_counts_the_micro_batches_run():
   seg = np.array([[1, 1, 2, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
   assert packing.pad_fraction(seg, 2) == pytest.approx(1 - 4 / 8)  # the second micro-batch is skipped
@@ -165,6 +186,9 @@ def test_packed_score_equals_unpacked(model_and_batch):
   resp = batch.response_mask
   np.testing.assert_allclose(got[resp], want[resp], rtol=1e-5, atol=1e-6)
   assert not got[batch.segment_ids == 0].any()
+  chunked = Learner(model, cfg, OptimizerConfig(), micro_batch_size=2, row_tokens=16)  # each mini-batch packed alone
+  got = chunked.score(params, batch, chunk_rows=4)
+  np.testing.assert_allclose(got[resp], want[resp], rtol=1e-5, atol=1e-6)
 
 
 def test_packed_truncated_sampling_keeps_its_kept_sets(model_and_batch):

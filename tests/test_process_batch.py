@@ -11,7 +11,7 @@ from flax import nnx
 from test_learner import _batch, _model
 
 from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
-from minpro_jax.rl import process_batch
+from minpro_jax.rl import packed_batch, process_batch
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.rollout import RolloutBuffer
@@ -30,8 +30,9 @@ def test_one_process_keeps_every_row_and_the_host_path():
   assert process_batch.own_rows(batch, 4, 2) is batch
   assert process_batch.gather_batch(batch, 8) is batch
   mesh = make_mesh({"data": 2, "fsdp": 4})
-  assert process_batch.for_learner(batch, mesh, 8, packed=False, replay=False) is batch
-  assert process_batch.for_learner(None, mesh, 8, packed=False, replay=False) is None
+  learner = Learner(_model(mesh), LossConfig(), OptimizerConfig(), micro_batch_size=4, mesh=mesh)
+  assert process_batch.for_learner(batch, learner, 8, 2) is batch
+  assert process_batch.for_learner(None, learner, 8, 2) is None
   state = RolloutBuffer(1)
   state.push(0, batch)
   assert process_batch.buffer_to_global(state.state_dict(), 8) is not None
@@ -98,6 +99,46 @@ def test_staged_updates_equal_the_host_updates():
     assert a["pad_fraction"] == b["pad_fraction"] > 0  # counted on the devices == packing.pad_fraction on the host
     assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-6
     assert abs(float(a["grad_norm"]) - float(b["grad_norm"])) <= 1e-5
+
+
+def test_packed_staged_updates_and_score_equal_the_host_path():
+  """Packing from per-process rows (`packed_batch`, here one process on 8 devices): the staged [num x R, W] packed
+  rows give mini-batch j exactly as `Learner.update` packs it, two updates the host path's (to float round-off, the
+  same padding share), and `packed_batch.score` the chunked `Learner.score`."""
+  mesh = make_mesh({"data": 2, "fsdp": 4})
+  model = _model(mesh)
+  batch = _batch(_model(), n=16)
+  opt = OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0)
+  got, want = [], []
+  for staged in (True, False):
+    learner = Learner(model, LossConfig(method="minpro"), opt, micro_batch_size=2, mesh=mesh, row_tokens=16)
+    state = learner.init_state(jax.tree.map(lambda a: a.copy(), nnx.split(model)[1]))
+    with use_mesh(mesh):
+      if staged:
+        every = packed_batch.lengths(batch, 16)
+        arrays = packed_batch.stage(batch, learner, 16, 2, every)
+        src = process_batch.StagedBatch(arrays, batch.policy_version, int(every.sum()))
+        minis = list(process_batch.mini_batches(src, 2, mesh))
+        for mini, host in zip(minis, batch.split(2)):
+          want_rows = learner.update_inputs(host, 2)[0]
+          for f in ("tokens", "segment_ids", "positions", "advantages", "behavior_logp"):
+            np.testing.assert_array_equal(np.asarray(getattr(mini, f)), np.asarray(getattr(want_rows, f)), f)
+        logp = packed_batch.score(
+            learner, state.params, batch, 16, 8, lambda r: process_batch.learner_sharding(mesh, r)
+        )
+        np.testing.assert_allclose(logp, learner.score(state.params, batch, chunk_rows=8), rtol=1e-5, atol=1e-6)
+      else:
+        src = batch
+      state, ups, _, tokens = process_batch.updates(learner, state, src, 2, 1.0)
+    (got if staged else want).append((jax.tree.map(np.asarray, state.params), ups, tokens))
+  (p_got, u_got, t_got), (p_want, u_want, t_want) = got[0], want[0]
+  assert _max_abs_diff(p_got, p_want) <= 1e-4 and t_got == t_want
+  for a, b in zip(u_got, u_want):
+    assert a["pad_fraction"] == b["pad_fraction"] and abs(float(a["loss"]) - float(b["loss"])) <= 1e-6
+  with pytest.raises(ValueError, match="mini-batches of 5 rows do not lie within"):
+    packed_batch.stage(batch, learner, 16, 3, every)
+  with pytest.raises(ValueError, match="chunks of 3 rows do not lie within"):
+    packed_batch.score(learner, state.params, batch, 16, 3, None)
 
 
 def test_staged_batch_errors_name_the_problem():

@@ -276,12 +276,12 @@ class Budget:
     if "score" in self.parts:
       what = pk["score"].describe() if pk else f"{sh.rollouts}x{sh.seq_len}, micro-batch {mb}"
       part = self._compile("score", self.progs._lower_score, shapes=what)
-      micro = -(-sh.rollouts // mb) if not pk else round(float(np.mean(pk["score"].active)))
+      micro = -(-sh.rollouts // mb) if not pk else round(pk["score"].active_per_run)
       rows.append(self._row("score", part, micro, fwd / peak_total if has_rates else None, "score"))
     if "update" in self.parts:
       what = pk["update"].describe() if pk else f"{sh.mini_batch}x{sh.seq_len}"
       part = self._compile("update", self.progs._lower_update, calls=c.num_updates_per_step, shapes=what)
-      micro = -(-sh.mini_batch // mb) if not pk else float(np.mean(pk["update"].active))
+      micro = -(-sh.mini_batch // mb) if not pk else pk["update"].active_per_run
       rows.append(self._row("update", part, micro, 3 * fwd / peak_total if has_rates else None, "update"))
 
     # evaluation, amortised

@@ -6,8 +6,8 @@ accumulation loop skips the micro-batches that hold only padding rows (`jax.lax.
 the rows first fit uses, K. The compile-only tool compiles those static shapes (`static_rows`); the budget takes K
 from the seeded length draw, each mini-batch's samples through the learner's own packer (`packing.plan_shape`), and
 runs the micro-batch loop's forward-and-backward branch for ceil(K / mb) of its R / mb iterations (`weight_active`).
-Scoring packs the whole step's N samples at once (`Learner.score`), the update each consecutive mini-batch of M
-(`RolloutBatch.split`).
+The update packs each consecutive mini-batch of M (`RolloutBatch.split`); scoring packs the step's N samples in the
+same chunks of M, side by side in one run (`Learner.score(chunk_rows=M)`, `minpro_jax.rl.packed_batch`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class Packed(NamedTuple):
     rows: R, the static packed rows of one run (a multiple of `micro_batch`).
     width: W, tokens per packed row.
     micro_batch: rows per micro-batch.
-    used: K of each run (score: one run; update: one per mini-batch), the rows first fit fills.
+    used: K of each mini-batch's packing, the rows first fit fills.
     real_tokens: the real (prompt + response) tokens of the runs together.
+    chunks_per_run: mini-batches packed side by side in one run (update: 1; score: all of a step's).
   """
 
   rows: int
@@ -36,6 +37,7 @@ class Packed(NamedTuple):
   micro_batch: int
   used: tuple[int, ...]
   real_tokens: int
+  chunks_per_run: int = 1
 
   @property
   def micro_batches(self) -> int:
@@ -44,13 +46,18 @@ class Packed(NamedTuple):
 
   @property
   def active(self) -> tuple[int, ...]:
-    """Micro-batches each run computes: ceil(K / mb)."""
+    """Micro-batches each mini-batch's packing computes: ceil(K / mb)."""
     return tuple(-(-k // self.micro_batch) for k in self.used)
+
+  @property
+  def active_per_run(self) -> float:
+    """The mean micro-batches a run computes: its chunks' together."""
+    return float(np.mean(self.active)) * self.chunks_per_run
 
   @property
   def active_fraction(self) -> float:
     """The mean share of a run's micro-batches that hold a sample (the loop's costs are linear in it)."""
-    return float(np.mean(self.active)) / self.micro_batches
+    return self.active_per_run / self.micro_batches
 
   @property
   def slot_fraction(self) -> float:
@@ -90,7 +97,7 @@ def static_rows(c, shapes) -> tuple[int, int, int] | None:
   m, n, mb = shapes.mini_batch, shapes.rollouts, shapes.micro_batch
   return (
       packing.packed_rows(m, shapes.seq_len, w, min(mb, m)),
-      packing.packed_rows(n, shapes.seq_len, w, min(mb, n)),
+      n // m * packing.packed_rows(m, shapes.seq_len, w, min(mb, n)),
       w,
   )
 
@@ -104,12 +111,12 @@ def learner_packing(c, shapes, lengths, prompt_len: int) -> dict[str, Packed] | 
   real = np.asarray(lengths, np.int64) + int(prompt_len)
   m, n, mb = shapes.mini_batch, shapes.rollouts, shapes.micro_batch
   out = {}
-  for name, size in (("score", n), ("update", m)):
-    mbs = min(mb, size)
-    runs = [packing.plan_shape(real[i : i + size], shapes.seq_len, w, mbs) for i in range(0, n, size)]
+  for name, mbs in (("score", min(mb, n)), ("update", min(mb, m))):
+    runs = [packing.plan_shape(real[i : i + m], shapes.seq_len, w, mbs) for i in range(0, n, m)]
+    chunks = len(runs) if name == "score" else 1  # the score runs every mini-batch's packed rows at once
     out[name] = Packed(
-        rows=max(r[0] for r in runs), width=w, micro_batch=mbs, used=tuple(r[1] for r in runs),
-        real_tokens=int(real.sum()),
+        rows=chunks * max(r[0] for r in runs), width=w, micro_batch=mbs, used=tuple(r[1] for r in runs),
+        real_tokens=int(real.sum()), chunks_per_run=chunks,
     )  # fmt: skip
   return out
 

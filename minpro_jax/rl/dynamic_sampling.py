@@ -8,7 +8,8 @@ step), keeps the groups with unequal rewards in the order sampled, and stops whe
 kept or after `sampling.max_sampling_rounds` rounds; a batch still short is filled with the first dropped groups
 (zero advantage; counted in the metrics), so the step's shapes never change.
 
-Pure numpy on host arrays; the trainer runs the rounds (`Trainer.sample_step`).
+Pure numpy on host arrays; the trainer runs the rounds (`Trainer.sample_step`). In a multi-process run each
+process holds its rows of every round and `minpro_jax.rl.dynamic_rows` assembles its rows of the filled batch.
 """
 
 from __future__ import annotations
@@ -64,14 +65,10 @@ def _pad_right(x: np.ndarray, width: int, value) -> np.ndarray:
   return np.pad(x, pad, constant_values=value)
 
 
-def take_groups(
-    gens: list[GenerationBatch], groups: list[tuple[int, int]], group_size: int, pad_id: int, no_route: int = -1
-) -> GenerationBatch:
-  """One `GenerationBatch` of the rows of `groups` ((round, group) pairs, in that order) of the rounds' `gens`.
-
-  Rounds may differ in prompt width (their prompt bucket) and response width: prompts are left-padded and responses
-  right-padded to the widest, with the padding conventions of `GenerationBatch` (pad id, mask False, log-prob and
-  entropy 0, routes `no_route`, kept-set thresholds -inf).
+def padded_rounds(gens: list[GenerationBatch], pad_id: int, no_route: int = -1) -> list[dict[str, np.ndarray | None]]:
+  """Every per-row field of each round in `gens`, padded to the widest round: prompts left-padded, responses
+  right-padded, with the padding conventions of `GenerationBatch` (pad id, mask False, log-prob and entropy 0,
+  routes `no_route`, kept-set thresholds -inf); None for a field a round does not have.
 
   Raises:
     ValueError: the rounds differ in temperature or policy version (a step samples every round at one version).
@@ -100,16 +97,35 @@ def take_groups(
     raise NotImplementedError(
         f"take_groups does not know GenerationBatch fields {sorted(arrays_of_rows ^ set(widths))}"
     )
-  out = {}
+  out = [{} for _ in gens]
   for field, how in widths.items():
-    arrays = [getattr(g, field) for g in gens]
-    if any(a is None for a in arrays):
+    for k, g in enumerate(gens):
+      a = getattr(g, field)
+      out[k][field] = a if how is None or a is None else how[0](a, how[1], how[2])
+    if any(o[field] is None for o in out):
+      for o in out:
+        o[field] = None
+  return out
+
+
+def take_groups(
+    gens: list[GenerationBatch], groups: list[tuple[int, int]], group_size: int, pad_id: int, no_route: int = -1
+) -> GenerationBatch:
+  """One `GenerationBatch` of the rows of `groups` ((round, group) pairs, in that order) of the rounds' `gens`.
+
+  Rounds may differ in prompt width (their prompt bucket) and response width: they are padded to the widest
+  (`padded_rounds`).
+
+  Raises:
+    As `padded_rounds`.
+  """
+  rounds = padded_rounds(gens, pad_id, no_route)
+  out = {}
+  for field in rounds[0]:
+    if rounds[0][field] is None:
       out[field] = None
       continue
-    if how is not None:
-      pad, width, value = how
-      arrays = [pad(a, width, value) for a in arrays]
-    out[field] = np.concatenate([arrays[k][g * group_size : (g + 1) * group_size] for k, g in groups], axis=0)
+    out[field] = np.concatenate([rounds[k][field][g * group_size : (g + 1) * group_size] for k, g in groups], axis=0)
   return dataclasses.replace(gens[0], **out)
 
 
@@ -131,6 +147,7 @@ def fill_informative(
     group_size: int,
     max_rounds: int,
     pad_id: int,
+    take: Callable[[list[GenerationBatch], list[tuple[int, int]]], GenerationBatch] | None = None,
 ) -> tuple[Round, dict[str, float]]:
   """Samples rounds (`sample_round(k)` for k = 1, 2, ...) until the groups with unequal rewards fill a batch of as
   many groups as `first` has, `max_rounds` rounds are sampled, or `sample_round` returns None (no data to spare);
@@ -138,7 +155,10 @@ def fill_informative(
 
   The returned round's rows are the chosen groups (`choose_groups`), its group ids those of `first` (a step's
   groups keep their ids whichever round sampled them), its stats the numeric grading stats summed over every round.
-  Metrics: `dynamic/rounds`, `dynamic/equal_frac` (share of the sampled groups with equal rewards),
+  `take(gens, groups)` makes the filled `GenerationBatch` of the rounds' generations (default `take_groups`; in a
+  multi-process run each round holds this process's rows and `dynamic_rows.take_own_groups` returns its rows of
+  the filled batch: the rewards and texts are those of every row, as `Trainer.grade` gives them). Metrics:
+  `dynamic/rounds`, `dynamic/equal_frac` (share of the sampled groups with equal rewards),
   `dynamic/filler_groups` (equal-reward groups kept because the rounds ran out), `dynamic/out_of_data` (1 when a
   round was refused for lack of data).
   """
@@ -152,8 +172,9 @@ def fill_informative(
     rounds.append(more)
     masks.append(unequal_groups(rounds[-1].rewards, group_size))
   groups, fillers = choose_groups(masks, num_groups)
-  gen = take_groups([r.gen for r in rounds], groups, group_size, pad_id)
-  gen = dataclasses.replace(gen, group_ids=first.gen.group_ids.copy())
+  gens = [r.gen for r in rounds]
+  gen = take(gens, groups) if take is not None else take_groups(gens, groups, group_size, pad_id)
+  gen = dataclasses.replace(gen, group_ids=first.gen.group_ids.copy())  # this process's rows: its group ids
   rows = [(k, g * group_size + s) for k, g in groups for s in range(group_size)]
   stats = {}
   for r in rounds:

@@ -32,14 +32,13 @@ from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.models.transformer import Transformer
 from minpro_jax.rl import packing
 from minpro_jax.rl.aggregation import k3
+from minpro_jax.rl.learner_metrics import METRIC_INIT, NUM_POSITION_BINS, combine_metric, pad_counts, position_bins
 from minpro_jax.rl.objectives import get_objective, policy_loss, resolve_hparams
 from minpro_jax.rl.optimizer import OptimizerConfig, make_optimizer, make_schedule
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime.multihost import settle, to_host
 from minpro_jax.runtime.sharding import check_global, replicate_local_leaves
 from minpro_jax.runtime.xla_options import learner_compiler_options
-
-NUM_POSITION_BINS = 8
 
 
 class ScoreInputs(NamedTuple):
@@ -173,18 +172,6 @@ def _packed(batch: UpdateInputs) -> bool:
   return batch.advantages.ndim == 2
 
 
-def _position_bins(response_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-  """[N, L] int32 bin of each response token's index inside its response (bins of 2^k tokens, last open); with
-  packed `segment_ids` the index restarts at every segment."""
-  count = jnp.cumsum(response_mask.astype(jnp.int32), axis=1)
-  if segment_ids is not None:  # subtract the count before the segment's start, carried along the segment
-    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-    base = jnp.where(segment_ids != prev, count - response_mask.astype(jnp.int32), 0)
-    count = count - jax.lax.cummax(base, axis=1)
-  edges = 2 ** jnp.arange(1, NUM_POSITION_BINS, dtype=jnp.int32) * 4  # 8, 16, 32, ..., 512
-  return jnp.sum((count - 1)[..., None] >= edges, axis=-1)
-
-
 def _skip_padding(fn, out_shapes):
   """`fn` of a micro-batch, or zeros of `out_shapes` when it holds only padding rows (every segment id 0):
   `jax.lax.cond` runs one branch, so a packed mini-batch costs the micro-batches its samples fill."""
@@ -209,21 +196,6 @@ def _skip_micro_padding(body, logp_shape: jax.ShapeDtypeStruct):
 
 def _device(x):
   return None if x is None else jnp.asarray(x)
-
-
-_METRIC_INIT = {"max": -jnp.inf, "min": jnp.inf}
-
-
-def _combine_metric(name: str, acc, value, weight):
-  """Micro-batch metrics: *_max / *_min are reduced exactly, *_tokens summed, the rest are token-weighted means."""
-  kind = name.rsplit("_", 1)[-1]
-  if kind == "tokens":
-    return acc + value
-  if kind == "max":
-    return jnp.maximum(acc, value)
-  if kind == "min":
-    return jnp.minimum(acc, value)
-  return acc + weight * value
 
 
 class Learner:
@@ -316,7 +288,7 @@ class Learner:
     return nnx.merge(self.graphdef, params)
 
   # ----- scoring -----
-  def score(self, params, batch: RolloutBatch, *, return_routes: bool = False):
+  def score(self, params, batch: RolloutBatch, *, return_routes: bool = False, chunk_rows: int | None = None):
     """[N, L] float32 teacher-forced log-probs (sampler temperature) of `batch.tokens` under `params`, in
     micro-batches (the log-prob of token t at index t; values off `response_mask` are not meaningful). With
     `LossConfig.router_replay` the forward replays `batch.routes`; with `batch.kept_logp_threshold` (truncated
@@ -325,9 +297,11 @@ class Learner:
     Args:
       return_routes: also return the [N, L, layers, k] int16 experts the learner's router chose (MoE; None for a
         dense model), for the routing-mismatch metric.
+      chunk_rows: with `row_tokens`, pack each consecutive chunk of this many samples on its own (the step's
+        mini-batches, as the per-process score pass does: `minpro_jax.rl.packed_batch`); None: the whole batch.
 
     Raises:
-      ValueError: N not divisible by the micro-batch size; replay without routes in the batch.
+      ValueError: N not divisible by the micro-batch size or `chunk_rows`; replay without routes in the batch.
     """
     n = batch.size
     mb = min(self.micro_batch_size, n)
@@ -339,8 +313,8 @@ class Learner:
       logp, routes = to_host((logp, routes if return_routes else None))  # an MoE's [N, L, layers, k]: only if asked
       return (logp, routes) if return_routes else logp
     _replayed_routes(batch, replay)  # the same error as unpacked
-    plan = packing.plan(batch.segment_ids, self.row_tokens, mb)
-    rows = packing.pack(batch, plan, packing.SCORE_FIELDS, routes=replay)
+    plans = packing.plan_chunks(batch.segment_ids, chunk_rows or n, self.row_tokens, mb)
+    rows = packing.pack_chunks(batch, plans, packing.SCORE_FIELDS, routes=replay)
     inputs = ScoreInputs(
         *(jnp.asarray(rows[f]) for f in packing.SCORE_FIELDS),
         routes=_device(rows.get("routes")),
@@ -348,9 +322,9 @@ class Learner:
     )
     logp, routes = self.jitted_score(params, inputs, mb)
     logp, routes = to_host((logp, routes if return_routes else None))
-    logp = packing.unpack(logp, plan, batch.tokens.shape)
+    logp = packing.unpack_chunks(logp, plans, batch.tokens.shape)
     if routes is not None:
-      routes = packing.unpack(routes, plan, batch.tokens.shape, fill=packing.NO_ROUTE)
+      routes = packing.unpack_chunks(routes, plans, batch.tokens.shape, fill=packing.NO_ROUTE)
     return (logp, routes) if return_routes else logp
 
   def _score_impl(self, params, arrays: ScoreInputs, mb):
@@ -415,7 +389,7 @@ class Learner:
     learner's batch sharding. Unpacked rows only (per-sample `advantages` [M]).
 
     Args:
-      pad_fraction: the padding share of the slots run, or None to count it on the devices (`_pad_counts`: the same
+      pad_fraction: the padding share of the slots run, or None to count it on the devices (`pad_counts`: the same
         value `packing.pad_fraction` gives on the host).
 
     Returns and skips as `update`.
@@ -428,7 +402,7 @@ class Learner:
     if m % mb:
       raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
     if pad_fraction is None:
-      real, active = (int(x) for x in to_host(_pad_counts(arrays.segment_ids, mb)))
+      real, active = (int(x) for x in to_host(pad_counts(arrays.segment_ids, mb)))
       pad_fraction = 1.0 - float(real) / max(active * mb * arrays.tokens.shape[1], 1)
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
@@ -505,7 +479,7 @@ class Learner:
     split = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), arrays)
     split_prepared = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), prepared)
     grad_fn = jax.grad(self._micro_objective, has_aux=True)
-    bins = _position_bins(mask, arrays.segment_ids if _packed(arrays) else None)
+    bins = position_bins(mask, arrays.segment_ids if _packed(arrays) else None)
     split_bins = bins.reshape(m // mb, mb, -1)
     rows = m  # that run: packed, the micro-batches of padding rows are skipped (the router aux loss's mean)
     if _packed(arrays):
@@ -526,7 +500,7 @@ class Learner:
       per_token = jnp.stack([jnp.ones_like(tw), tw, tw * tw, abs_log_ratio, kl_k3, ent])  # [6, n, l]: per position bin
       by_bin = by_bin + jnp.einsum("nlb,knl->kb", onehot, jnp.where(valid > 0, per_token, 0.0))
       w = jnp.sum(valid) / num_tokens
-      metric_acc = {k: _combine_metric(k, metric_acc[k], v, w) for k, v in out.metrics.items()}
+      metric_acc = {k: combine_metric(k, metric_acc[k], v, w) for k, v in out.metrics.items()}
       return (g_acc, loss_acc + out.loss_sum, metric_acc, by_bin), lp.logp
 
     if _packed(arrays):  # a micro-batch of padding rows adds nothing: skip its forward and backward
@@ -535,7 +509,7 @@ class Learner:
     first, first_prepared = jax.tree.map(lambda a: a[0], (split, split_prepared))
     metric_shape = jax.eval_shape(lambda: _call_policy_loss(lc, first.behavior_logp, first, first_prepared).metrics)
     zero_metrics = {
-        k: jnp.full(s.shape, _METRIC_INIT.get(k.rsplit("_", 1)[-1], 0.0), jnp.float32) for k, s in metric_shape.items()
+        k: jnp.full(s.shape, METRIC_INIT.get(k.rsplit("_", 1)[-1], 0.0), jnp.float32) for k, s in metric_shape.items()
     }
     init = (
         zero_grads,
@@ -582,15 +556,6 @@ class Learner:
         }
     )
     return new_state, out_metrics
-
-
-@jax.jit(static_argnums=(1,))
-def _pad_counts(segment_ids: jax.Array, micro_batch: int) -> tuple[jax.Array, jax.Array]:
-  """(int32 real tokens of the [M, W] `segment_ids`, int32 micro-batches of `micro_batch` rows holding one): the
-  counts `packing.pad_fraction` takes on the host, on the devices (replicated scalars)."""
-  real = segment_ids != 0
-  per_micro = real.reshape(real.shape[0] // micro_batch, -1).any(1)
-  return jnp.sum(real, dtype=jnp.int32), jnp.sum(per_micro, dtype=jnp.int32)
 
 
 def staleness(update_index: int, policy_version: np.ndarray) -> np.ndarray:

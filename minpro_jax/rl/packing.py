@@ -105,10 +105,12 @@ def packed_rows(num_samples: int, sample_width: int, row_tokens: int, micro_batc
   return max(1, -(-bound // micro_batch)) * micro_batch
 
 
-def _plan_shape(lengths: np.ndarray, used: int, sample_width: int, row_tokens: int, micro_batch: int):
-  """(R, W) of a plan whose first fit used `used` rows: W = max(row_tokens, longest sample), R the static
+def _plan_shape(
+    lengths: np.ndarray, used: int, sample_width: int, row_tokens: int, micro_batch: int, width: int | None = None
+):
+  """(R, W) of a plan whose first fit used `used` rows: W = max(row_tokens, longest sample, `width`), R the static
   `packed_rows` or, should first fit need more, its rows rounded up to a micro-batch."""
-  width = max(row_tokens, int(np.max(lengths, initial=0)))
+  width = max(row_tokens, int(np.max(lengths, initial=0)), width or 0)
   rows = max(packed_rows(len(lengths), sample_width, width, micro_batch), -(-used // micro_batch) * micro_batch)
   return rows, width
 
@@ -128,7 +130,7 @@ def plan_shape(lengths, sample_width: int, row_tokens: int, micro_batch: int) ->
   return rows, used, width
 
 
-def plan(segment_ids: np.ndarray, row_tokens: int, micro_batch: int) -> PackPlan:
+def plan(segment_ids: np.ndarray, row_tokens: int, micro_batch: int, width: int | None = None) -> PackPlan:
   """Places the samples of an unpacked [N, L] batch (one sample per row, real tokens where `segment_ids != 0`) into
   packed rows of `row_tokens` tokens.
 
@@ -136,9 +138,10 @@ def plan(segment_ids: np.ndarray, row_tokens: int, micro_batch: int) -> PackPlan
     segment_ids: [N, L] int, non-zero on each sample's real tokens (prompt and response).
     row_tokens: W > 0, tokens per packed row.
     micro_batch: packed rows per micro-batch (the row count is a multiple of it).
+    width: a least width of the packed rows (plans packed side by side share one: `plan_chunks`); None: none.
 
   Returns:
-    The `PackPlan`: W = max(row_tokens, longest sample); `packed_rows(N, L, W, micro_batch)` rows.
+    The `PackPlan`: W = max(row_tokens, longest sample, width); `packed_rows(N, L, W, micro_batch)` rows.
 
   Raises:
     ValueError: row_tokens or micro_batch <= 0.
@@ -149,7 +152,7 @@ def plan(segment_ids: np.ndarray, row_tokens: int, micro_batch: int) -> PackPlan
   n, length = real.shape
   lengths = real.sum(1).astype(np.int64)
   row, offset, used = first_fit_decreasing(lengths, row_tokens)
-  rows, width = _plan_shape(lengths, used, length, row_tokens, micro_batch)
+  rows, width = _plan_shape(lengths, used, length, row_tokens, micro_batch, width)
   sample_of_token, col = np.nonzero(real)  # row-major: each sample's tokens in order
   rank = np.cumsum(real, axis=1)[sample_of_token, col] - 1  # index of the token inside its sample
   src = sample_of_token * length + col
@@ -203,6 +206,48 @@ def unpack(values: np.ndarray, p: PackPlan, shape: tuple[int, int], fill=0) -> n
   out = np.full((shape[0] * shape[1], *trail), fill, values.dtype)
   out[p.src] = values.reshape(-1, *trail)[p.dst]
   return out.reshape(*shape, *trail)
+
+
+def plan_chunks(segment_ids: np.ndarray, chunk_rows: int, row_tokens: int, micro_batch: int, width: int | None = None):
+  """One `plan` per consecutive chunk of `chunk_rows` samples of an unpacked [N, L] batch (a step's mini-batches:
+  each packed on its own, as its update packs it), all of one shape so their rows can sit side by side
+  (`pack_chunks`): W = max(row_tokens, the longest sample of the batch, `width`), R = `packed_rows(chunk_rows, L,
+  W, micro_batch)`.
+
+  Raises:
+    ValueError: chunk_rows <= 0 or not dividing N; as `plan`.
+  """
+  seg = np.asarray(segment_ids)
+  n = seg.shape[0]
+  if chunk_rows <= 0 or n % chunk_rows:
+    raise ValueError(f"plan_chunks: {n} samples do not split into chunks of {chunk_rows}")
+  longest = int((seg != 0).sum(1).max(initial=0))
+  w = max(row_tokens, longest, width or 0)
+  plans = [plan(seg[i : i + chunk_rows], row_tokens, micro_batch, width=w) for i in range(0, n, chunk_rows)]
+  rows = max(p.num_rows for p in plans)  # the static count of every chunk (first fit never needs more)
+  return [p._replace(num_rows=rows, segment_ids=_pad_rows(p.segment_ids, rows, 0)) for p in plans]
+
+
+def _pad_rows(values: np.ndarray, rows: int, fill) -> np.ndarray:
+  """[R, ...] -> [rows, ...] with `fill` rows appended."""
+  pad = [(0, rows - values.shape[0])] + [(0, 0)] * (values.ndim - 1)
+  return np.pad(values, pad, constant_values=fill)
+
+
+def pack_chunks(batch: RolloutBatch, plans, fields=PACKED_FIELDS, routes: bool = False) -> dict[str, np.ndarray]:
+  """`pack` of each chunk of `batch` (`plan_chunks`), side by side: [len(plans) x R, W, ...] rows, chunk c's at
+  [c R, (c + 1) R)."""
+  m = batch.size // len(plans)
+  parts = [pack(batch.select(slice(c * m, (c + 1) * m)), p, fields, routes) for c, p in enumerate(plans)]
+  return {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+
+
+def unpack_chunks(values: np.ndarray, plans, shape: tuple[int, int], fill=0) -> np.ndarray:
+  """`unpack` of per-token outputs of `pack_chunks`'s rows ([len(plans) x R, W, ...]) -> [N, L, ...] (`shape` =
+  (N, L))."""
+  r, m = plans[0].num_rows, shape[0] // len(plans)
+  parts = [unpack(values[c * r : (c + 1) * r], p, (m, shape[1]), fill) for c, p in enumerate(plans)]
+  return np.concatenate(parts)
 
 
 def pad_fraction(segment_ids: np.ndarray, micro_batch: int) -> float:

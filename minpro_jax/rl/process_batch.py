@@ -31,12 +31,14 @@ programs).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Iterator
 
 import jax
 import numpy as np
 
+from minpro_jax.rl import packed_batch
 from minpro_jax.rl.learner import Learner, ScoreInputs, UpdateInputs, staleness
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime import host_batch, multihost
@@ -115,9 +117,14 @@ def stage(local: RolloutBatch, mesh: jax.sharding.Mesh, num_rows: int, replay: b
   """
   fields = _input_fields(local, UpdateInputs._fields[:-2], replay)
   placed = host_batch.global_rows(fields, host_batch.staging_sharding(mesh.devices, num_rows), num_rows)
-  per_row = np.stack([local.policy_version, local.segment_ids.sum(1)], axis=1).astype(np.int64)
-  every = multihost.gather_rows(per_row, num_rows)
+  every = _per_row(local, num_rows)
   return StagedBatch(UpdateInputs(**placed), every[:, 0], int(every[:, 1].sum()))
+
+
+def _per_row(local: RolloutBatch, num_rows: int) -> np.ndarray:
+  """[N, 2] int64 (policy version, real tokens) of every process's rows (an all-gather of 16 bytes a row)."""
+  per_row = np.stack([local.policy_version, (local.segment_ids != 0).sum(1)], axis=1).astype(np.int64)
+  return multihost.gather_rows(per_row, num_rows)
 
 
 def learner_sharding(mesh: jax.sharding.Mesh, rows: int) -> jax.sharding.NamedSharding:
@@ -139,59 +146,85 @@ def mini_batches(staged: StagedBatch, num: int, mesh: jax.sharding.Mesh) -> Iter
   n = staged.size
   if num <= 0 or n % num:
     raise ValueError(f"cannot split a batch of {n} samples into {num} equal mini-batches")
-  m = n // num
+  m = staged.arrays.tokens.shape[0] // num  # packed (`packed_batch.stage`): each mini-batch's R packed rows
   sharding = learner_sharding(mesh, m)
   for j in range(num):
     yield multihost.settle(host_batch.take_rows(sharding, j * m, m)(staged.arrays))
 
 
 def for_learner(
-    released: RolloutBatch | None, mesh: jax.sharding.Mesh, num_rows: int, *, packed: bool, replay: bool
+    released: RolloutBatch | None, learner: Learner, num_rows: int, num: int
 ) -> RolloutBatch | StagedBatch | None:
-  """What `updates` takes of the batch of `num_rows` rows the delay buffer released (None passes through): in one
-  process the batch itself; in several, where each holds its own rows, their global arrays on the learner's devices
-  (`stage`), or, with packing (`packed`: the plan spans every process's rows) or a mesh whose devices are not in
-  process order with equal shares, the rows all-gathered to every host (`gather_batch`). Collective (module
-  docstring)."""
+  """What `updates` takes of the batch of `num_rows` rows the delay buffer released for `num` updates (None passes
+  through): in one process the batch itself; in several, where each holds its own rows, their global arrays on the
+  learner's devices (`stage`; with packing, `learner.row_tokens`, each process's mini-batches packed on it:
+  `packed_batch.stage`), or the rows all-gathered to every host (`gather_batch`) when the learner's mesh cannot
+  take per-process rows (devices not in process order with equal shares) or, packed, a mini-batch spans processes
+  (`num` not a multiple of the process count; logged). Collective (module docstring)."""
   if released is None or jax.process_count() == 1:
     return released
-  gather = packed
+  mesh, replay = learner.mesh, learner.loss_cfg.router_replay
   try:
     host_batch.staging_sharding(mesh.devices)
   except ValueError:
-    gather = True  # this mesh cannot take per-process rows: the host path
-  if gather:
+    return gather_batch(released, num_rows)  # this mesh cannot take per-process rows: the host path
+  if learner.row_tokens is None:
+    return stage(released, mesh, num_rows, replay)
+  if num <= 0 or num_rows % num or not packed_batch.fits(num_rows, num_rows // num):
+    _warn_gathered(num, num_rows)
     return gather_batch(released, num_rows)
-  return stage(released, mesh, num_rows, replay)
+  every = _per_row(released, num_rows)
+  arrays = packed_batch.stage(released, learner, num_rows, num, every[:, 1])
+  return StagedBatch(arrays, every[:, 0], int(every[:, 1].sum()))
 
 
-def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, return_routes: bool = False):
-  """`Learner.score` of a batch of `num_rows` rows of which this process holds its own (`local`: whole groups,
-  `host_batch.process_group_rows`), returning this process's rows of the [N, L] log-probs (and with
-  `return_routes` of the learner's [N, L, layers, k] routes); `learner.score(params, local)` in one process.
+_warned = []
+
+
+def _warn_gathered(num: int, num_rows: int) -> None:
+  if not _warned:
+    _warned.append(True)
+    logging.warning(
+        "packing (learner.row_tokens): %d mini-batches of a %d-row batch do not lie within the %d processes' rows, "
+        "so every host gathers and packs the whole batch; make num_updates_per_step a multiple of the process count",
+        num, num_rows, jax.process_count(),
+    )  # fmt: skip
+
+
+def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, return_routes: bool = False,
+          chunk_rows: int | None = None):  # fmt: skip
+  """`Learner.score(chunk_rows=...)` of a batch of `num_rows` rows of which this process holds its own (`local`:
+  whole groups, `host_batch.process_group_rows`), returning this process's rows of the [N, L] log-probs (and with
+  `return_routes` of the learner's [N, L, layers, k] routes); `learner.score(params, local, ...)` in one process.
 
   The score inputs are staged from each process's rows (`host_batch.global_rows` on the staging sharding of the
   learner's devices), resharded to the learner's batch sharding on the devices, scored by the learner's program,
   and each process reads its rows of the outputs back from its own devices (`host_batch.rows_to_host`): no host
-  holds the batch. With packing (`learner.row_tokens`: the plan spans every process's rows) or a mesh whose
-  devices cannot hold each process's rows, the rows are all-gathered and scored whole (`gather_batch`), and each
-  process keeps its rows of the result. Collective: every process calls it at the same point, in the caller's
-  `use_mesh`.
+  holds the batch. Packed (`learner.row_tokens`), each process packs its own chunks of `chunk_rows` samples
+  (`packed_batch.score`). With a mesh whose devices cannot hold each process's rows, or packed chunks that span
+  processes, the rows are all-gathered and scored whole (`gather_batch`), and each process keeps its rows of the
+  result. Collective: every process calls it at the same point, in the caller's `use_mesh`.
 
   Raises:
     ValueError: N not divisible by the micro-batch size; replay without routes; `local` is not this process's
       share of `num_rows`.
   """
   if jax.process_count() == 1:
-    return learner.score(params, local, return_routes=return_routes)
+    return learner.score(params, local, return_routes=return_routes, chunk_rows=chunk_rows)
   mesh = learner.mesh
   try:
     staging = None if mesh is None else host_batch.staging_sharding(mesh.devices, num_rows)
   except ValueError:
     staging = None
-  if staging is None or learner.row_tokens is not None:
+  packed = learner.row_tokens is not None
+  if staging is not None and packed and packed_batch.fits(num_rows, chunk_rows or num_rows):
+    sharding_of = lambda rows: learner_sharding(mesh, rows)  # noqa: E731
+    return packed_batch.score(
+        learner, params, local, num_rows, chunk_rows or num_rows, sharding_of, return_routes=return_routes
+    )
+  if staging is None or packed:
     rows = multihost.process_rows(num_rows)
-    out = learner.score(params, gather_batch(local, num_rows), return_routes=return_routes)
+    out = learner.score(params, gather_batch(local, num_rows), return_routes=return_routes, chunk_rows=chunk_rows)
     return jax.tree.map(lambda a: np.array(a[rows]), out)
   mb = min(learner.micro_batch_size, num_rows)
   if num_rows % mb:
