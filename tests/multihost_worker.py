@@ -361,6 +361,10 @@ def sampled_rows(out_dir: str) -> dict:
     packed_mine = process_batch.score(packed, params, batch.select(rows), n, chunk_rows=4)
     staged = process_batch.for_learner(batch.select(rows), packed, n, 2)
     minis = [jax.tree.map(multihost.to_host, m) for m in process_batch.mini_batches(staged, 2, mesh)]
+    # one mini-batch of 8 rows spans both processes: the rows are gathered and packed whole (the former path)
+    spanning = process_batch.for_learner(batch.select(rows), packed, n, 1)
+    spanning_score = process_batch.score(packed, params, batch.select(rows), n, chunk_rows=8)
+    whole_score = packed.score(params, batch, chunk_rows=8)
   host_minis = [packed.update_inputs(mini, 2)[0] for mini in batch.split(2)]
   fields = ("tokens", "segment_ids", "positions", "response_mask", "behavior_logp", "advantages")
   mask = batch.response_mask[rows]
@@ -374,6 +378,8 @@ def sampled_rows(out_dir: str) -> dict:
       "score_max_diff": float(np.abs(np.where(mask, local_logp - global_logp[rows], 0.0)).max()),
       "packed_score_max_diff": float(np.abs(np.where(mask, packed_mine - packed_whole[rows], 0.0)).max()),
       "packed_staged": type(staged).__name__,
+      "spanning": [type(spanning).__name__, spanning.size],
+      "spanning_score_max_diff": float(np.abs(np.where(mask, spanning_score - whole_score[rows], 0.0)).max()),
       "packed_rows": list(staged.arrays.tokens.shape),
       "packed_equal": all(
           np.array_equal(getattr(m, f), np.asarray(getattr(h, f))) for m, h in zip(minis, host_minis) for f in fields

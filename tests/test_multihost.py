@@ -353,6 +353,7 @@ def test_sampler_outputs_and_score_pass_per_process_in_two_processes(tmp_path):
     # packed: each process packs its own mini-batch as one process would; no host gathers the batch
     assert s["packed_staged"] == "StagedBatch" and s["packed_rows"] == [8, 70], s
     assert s["packed_equal"] and s["packed_score_max_diff"] < 1e-5, s
+    assert s["spanning"] == ["RolloutBatch", 8] and s["spanning_score_max_diff"] < 1e-5, s  # gathered, packed whole
     assert s["route_frac"] == s["route_frac_whole"] and 0 < s["route_frac"] < 1
 
 
