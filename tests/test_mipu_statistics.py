@@ -137,7 +137,7 @@ def test_delta_t_is_exactly_zero_at_equal_weights_and_logs_the_pair(tmp_path, mo
   c_cal = progress.mipu_tolerance
   assert c_cal is not None and m["mipu/tolerance"] == c_cal
   assert m["mipu/accepted"] == int(m["mipu/t_post"] >= -c_cal)
-  t_start = [tr.mipu_step._draw(before, _val(tr, d), tr._step_seed(d, 6))[3] for d in range(3)]
+  t_start = [tr.mipu_step._draw(before, _val(tr, d), tr._step_seed(d, 6)).t for d in range(3)]
   assert c_cal == pytest.approx(mipu.calibrated_tolerance(t_start, 2.0), rel=1e-6)
   _, m = tr.mipu_step(state, mipu.snapshot(state), 2, progress)
   assert progress.mipu_tolerance == c_cal and m["mipu/tolerance"] == c_cal  # measured once
