@@ -13,7 +13,7 @@ another process sampled, so the rows move on the devices:
      array, so a new choice does not recompile) laid out on the staging sharding of N rows, and each process
      reads back its rows (`host_batch.local_rows`).
 
-The per-row [N] fields (lengths, finish reasons, sample indices) are all-gathered on the host (a few bytes a row).
+The per-row [N] fields (lengths, finish reasons as a bool, sample indices) take the same gather.
 A process's rows of the filled batch equal the rows a single process's `take_groups` gives it, bit for bit. The
 gather may hold the filled batch's N rows on every device for a moment (XLA partitions a gather from a
 row-sharded operand as a masked local gather and a reduction).
@@ -30,8 +30,6 @@ import numpy as np
 from minpro_jax.rl.dynamic_sampling import padded_rounds, take_groups
 from minpro_jax.runtime import host_batch, multihost
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
-
-PER_ROW = ("lengths", "finish_reason", "group_ids", "sample_index")
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,24 +70,16 @@ def take_own_groups(
     return take_groups(gens, groups, group_size, pad_id, no_route)
   num_rows, k = len(groups) * group_size, len(gens)
   rounds = padded_rounds(gens, pad_id, no_route)
-  big = [f for f, v in rounds[0].items() if f not in PER_ROW and v is not None]
-  local = {f: np.concatenate([r[f] for r in rounds]) for f in big}
+  for r in rounds:  # the finish reason (a str array) travels as a bool
+    r["finish_reason"] = r["finish_reason"] == FINISH_STOP
+  fields = [f for f, v in rounds[0].items() if f != "group_ids" and v is not None]
+  local = {f: np.concatenate([r[f] for r in rounds]) for f in fields}
   devices = jax.devices()
   placed = host_batch.global_rows(local, host_batch.staging_sharding(devices, k * num_rows), k * num_rows)
   idx = source_rows(groups, group_size, k, num_rows)
   out = _gather(host_batch.staging_sharding(devices, num_rows))(placed, idx.astype(np.int32))
   taken = {f: host_batch.local_rows(multihost.settle(v)) for f, v in out.items()}
-  # the [N] per-row fields: all-gathered, selected, this process's rows kept
-  mine = multihost.process_rows(num_rows)
-  stop = np.asarray([r["finish_reason"] for r in rounds]) == FINISH_STOP
-  table = np.stack([np.stack([r["lengths"], s, r["sample_index"]], 1) for r, s in zip(rounds, stop)]).astype(np.int64)
-  every = multihost.gather_rows(np.concatenate(table, axis=1), num_rows).reshape(num_rows, k, 3)
-  per_round = every.transpose(1, 0, 2).reshape(k * num_rows, 3)  # round-major: [round x N + row]
-  chosen = np.asarray([kk * num_rows + g * group_size + s for kk, g in groups for s in range(group_size)])
-  picked = per_round[chosen][mine]
-  reasons = np.where(picked[:, 1] == 1, FINISH_STOP, FINISH_LENGTH).astype(gens[0].finish_reason.dtype)
-  per_row = dict(
-      lengths=picked[:, 0].astype(np.int32), finish_reason=reasons, sample_index=picked[:, 2].astype(np.int32)
-  )
+  stop = taken["finish_reason"]
+  taken["finish_reason"] = np.where(stop, FINISH_STOP, FINISH_LENGTH).astype(gens[0].finish_reason.dtype)
   nones = {f: None for f, v in rounds[0].items() if v is None}
-  return dataclasses.replace(gens[0], **taken, **per_row, **nones, group_ids=gens[0].group_ids.copy())
+  return dataclasses.replace(gens[0], **taken, **nones, group_ids=gens[0].group_ids.copy())
