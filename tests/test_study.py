@@ -5,7 +5,6 @@ aggregation outputs; and (slow) the smoke grid end to end: dry run, a run stoppe
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from train_helpers import REPO, cli_env
 from minpro_jax.config_lib import files
 from minpro_jax.config_lib.files import load_module
 from minpro_jax.study import __main__ as study_cli
-from minpro_jax.study import aggregate, grid, results, runner
+from minpro_jax.study import aggregate, grid, runner
 from minpro_jax.study.aggregate import Interval, curve_auc, eval_curve, falls_below, largest_drop, mean_ci
 from minpro_jax.study.grid import Grid, GridError, Run
 
@@ -801,66 +800,3 @@ def test_a_sampler_mode_with_the_same_samples_does_not_make_a_run_stale():
   assert config_differences(stored, {"sampling": {"continuous": True, "temperature": 0.5}, "seed": 1}) == [
       "sampling.temperature"
   ]
-
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STUDIES_ROOT = results.committed_root(REPO_ROOT)  # results/ (runs/ in a checkout from before the move)
-COMMITTED_STUDIES = sorted(
-    d for d in os.listdir(STUDIES_ROOT) if os.path.isfile(os.path.join(STUDIES_ROOT, d, "study.json"))
-)
-
-
-@pytest.mark.parametrize("study", COMMITTED_STUDIES)
-def test_committed_finished_runs_stay_done_under_todays_defaults(study, capsys):
-  """A config field added since a committed study ran must be in `runner.ADDED_FIELDS` (at the value that keeps the
-  old behaviour), else the runner calls every finished run stale and refuses to go on."""
-  from minpro_jax.study.__main__ import main
-
-  workdir = os.path.join(STUDIES_ROOT, study)
-  with open(os.path.join(workdir, "study.json")) as f:
-    spec = json.load(f)["grid"]
-  assert main([f"--grid={os.path.join(REPO_ROOT, spec)}", f"--workdir={workdir}", "--dry-run"]) == 0
-  out = capsys.readouterr().out
-  assert re.search(r"\b0 stale", out), [line for line in out.splitlines() if line.startswith("stale")][:1]
-
-
-def test_a_study_of_record_is_found_under_either_root(tmp_path, monkeypatch, capsys):
-  """Committed studies live in results/ (issue 39); a path under the old root runs/ finds a moved study, and one
-  under results/ finds a study this checkout still keeps in runs/, each with a note; other paths are kept."""
-  monkeypatch.chdir(tmp_path)
-  (tmp_path / "runs" / "kept").mkdir(parents=True)
-  (tmp_path / "results" / "moved").mkdir(parents=True)
-  assert results.committed("moved") == os.path.join("results", "moved")
-  assert results.resolve("runs/moved") == os.path.join("results", "moved")
-  assert "note: --workdir=runs/moved: the committed studies moved to results/; using results/moved" in (
-      capsys.readouterr().err
-  )
-  assert results.resolve("./runs/moved/", "--out") == os.path.join("results", "moved")
-  assert results.resolve("results/kept", "--out") == os.path.join("runs", "kept")
-  assert "(git mv runs/kept results/kept); using runs/kept" in capsys.readouterr().err
-  for same in ("runs/kept", "results/moved", "runs/new", "results/new", str(tmp_path / "runs" / "moved"), "other/x"):
-    assert results.resolve(same) == same
-  assert capsys.readouterr().err == ""
-  assert results.committed_root(str(tmp_path)) == str(tmp_path / "results")
-  (tmp_path / "before" / "runs").mkdir(parents=True)  # a checkout from before the move
-  assert results.committed_root(str(tmp_path / "before")) == str(tmp_path / "before" / "runs")
-
-
-def test_a_moved_study_keeps_its_finished_runs(tmp_path, monkeypatch, capsys):
-  """A committed study moved from runs/ to results/ (its runs' summary.json name the old workdirs) reads as before:
-  every finished run is done, under its new path and under its old one (found in results/)."""
-  import shutil
-
-  from minpro_jax.study.__main__ import main
-
-  src = os.path.join(STUDIES_ROOT, "mipu")
-  dst = tmp_path / "results" / "mipu"
-  shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.endswith((".png", ".log", ".md"))])
-  with open(dst / "study.json") as f:
-    spec = json.load(f)["grid"]
-  monkeypatch.chdir(tmp_path)
-  for workdir in ("results/mipu", "runs/mipu"):
-    assert main([f"--grid={os.path.join(REPO_ROOT, spec)}", f"--workdir={workdir}", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"\b24 done\b", out) and re.search(r"\b0 new\b", out), out[-500:]
-    assert f"--config.workdir={tmp_path}/results/mipu/" in out

@@ -29,7 +29,8 @@ import sys
 os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".cache", "minpro_jax_mpl"))
 
 from minpro_jax.errors import UserError  # noqa: E402
-from minpro_jax.study import aggregate, grid, plots, results, runner  # noqa: E402
+from minpro_jax.study import aggregate, grid, results, runner  # noqa: E402
+from minpro_jax.study import plots as study_plots  # noqa: E402
 
 EXIT_USER_ERROR = 2
 DEFAULT_COMPILATION_CACHE = os.path.join("cache", "jax_compilation")  # beside the trainer's SFT cache
@@ -68,15 +69,16 @@ def child_env(compilation_cache: str) -> dict[str, str]:
   return env
 
 
-def write_aggregation(study_dir: str, record: dict, interval: str = "t") -> list[str]:
-  """Aggregates the runs of `record` (a study.json) in `study_dir`; writes summary.json/.md and the plots."""
+def write_aggregation(study_dir: str, record: dict, interval: str = "t", plots: bool = True) -> list[str]:
+  """Aggregates the runs of `record` (a study.json) in `study_dir`; writes summary.json/.md and (`plots`) the PNG
+  plots; returns the paths written."""
   runs = [grid.Run.from_json(r) for r in record["runs"]]
   comparisons = [tuple(c) for c in record.get("comparisons", ())]
   extra = {"grid": record.get("grid"), "description": record.get("description", ""), "base": record.get("base")}
   result = aggregate.aggregate(study_dir, runs, comparisons, method=interval, extra=extra)
   paths = aggregate.write_summary(study_dir, result)
-  if result["runs"]:
-    paths += plots.write_plots(study_dir, result, runs, record.get("panel"))
+  if plots and result["runs"]:
+    paths += study_plots.write_plots(study_dir, result, runs, record.get("panel"))
   return paths
 
 
