@@ -245,6 +245,13 @@ class RunCheckpointer:
   def best_step(self) -> int | None:
     return self._best.latest_step()
 
+  def best_meta(self) -> dict[str, Any] | None:
+    """The meta ({"score", "step"}) of the best-parameter checkpoint on disk, None when there is none."""
+    step = self._best.latest_step()
+    if step is None:
+      return None
+    return self._best.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
   def close(self) -> None:
     self._mngr.close()
     self._best.close()

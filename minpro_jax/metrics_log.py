@@ -40,11 +40,21 @@ class MetricsWriter:
   Args:
     workdir: run directory.
     resume_step: if given, existing lines with "step" > resume_step are removed (they will be recomputed).
+    keep_final_eval: a finished run continued to more global steps: its final evaluation (the record of step
+      resume_step + 1 holding only `eval/` entries, of the policy after global step resume_step) is kept, moved
+      into the record of global step resume_step, where a periodic evaluation of that policy goes.
     tensorboard: write TensorBoard event files to `workdir/tb` when tensorboardX is installed.
     enabled: False makes every call a no-op (the processes of a multi-process run other than process 0).
   """
 
-  def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True, enabled: bool = True):
+  def __init__(
+      self,
+      workdir: str,
+      resume_step: int | None = None,
+      tensorboard: bool = True,
+      enabled: bool = True,
+      keep_final_eval: bool = False,
+  ):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb = None
@@ -64,7 +74,10 @@ class MetricsWriter:
             ", ".join(str(n) for n, _ in bad[:10]) + (", ..." if len(bad) > 10 else ""),
             aside,
         )
-      keep = [json.dumps(r) + "\n" for r in records if resume_step is not None and r["step"] <= resume_step]
+      kept = [r for r in records if resume_step is not None and r["step"] <= resume_step]
+      if keep_final_eval and resume_step is not None:
+        _move_final_eval(kept, records, resume_step)
+      keep = [json.dumps(r) + "\n" for r in kept]
       tmp = self.path + ".tmp"
       with open(tmp, "w") as f:
         f.writelines(keep)
@@ -94,6 +107,19 @@ class MetricsWriter:
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+
+
+def _is_eval_only(record: dict[str, Any]) -> bool:
+  return len(record) > 1 and all(k == "step" or k.startswith("eval/") for k in record)
+
+
+def _move_final_eval(kept: list[dict[str, Any]], records: list[dict[str, Any]], step: int) -> None:
+  """Moves the final evaluation of a run that ended after global step `step` (the eval-only record of step + 1) into
+  the kept record of `step` (see `MetricsWriter`), when that record holds no evaluation yet."""
+  final = [r for r in records if r["step"] == step + 1 and _is_eval_only(r)]
+  last = [r for r in kept if r["step"] == step]
+  if final and last and not any(k.startswith("eval/") for k in last[-1]):
+    last[-1].update({k: v for k, v in final[-1].items() if k != "step"})
 
 
 def _read_lines(path: str) -> tuple[list[dict[str, Any]], list[tuple[int, bytes]]]:

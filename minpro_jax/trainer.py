@@ -394,7 +394,15 @@ class Trainer:
           "the run in %s finished all %d global steps: repeating only its final evaluation", self.workdir, start
       )
     logger.info("resumed from global step %d (policy_version %d)", latest, int(state.step))
-    return state, RunProgress.from_json(meta["progress"]), start
+    return state, self._with_final_best(RunProgress.from_json(meta["progress"]), start), start
+
+  def _with_final_best(self, progress: RunProgress, start: int) -> RunProgress:
+    """`progress` with the best of a shorter run's final evaluation, which ran after its last checkpoint: when the
+    best parameters on disk are those of policy step `start` (the restored one), they were that evaluation's."""
+    best = self.ckpt.best_meta() if start < self.c.total_steps else None
+    if best is not None and best["step"] == start and progress.improves(best["score"]):
+      progress.best_score, progress.best_step = best["score"], start
+    return progress
 
   def _install_signal_handlers(self) -> None:
     def handler(signum, frame):
@@ -446,6 +454,7 @@ class Trainer:
     writer = MetricsWriter(
         self.workdir,
         resume_step=start - 1 if start else None,
+        keep_final_eval=0 < start < c.total_steps,  # a finished run continued to more steps
         tensorboard=c.log.tensorboard,
         enabled=multihost.is_primary(),
     )

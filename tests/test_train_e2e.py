@@ -59,6 +59,17 @@ def test_default_config_end_to_end(tmp_path, monkeypatch):
   # transformers; the best checkpoint, evaluated on its own, scores what the run logged for it
   _check_export(run, tmp_path / "hf")
   _check_evaluate(run, on_disk["best"])
+  # continuing the finished run to 5 steps keeps its final evaluation (of policy step 4, after its last checkpoint)
+  # as the evaluation of step 3's record, and that evaluation counts for "best" (it was dropped before)
+  more = Trainer.from_config(make_config({**ov, "total_steps": 5})).run()
+  recs5 = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in recs5] == [-1, 0, 1, 2, 3, 4, 5] and recs5[:4] == recs[:4]
+  assert recs5[4] == {**recs[4], **{k: v for k, v in recs[5].items() if k != "step"}}
+  scores5 = [(r["eval/avg_score"], min(r["step"] + 1, 5)) for r in recs5 if "eval/avg_score" in r]
+  assert [s for _, s in scores5] == [0, 2, 4, 5]
+  top5 = max(v for v, _ in scores5)
+  assert more["best"] == {"score": top5, "step": next(s for v, s in scores5 if v == top5)}
+  assert os.listdir(run / "best") == [str(more["best"]["step"])]  # the parameters of the summary's best
   # a second run with the same SFT settings reuses the cached warm start (and tokenizer)
   ov2 = dict(ov, workdir=str(tmp_path / "run2"))
   tr2 = Trainer.from_config(make_config(ov2))
