@@ -50,7 +50,7 @@ def parse_mesh_shape(spec: str) -> dict[str, int] | None:
   out = {}
   for part in spec.split(","):
     name, _, size = part.partition("=")
-    ok = bool(name.strip()) and size.strip().lstrip("-").isdigit()
+    ok = bool(name.strip()) and re.fullmatch(r"-?[0-9]+", size.strip()) is not None
     need(ok, "mesh.shape", f"cannot parse {part!r}; write e.g. 'data=2,fsdp=4'")
     need(name.strip() not in out, "mesh.shape", f"{spec!r} gives axis {name.strip()!r} twice; give each axis once")
     out[name.strip()] = int(size)
@@ -90,6 +90,12 @@ def check_run(c) -> None:
       not os.path.exists(c.workdir) or os.path.isdir(c.workdir),
       "workdir",
       f"{c.workdir!r} exists and is not a directory; choose another path",
+  )
+  need(
+      not os.path.isfile(os.path.join(c.workdir, "study.json")),  # minpro_jax.study.runner.STUDY_FILE
+      "workdir",
+      f"{c.workdir!r} is a study's directory (it holds study.json; the run would overwrite the study's summary.json); "
+      "give the run its own directory, e.g. a new folder inside it",
   )
   need(c.total_steps >= 1, "total_steps", f"must be >= 1, got {c.total_steps}")
   need(c.delay >= 0, "delay", f"must be >= 0 (0 = on-policy), got {c.delay}")

@@ -117,7 +117,6 @@ def validate_config(c, num_devices: int | None = None) -> None:
     ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
     _need(ok, "sft", "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
   check_domains(c)  # the fields no part checks itself, and settings under which nothing is learnt
-  check_row_tokens(c)
   check_sft_target(c.sft.get("target", "answer"), c.data)  # also shapes the tokenizer corpus, so checked without SFT
   config_checks.check_mesh(c, num_devices or len(jax.devices()))
 
@@ -141,6 +140,7 @@ def validate_shapes_config(c) -> None:
   sampler_paged_kv(c)
   loss_config(c)
   _check_optimizer(c)
+  check_row_tokens(c)
 
 
 def sampler_fp8_options(c) -> dict[str, str]:

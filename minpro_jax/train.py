@@ -139,7 +139,25 @@ def _unknown_field_message(argv: list[str], e: BaseException) -> str:
     parts = flag.lstrip("-").split(".")
     parts[parts.index(key)] = m.group(1)
     hint = f"; did you mean {'.'.join(parts)}?"
+  elif elsewhere := _fields_named(flag.lstrip("-").split(".")[-1], flag.lstrip("-")):
+    hint = f"; did you mean {' or '.join(elsewhere)}?"
   return f"{flag.lstrip('-')}: the config has no such field{hint}; see {DEFAULTS_FILE} for the fields"
+
+
+def _fields_named(leaf: str, flag: str) -> list[str]:
+  """The default config's fields (`config.a.b`) whose last name is `leaf`, other than `flag` (a field put in the
+  wrong section: `config.learner.micro_batch_size` for `config.micro_batch_size`)."""
+  from minpro_jax.config_lib.defaults import base_config
+
+  def walk(d, prefix):
+    for k, v in d.items():
+      path = f"{prefix}.{k}"
+      if hasattr(v, "items"):
+        yield from walk(v, path)
+      elif k == leaf and path != flag:
+        yield path
+
+  return sorted(walk(base_config(), "config"))
 
 
 def _quiet_logging() -> None:

@@ -236,6 +236,7 @@ def test_aot_warns_on_a_row_whose_micro_batch_does_not_split_over_the_batch_axes
             "is the workdir of a training run (config.json, checkpoints/), not a study's",
         ),
         (["--workdir={tmp}/study", "--jobs=0", "--dry-run"], "error: --jobs=0: must be >= 1"),
+        (["--workdir={run}/config.json"], "config.json: is a file, not a directory"),  # was a FileExistsError
     ],
 )
 def test_study_workdir_and_jobs_mistakes_are_named_before_anything_runs(tmp_path, capsys, flags, words):

@@ -1,6 +1,7 @@
 """validate_config names the offending field; the CLI fails fast on bad overrides."""
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -26,6 +27,8 @@ BAD = [
     ({"mesh.shape": "data=3"}, 1, "mesh.shape"),
     ({"mesh.shape": "rows=8"}, 8, "mesh.shape"),
     ({"mesh.shape": "data=2,data=4"}, 4, "mesh.shape"),  # once a silent data=4
+    ({"mesh.shape": "data=--1"}, 1, "mesh.shape"),  # int() raised ValueError once
+    ({"learner.row_tokens": 10**6}, 1, "learner.row_tokens"),  # wider than a mini-batch: once out of memory
     ({"prompts_per_step": 5, "group_size": 2, "num_updates_per_step": 2}, 1, "num_updates_per_step"),  # 10 / 2 = 5 odd
     ({"prompts_per_step": 4, "group_size": 2, "num_updates_per_step": 3}, 1, "num_updates_per_step"),
     ({"prompts_per_step": 4, "group_size": 4, "num_updates_per_step": 2, "micro_batch_size": 3}, 1, "micro_batch_size"),
@@ -58,6 +61,7 @@ BAD = [
     ({"eval.path": "aime=aime:/nonexistent.jsonl"}, 1, "eval.path"),
     ({"workdir": ""}, 1, "workdir"),
     ({"workdir": "/etc/hostname"}, 1, "workdir"),  # a file
+    ({"workdir": os.path.join(os.path.dirname(__file__), "..", "results", "mipu")}, 1, "workdir"),  # a study's
     ({"data.source": "file", "data.path": "/"}, 1, "data.path"),  # a directory
     ({"eval.num_problems": 0}, 1, "eval.num_problems"),
     ({"data.format": "jsonl"}, 1, "data.format"),

@@ -195,6 +195,8 @@ def test_parse_sampling_mesh_and_auto():
         ("data=2", 8, r"spans 2 devices.*e.g. 'data=8,tensor=1'"),
         ("tensor=4,data=2", 8, r"tensor=4 does not divide.*2 KV heads; choose tensor in \[1, 2\]"),
         ("tensor", 8, "cannot parse 'tensor'"),
+        ("tensor=--1", 8, "cannot parse 'tensor=--1'"),  # int() raised ValueError once
+        ("tensor=\u00b2", 8, "cannot parse"),  # a superscript 2 passes str.isdigit
         ("tensor=0,data=-1", 8, "sizes must be >= 1"),
         ("data=8,tensor=1,data=2", 8, "gives axis 'data' twice"),  # once a silent data=2
         ("data=-1,tensor=8", 4, r"fixed sizes \(8\) do not divide the sampler's 4 devices.*or 'auto'"),  # v5p-8

@@ -17,7 +17,7 @@ from minpro_jax.models.moe import NO_ROUTE
 from minpro_jax.rl import packing
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
-from minpro_jax.run_config import validate_config
+from minpro_jax.run_config import validate_config, validate_shapes_config
 
 
 # ------------------------------------------------------------------------------------------------- the packer
@@ -241,6 +241,12 @@ def test_row_tokens_below_the_longest_sample_is_a_config_error(tmp_path):
     validate_config(c)
   c.learner.row_tokens = longest
   validate_config(c)
+  mini_batch = c.prompts_per_step * c.group_size // c.num_updates_per_step
+  c.learner.row_tokens = mini_batch * longest + 1  # the compile-only tool's checks refuse it too
+  with pytest.raises(ConfigError, match=rf"config\.learner\.row_tokens: .* at most {mini_batch * longest}"):
+    validate_shapes_config(c)
+  c.learner.row_tokens = mini_batch * longest
+  validate_shapes_config(c)
 
 
 # ------------------------------------------------------------------------------------------------- trainer

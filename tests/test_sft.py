@@ -41,6 +41,8 @@ def test_a_row_longer_than_max_len_is_dropped_and_none_fitting_is_refused():
   assert mask.sum() == 11
   with pytest.raises(ValueError, match="no example fits max_len=8; the shortest takes 12 tokens"):
     build_examples([[3], [6, 7, 8, 9]], ["7", "7"], _Tokenizer(), 8)
+  with pytest.raises(ValueError, match="no example fits max_len=12; the shortest takes 15 tokens"):  # worked steps
+    build_examples([[3], [6, 7, 8, 9]], ["7", "7"], _Tokenizer(), 12, steps=["77", "77"])
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 1.0])

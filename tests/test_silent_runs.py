@@ -51,6 +51,10 @@ def test_an_override_before_the_config_file_says_to_put_the_file_first():
             "config.sampling.tempreature: the config has no such field; did you mean config.sampling.temperature?",
         ),
         ("--config.no_such_field=3", "config.no_such_field: the config has no such field; see"),
+        (  # a top-level field put in a section
+            "--config.learner.micro_batch_size=4",
+            "config.learner.micro_batch_size: the config has no such field; did you mean config.micro_batch_size?",
+        ),
     ],
 )
 def test_a_field_typo_names_the_whole_flag_and_the_suggestion(flag, expected):

@@ -261,7 +261,8 @@ def pad_fraction(segment_ids: np.ndarray, micro_batch: int) -> float:
 
 
 def check_row_tokens(c) -> None:
-  """`learner.row_tokens` of a training config: 0 / None (off) or an int that holds the longest sample.
+  """`learner.row_tokens` of a training config: 0 / None (off) or an int that holds the longest sample and is at
+  most a whole mini-batch's tokens.
 
   Raises:
     ConfigError: naming `config.learner.row_tokens` and the fix.
@@ -275,7 +276,14 @@ def check_row_tokens(c) -> None:
     raise ConfigError(
         f"config.learner.row_tokens: {w!r} cannot hold the longest sample (data.max_prompt_tokens + "
         f"sampling.max_new_tokens = {longest} tokens) in one packed row; set it to an int >= {longest} "
-        "(e.g. that sum: rows as long as unpacked ones, several short samples each), or 0 to turn packing off"
+        "(e.g. that sum: several short samples per row), or 0 to turn packing off"
+    )
+  mini_batch = max(1, c.prompts_per_step * c.group_size // max(1, c.num_updates_per_step))
+  if w > mini_batch * longest:
+    raise ConfigError(
+        f"config.learner.row_tokens: {w} is wider than a whole mini-batch ({mini_batch} samples x {longest} "
+        f"tokens = {mini_batch * longest}); one row of that width holds the mini-batch already, and a wider one only "
+        f"pads: set it to at most {mini_batch * longest} (usually {longest}..{4 * longest}), or 0 to turn packing off"
     )
 
 

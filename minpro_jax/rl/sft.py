@@ -82,12 +82,13 @@ def build_examples(
     raise ValueError(f"steps has {len(steps)} entries for {len(answers)} answers")
   boxed = np.random.default_rng(seed).random(len(answers)) < boxed_fraction
   rows, masks, lengths = [], [], []
-  dropped = 0
+  dropped, shortest = 0, None
   for ids, ans, box, st in zip(prompt_ids, answers, boxed, steps if steps is not None else [""] * len(answers)):
     resp = tokenizer.encode(sft_target(ans, bool(box), st)) + [tokenizer.eos_id]
     seq = list(ids) + resp
     if len(seq) > max_len:
       dropped += 1
+      shortest = len(seq) if shortest is None else min(shortest, len(seq))
       continue
     pad = max_len - len(seq)
     rows.append(seq + [0] * pad)
@@ -96,7 +97,6 @@ def build_examples(
   if dropped:
     logger.info("SFT: dropped %d examples longer than max_len=%d", dropped, max_len)
   if not rows:
-    shortest = min(len(ids) + len(tokenizer.encode(sft_target(a, True))) + 1 for ids, a in zip(prompt_ids, answers))
     raise ValueError(f"SFT: no example fits max_len={max_len}; the shortest takes {shortest} tokens")
   tokens = np.asarray(rows, np.int32)
   mask = np.asarray(masks, bool)

@@ -19,6 +19,7 @@ Config: `config.sampling.mesh` (`parse_sampling_mesh`), "" = the learner's mesh 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Sequence
 
 import jax
@@ -90,7 +91,7 @@ def parse_sampling_mesh(
   shape: dict[str, int] = {}
   for part in spec.split(","):
     name, _, size = (s.strip() for s in part.partition("="))
-    if not name or not size.lstrip("-").isdigit():
+    if not name or re.fullmatch(r"-?[0-9]+", size) is None:
       _fail(f"cannot parse {part!r} of {spec!r}; write e.g. 'tensor=4' or 'data=4,tensor=2' (or 'auto', or '')")
     if name not in INFERENCE_AXES:
       _fail(

@@ -87,6 +87,8 @@ def _check_flags(args, study_dir: str) -> None:
   workdir (its files beside the study's), and --jobs < 1, before anything is read or written."""
   if not args.workdir.strip():
     raise runner.StudyError("--workdir: empty; give the study's own directory, e.g. --workdir=runs/my_study")
+  if os.path.exists(study_dir) and not os.path.isdir(study_dir):
+    raise runner.StudyError(f"--workdir={args.workdir}: is a file, not a directory; give the study its own directory")
   is_run = all(os.path.exists(os.path.join(study_dir, f)) for f in ("config.json", "checkpoints"))
   if is_run and not os.path.exists(os.path.join(study_dir, runner.STUDY_FILE)):
     raise runner.StudyError(
