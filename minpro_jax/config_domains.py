@@ -63,6 +63,7 @@ DOMAINS: tuple[Domain, ...] = (
     Domain("sft.num_examples", "int", 1, when=_SFT),
     Domain("sft.max_len", "int", 2, when=_SFT, why="a prompt token and a target token at least"),
     Domain("sft.boxed_fraction", "float", 0.0, 1.0, when=_SFT, why="a fraction of the SFT targets"),
+    Domain("sft.row_tokens", "int", 0, when=_SFT, why="0 = one example per row; else the packed rows' token budget"),
     Domain("learner.row_tokens", "int", 0, why="0 = one sample per row; else the packed rows' token budget"),
     Domain("log.mismatch_every", "int", 1, why="global steps between the sampler-learner mismatch metrics (1 = every)"),
     Domain("sampling.max_sampling_rounds", "int", 1, why="rounds of prompts_per_step prompts a step may sample"),

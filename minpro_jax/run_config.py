@@ -116,6 +116,13 @@ def validate_config(c, num_devices: int | None = None) -> None:
   if c.sft.enabled:
     ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
     _need(ok, "sft", "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
+    w = c.sft.get("row_tokens", 0)
+    _need(
+        not w or w >= c.sft.max_len,
+        "sft.row_tokens",
+        f"{w} is below sft.max_len={c.sft.max_len}, the longest example; set it to >= {c.sft.max_len} (e.g. "
+        f"{4 * c.sft.max_len}: several examples per row), or 0 to turn packing off",
+    )
   check_domains(c)  # the fields no part checks itself, and settings under which nothing is learnt
   check_sft_target(c.sft.get("target", "answer"), c.data)  # also shapes the tokenizer corpus, so checked without SFT
   config_checks.check_mesh(c, num_devices or len(jax.devices()))

@@ -573,6 +573,7 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
       seed=c.seed,
       max_len=c.sft.max_len,
       boxed_fraction=c.sft.boxed_fraction,
+      row_tokens=c.sft.get("row_tokens", 0),
   )
   params, info = run_sft(
       model,

@@ -1,13 +1,17 @@
 """The SFT warm start by value: the rows and masks of a hand-written batch, the boxed fraction, and the loss against
-a naive log-softmax over hand-listed response positions (prompt and padding add nothing)."""
+a naive log-softmax over hand-listed response positions (prompt and padding add nothing); packed steps by hand and
+against unpacked ones."""
 
+import hashlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_loss
+from minpro_jax.rl.sft import PACK_ROWS_MULTIPLE, SFTConfig, build_examples, pack_step, run_sft, sft_loss
 
 EOS = 1
 CHARS = {" ": 10, "\\": 11, "b": 12, "o": 13, "x": 14, "e": 15, "d": 16, "{": 17, "}": 18}
@@ -94,3 +98,41 @@ def test_sft_reports_the_loss_of_its_last_batch_and_lowers_it():
   assert info["final_loss"] == pytest.approx(start, rel=1e-6) and info["cached"] is False
   after = float(sft_loss(nnx.merge(nnx.graphdef(model), params), jnp.asarray(tokens), jnp.asarray(seg), mask))
   assert after < start
+
+
+def test_packed_rows_by_hand():
+  # lengths 6 and 13 (the rows written out above) and 12: first-fit decreasing into rows of 20 tokens puts 13 in
+  # row 0, 12 in row 1, then 6 after the 13; 2 used rows round up to PACK_ROWS_MULTIPLE
+  tokens, seg, mask = build_examples([[3, 4, 5], [6], [3]], ["7", "12", "7"], _Tokenizer(), 16, boxed_fraction=0.5)
+  assert seg.sum(1).tolist() == [6, 13, 12]
+  ptok, pseg, pmask = pack_step(tokens, seg, mask, 20)
+  assert ptok.shape == pseg.shape == pmask.shape == (PACK_ROWS_MULTIPLE, 20)
+  assert pseg[0].tolist() == [1] * 13 + [2] * 6 + [0] and pseg[1].tolist() == [1] * 12 + [0] * 8
+  assert not pseg[2:].any() and not pmask[2:].any() and not ptok[2:].any()
+  assert ptok[0, :13].tolist() == tokens[1, :13].tolist() and ptok[0, 13:19].tolist() == tokens[0, :6].tolist()
+  assert pmask[0].tolist() == mask[1, :13].tolist() + mask[0, :6].tolist() + [False]
+
+
+def test_packed_sft_equals_unpacked():
+  """Two steps of packed SFT give the unpacked loss and parameters up to float rounding; the cache key of an
+  unpacked run is the one from before `row_tokens` existed, and packing changes it."""
+  import dataclasses
+
+  from minpro_jax.rl.sft import cache_key, run_key
+
+  model = _model()
+  prompts, answers = [[3, 4, 5], [6], [3], [6, 3]] * 2, ["7", "12", "7", "127"] * 2
+  tokens, seg, mask = build_examples(prompts, answers, _Tokenizer(), 16, boxed_fraction=0.5, seed=1)
+  got = {}
+  for w in (0, 40):
+    cfg = SFTConfig(steps=3, batch_size=4, learning_rate=1e-2, max_len=16, row_tokens=w)
+    got[w] = run_sft(model, tokens, seg, mask, cfg, log_every=1)
+  (p0, i0), (p1, i1) = got[0], got[40]
+  assert i1["final_loss"] == pytest.approx(i0["final_loss"], rel=1e-5)
+  for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+  unpacked = SFTConfig(max_len=16)
+  old = {k: v for k, v in dataclasses.asdict(unpacked).items() if k != "row_tokens"}
+  sha = hashlib.sha256(tokens.tobytes()).hexdigest()
+  assert run_key(unpacked, tokens) == cache_key({"cfg": old, "n": 8, "tokens_sha": sha})
+  assert run_key(dataclasses.replace(unpacked, row_tokens=40), tokens) != run_key(unpacked, tokens)

@@ -154,6 +154,7 @@ def base_config() -> ConfigDict:
   c.sft.target = (
       "answer"  # answer: " \\boxed{5}" | worked: " 2-3=-1 ... -4+9=5 \\boxed{5}" (traced tasks: data/worked.py)
   )
+  c.sft.row_tokens = 0  # 0 = one example per row (max_len); N >= max_len: pack each step's examples into rows of N
   c.sft.cache_dir = "cache"
 
   # MIPU Step 2 (arXiv 2606.29526; minpro_jax/rl/mipu.py): after each step's updates, sample validation prompts with the

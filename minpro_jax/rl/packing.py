@@ -176,6 +176,11 @@ def _gather(values: np.ndarray, p: PackPlan, fill=0) -> np.ndarray:
   return out.reshape(p.num_rows, p.width, *trail)
 
 
+def pack_tokens(values: np.ndarray, p: PackPlan, fill=0) -> np.ndarray:
+  """[N, L, ...] per-token `values` of the planned batch -> [R, W, ...] in the packed rows of `p`, `fill` elsewhere."""
+  return _gather(values, p, fill)
+
+
 def pack(batch: RolloutBatch, p: PackPlan, fields=PACKED_FIELDS, routes: bool = False) -> dict[str, np.ndarray]:
   """The per-token `fields` of `batch` in the packed rows of `p` (host arrays, the batch's dtypes).
 

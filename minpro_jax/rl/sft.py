@@ -24,16 +24,21 @@ from flax import nnx
 
 from minpro_jax.checkpoint import restore_params, save_params
 from minpro_jax.models.logprobs import token_logprobs
+from minpro_jax.rl import packing
 from minpro_jax.runtime import multihost
 
 logger = logging.getLogger(__name__)
+
+
+PACK_ROWS_MULTIPLE = 4  # packed SFT rows are rounded up to this: a few compiled step shapes, at most 3 padding rows
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
   """steps: optimizer updates; batch_size: examples per update; learning_rate: peak AdamW lr (cosine decay to
   10% after `warmup_steps`); seed: example order; max_len: tokens per row (longer examples are dropped);
-  boxed_fraction: share of targets that box the answer (see `build_examples`)."""
+  boxed_fraction: share of targets that box the answer (see `build_examples`); row_tokens: 0, or W >= max_len: each
+  step's examples packed into rows of W tokens (`pack_step`)."""
 
   steps: int = 1000
   batch_size: int = 64
@@ -43,6 +48,7 @@ class SFTConfig:
   seed: int = 0
   max_len: int = 64
   boxed_fraction: float = 1.0
+  row_tokens: int = 0
 
 
 def sft_target(answer: str, boxed: bool = True, steps: str = "") -> str:
@@ -112,14 +118,37 @@ def cache_key(parts: dict[str, Any]) -> str:
 def run_key(cfg: SFTConfig, tokens: np.ndarray, key_parts: dict[str, Any] | None = None) -> str:
   """The cache key of an SFT run (`run_sft`'s folder `sft-<key>`): `cfg`, `key_parts` and the example tokens
   [N, L] (their count and sha256)."""
+  described = dataclasses.asdict(cfg)
+  if not described["row_tokens"]:  # unpacked: the key of a run from before packing existed
+    del described["row_tokens"]
   return cache_key(
       {
-          "cfg": dataclasses.asdict(cfg),
+          "cfg": described,
           **(key_parts or {}),
           "n": int(tokens.shape[0]),
           "tokens_sha": hashlib.sha256(tokens.tobytes()).hexdigest(),
       }
   )
+
+
+def pack_step(tokens: np.ndarray, segment_ids: np.ndarray, response_mask: np.ndarray, row_tokens: int):
+  """One step's examples packed into rows of `row_tokens` tokens, as the learner packs its samples
+  (`minpro_jax.rl.packing.plan`: first-fit decreasing, segment ids 1, 2, ... per row, RoPE positions restarting at
+  each segment, which `token_logprobs` derives from the segment ids).
+
+  Args:
+    tokens, segment_ids, response_mask: [B, L] rows of `build_examples`.
+    row_tokens: W >= L.
+
+  Returns:
+    (tokens, segment_ids, response_mask), each [R, W]: R = the rows first fit fills, rounded up to a multiple of
+    `PACK_ROWS_MULTIPLE` (a few compiled shapes), padding rows and columns 0 / False. The loss (`sft_loss`, a mean
+    over the response tokens) is the unpacked one up to float rounding.
+  """
+  p = packing.plan(segment_ids, row_tokens, micro_batch=1)
+  rows = -(-p.used_rows // PACK_ROWS_MULTIPLE) * PACK_ROWS_MULTIPLE
+  fit = lambda a: np.pad(a[:rows], ((0, max(0, rows - a.shape[0])), (0, 0)))  # noqa: E731
+  return fit(packing.pack_tokens(tokens, p)), fit(p.segment_ids), fit(packing.pack_tokens(response_mask, p))
 
 
 def sft_loss(model, tokens: jax.Array, segment_ids: jax.Array, response_mask: jax.Array) -> jax.Array:
@@ -128,7 +157,7 @@ def sft_loss(model, tokens: jax.Array, segment_ids: jax.Array, response_mask: ja
   Args:
     model: a `Transformer`.
     tokens, segment_ids, response_mask: [B, L] rows from `build_examples` (prompt and padding positions have
-      `response_mask` False and add nothing; a batch with no response token gives 0).
+      `response_mask` False and add nothing; a batch with no response token gives 0), or packed by `pack_step`.
 
   Returns:
     scalar float32.
@@ -202,9 +231,10 @@ def run_sft(
       order, pos = rng.permutation(n), 0
     idx = order[pos : pos + bs]
     pos += bs
-    params, opt_state, loss = multihost.settle(
-        step(params, opt_state, tokens[idx], segment_ids[idx], response_mask[idx])
-    )
+    batch = (tokens[idx], segment_ids[idx], response_mask[idx])
+    if cfg.row_tokens:
+      batch = pack_step(*batch, cfg.row_tokens)
+    params, opt_state, loss = multihost.settle(step(params, opt_state, *batch))
     if (i + 1) % log_every == 0 or i == cfg.steps - 1:
       running = float(loss)
       logger.info("SFT step %d/%d loss %.4f", i + 1, cfg.steps, running)

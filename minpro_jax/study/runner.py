@@ -66,6 +66,7 @@ ADDED_FIELDS = {
     "sampling.max_sampling_rounds": 4,
     "reward.mask_truncated": False,
     "learner.row_tokens": 0,
+    "sft.row_tokens": 0,
     "mipu.statistic": "t_post",
     "mipu.tolerance": "fixed",
     "mipu.calibration_draws": 8,
