@@ -45,7 +45,7 @@ from minpro_jax.models.gguf_io import load_gguf
 from minpro_jax.models.hf_io import load_hf_checkpoint
 from minpro_jax.rl.learner import Learner
 from minpro_jax.rl.optimizer import make_optimizer
-from minpro_jax.rl.sft import SFTConfig, build_examples, run_sft, sft_target
+from minpro_jax.rl.sft import SFTConfig, build_examples, long_target_warning, run_sft, sft_target
 from minpro_jax.runtime import multihost
 from minpro_jax.runtime.device_split import DeviceSplit, sampler_device_count, split_devices
 from minpro_jax.runtime.sharding import make_mesh
@@ -563,6 +563,8 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
     )
   except ValueError as e:
     raise _sft_fit_error(c, tokenizer, sft_problems, prompt_ids, e) from e
+  if too_long := long_target_warning(mask, c.sampling.max_new_tokens):
+    logger.warning(too_long)
   multihost.check_same(  # a tokenizer or data that differ between hosts would hang the SFT's collectives
       hashlib.sha256(tokens.tobytes() + repr(tokens.shape).encode()).hexdigest(), "the SFT warm-start examples"
   )
@@ -594,6 +596,4 @@ def sft_key_parts(c, model: Transformer) -> dict[str, Any]:
   and its cached warm start and committed results still match)."""
   parts = {"model": repr(model.config), "source": c.model.source, "path": c.model.path}
   target = c.sft.get("target", "answer")
-  if target != "answer":
-    parts["target"] = target
-  return parts
+  return parts if target == "answer" else {**parts, "target": target}

@@ -54,7 +54,7 @@ from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.dynamic_rows import take_own_groups
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner
-from minpro_jax.rl.packing import row_tokens
+from minpro_jax.rl.packing import micro_batch_warning, row_tokens
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.rl.update_metrics import combine_update_metrics
 from minpro_jax.run_progress import RunProgress
@@ -103,6 +103,8 @@ class Trainer:
         mesh=self.mesh,
         row_tokens=row_tokens(c),
     )
+    if warning := micro_batch_warning(c):
+      logger.warning(warning)
     self.mipu_step = MipuStep(self) if c.mipu.rollback else None
     self.steps = StepRunner(self)  # a step's sampling and learning: in sequence, or overlapped (minpro_jax/overlap.py)
     self.lr_decay = run_config.lr_decay_config(c)  # None when off

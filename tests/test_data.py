@@ -304,6 +304,13 @@ def test_long_prompts_skipped_and_counted(spm_tok, caplog):
   assert spm_tok.decode(enc.token_ids[0]) == enc.texts[0] == "Question: 1+1?\nAnswer:"
   assert "skipping prompt long" in caplog.text
   assert encode_prompts(probs[1:], spm_tok, max_prompt_tokens=8, template="plain").problems == []
+  caplog.clear()  # many long prompts: five named, then one line for all (19,736 lines once)
+  many = [MathProblem(id=f"long{i}", prompt="1+1? " * 20, answer="2", source="t") for i in range(12)]
+  with caplog.at_level(logging.WARNING):
+    assert len(encode_prompts(many, spm_tok, max_prompt_tokens=8, template="plain").skipped) == 12
+  assert [r.getMessage().split(":")[0] for r in caplog.records] == [f"skipping prompt long{i}" for i in range(5)] + [
+      "skipped 12 prompts in all (5 named above) longer than max_prompt_tokens=8"
+  ]
 
 
 # ------------------------------------------------------------------------------------------- sentencepiece

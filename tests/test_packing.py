@@ -247,6 +247,13 @@ def test_row_tokens_below_the_longest_sample_is_a_config_error(tmp_path):
     validate_shapes_config(c)
   c.learner.row_tokens = mini_batch * longest
   validate_shapes_config(c)
+  c.micro_batch_size = mini_batch  # one micro-batch holds every packed row: nothing to skip, said at start
+  assert packing.micro_batch_warning(c).startswith(f"learner.row_tokens={mini_batch * longest} with micro_batch_size=")
+  c.micro_batch_size = mini_batch // 2
+  assert packing.micro_batch_warning(c) is None
+  c.learner.row_tokens = 0
+  c.micro_batch_size = mini_batch
+  assert packing.micro_batch_warning(c) is None
 
 
 # ------------------------------------------------------------------------------------------------- trainer

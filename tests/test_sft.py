@@ -136,3 +136,15 @@ def test_packed_sft_equals_unpacked():
   sha = hashlib.sha256(tokens.tobytes()).hexdigest()
   assert run_key(unpacked, tokens) == cache_key({"cfg": old, "n": 8, "tokens_sha": sha})
   assert run_key(dataclasses.replace(unpacked, row_tokens=40), tokens) != run_key(unpacked, tokens)
+
+
+def test_targets_longer_than_the_response_budget_are_named():
+  from minpro_jax.rl.sft import long_target_warning
+
+  _, _, mask = build_examples([[3, 4, 5], [6]], ["7", "12"], _Tokenizer(), 16, boxed_fraction=0.5, seed=0)
+  assert mask.sum(1).tolist() == [3, 12]  # " 7" + eos, " \boxed{12}" + eos
+  assert long_target_warning(mask, 12) is None
+  assert long_target_warning(mask, 11) == (
+      "1 of 2 warm-start targets (with their eos) are longer than sampling.max_new_tokens=11 (longest 12 tokens): "
+      "the sampler cuts such responses before their answer; raise sampling.max_new_tokens to at least 12"
+  )

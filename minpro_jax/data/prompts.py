@@ -21,6 +21,9 @@ BOXED_INSTRUCTION = "Please reason step by step, and put your final answer withi
 TEMPLATES = ("plain", "chat")
 
 
+_NAMED_SKIPS = 5  # prompts skipped for length that get a warning line of their own
+
+
 def format_prompt(
     problem: MathProblem | str, tokenizer=None, template: str = "chat", *, system: str | None = None, **chat_kwargs
 ) -> str:
@@ -94,9 +97,17 @@ def encode_prompts(
     ids = tokenizer.encode(text, add_bos=add_bos)
     if len(ids) > max_prompt_tokens:
       out.skipped.append(p.id)
-      logger.warning("skipping prompt %s: %d tokens > max_prompt_tokens=%d", p.id, len(ids), max_prompt_tokens)
+      if len(out.skipped) <= _NAMED_SKIPS:
+        logger.warning("skipping prompt %s: %d tokens > max_prompt_tokens=%d", p.id, len(ids), max_prompt_tokens)
       continue
     out.problems.append(p)
     out.texts.append(text)
     out.token_ids.append(ids)
+  if len(out.skipped) > _NAMED_SKIPS:  # one line for the rest, not one per prompt
+    logger.warning(
+        "skipped %d prompts in all (%d named above) longer than max_prompt_tokens=%d",
+        len(out.skipped),
+        _NAMED_SKIPS,
+        max_prompt_tokens,
+    )
   return out

@@ -292,6 +292,20 @@ def check_row_tokens(c) -> None:
     )
 
 
+def micro_batch_warning(c) -> str | None:
+  """A warning when packing is on but cannot save work: a micro-batch as large as the mini-batch holds every packed
+  row, and the one micro-batch always runs (`docs/learner.md`); None otherwise."""
+  w, m = row_tokens(c), c.prompts_per_step * c.group_size // max(1, c.num_updates_per_step)
+  if not w or c.micro_batch_size < m:
+    return None
+  return (
+      f"learner.row_tokens={w} with micro_batch_size={c.micro_batch_size} >= the mini-batch of {m} samples: every "
+      "packed row sits in the one micro-batch, which always runs, so packing saves no work here and pads more "
+      f"(learn/pad_fraction); set micro_batch_size below {m} (e.g. {max(1, m // 4)}) so that the micro-batches "
+      "packing empties are skipped"
+  )
+
+
 def row_tokens(c) -> int | None:
   """The config's packing budget, None when packing is off."""
   learner = c.get("learner")

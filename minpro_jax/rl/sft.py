@@ -100,14 +100,33 @@ def build_examples(
     rows.append(seq + [0] * pad)
     masks.append([0] * len(ids) + [1] * len(resp) + [0] * pad)
     lengths.append(len(seq))
-  if dropped:
-    logger.info("SFT: dropped %d examples longer than max_len=%d", dropped, max_len)
+  if dropped:  # the longest examples: the warm start then sees a biased sample
+    logger.warning(
+        "SFT: dropped %d of %d examples longer than max_len=%d; raise sft.max_len to keep them",
+        dropped,
+        len(answers),
+        max_len,
+    )
   if not rows:
     raise ValueError(f"SFT: no example fits max_len={max_len}; the shortest takes {shortest} tokens")
   tokens = np.asarray(rows, np.int32)
   mask = np.asarray(masks, bool)
   seg = (np.arange(max_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
   return tokens, seg, mask
+
+
+def long_target_warning(response_mask: np.ndarray, max_new_tokens: int) -> str | None:
+  """A warning when some warm-start targets (with their eos: `response_mask` [N, L] of `build_examples`) are longer
+  than the sampler's response budget, which would cut such responses before their answer; None when all fit."""
+  lengths = np.asarray(response_mask).sum(1)
+  over = int((lengths > max_new_tokens).sum())
+  if not over:
+    return None
+  return (
+      f"{over} of {len(lengths)} warm-start targets (with their eos) are longer than sampling.max_new_tokens="
+      f"{max_new_tokens} (longest {int(lengths.max())} tokens): the sampler cuts such responses before their answer; "
+      f"raise sampling.max_new_tokens to at least {int(lengths.max())}"
+  )
 
 
 def cache_key(parts: dict[str, Any]) -> str:
