@@ -214,8 +214,9 @@ def sampler_paged_kv(c) -> PagedKV | None:
   the dense cache's memory), None where it resolves to "dense".
 
   Raises:
-    ConfigError: an unknown kv_cache, "paged" without sampling.continuous, a page_size < 1, a num_pages < 0, or
-      a pool too small for one response at the configured lengths (it would wait forever).
+    ConfigError: an unknown kv_cache, "paged" without sampling.continuous, a page_size < 1, a num_pages < 0, a
+      num_pages set for the dense cache, or a pool too small for one response at the configured lengths (it would
+      wait forever).
   """
   kind = sampler_kv_cache(c)
   page_size, num_pages = c.sampling.get("page_size", 64), c.sampling.get("num_pages", 0)
@@ -227,6 +228,12 @@ def sampler_paged_kv(c) -> PagedKV | None:
       f"must be an int >= 0 (pages per layer; 0 = auto), got {num_pages!r}",
   )
   if kind == "dense":
+    _need(
+        num_pages == 0,
+        "sampling.num_pages",
+        f"{num_pages} sizes a page pool, but sampling.kv_cache={c.sampling.get('kv_cache', 'dense')!r} resolves to the "
+        "dense cache here, which has none; set sampling.kv_cache=paged (with sampling.continuous=True) or unset it",
+    )
     return None
   _need(
       c.sampling.continuous,

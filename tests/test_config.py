@@ -29,6 +29,7 @@ BAD = [
     ({"mesh.shape": "data=2,data=4"}, 4, "mesh.shape"),  # once a silent data=4
     ({"mesh.shape": "data=--1"}, 1, "mesh.shape"),  # int() raised ValueError once
     ({"sft.row_tokens": 5}, 1, "sft.row_tokens"),  # below sft.max_len
+    ({"sampling.kv_cache": "dense", "sampling.num_pages": 8}, 1, "sampling.num_pages"),  # no pool: once ignored
     ({"learner.row_tokens": 10**6}, 1, "learner.row_tokens"),  # wider than a mini-batch: once out of memory
     ({"prompts_per_step": 5, "group_size": 2, "num_updates_per_step": 2}, 1, "num_updates_per_step"),  # 10 / 2 = 5 odd
     ({"prompts_per_step": 4, "group_size": 2, "num_updates_per_step": 3}, 1, "num_updates_per_step"),

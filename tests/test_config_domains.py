@@ -67,6 +67,7 @@ BAD: dict[str, tuple[tuple, dict]] = {
     "sft.learning_rate": ((0.0, 2.0, INF), {}),
     "sft.num_examples": ((0,), {}),
     "sft.max_len": ((0, 1), {}),
+    "sft.row_tokens": ((-1, 1), {}),  # negative; below sft.max_len
     "sft.boxed_fraction": ((-0.1, 1.5, NAN), {}),
     "mipu.gap_tolerance": ((NAN, INF), {"mipu.rollback": True}),
     "mipu.val_prompts": ((0,), {"mipu.rollback": True}),
