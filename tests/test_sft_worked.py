@@ -78,10 +78,9 @@ def test_build_examples_with_steps_and_the_cache_key():
   # warm start and committed results still match; worked examples give another key, and so does the target part.
   cfg = SFTConfig()
   parts = {"model": "m", "source": "scratch", "path": ""}
-  want = cache_key(
-      {"cfg": dataclasses.asdict(cfg), **parts, "n": 2, "tokens_sha": hashlib.sha256(plain[0].tobytes()).hexdigest()}
-  )
-  assert run_key(cfg, plain[0], parts) == want
+  before = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "row_tokens"}  # the fields before packing
+  want = cache_key({"cfg": before, **parts, "n": 2, "tokens_sha": hashlib.sha256(plain[0].tobytes()).hexdigest()})
+  assert run_key(cfg, plain[0], parts) == want == "813ede125557ffc8"
   assert run_key(cfg, worked[0], parts) != want
   assert run_key(cfg, worked[0], {**parts, "target": "worked"}) != run_key(cfg, worked[0], parts)
 
