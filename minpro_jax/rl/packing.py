@@ -167,18 +167,14 @@ def plan(segment_ids: np.ndarray, row_tokens: int, micro_batch: int, width: int 
   return PackPlan(rows, width, used, row, offset, lengths, src, dst, packed_seg.reshape(rows, width))
 
 
-def _gather(values: np.ndarray, p: PackPlan, fill=0) -> np.ndarray:
-  """[N, L, ...] -> [R, W, ...]: each real token moved to its packed place, `fill` elsewhere."""
+def pack_tokens(values: np.ndarray, p: PackPlan, fill=0) -> np.ndarray:
+  """[N, L, ...] per-token `values` of the planned batch -> [R, W, ...]: each real token moved to its packed place
+  in the rows of `p`, `fill` elsewhere (the batch's dtype)."""
   values = np.asarray(values)
   trail = values.shape[2:]
   out = np.full((p.num_rows * p.width, *trail), fill, values.dtype)
   out[p.dst] = values.reshape(-1, *trail)[p.src]
   return out.reshape(p.num_rows, p.width, *trail)
-
-
-def pack_tokens(values: np.ndarray, p: PackPlan, fill=0) -> np.ndarray:
-  """[N, L, ...] per-token `values` of the planned batch -> [R, W, ...] in the packed rows of `p`, `fill` elsewhere."""
-  return _gather(values, p, fill)
 
 
 def pack(batch: RolloutBatch, p: PackPlan, fields=PACKED_FIELDS, routes: bool = False) -> dict[str, np.ndarray]:
@@ -193,13 +189,13 @@ def pack(batch: RolloutBatch, p: PackPlan, fields=PACKED_FIELDS, routes: bool = 
       out[f] = p.segment_ids
     elif f == "advantages":
       per_token = np.broadcast_to(np.asarray(batch.advantages)[:, None], batch.tokens.shape)
-      out[f] = _gather(per_token, p)
+      out[f] = pack_tokens(per_token, p)
     else:
-      out[f] = _gather(getattr(batch, f), p)
+      out[f] = pack_tokens(getattr(batch, f), p)
   if routes:
-    out["routes"] = _gather(batch.routes, p, fill=NO_ROUTE)
+    out["routes"] = pack_tokens(batch.routes, p, fill=NO_ROUTE)
   if batch.kept_logp_threshold is not None:  # the sampler's kept set (truncated sampling, docs/truncation.md)
-    out["kept_logp_threshold"] = _gather(batch.kept_logp_threshold, p)
+    out["kept_logp_threshold"] = pack_tokens(batch.kept_logp_threshold, p)
   return out
 
 
@@ -283,7 +279,7 @@ def check_row_tokens(c) -> None:
         f"sampling.max_new_tokens = {longest} tokens) in one packed row; set it to an int >= {longest} "
         "(e.g. that sum: several short samples per row), or 0 to turn packing off"
     )
-  mini_batch = max(1, c.prompts_per_step * c.group_size // max(1, c.num_updates_per_step))
+  mini_batch = _mini_batch(c)
   if w > mini_batch * longest:
     raise ConfigError(
         f"config.learner.row_tokens: {w} is wider than a whole mini-batch ({mini_batch} samples x {longest} "
@@ -292,10 +288,15 @@ def check_row_tokens(c) -> None:
     )
 
 
+def _mini_batch(c) -> int:
+  """Samples per mini-batch (one optimizer update) of a training config, at least 1."""
+  return max(1, c.prompts_per_step * c.group_size // max(1, c.num_updates_per_step))
+
+
 def micro_batch_warning(c) -> str | None:
   """A warning when packing is on but cannot save work: a micro-batch as large as the mini-batch holds every packed
   row, and the one micro-batch always runs (`docs/learner.md`); None otherwise."""
-  w, m = row_tokens(c), c.prompts_per_step * c.group_size // max(1, c.num_updates_per_step)
+  w, m = row_tokens(c), _mini_batch(c)
   if not w or c.micro_batch_size < m:
     return None
   return (
