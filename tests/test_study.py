@@ -1,6 +1,7 @@
 """The study runner (minpro_jax/study/): intervals and per-run figures against hand computations, grid expansion
-and naming, the study.json guard, skip-finished logic, the executor's failures and signals, the dry run, the
-aggregation outputs; and (slow) the smoke grid end to end: dry run, a run stopped and restarted, aggregation."""
+and naming (the grid files: test_study_grids.py), the study.json guard, skip-finished logic, the executor's failures
+and signals, the dry run, the aggregation outputs; and (slow) the smoke grid end to end: dry run, a run stopped and
+restarted, aggregation."""
 
 import json
 import math
@@ -20,14 +21,12 @@ from minpro_jax.config_lib.files import load_module
 from minpro_jax.study import __main__ as study_cli
 from minpro_jax.study import aggregate, grid, runner
 from minpro_jax.study.aggregate import Interval, curve_auc, eval_curve, falls_below, largest_drop, mean_ci
-from minpro_jax.study.grid import Grid, GridError, Run
+from minpro_jax.study.grid import Grid, Run
 
 SMOKE = os.path.join(REPO, "configs", "studies", "smoke.py")
-STALENESS = os.path.join(REPO, "configs", "studies", "minpro_staleness.py")
-MIPU_GRID = os.path.join(REPO, "configs", "studies", "mipu.py")
 LONG = os.path.join(REPO, "configs", "studies", "minpro_long.py")
 MIPU_LONG = os.path.join(REPO, "configs", "studies", "mipu_long.py")
-minpro_staleness, minpro_long, mipu_long = map(load_module, (STALENESS, LONG, MIPU_LONG))
+minpro_long, mipu_long = map(load_module, (LONG, MIPU_LONG))
 T_975 = {1: 12.706204736174698, 2: 4.302652729749462, 3: 3.182446305284263}  # Student-t quantiles (tables)
 
 
@@ -251,221 +250,6 @@ def test_grid_expansion_names_and_order():
   assert len(runs) == 10 and runs[5].seed == 1
   assert Run.from_json(json.loads(json.dumps(runs[4].to_json()))) == runs[4]
   assert grid.short_names(["a.lr", "b.lr", "delay"]) == {"a.lr": "a.lr", "b.lr": "b.lr", "delay": "delay"}
-
-
-def test_the_staleness_grid():
-  g = grid.load_grid(STALENESS)
-  runs = grid.expand(g)
-  assert len(runs) == 72 and len({r.name for r in runs}) == 72
-  cells = {r.cell_name for r in runs}
-  assert len(cells) == 24 and "method-minpro_delay-16_prefix_statistic-geomean" in cells
-  learn = minpro_staleness.LEARN_STEPS
-  assert {dict(r.extra)["total_steps"] - dict(r.cell)["delay"] for r in runs} == {learn}  # equal updates per delay
-  assert len(grid.expand(grid.load_grid(STALENESS + ":5"))) == 120
-  planned = grid.plan(g, "/tmp/study", validate=False)  # every value reads back from the command line
-  cfg = dict((r.name, c) for r, _, c in planned)["method-minpro_delay-16_prefix_statistic-prod_seed-2"]
-  assert (cfg.loss.prefix_statistic, cfg.delay, cfg.total_steps, cfg.seed) == ("prod", 16, learn + 16, 2)
-  assert cfg.num_updates_per_step == minpro_staleness.UPDATES_PER_STEP and cfg.data.task_config.min_terms == 3
-
-
-@pytest.mark.parametrize(
-    "change, match",
-    [
-        (
-            {"axes": {"loss.methd": ["grpo"]}},
-            r"grid\.axes: loss\.methd: the base config .* no such field; did you mean loss\.method\?",
-        ),
-        ({"axes": {"delay": ["8"]}}, r"grid\.axes: delay='8' is of type str, the config field takes type int"),
-        (
-            {"fixed": {"optimizer.learning_rate": "3e-4"}},
-            r"grid\.fixed: optimizer\.learning_rate='3e-4' .* takes type float",
-        ),
-        ({"axes": {"seed": [0, 1]}}, r"grid\.axes: 'seed' is set by the runner"),
-        ({"axes": {"delay": [0, 0]}}, r"grid\.axes: delay lists a value twice"),
-        ({"axes": {"delay": [None]}}, r"delay=None .* leave the field out"),
-        ({"cells": [{"delay": 0}], "axes": {"delay": [0]}}, r"grid\.cells\[0\]: \{'delay': 0\} is already a cell"),
-        (
-            {"comparisons": (("loss.method", "minpro"),)},
-            r"grid\.comparisons\[0\]: 'loss.method' is no field of any cell",
-        ),
-        ({"axes": {"loss": ["x"]}}, r"grid\.axes: loss is a group of fields"),
-    ],
-)
-def test_grid_mistakes_name_the_field(change, match):
-  g = Grid(**{"base": "configs/default.py", "axes": {"delay": [0, 2]}, **change})
-  with pytest.raises(GridError, match=match):
-    grid.check_grid(g)
-    grid.plan(g, "/tmp/study", validate=False)
-
-
-def test_variants_are_a_named_first_axis_whose_overrides_reach_the_command():
-  g = Grid(
-      base="configs/default.py",
-      variants={"plain": {}, "tis": {"loss.rollout_is": "token", "loss.tis_cap": 2.0}},
-      axes={"delay": [0, 2]},
-      cells=[{"variant": "tis", "delay": 8}],
-      seeds=(3,),
-      derived=lambda cell: {"total_steps": 10 + cell["seed"]} if cell["variant"] == "tis" else {},
-      comparisons=(("variant", "plain"),),
-  )
-  grid.check_grid(g)
-  runs = grid.expand(g)
-  assert [dict(r.extra) for r in runs] == [{}, {}, {"total_steps": 13}, {"total_steps": 13}, {"total_steps": 13}]
-  assert [r.name for r in runs] == [
-      "variant-plain_delay-0_seed-3",
-      "variant-plain_delay-2_seed-3",
-      "variant-tis_delay-0_seed-3",
-      "variant-tis_delay-2_seed-3",
-      "variant-tis_delay-8_seed-3",
-  ]
-  cfg = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
-  assert (cfg["variant-tis_delay-8_seed-3"].loss.rollout_is, cfg["variant-tis_delay-8_seed-3"].delay) == ("token", 8)
-  assert cfg["variant-plain_delay-2_seed-3"].loss.rollout_is is None
-  argv = grid.train_argv(g, runs[2], "/tmp/w")
-  assert "--config.loss.rollout_is=token" in argv and not any("variant" in a for a in argv)
-  # study.json records the variants: changing one is another study
-  rec = runner.study_record("g.py", g, runs)
-  rec2 = json.loads(json.dumps(rec))
-  rec2["variants"]["tis"]["loss.tis_cap"] = 3.0
-  assert runner.study_differences(rec, rec2) == [
-      "variant tis: {'loss.rollout_is': 'token', 'loss.tis_cap': 2.0} there, "
-      "{'loss.rollout_is': 'token', 'loss.tis_cap': 3.0} here"
-  ]
-
-
-def test_the_mipu_grid():
-  g = grid.load_grid(MIPU_GRID)
-  planned = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
-  assert len(planned) == 24 and list(planned)[:2] == ["variant-fp32_seed-1", "variant-grpo_seed-1"]
-  fp32, tis, rnd = (planned[f"variant-{v}_seed-2"] for v in ("fp32", "tis", "random"))
-  assert fp32.sampling.precision == "fp32" and fp32.loss.rollout_is is None and not fp32.mipu.rollback
-  assert (tis.sampling.precision, tis.sampling.fp8_activations, tis.loss.rollout_is) == ("fp8", "tensor", "token")
-  assert (rnd.mipu.mode, rnd.mipu.match_rate_of, rnd.loss.method) == ("random", "variant-mipu_seed-2", "grpo")
-  names = list(planned)
-  assert names.index("variant-mipu_seed-2") < names.index("variant-random_seed-2")  # its rate exists by then
-  assert planned["variant-lr-decay_seed-1"].optimizer.lr_decay_on_length_surge
-
-
-def test_the_mipu_delta_j_grid():
-  g = grid.load_grid(os.path.join(REPO, "configs", "studies", "mipu_delta_j.py"))
-  planned = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
-  assert list(planned)[:3] == ["variant-grpo_seed-1", "variant-mipu-dj_seed-1", "variant-random_seed-1"]
-  assert len(planned) == 15 and list(planned)[-1] == "variant-random_seed-5"
-  base, dj, rnd = (planned[f"variant-{v}_seed-4"] for v in ("grpo", "mipu-dj", "random"))
-  assert (base.sampling.precision, base.sampling.fp8_format, base.loss.rollout_is, base.mipu.rollback) == (
-      "fp8",
-      "e5m2",
-      None,
-      False,
-  )
-  m = dj.mipu
-  assert (m.rollback, m.mode, m.statistic, m.tolerance, m.gap_tolerance) == (True, "gap", "delta_j", "fixed", 0.0)
-  assert (m.val_prompts * m.val_group_size, dj.loss.rollout_is, dj.loss.tis_cap) == (512, "token", 2.0)
-  assert (rnd.mipu.mode, rnd.mipu.match_rate_of, rnd.loss.rollout_is) == ("random", "variant-mipu-dj_seed-4", "token")
-  for c in (base, dj, rnd):  # the MIPU study's setting
-    assert (c.num_updates_per_step, c.prompts_per_step, c.total_steps, c.loss.method) == (8, 32, 32, "grpo")
-
-
-def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
-  planned = {r.name: c for r, _, c in grid.plan(grid.load_grid(LONG + ":stage0"), "/tmp/study", validate=False)}
-  assert list(planned) == ["learning_rate-0.0001_seed-0", "learning_rate-3e-05_seed-0", "learning_rate-1e-05_seed-0"]
-  c = planned["learning_rate-3e-05_seed-0"]
-  assert (c.loss.method, c.delay, c.total_steps, c.optimizer.learning_rate) == ("grpo", 0, 32, 3e-5)
-  assert (c.sft.target, c.sft.max_len, c.sampling.max_new_tokens, c.data.max_prompt_tokens) == ("worked", 136, 128, 48)
-  assert (c.data.task_config.min_terms, c.data.task_config.max_terms, c.num_updates_per_step) == (8, 8, 8)
-  assert minpro_long.LEARNING_RATE == 3e-5  # stage 0's choice (the grid file's header)
-  monkeypatch.setattr(minpro_long, "LEARNING_RATE", None)
-  for spec in ("stage0b", "stage1"):  # the rate is stage 0's to choose: refused until it is set
-    with pytest.raises(ValueError, match="LEARNING_RATE is still the placeholder None; run stage 0"):
-      minpro_long.get_grid(spec)
-  for bad in ("", ":stage2", ":stage1:x"):
-    with pytest.raises(GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1'\)"):
-      grid.load_grid(LONG + bad)
-  monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)
-  runs = grid.expand(minpro_long.get_grid("stage0b"))
-  assert [r.name for r in runs] == ["method-minpro_seed-0", "method-grpo_seed-0", "method-cispo_seed-0"]
-  g = minpro_long.get_grid("stage1")
-  grid.check_grid(g)
-  runs = grid.expand(g)
-  cells = list(dict.fromkeys(r.cell_name for r in runs))
-  assert len(runs) == 75 and len(cells) == 15 and {r.seed for r in runs} == {0, 1, 2, 3, 4}
-  assert cells[:2] == ["method-minpro_delay-2", "method-minpro_delay-8"] and cells[10:12] == [
-      "method-minpro_delay-0",
-      "method-grpo_delay-0",
-  ]
-  assert cells[12:] == [f"method-minpro_delay-8_prefix_statistic-{s}" for s in ("prod", "geomean", "mean")]
-  assert {dict(r.extra)["total_steps"] - dict(r.cell)["delay"] for r in runs} == {32}  # equal updates per delay
-  assert len(grid.expand(minpro_long.get_grid("stage1:2"))) == 30
-  cfg = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}["method-m2po_delay-8_seed-4"]
-  assert (cfg.loss.method, cfg.delay, cfg.total_steps, cfg.optimizer.learning_rate) == ("m2po", 8, 40, 3e-5)
-
-
-def test_the_long_mipu_grid(monkeypatch):
-  monkeypatch.setattr(minpro_long, "LEARNING_RATE", None)
-  with pytest.raises(GridError, match="LEARNING_RATE is still the placeholder"):
-    grid.load_grid(MIPU_LONG + ":pilot")
-  monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)  # the grid file reads minpro_long's rate
-  pilot = {r.name: c for r, _, c in grid.plan(grid.load_grid(MIPU_LONG + ":pilot"), "/tmp/study", validate=False)}
-  assert list(pilot) == ["variant-fp32_seed-0", "variant-grpo_seed-0"]
-  fp32, fp8 = pilot.values()
-  assert (fp32.sampling.precision, fp8.sampling.precision, fp8.sampling.fp8_format) == ("fp32", "fp8", "e5m2")
-  assert (fp8.sft.target, fp8.delay, fp8.optimizer.learning_rate, fp8.loss.rollout_is) == ("worked", 0, 3e-5, None)
-  monkeypatch.setattr(mipu_long, "FP8_CONFIRMED", False)
-  with pytest.raises(ValueError, match="FP8_CONFIRMED is still the placeholder False"):
-    mipu_long.get_grid("main")
-  monkeypatch.setattr(mipu_long, "FP8_CONFIRMED", True)
-  planned = {r.name: c for r, _, c in grid.plan(mipu_long.get_grid("main"), "/tmp/study", validate=False)}
-  assert len(planned) == 30 and list(planned)[:6] == [
-      f"variant-{v}_seed-0" for v in ("fp32", "grpo", "tis", "mipu", "random", "mipu-dj")
-  ]
-  dj = planned["variant-mipu-dj_seed-1"]
-  assert (dj.mipu.statistic, dj.mipu.val_prompts, dj.mipu.gap_tolerance, dj.loss.rollout_is) == (
-      "delta_j",
-      64,
-      0,
-      "token",
-  )
-  mipu, rnd = planned["variant-mipu_seed-3"], planned["variant-random_seed-3"]
-  assert (mipu.loss.rollout_is, mipu.mipu.rollback, mipu.mipu.mode, mipu.mipu.gap_tolerance) == (
-      "token",
-      True,
-      "gap",
-      1e-4,
-  )
-  assert (rnd.mipu.mode, rnd.mipu.match_rate_of, rnd.sampling.max_new_tokens) == ("random", "variant-mipu_seed-3", 128)
-
-
-@pytest.mark.parametrize(
-    "change, match",
-    [
-        ({"variants": {"a": {"loss.rollout_iz": "token"}}}, r"grid\.variants\['a'\]: loss\.rollout_iz: .*did you mean"),
-        ({"variants": {"a b": {}}}, r"grid\.variants\['a b'\]: a variant name must be"),
-        ({"variants": {"a": {"delay": 2}}}, r"grid\.variants\['a'\]: delay is also in grid\.fixed or grid\.axes"),
-        ({"variants": {"a": {"seed": 2}}}, r"'seed' is set by the runner"),
-        ({"variants": {"a": {}}, "cells": [{"variant": "b"}]}, r"grid\.cells\[0\]: variant 'b' is none of"),
-    ],
-)
-def test_variant_mistakes_name_the_variant(change, match):
-  g = Grid(**{"base": "configs/default.py", "axes": {"delay": [0, 2]}, **change})
-  with pytest.raises(GridError, match=match):
-    grid.check_grid(g)
-    grid.plan(g, "/tmp/study", validate=False)
-
-
-def test_a_grid_file_that_returns_no_grid(tmp_path):
-  p = tmp_path / "g.py"
-  p.write_text("def get_grid(arg=None):\n  return 3\n")
-  with pytest.raises(GridError, match="returned a int; return a minpro_jax.study.grid.Grid"):
-    grid.load_grid(str(p))
-  with pytest.raises(GridError, match="no such file"):
-    grid.load_grid(str(tmp_path / "missing.py"))
-
-
-def test_a_missing_grid_names_the_repository_root_once(monkeypatch):
-  monkeypatch.chdir(grid.REPO)
-  with pytest.raises(GridError) as e:
-    grid.load_grid("configs/studies/nope.py")
-  assert str(e.value).endswith(f"no such file 'configs/studies/nope.py' (from {grid.REPO}); pass a grid .py file")
 
 
 # ------------------------------------------------------------------------------------------------ workdir
