@@ -2,11 +2,10 @@
 and overlong filtering (`reward.mask_truncated`)."""
 
 import dataclasses
-import zlib
 
 import numpy as np
 import pytest
-from train_helpers import make_config, tiny_overrides
+from train_helpers import coin_grade, make_config, tiny_overrides
 
 from minpro_jax import resume_check, run_config
 from minpro_jax.errors import ConfigError
@@ -94,19 +93,13 @@ def test_fill_informative_samples_rounds_until_full_then_fills():
   assert metrics["dynamic/filler_groups"] == 2 and filled.texts == ["r0s2", "r0s3", "r0s0", "r0s1", "r0s4", "r0s5"]
 
 
-def _coin_grade(texts, golds, **kwargs):
-  """0/1 rewards from a checksum of the text: about half the groups of 2 have equal rewards."""
-  del golds, kwargs
-  return [float(zlib.crc32(t.encode()) % 2) for t in texts], {"no_answer": 0, "timeout": 0}
-
-
 def test_trainer_drops_equal_groups_and_masks_truncated(tmp_path, monkeypatch):
   import jax
   from flax import nnx
 
   from minpro_jax.trainer import Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
   ov = tiny_overrides(tmp_path, **{"sft.enabled": False, "sampling.drop_equal_reward_groups": True})
   trainer = Trainer.from_config(make_config(ov))
   state = trainer.learner.init_state(jax.tree.map(lambda x: x, nnx.split(trainer.model)[1]))

@@ -10,8 +10,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from test_mismatch_every import _coin_grade
-from train_helpers import kill_at_call, tiny_overrides
+from train_helpers import coin_grade, kill_at_call, tiny_overrides
 
 from minpro_jax.study import fidelity_model as fm
 from minpro_jax.study import fidelity_model_report as fmr
@@ -28,7 +27,7 @@ def study(tmp_path_factory):
   ov = {k: v for k, v in tiny_overrides(tmp).items() if k != "workdir"}
   out = str(tmp / "out")
   with pytest.MonkeyPatch.context() as mp:  # mixed rewards for the tiny model: nonzero advantages and truth
-    mp.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+    mp.setattr("minpro_jax.trainer.grade_split", coin_grade)
     assert fm.run(out, PLAN, ov) == 0
     yield out, ov
 
@@ -57,7 +56,7 @@ def test_records_and_on_policy_agreement(study):
 
 def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, monkeypatch, tmp_path):
   out, ov = study
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the run's trainers get their workdirs
   before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("s0.json", "s4.json", "fp8.json")}
   kept = json.load(open(os.path.join(out, "s0.json")))
@@ -77,7 +76,7 @@ def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, mon
 @pytest.mark.slow  # three runs of the study (~4x the rerun test)
 def test_a_killed_run_resumes_in_the_truth_and_in_a_cell(study, capsys, monkeypatch):
   out, ov = study
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
   kept = json.load(open(os.path.join(out, "s4.json")))
   os.remove(os.path.join(out, "s4.json"))
   os.remove(os.path.join(out, "trajectory", "truth.npz"))

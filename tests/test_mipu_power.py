@@ -9,8 +9,7 @@ import os
 import numpy as np
 import pytest
 from test_mipu_statistics import _pair
-from test_mismatch_every import _coin_grade
-from train_helpers import kill_at_call, tiny_overrides
+from train_helpers import coin_grade, kill_at_call, tiny_overrides
 
 from minpro_jax.study import mipu_power as mp
 from minpro_jax.study import mipu_power_report as mpr
@@ -45,7 +44,7 @@ def study(tmp_path_factory):
   ov.update({"delay": 0, "sampling.decode_rows": 16})
   out = str(tmp / "out")
   with pytest.MonkeyPatch.context() as m:  # mixed rewards for the tiny model: nonzero advantages and updates
-    m.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+    m.setattr("minpro_jax.trainer.grade_split", coin_grade)
     mp.run(out, PLAN, ov)
   return out, ov
 
@@ -67,7 +66,7 @@ def test_records(study):
 @pytest.mark.slow  # two more runs of the study
 def test_a_pair_killed_between_chunks_resumes_to_the_same_record(study, capsys, monkeypatch):
   out, ov = study
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
   kept = json.load(open(os.path.join(out, "k1_u1.json")))
   os.remove(os.path.join(out, "k1_u1.json"))
   real_draw, calls = mp.draw, []

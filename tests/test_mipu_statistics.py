@@ -3,12 +3,11 @@ tolerance, their config checks, and the power study's analysis."""
 
 import json
 import math
-import zlib
 
 import jax
 import numpy as np
 import pytest
-from train_helpers import make_config, tiny_overrides
+from train_helpers import coin_grade, make_config, tiny_overrides
 
 from minpro_jax import run_config
 from minpro_jax.rl import mipu
@@ -96,11 +95,6 @@ def test_config_errors_name_the_field(tmp_path, fields, msg):
     run_config.validate_config(c)
 
 
-def _coin_grade(texts, golds, **kwargs):
-  del golds, kwargs
-  return [float(zlib.crc32(t.encode()) % 2) for t in texts], {"no_answer": 0, "timeout": 0}
-
-
 @pytest.mark.slow
 def test_delta_t_is_exactly_zero_at_equal_weights_and_logs_the_pair(tmp_path, monkeypatch):
   """theta' = theta_k: the coupled draws are the same tokens, so delta_t, delta_j and their SEs are exactly 0; after
@@ -109,7 +103,7 @@ def test_delta_t_is_exactly_zero_at_equal_weights_and_logs_the_pair(tmp_path, mo
 
   from minpro_jax.trainer import RunProgress, Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
   ov = {"mipu.rollback": True, "mipu.statistic": "delta_t", "mipu.gap_tolerance": 0.0, "sampling.precision": "fp8"}
   tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, **ov)))
   state = tr.learner.init_state(nnx.split(tr.model)[1])

@@ -2,27 +2,15 @@
 reads `learner_logp` (TIS/MIS), and skipping it changes nothing else, bit for bit."""
 
 import types
-import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_helpers import make_config, tiny_overrides
+from train_helpers import TIMING_PREFIXES, coin_grade, global_steps, make_config, tiny_overrides
 
 from minpro_jax import run_config
 from minpro_jax.rl.learner import LossConfig
-from minpro_jax.rl.rollout import RolloutBuffer
 from minpro_jax.study.runner import config_differences
-
-SKIPPED = ("time/", "throughput/")  # wall-clock figures, different in every run
-
-
-def _coin_grade(texts, golds, **kwargs):
-  """Rewards 0/1 from a checksum of the text: mixed rewards inside groups even for the tiny model, so the
-  advantages, the loss and the updates are not zero."""
-  del golds, kwargs
-  return [float(zlib.crc32(t.encode()) % 2) for t in texts], {"no_answer": 0, "timeout": 0}
 
 
 def _steps(trainer, params, loader_state, every: int, num_steps: int = 3):
@@ -30,20 +18,11 @@ def _steps(trainer, params, loader_state, every: int, num_steps: int = 3):
   checkpoints) from `params` with `log.mismatch_every=every`; returns (the final state, each step's metrics, the
   rows each score pass scored)."""
   trainer.c.log.mismatch_every = every
-  trainer.loader.set_state(loader_state)
   scored = []
   score = trainer.learner.score
   trainer.learner.score = lambda p, batch, **kw: scored.append(batch.size) or score(p, batch, **kw)
-  state = trainer.learner.init_state(jax.tree.map(jnp.copy, params))  # a copy: the updates donate the state
-  buffer, records = RolloutBuffer(trainer.c.delay), []
-  for step in range(num_steps):
-    batch, metrics = trainer.sample_step(state, step)
-    buffer.push(step, batch)
-    released = buffer.pop(step)
-    if released is not None:
-      state, learn_metrics = trainer.learn_step(state, released)
-      metrics.update(learn_metrics)
-    records.append({k: v for k, v in metrics.items() if not k.startswith(SKIPPED)})
+  steps, state = global_steps(trainer, params, loader_state, num_steps)
+  records = [{k: v for k, v in m.items() if not k.startswith(TIMING_PREFIXES)} for _, m in steps]
   trainer.learner.score = score
   return state, records, scored
 
@@ -54,7 +33,7 @@ def test_skipping_the_score_pass_changes_nothing_but_the_mismatch_metrics(tmp_pa
 
   from minpro_jax.trainer import Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
   trainer = Trainer.from_config(make_config(tiny_overrides(tmp_path, delay=1, **{"sft.enabled": False})))
   params, loader_state = nnx.split(trainer.model)[1], trainer.loader.get_state()
   every, base, base_scored = _steps(trainer, params, loader_state, every=1)

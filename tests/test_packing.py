@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 from test_learner import _batch, _model
-from train_helpers import make_config, tiny_overrides
+from train_helpers import coin_grade, make_config, tiny_overrides
 
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.moe import NO_ROUTE
@@ -268,11 +268,11 @@ def _close(a, b) -> bool:
 def test_a_packed_trainer_step_equals_the_unpacked_one(tmp_path, monkeypatch):
   """The trainer's steps 0-1 (sample, grade, score, one step of updates) with `learner.row_tokens` and without, on
   one trainer (the sampler compiled once): the same metrics, the padding fraction no higher packed."""
-  from test_mismatch_every import _coin_grade, _steps
+  from test_mismatch_every import _steps
 
   from minpro_jax.trainer import Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
   ov = tiny_overrides(tmp_path, delay=1, **{"sft.enabled": False, "learner.row_tokens": 38})
   trainer = Trainer.from_config(make_config(ov))
   packed_learner = trainer.learner

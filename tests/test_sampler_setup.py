@@ -5,19 +5,16 @@ aot tool compiles the paged sampler for a TPU slice."""
 import logging
 import pathlib
 import types
-import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from tpu_helpers import run_with_libtpu
-from train_helpers import make_config, tiny_overrides
+from train_helpers import TIMING_PREFIXES, coin_grade, global_steps, make_config, tiny_overrides
 
 from minpro_jax import run_config
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.rl.rollout import RolloutBuffer
 from minpro_jax.sampler_setup import decode_rows, paged_kernel, row_slots, sampler_kwargs
 from minpro_jax.sampling import PagedKV, Sampler
 from minpro_jax.sampling.rows import resolve_decode_rows
@@ -199,26 +196,10 @@ def test_auto_kernel_only_for_heads_the_pallas_kernel_tiles():
   assert paged_kernel(None, get_preset("tiny")) is None
 
 
-def _coin_grade(texts, golds, **kwargs):
-  """Rewards 0/1 from a checksum of the text: mixed rewards inside groups even for the tiny model."""
-  del golds, kwargs
-  return [float(zlib.crc32(t.encode()) % 2) for t in texts], {"no_answer": 0, "timeout": 0}
-
-
-def _steps(trainer, params, loader_state, num_steps: int = 2):
-  """Global steps 0..num_steps-1 (sample, buffer, learn) from `params`: (each step's batch, metrics, the state)."""
-  trainer.loader.set_state(loader_state)
-  state = trainer.learner.init_state(jax.tree.map(jnp.copy, params))  # a copy: the updates donate the state
-  buffer, out = RolloutBuffer(trainer.c.delay), []
-  for step in range(num_steps):
-    batch, metrics = trainer.sample_step(state, step)
-    buffer.push(step, batch)
-    released = buffer.pop(step)
-    if released is not None:
-      state, learn_metrics = trainer.learn_step(state, released)
-      metrics.update(learn_metrics)
-    out.append((batch, {k: v for k, v in metrics.items() if not k.startswith(("time/", "throughput/"))}))
-  return out, state
+def _steps(trainer, params, loader_state):
+  """Global steps 0 and 1 from `params`: ([(each step's batch, its metrics without the wall-clock ones)], state)."""
+  steps, state = global_steps(trainer, params, loader_state, num_steps=2)
+  return [(b, {k: v for k, v in m.items() if not k.startswith(TIMING_PREFIXES)}) for b, m in steps], state
 
 
 def _assert_close(got, want, name: str) -> None:
@@ -241,7 +222,7 @@ def test_a_trainer_step_with_paged_kv_equals_dense(tmp_path, monkeypatch):
 
   from minpro_jax.trainer import Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", _coin_grade)
+  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
   trainer = Trainer.from_config(make_config(tiny_overrides(tmp_path, delay=1, **{"sft.enabled": False})))
   params, loader_state = nnx.split(trainer.model)[1], trainer.loader.get_state()
   dense, dense_state = _steps(trainer, params, loader_state)
