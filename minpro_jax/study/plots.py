@@ -32,7 +32,7 @@ def _plt():
 
 def _save(fig, path: str) -> str:
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fig.savefig(path, dpi=100, bbox_inches="tight")  # long tick labels are not cut off
   _plt().close(fig)
   return path
 
