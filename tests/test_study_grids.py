@@ -144,7 +144,7 @@ def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
     with pytest.raises(ValueError, match="LEARNING_RATE is still the placeholder None; run stage 0"):
       minpro_long.get_grid(spec)
   for bad in ("", ":stage2", ":stage1:x"):
-    with pytest.raises(GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1'\)"):
+    with pytest.raises(GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1', 'rate'\)"):
       grid.load_grid(LONG + bad)
   monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)
   runs = grid.expand(minpro_long.get_grid("stage0b"))
@@ -163,6 +163,10 @@ def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
   assert len(grid.expand(minpro_long.get_grid("stage1:2"))) == 30
   cfg = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}["method-m2po_delay-8_seed-4"]
   assert (cfg.loss.method, cfg.delay, cfg.total_steps, cfg.optimizer.learning_rate) == ("m2po", 8, 40, 3e-5)
+  rate = {r.name: c for r, _, c in grid.plan(grid.load_grid(LONG + ":rate"), "/tmp/study", validate=False)}
+  assert len(rate) == 12 and {c.optimizer.learning_rate for c in rate.values()} == {1e-5}
+  cfg = rate["method-minpro_delay-8_seed-2"]  # stage 1's run of that name but for the rate: paired by warm start
+  assert (cfg.loss.method, cfg.delay, cfg.total_steps, cfg.seed, cfg.sft.target) == ("minpro", 8, 40, 2, "worked")
 
 
 def test_the_long_mipu_grid(monkeypatch):

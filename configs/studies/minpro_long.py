@@ -6,13 +6,16 @@
 #   .venv/bin/python -m minpro_jax.study --grid=$G:stage0 --workdir=results/minpro_long_stage0     # lr, GRPO delay 0
 #   .venv/bin/python -m minpro_jax.study --grid=$G:stage0b --workdir=results/minpro_long_stage0b   # 3 methods, delay 8
 #   .venv/bin/python -m minpro_jax.study --grid=$G:stage1 --workdir=results/minpro_long            # 15 cells x 5 seeds
+#   .venv/bin/python -m minpro_jax.study --grid=$G:rate --workdir=results/minpro_long_rate         # stage 1 at lr 1e-5
 #   (stage1:N = N seeds; add --dry-run to see the commands)
 #
 # Stage 0 (one seed): GRPO on-policy at each of STAGE0_RATES; keep the largest rate whose held-out pass@1 rises
 # without a collapse (issue 40: MinPRO at lr 1e-4 collapsed within 4 learning steps at staleness 8-23 here). Stage
 # 0b: MinPRO, GRPO and CISPO at delay 8 at that rate (does staleness separate them at all?). Stage 1: MinPRO, GRPO,
 # CISPO, GSPO, M2PO at delays 2 and 8, MinPRO and GRPO at delay 0, MinPRO's prefix statistic prod / geomean / mean
-# at delay 8: 15 cells x 5 seeds, every run on one CPU type so a seed's runs share their warm start.
+# at delay 8: 15 cells x 5 seeds, every run on one CPU type so a seed's runs share their warm start. The rate check
+# (after stage 1, which found MinPRO behind GRPO on-policy as well): MinPRO and GRPO at delays 0 and 8 at the next
+# rate down, RATE_CHECK_RATE, seeds 0-2: does MinPRO's gap to GRPO close at a rate chosen for it rather than for GRPO?
 #
 # Stage 0 ran on 2026-12-03 (AMD EPYC, 2 shared cores; results/minpro_long_stage0), held-out pass@1 12.0 % after SFT:
 # lr 1e-4 peak 5.0 % / final 1.2 % (collapsed), 3e-5 peak 20.8 % / final 19.2 %, 1e-5 peak 24.5 % / final 21.4 %.
@@ -30,7 +33,7 @@ from minpro_jax.study.grid import Grid
 
 short = load_module("minpro_staleness.py", relative_to=__file__)  # the short staleness study
 
-STAGES = ("stage0", "stage0b", "stage1")
+STAGES = ("stage0", "stage0b", "stage1", "rate")
 STAGE0_RATES = (1e-4, 3e-5, 1e-5)  # GRPO on-policy; the largest that learns is LEARNING_RATE
 STAGE0B_METHODS = ("minpro", "grpo", "cispo")
 STAGE0B_DELAY = 8
@@ -39,6 +42,9 @@ DELAYS = (2, 8)  # every method; delay 0 only for MinPRO and GRPO (ON_POLICY_MET
 ON_POLICY_METHODS = ("minpro", "grpo")
 PREFIX_ABLATIONS = ("prod", "geomean", "mean")  # MinPRO's prefix statistic at the largest delay ("min" = MinPRO)
 STAGE0_SEEDS = (0,)
+RATE_CHECK_RATE = 1e-5  # the next rate of STAGE0_RATES below LEARNING_RATE
+RATE_CHECK_DELAYS = (0, 8)
+RATE_CHECK_SEEDS = (0, 1, 2)  # stage 1's seeds, so each run pairs with its stage-1 run at LEARNING_RATE
 LR = "optimizer.learning_rate"
 SEEDS = (0, 1, 2, 3, 4)
 
@@ -102,8 +108,8 @@ def parse_arg(arg: str | None) -> tuple[str, int | None]:
 
 
 def get_grid(arg=None) -> Grid:
-  """arg: "stage0", "stage0b" or "stage1", optionally ":N" for seeds 0..N-1 (default one seed for the stage-0
-  grids, SEEDS for stage 1)."""
+  """arg: "stage0", "stage0b", "stage1" or "rate", optionally ":N" for seeds 0..N-1 (default one seed for the
+  stage-0 grids, SEEDS for stage 1, RATE_CHECK_SEEDS for the rate check)."""
   stage, n = parse_arg(arg)
   description = (
       f"long responses: eight-term chain_sum, worked-step warm start, {MAX_NEW_TOKENS} new tokens, "
@@ -127,6 +133,17 @@ def get_grid(arg=None) -> Grid:
         seeds=tuple(range(n)) if n else STAGE0_SEEDS,
         comparisons=(("loss.method", "minpro"),),
         description=f"stage 0b, {'/'.join(STAGE0B_METHODS)} at delay {STAGE0B_DELAY}, lr {fixed[LR]}; {description}",
+    )
+  if stage == "rate":
+    return Grid(
+        base="configs/default.py",
+        fixed={**fixed, LR: RATE_CHECK_RATE},
+        axes={"loss.method": list(ON_POLICY_METHODS), "delay": list(RATE_CHECK_DELAYS)},
+        seeds=tuple(range(n)) if n else RATE_CHECK_SEEDS,
+        derived=total_steps,
+        comparisons=(("loss.method", "minpro"),),
+        panel="delay",
+        description=f"rate check, MinPRO and GRPO at lr {RATE_CHECK_RATE} (stage 1: {fixed[LR]}); {description}",
     )
   on_policy = [{"loss.method": m, "delay": 0} for m in ON_POLICY_METHODS]
   prefix = [{"loss.method": "minpro", "delay": max(DELAYS), "loss.prefix_statistic": s} for s in PREFIX_ABLATIONS]
