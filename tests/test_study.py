@@ -195,6 +195,10 @@ def test_paired_differences_on_the_same_seeds():
   a = paired["method-minpro_delay-16_prefix_statistic-mean"]
   assert a["reference_cell"] == "method-minpro_delay-16" and a["seeds"] == [0, 1]
   np.testing.assert_allclose(a["metrics"]["best"]["mean"], 0.01)
+  # a (field, reference, values) triple keeps the cells of those values alone: grpo - minpro, not the ablation
+  only = aggregate.paired_differences(per_run, runs, [("loss.method", "grpo", ("minpro",))])
+  assert [(p["reference_cell"], p["cell"]) for p in only] == [("method-grpo_delay-16", "method-minpro_delay-16")]
+  np.testing.assert_allclose(only[0]["metrics"]["best"]["mean"], -0.07)
 
 
 def test_runs_of_one_seed_from_different_warm_starts_are_not_paired():
@@ -501,6 +505,18 @@ def test_aggregation_outputs_from_fake_run_files(tmp_path, capsys):
   md = open(os.path.join(study, "summary.md")).read()
   assert "| method=minpro, delay=0 | 2 |" in md and "method: minpro - grpo (delay=0)" in md
   assert "| method=minpro, delay=0 | - | 1/2 (2.0) |" in md
+  # with --grid, the grid's reporting fields (changed since the study.json was written) go into study.json
+  old = {**runner.read_study(study), "comparisons": [], "description": "old"}
+  runner.write_study(study, old)
+  capsys.readouterr()
+  assert study_cli.main([f"--grid={SMOKE}:2", f"--workdir={study}", "--aggregate-only"]) == 0
+  assert runner.read_study(study) == {
+      **old,
+      "comparisons": [list(c) for c in g.comparisons],
+      "description": g.description,
+  }
+  assert "updated study.json: the grid's description, comparisons" in capsys.readouterr().err
+  assert "method: minpro - grpo (delay=0)" in open(os.path.join(study, "summary.md")).read()
 
 
 # ------------------------------------------------------------------------------------------------ end to end

@@ -54,6 +54,12 @@ def test_the_staleness_grid():
             r"grid\.comparisons\[0\]: 'loss.method' is no field of any cell",
         ),
         ({"axes": {"loss": ["x"]}}, r"grid\.axes: loss is a group of fields"),
+        (
+            {"comparisons": (("delay", 0, (2, 16)),)},
+            r"grid\.comparisons\[0\]: the values compared must be a non-empty tuple of values of 'delay' \(\['0', '2'\]\)",
+        ),
+        ({"comparisons": (("delay", 0, 2),)}, r"grid\.comparisons\[0\]: the values compared must be"),
+        ({"comparisons": (("delay", 0, 2, 3),)}, r"grid\.comparisons\[0\]: must be a \(field, reference value\) pair"),
     ],
 )
 def test_grid_mistakes_name_the_field(change, match):

@@ -98,6 +98,13 @@ def get_grid(arg=None) -> Grid:
       variants=variants(),
       seeds=tuple(range(n)) if n else SEEDS,
       derived=sibling_rate,
-      comparisons=(("variant", "grpo"), ("variant", "fp32")),
+      # against GRPO fp8 and fp32; Step 2 on top of Step 1 (tis), the test against a rollback at random at its rate,
+      # and delta_j against T_post
+      comparisons=(
+          ("variant", "grpo"),
+          ("variant", "fp32"),
+          ("variant", "mipu", ("tis", "random")),
+          ("variant", "mipu-dj", ("tis", "mipu")),
+      ),
       description=f"MIPU's variants with an fp8 sampler ({FP8}) and GRPO with an fp32 sampler; {what}",
   )

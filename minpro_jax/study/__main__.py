@@ -8,7 +8,8 @@ command after a stop skips the finished runs and resumes the others.
   --dry-run         print each run's status and command; write nothing.
   --aggregate-only  only (re)write the aggregation from the finished runs' files (`--grid` optional: without it
                     the run list comes from `<workdir>/study.json`; runs of a damaged study.json that do not read
-                    back are left out, with a warning).
+                    back are left out, with a warning; with it, the grid's description, comparisons and panel are
+                    also written into study.json, as they change no run).
   --only=S          run only the runs whose name or label contains S (the aggregation still covers every run).
   --force           accept a workdir whose study.json holds another grid's runs (and replace it).
   --debug           show the traceback of a mistake instead of its one-line `error: ...`.
@@ -99,6 +100,22 @@ def _check_flags(args, study_dir: str) -> None:
     raise runner.StudyError(f"--jobs={args.jobs}: must be >= 1 (training runs at once)")
 
 
+REPORTING_FIELDS = ("description", "comparisons", "panel")  # what a grid may change without changing its runs
+
+
+def _update_reporting_fields(study_dir: str, record: dict) -> None:
+  """Copies the grid's `REPORTING_FIELDS` into the study's study.json (when there is one and they differ), so that
+  `--aggregate-only` without `--grid` and the committed-results test aggregate as this command does."""
+  stored = runner.read_study(study_dir)
+  if stored is None:
+    return
+  updated = {**stored, **{k: record[k] for k in REPORTING_FIELDS}}
+  if updated != stored:
+    runner.write_study(study_dir, updated)
+    changed = ", ".join(k for k in REPORTING_FIELDS if stored.get(k) != record[k])
+    print(f"updated {runner.STUDY_FILE}: the grid's {changed}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (see the module docstring)."""
   args = _parser().parse_args(argv)
@@ -128,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
       if not args.aggregate_only:
         raise
       print(f"warning: {e}; aggregating the runs of --grid={args.grid}", file=sys.stderr)
+    else:
+      if args.aggregate_only:
+        _update_reporting_fields(study_dir, record)
     if args.aggregate_only:
       return _aggregate(study_dir, record, args.interval)
     selected = [p for p in planned if args.only in p[0].name or args.only in p[0].label]

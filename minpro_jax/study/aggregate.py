@@ -320,11 +320,12 @@ def _partner(cell: tuple[tuple[str, Any], ...], field: str, ref: Any, cells: Map
 def paired_differences(
     per_run: Mapping[str, Mapping[str, Any]],
     runs: Sequence[Run],
-    comparisons: Sequence[tuple[str, Any]],
+    comparisons: Sequence[Sequence[Any]],
     method: str = "t",
 ) -> list[dict[str, Any]]:
-  """For each (field, ref) and each cell whose `field` is set to a value other than `ref`: reference - cell per
-  seed (on the seeds both finished from the same warm start), and the `Interval` of those differences per figure.
+  """For each (field, ref) and each cell whose `field` is set to a value other than `ref` (and, for a (field, ref,
+  values) triple, to one of `values`): reference - cell per seed (on the seeds both finished from the same warm
+  start), and the `Interval` of those differences per figure.
 
   The reference cell has the same overrides but `field` = `ref` (or `field` unset: e.g. the prefix ablation
   `loss.prefix_statistic=mean` pairs with the MinPRO cell that leaves it at its default "min"). Cells without a
@@ -337,10 +338,10 @@ def paired_differences(
   cells = _cells(runs)
   by_cell_seed = {(r.cell_name, r.seed): r.name for r in runs}
   out = []
-  for field, ref in comparisons:
+  for field, ref, *only in comparisons:
     for name, cell in cells.items():
       d = dict(cell)
-      if field not in d or d[field] == ref:
+      if field not in d or d[field] == ref or (only and d[field] not in only[0]):
         continue
       ref_name = _partner(cell, field, ref, cells)
       if ref_name is None:
@@ -379,7 +380,7 @@ def paired_differences(
 def aggregate(
     study_dir: str,
     runs: Sequence[Run],
-    comparisons: Sequence[tuple[str, Any]] = (),
+    comparisons: Sequence[Sequence[Any]] = (),
     method: str = "t",
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:

@@ -57,7 +57,9 @@ class Grid:
       sibling run a run reads (`mipu.match_rate_of`).
     comparisons: (field, reference value) pairs: the aggregation reports, for every cell whose `field` is set to
       another value, the paired difference reference - cell over the seeds both ran, the reference cell being the
-      same overrides with `field` set to the reference value (or absent from them).
+      same overrides with `field` set to the reference value (or absent from them). A third element, a tuple of
+      values, keeps only the cells whose `field` is one of them: ("variant", "mipu", ("tis", "random")) reports
+      mipu - tis and mipu - random alone.
     panel: a field with one plot panel per value (e.g. "delay"); None = one panel.
     description: one line for the study's summary.
   """
@@ -69,7 +71,7 @@ class Grid:
   variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   cells: Sequence[Mapping[str, Any]] = ()
   derived: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
-  comparisons: Sequence[tuple[str, Any]] = ()
+  comparisons: Sequence[tuple[str, Any] | tuple[str, Any, tuple[Any, ...]]] = ()
   panel: str | None = None
   description: str = ""
 
@@ -248,10 +250,19 @@ def check_grid(grid: Grid) -> None:
     raise GridError("grid: no cells; give grid.axes or grid.cells")
   fields = {f for cell in cells for f, _ in cell}
   for i, comp in enumerate(grid.comparisons):
-    if not (isinstance(comp, (tuple, list)) and len(comp) == 2 and isinstance(comp[0], str)):
-      raise GridError(f"grid.comparisons[{i}]: must be a (field, reference value) pair, got {comp!r}")
+    if not (isinstance(comp, (tuple, list)) and len(comp) in (2, 3) and isinstance(comp[0], str)):
+      raise GridError(
+          f"grid.comparisons[{i}]: must be a (field, reference value) pair or a (field, reference value, (values "
+          f"compared,)) triple, got {comp!r}"
+      )
     if comp[0] not in fields:
       raise GridError(f"grid.comparisons[{i}]: {comp[0]!r} is no field of any cell; use one of {sorted(fields)}")
+    values = {v for cell in cells for f, v in cell if f == comp[0]}
+    if len(comp) == 3 and (not isinstance(comp[2], (tuple, list)) or not comp[2] or set(comp[2]) - values):
+      raise GridError(
+          f"grid.comparisons[{i}]: the values compared must be a non-empty tuple of values of {comp[0]!r} "
+          f"({sorted(map(str, values))}), got {comp[2]!r}"
+      )
   if grid.panel is not None and grid.panel not in fields:
     raise GridError(f"grid.panel: {grid.panel!r} is no field of any cell; use one of {sorted(fields)} or None")
 
