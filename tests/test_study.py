@@ -454,7 +454,12 @@ def test_training_dynamics_by_hand():
       {"step": 0, "reward/accuracy": 0.1},  # delay 2: steps 0, 1 sample the initial policy
       {"step": 1, "reward/accuracy": 0.1},
       {"step": 2, "reward/accuracy": 0.2, "learn/abs_log_ratio_by_position_bin": [0.1, 0.3, None]},
-      {"step": 3, "reward/accuracy": 0.4, "learn/abs_log_ratio_by_position_bin": [0.3, None, None]},
+      {
+          "step": 3,
+          "reward/accuracy": 0.4,
+          "learn/abs_log_ratio_by_position_bin": [0.3, None, None],
+          "learn/weight_by_position_bin": [0.9, None, None],
+      },
       {"step": 4, "reward/accuracy": 0.3, "eval/pass@1": 0.2},
   ]
   assert dynamics.train_curve(recs, delay=2) == [(0, 0.2), (1, 0.4), (2, 0.3)]
@@ -466,8 +471,13 @@ def test_training_dynamics_by_hand():
   cell = dynamics.cell_dynamics([run, other])
   assert cell["collapsed"] == 1 and cell["steps_to_collapse_mean"] == 3.0
   assert cell["abs_log_ratio_by_position"] == pytest.approx([0.3, 0.3, None]) and cell["ess_frac_by_position"] is None
+  assert (
+      run["weight_by_position"] == pytest.approx([0.9, None, None])
+      and cell["weight_by_position"] == run["weight_by_position"]
+  )  # the other run has no weights: the cell's profile is this run's
   lines = dynamics.dynamics_markdown([{"label": "m", "seeds": [0, 1], "metrics": {}, "dynamics": cell}], 95)
-  assert lines[-1] == "| m | - | 1/2 (3.0) | 0.300 | 0.300 | - | - |"
+  assert "| m | - | 1/2 (3.0) | 0.300 | 0.300 | - | - |" in lines
+  assert lines[-3:] == ["| cell | weight 0-7 |", "|---|---:|", "| m | 0.90 |"]  # only the bins with a weight
 
 
 def _fake_run(study_dir, run, curve, total):

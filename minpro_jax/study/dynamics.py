@@ -7,11 +7,14 @@ Per run:
                      steps whose sampler had seen updates: the rollouts of global step s come from the parameters
                      after s - d steps with updates at delay d, so the train curve is [(s - d, accuracy) for
                      s >= d], on the learning curve's axis, and its AUC is `curve_auc` of it.
-  abs_log_ratio_by_position / ess_frac_by_position
+  abs_log_ratio_by_position / ess_frac_by_position / weight_by_position
                      per response-position bin (0-7, 8-15, 16-31, ... tokens), the mean over the run's steps of
-                     the learner-behaviour |log pi_theta - log mu| at update time and of the weights' effective
-                     sample size fraction (sum w)^2 / (n sum w^2) (`learn/*_by_position_bin`, logged by the
+                     the learner-behaviour |log pi_theta - log mu| at update time, of the weights' effective
+                     sample size fraction (sum w)^2 / (n sum w^2), and of the weight w itself (the objective's
+                     detached per-token weight: MinPRO's clipped prefix weight, CISPO's clipped ratio; the ratio
+                     for GRPO and M2PO, the sequence ratio for GSPO) (`learn/*_by_position_bin`, logged by the
                      trainer since 2026-12-03); None for a bin no response reached or a run that predates them.
+                     The ESS fraction is scale-free; the mean weight shows how much of a token's gradient is left.
 
 Per cell: the count of seeds that collapsed and the mean steps to collapse of those; the by-position profiles are
 averaged over the cell's seeds bin by bin.
@@ -29,6 +32,7 @@ TRAIN_KEY = "reward/accuracy"
 POSITION_KEYS = {
     "abs_log_ratio_by_position": "learn/abs_log_ratio_by_position_bin",
     "ess_frac_by_position": "learn/ess_frac_by_position_bin",
+    "weight_by_position": "learn/weight_by_position_bin",
 }
 POSITION_LABELS = ("0-7", "8-15", "16-31", "32-63", "64-127", "128-255", "256-511", "512+")
 
@@ -82,7 +86,7 @@ def position_profile(records: Sequence[Mapping[str, Any]], key: str) -> list[flo
 
 def run_dynamics(records: Sequence[Mapping[str, Any]], learning: Sequence[Sequence[float]], delay: int) -> dict:
   """The per-run figures of the module docstring: {"steps_to_collapse", "train_auc" (None without training
-  accuracy), "train_curve", "abs_log_ratio_by_position", "ess_frac_by_position"}."""
+  accuracy), "train_curve", and the by-position profiles of `POSITION_KEYS`}."""
   curve = train_curve(records, delay)
   out: dict[str, Any] = {
       "steps_to_collapse": steps_to_collapse(learning),
@@ -109,20 +113,12 @@ def cell_dynamics(per_run: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def dynamics_markdown(cells: Sequence[Mapping[str, Any]], level: int) -> list[str]:
-  """Markdown lines: one table of train AUC, collapses and the by-position profiles per cell (empty when no cell
-  has any of them)."""
+  """Markdown lines: one table of train AUC, collapses, |log ratio| and ESS by position per cell, and one of the
+  mean weight by position (each left out when no cell has its figures)."""
   rows = [c for c in cells if c.get("dynamics")]
   if not rows:
     return []
-  bins = max(
-      (len(c["dynamics"][n] or ()) for c in rows for n in POSITION_KEYS if c["dynamics"].get(n)),
-      default=0,
-  )
-  used = [
-      i
-      for i in range(bins)
-      if any((c["dynamics"].get(n) or [None] * bins)[i] is not None for c in rows for n in POSITION_KEYS)
-  ]
+  used = _used_bins(rows, ("abs_log_ratio_by_position", "ess_frac_by_position"))
   head = ["cell", "train AUC", "collapsed (steps)"]
   head += [f"abs log ratio {POSITION_LABELS[i]}" for i in used] + [f"ESS {POSITION_LABELS[i]}" for i in used]
   lines = [
@@ -151,7 +147,33 @@ def dynamics_markdown(cells: Sequence[Mapping[str, Any]], level: int) -> list[st
     )
     cols = [c["label"], auc, col]
     for name, fmt in (("abs_log_ratio_by_position", "{:.3f}"), ("ess_frac_by_position", "{:.2f}")):
-      prof = d.get(name) or [None] * bins
-      cols += ["-" if prof[i] is None else fmt.format(prof[i]) for i in used]
+      cols += _profile_cells(d.get(name), used, fmt)
     lines.append("| " + " | ".join(cols) + " |")
+  weighted = [c for c in rows if c["dynamics"].get("weight_by_position")]
+  if weighted:
+    used = _used_bins(weighted, ("weight_by_position",))
+    head = ["cell"] + [f"weight {POSITION_LABELS[i]}" for i in used]
+    lines += [
+        "",
+        "Mean per-token weight by response position (mean over steps and seeds): the objective's detached weight "
+        "on the token's gradient (MinPRO: the clipped prefix weight; CISPO: the clipped ratio), or the ratio for "
+        "GRPO and M2PO and the sequence ratio for GSPO, whose clip drops a token's gradient instead.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * (len(head) - 1),
+    ]
+    for c in weighted:
+      lines.append("| " + " | ".join([c["label"], *_profile_cells(c["dynamics"]["weight_by_position"], used)]) + " |")
   return lines
+
+
+def _used_bins(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[int]:
+  """The position bins where some row's profile `names` has a value."""
+  profiles = [p for c in rows for n in names if (p := c["dynamics"].get(n))]
+  bins = max((len(p) for p in profiles), default=0)
+  return [i for i in range(bins) if any(i < len(p) and p[i] is not None for p in profiles)]
+
+
+def _profile_cells(profile: Sequence[float | None] | None, used: Sequence[int], fmt: str = "{:.2f}") -> list[str]:
+  """The table cells of a by-position profile at bins `used` ("-" where it has no value)."""
+  return ["-" if not profile or i >= len(profile) or profile[i] is None else fmt.format(profile[i]) for i in used]
