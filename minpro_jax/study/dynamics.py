@@ -121,16 +121,13 @@ def dynamics_markdown(cells: Sequence[Mapping[str, Any]], level: int) -> list[st
   used = _used_bins(rows, ("abs_log_ratio_by_position", "ess_frac_by_position"))
   head = ["cell", "train AUC", "collapsed (steps)"]
   head += [f"abs log ratio {POSITION_LABELS[i]}" for i in used] + [f"ESS {POSITION_LABELS[i]}" for i in used]
-  lines = [
-      "",
+  lines = _table_head(
       f"Training dynamics (mean over seeds [{level} % interval]). train AUC: time-averaged training accuracy, %; "
       f"collapsed: seeds whose held-out pass@1 fell {round(100 * COLLAPSE_DROP)} points below the initial (mean steps "
       "with updates to that point); abs log ratio: the learner-behaviour |log ratio| per token at update time, and "
       "ESS: the weights' effective sample size / tokens, by response position (mean over steps and seeds).",
-      "",
-      "| " + " | ".join(head) + " |",
-      "|---|" + "---:|" * (len(head) - 1),
-  ]
+      head,
+  )
   for c in rows:
     d, m = c["dynamics"], c["metrics"]
     iv = m.get("train_auc")
@@ -152,19 +149,20 @@ def dynamics_markdown(cells: Sequence[Mapping[str, Any]], level: int) -> list[st
   weighted = [c for c in rows if c["dynamics"].get("weight_by_position")]
   if weighted:
     used = _used_bins(weighted, ("weight_by_position",))
-    head = ["cell"] + [f"weight {POSITION_LABELS[i]}" for i in used]
-    lines += [
-        "",
+    lines += _table_head(
         "Mean per-token weight by response position (mean over steps and seeds): the objective's detached weight "
         "on the token's gradient (MinPRO: the clipped prefix weight; CISPO: the clipped ratio), or the ratio for "
         "GRPO and M2PO and the sequence ratio for GSPO, whose clip drops a token's gradient instead.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|---|" + "---:|" * (len(head) - 1),
-    ]
+        ["cell"] + [f"weight {POSITION_LABELS[i]}" for i in used],
+    )
     for c in weighted:
       lines.append("| " + " | ".join([c["label"], *_profile_cells(c["dynamics"]["weight_by_position"], used)]) + " |")
   return lines
+
+
+def _table_head(caption: str, head: Sequence[str]) -> list[str]:
+  """A markdown table's caption paragraph, header and alignment row (first column left, the others right)."""
+  return ["", caption, "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
 
 
 def _used_bins(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[int]:
