@@ -7,6 +7,8 @@
 #   .venv/bin/python -m minpro_jax.study --grid=$G:stage0b --workdir=results/minpro_long_stage0b   # 3 methods, delay 8
 #   .venv/bin/python -m minpro_jax.study --grid=$G:stage1 --workdir=results/minpro_long            # 15 cells x 5 seeds
 #   .venv/bin/python -m minpro_jax.study --grid=$G:rate --workdir=results/minpro_long_rate         # stage 1 at lr 1e-5
+#   .venv/bin/python -m minpro_jax.study --grid=$G:lr --workdir=results/minpro_long_lr             # a rate per objective
+#   .venv/bin/python -m minpro_jax.study --grid=$G:stage2 --workdir=results/minpro_long_stage2     # at those rates
 #   (stage1:N = N seeds; add --dry-run to see the commands)
 #
 # Stage 0 (one seed): GRPO on-policy at each of STAGE0_RATES; keep the largest rate whose held-out pass@1 rises
@@ -33,7 +35,7 @@ from minpro_jax.study.grid import Grid
 
 short = load_module("minpro_staleness.py", relative_to=__file__)  # the short staleness study
 
-STAGES = ("stage0", "stage0b", "stage1", "rate")
+STAGES = ("stage0", "stage0b", "stage1", "rate", "lr", "stage2")
 STAGE0_RATES = (1e-4, 3e-5, 1e-5)  # GRPO on-policy; the largest that learns is LEARNING_RATE
 STAGE0B_METHODS = ("minpro", "grpo", "cispo")
 STAGE0B_DELAY = 8
@@ -47,6 +49,26 @@ RATE_CHECK_DELAYS = (0, 8)
 RATE_CHECK_SEEDS = (0, 1, 2)  # stage 1's seeds, so each run pairs with its stage-1 run at LEARNING_RATE
 LR = "optimizer.learning_rate"
 SEEDS = (0, 1, 2, 3, 4)
+
+# Issue 55: a learning rate per objective (stage "lr"), then stage 2 at those rates. The rule, fixed before any run
+# of stage "lr": for each objective, the rate of LR_RATES with the highest held-out AUC averaged over LR_SEEDS; a
+# rate whose mean AUC is within LR_TIE_POINTS of that best is tied with it, and the smallest tied rate is chosen
+# (a smaller step is the safer one when the data cannot tell them apart). `choose_rates` applies it to the lr
+# study's summary.json; CHOSEN_RATES holds its answer once that study is complete (tests/test_study_grids.py
+# checks the two agree), and stage 2 refuses to start before.
+OBJECTIVES = {  # name -> the loss overrides of the objective; minpro-ppo is MinPRO with a trust region (issue 55)
+    "minpro": {"loss.method": "minpro"},
+    "minpro-ppo": {"loss.method": "minpro", "loss.surrogate": "ppo", "loss.eps_low": 0.2},  # GRPO's clip range
+    "cispo": {"loss.method": "cispo"},
+    "grpo": {"loss.method": "grpo"},
+    "gspo": {"loss.method": "gspo"},
+}
+LR_RATES = (1e-5, 2e-5, 3e-5)
+LR_SEEDS = (0, 1, 2)
+LR_TIE_POINTS = 1.0  # held-out pass@1 points of mean AUC
+CHOSEN_RATES = None  # {objective: rate} from choose_rates(results/minpro_long_lr/summary.json) once complete
+STAGE2_DELAYS = (0, 2, 8)
+STAGE2_REFERENCE = "grpo"  # the staleness contrast (X - GRPO at delay d) - (X - GRPO at delay 0) per objective X
 
 # ------------------------------------------------------------------ the long-response setting: TUNE THESE
 LEARNING_RATE = 3e-5  # chosen by stage 0 from STAGE0_RATES (header); None would stop stages 0b and 1
@@ -83,6 +105,8 @@ FIXED = {
     "log.plots": False,
 }
 
+NEW_FIXED = {k: v for k, v in FIXED.items() if k != "sampling.kv_cache"}  # stages lr and 2: the default sampler
+
 
 def total_steps(cell) -> dict:
   """Every delay gets LEARN_STEPS global steps with updates (the first `delay` steps only fill the buffer)."""
@@ -97,6 +121,39 @@ def chosen_rate() -> float:
         f"then set it in the grid file to the largest of {STAGE0_RATES} that learned"
     )
   return float(LEARNING_RATE)
+
+
+def choose_rates(cells: dict) -> dict:
+  """The rule above applied to the lr study: objective -> its rate.
+
+  Args:
+    cells: the lr study's per-cell figures, `summary.json` "cells" (cell name -> {"auc": {"mean": ...,
+      "n": ...}, ...}), the names "variant-<objective>_learning_rate-<rate>".
+  Raises:
+    ValueError: a cell of the grid is missing or has fewer than len(LR_SEEDS) finished seeds.
+  """
+  out = {}
+  for objective in OBJECTIVES:
+    auc = {}
+    for rate in LR_RATES:
+      name = f"variant-{objective}_learning_rate-{rate}"
+      cell = cells.get(name, {}).get("auc") or {}
+      if cell.get("n", 0) < len(LR_SEEDS) or cell.get("mean") is None:
+        raise ValueError(f"the lr study lacks seeds of {name}: run it to its end before choosing the rates")
+      auc[rate] = float(cell["mean"])
+    best = max(auc.values())
+    out[objective] = min(r for r, a in auc.items() if a >= best - LR_TIE_POINTS / 100)
+  return out
+
+
+def stage2_rates() -> dict:
+  """CHOSEN_RATES, once the lr study has set it. Raises ValueError while it is the placeholder."""
+  if CHOSEN_RATES is None:
+    raise ValueError(
+        "minpro_long.CHOSEN_RATES is still the placeholder None; run the lr stage (--grid=...minpro_long.py:lr) to "
+        "its end, then set it to choose_rates() of its summary.json"
+    )
+  return dict(CHOSEN_RATES)
 
 
 def parse_arg(arg: str | None) -> tuple[str, int | None]:
@@ -123,6 +180,28 @@ def get_grid(arg=None) -> Grid:
         seeds=tuple(range(n)) if n else STAGE0_SEEDS,
         panel=None,
         description=f"stage 0, GRPO on-policy at lr {STAGE0_RATES}; {description}",
+    )
+  if stage == "lr":
+    return Grid(
+        base="configs/default.py",
+        fixed={**NEW_FIXED, "delay": 0, "total_steps": LEARN_STEPS},
+        variants=OBJECTIVES,
+        axes={LR: list(LR_RATES)},
+        seeds=tuple(range(n)) if n else LR_SEEDS,
+        description=f"a learning rate per objective, on-policy at lr {LR_RATES}; {description}",
+    )
+  if stage == "stage2":
+    rates = stage2_rates()
+    return Grid(
+        base="configs/default.py",
+        fixed=NEW_FIXED,
+        variants={k: {**v, LR: rates[k]} for k, v in OBJECTIVES.items()},
+        axes={"delay": list(STAGE2_DELAYS)},
+        seeds=tuple(range(n)) if n else SEEDS,
+        derived=total_steps,
+        comparisons=(("variant", STAGE2_REFERENCE),),
+        panel="delay",
+        description=f"stage 2, each objective at its own rate ({rates}) under staleness; {description}",
     )
   fixed = {**FIXED, LR: chosen_rate()}
   if stage == "stage0b":
