@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 from minpro_jax.config_lib import set_fields  # noqa: E402
 from minpro_jax.config_lib.defaults import get_config  # noqa: E402
 from minpro_jax.rl.aggregation import mismatch_metrics  # noqa: E402
-from minpro_jax.trainer import Trainer  # noqa: E402
+from minpro_jax.run.trainer import Trainer  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "mipu_tpost.json")
 

@@ -15,12 +15,12 @@ tokens, random weights (`init_model`) in the preset's shapes, the same weights o
 (`save_hf_checkpoint`).
 
 At batch b: N = `requests_per_row` * b requests. Continuous = one `generate` call on b decode rows
-(`decode_rows=b`); static = N / b calls of b rows (`continuous=False`, today's sampler: every row of a call
+(`engines.Continuous(decode_rows=b)`); static = N / b calls of b rows (the static engine: every row of a call
 runs until the call's longest row stops); `transformers` = N / b `generate` calls of b rows (it stops a call
 when all its rows have stopped). useful tokens/s = sum(L) / wall seconds (prefill included, compile
 excluded: one warm-up call per side, then the sides in turn, best of `reps`). `continuous` is the default
 (refills inside the one jitted loop, refill_rows max(1, b // 8)); ablations: `continuous_chunks`
-(in_loop_refill=False: host-driven chunks, the host refills between them) and `continuous_chunks_refill1`
+(the host-refill engine: host-driven chunks, the host refills between them) and `continuous_chunks_refill1`
 (the same, refilled as soon as one row stops). `paged` = the continuous sampler on a paged KV pool
 (`sampling.kv_cache="paged"`: `PagedKV(page_size)`, pool of the dense cache's memory, the plain-JAX paged
 attention), the same decode rows and refills; `paged_over_continuous` is its speed over `continuous` (best wall
@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from minpro_jax.models import get_preset, init_model  # noqa: E402
 from minpro_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
 from minpro_jax.models.transformer import KVCache  # noqa: E402
-from minpro_jax.sampling import PagedKV, Sampler, SamplingParams  # noqa: E402
+from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, engines  # noqa: E402
 
 STOP = 1
 PROMPT_LEN = 16
@@ -122,11 +122,11 @@ def bench_lengths(
     rng = np.random.RandomState(1)
     prompts = rng.randint(2, cfg.vocab_size, (n, PROMPT_LEN)).tolist()
     kw = dict(prompt_buckets=(PROMPT_LEN,), logits_processor=proc)
-    cont = Sampler(cfg, decode_rows=b, **kw)
-    cont1 = Sampler(cfg, decode_rows=b, refill_rows=1, in_loop_refill=False, **kw)
-    cont_chunks = Sampler(cfg, decode_rows=b, in_loop_refill=False, **kw)
-    paged = Sampler(cfg, decode_rows=b, paged_kv=PagedKV(page_size), **kw)
-    static = Sampler(cfg, continuous=False, **kw)
+    cont = Sampler(cfg, **kw, engine=engines.Continuous(decode_rows=b))
+    cont1 = Sampler(cfg, **kw, engine=engines.HostRefill(decode_rows=b, refill_rows=1))
+    cont_chunks = Sampler(cfg, **kw, engine=engines.HostRefill(decode_rows=b))
+    paged = Sampler(cfg, **kw, engine=engines.Paged(decode_rows=b, kv=PagedKV(page_size)))
+    static = Sampler(cfg, **kw, engine="static")
     prepared = cont.prepare_params(state)
     prep_static, prep1, prep_chunks, prep_paged = (
         static.prepare_params(state),
@@ -230,10 +230,13 @@ def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16,
   sp = SamplingParams(temperature=1.0, max_new_tokens=max_len, stop_token_ids=(STOP,))
   kw = dict(prompt_buckets=(PROMPT_LEN,), logits_processor=proc)
   samplers = {
-      "static_512_rows": Sampler(cfg, continuous=False, **kw),
-      "continuous_64_rows": Sampler(cfg, decode_rows=64, **kw),
-      "continuous_512_rows": Sampler(cfg, decode_rows=512, **kw),
-      **{f"paged{ps}_64_rows": Sampler(cfg, decode_rows=64, paged_kv=PagedKV(ps), **kw) for ps in page_sizes},
+      "static_512_rows": Sampler(cfg, **kw, engine="static"),
+      "continuous_64_rows": Sampler(cfg, **kw, engine=engines.Continuous(decode_rows=64)),
+      "continuous_512_rows": Sampler(cfg, **kw, engine=engines.Continuous(decode_rows=512)),
+      **{
+          f"paged{ps}_64_rows": Sampler(cfg, **kw, engine=engines.Paged(decode_rows=64, kv=PagedKV(ps)))
+          for ps in page_sizes
+      },
   }
   prepared = {k: v.prepare_params(state) for k, v in samplers.items()}
   want = np.repeat(sched, group_size)
@@ -272,7 +275,7 @@ def trainer_like(n: int = 512, max_len: int = 16, reps: int = 3, page_sizes=(16,
 def step_vs_position(max_len: int = 4096, rows: int = 16, positions=(256, 1000, 2000, 4000), steps: int = 32):
   cfg = get_preset("tiny")
   sampler = Sampler(cfg, prompt_buckets=(PROMPT_LEN,))
-  model = nnx.merge(sampler._graphdef, sampler.prepare_params(nnx.split(init_model(cfg, seed=0))[1]).state)
+  model = sampler.engine.core.model(sampler.prepare_params(nnx.split(init_model(cfg, seed=0))[1]).state)
   s = PROMPT_LEN + max_len
   cache = KVCache.zeros(sampler.config, rows, s)
   cache = cache.replace(segment_ids=jnp.ones_like(cache.segment_ids))

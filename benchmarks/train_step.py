@@ -36,8 +36,8 @@ def _config(name: str):
 
 
 def bench(name: str, steps: int) -> dict:
-  from minpro_jax.metrics_log import read_metrics
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.metrics_log import read_metrics
+  from minpro_jax.run.trainer import Trainer
 
   c = _config(name)
   work = tempfile.mkdtemp(prefix=f"bench_{name}_")

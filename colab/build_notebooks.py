@@ -90,8 +90,8 @@ progress bar and writes everything to the workdir. Re-running the cell resumes f
         "code",
         """\
 from minpro_jax.config_lib.defaults import get_config
-from minpro_jax.run_setup import setup_run
-from minpro_jax.trainer import Trainer
+from minpro_jax.run.run_setup import setup_run
+from minpro_jax.run.trainer import Trainer
 
 config = get_config()
 config.workdir = "runs/colab_quickstart"

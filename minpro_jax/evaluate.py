@@ -3,7 +3,7 @@
   python -m minpro_jax.evaluate --workdir=runs/NAME [--which=best|final|STEP] [--out=DIR] [--FIELD=VALUE ...]
   python -m minpro_jax.evaluate --hf=DIR --out=DIR [--FIELD=VALUE ...]
 
-The tables are the trainer's (`minpro_jax.evaluation`: pass@k, avg@n, maj@k per benchmark and their macro average),
+The tables are the trainer's (`minpro_jax.run.heldout`: pass@k, avg@n, maj@k per benchmark and their macro average),
 sampled with the run's sampler settings on the same programs, so a checkpoint scores here as it scored in its run
 (same `eval.seed`, same benchmarks: the run's held-out set and its `eval.path` files). Fields that may be set:
 `eval.*` (e.g. `--eval.path=math500=math500:data/math500.jsonl,aime24=jsonl:aime24.jsonl --eval.n=16
@@ -114,7 +114,7 @@ def eval_mesh(c):
   """
   import jax
 
-  from minpro_jax.config_checks import parse_mesh_shape
+  from minpro_jax.run.config_checks import parse_mesh_shape
   from minpro_jax.runtime.sharding import make_mesh
 
   shape = parse_mesh_shape(c.mesh.shape)
@@ -133,12 +133,12 @@ def eval_mesh(c):
 
 def load_model(args, overrides: dict[str, str]):
   """(config, tokenizer, model, the output folder, policy step, mesh) of `--workdir`/`--which` or `--hf`."""
-  from minpro_jax import run_config, run_load
+  from minpro_jax.run import run_config, run_load
 
   if args.hf:
     from minpro_jax.errors import FileFormatError
     from minpro_jax.models.hf_io import load_hf_checkpoint
-    from minpro_jax.run_setup import build_tokenizer
+    from minpro_jax.run.run_setup import build_tokenizer
 
     if not args.out:
       raise ConfigError("--out: give the folder for the tables (required with --hf)")
@@ -172,7 +172,7 @@ def load_model(args, overrides: dict[str, str]):
 
 def _check(c, out: str) -> None:
   """The evaluation's settings and `--out`, before any model is loaded. Raises ConfigError naming the field."""
-  from minpro_jax import run_config
+  from minpro_jax.run import run_config
 
   run_config.check_eval(c)
   for field in ("data.max_prompt_tokens", "sampling.max_new_tokens"):
@@ -200,12 +200,12 @@ def run_evaluation(
   from flax import nnx
   from tqdm import tqdm
 
-  from minpro_jax import evaluation, run_config
   from minpro_jax.data import format_prompt
-  from minpro_jax.run_setup import eval_benchmarks, fit_eval_sets
+  from minpro_jax.run import heldout, sampler_setup
+  from minpro_jax.run.run_setup import eval_benchmarks, fit_eval_sets
+  from minpro_jax.run.sampler_setup import sampler_kwargs
   from minpro_jax.runtime import multihost
   from minpro_jax.runtime.sharding import use_mesh
-  from minpro_jax.sampler_setup import sampler_kwargs
   from minpro_jax.sampling import Sampler, SamplingParams
 
   e = c.eval
@@ -220,7 +220,7 @@ def run_evaluation(
   sampler = Sampler(model.config, **sampler_kwargs(c, model, tokenizer, mesh, optimizer_copies=0))
   with use_mesh(mesh):
     params = sampler.prepare_params(nnx.state(model, nnx.Param))
-  run_sampling = run_config.sampling_params(c, tokenizer.stop_ids)
+  run_sampling = sampler_setup.sampling_params(c, tokenizer.stop_ids)
   sp = SamplingParams(  # as `Trainer.generate_texts`
       temperature=e.temperature,
       top_p=e.top_p if e.top_p < 1.0 else None,
@@ -247,7 +247,7 @@ def run_evaluation(
   for j, (bench, problems) in enumerate(benches.items()):
     path = os.path.join(out, f"{bench}.json")
     if bench in todo:  # seed as the trainer's single call over all benchmarks gives benchmark j
-      one = evaluation.evaluate(
+      one = heldout.evaluate(
           generate,
           {bench: problems},
           n=e.n,
@@ -268,9 +268,9 @@ def run_evaluation(
     results["benchmarks"][bench] = one["benchmarks"][bench]
     results["samples"][bench] = one["samples"][bench]
   bar.close()
-  results["macro"] = evaluation.macro_average(results["benchmarks"])
+  results["macro"] = heldout.macro_average(results["benchmarks"])
   if primary:
-    evaluation.write_report(results, out, "eval")
+    heldout.write_report(results, out, "eval")
   return results
 
 
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USER_ERROR
   except KeyboardInterrupt:
     _stopped(signal.SIGINT, None)
-  from minpro_jax.evaluation import to_markdown
+  from minpro_jax.run.heldout import to_markdown
 
   if not multihost.is_primary():
     return 0

@@ -65,7 +65,7 @@ def special_ids(tokenizer) -> dict:
 def save_tokenizer(c, tokenizer, out: str) -> None:
   """Writes the run's tokenizer into `out` in a form `transformers.AutoTokenizer` loads."""
   from minpro_jax.data.tokenizers import HFTokenizer
-  from minpro_jax.run_load import copy_tokenizer_source
+  from minpro_jax.run.run_load import copy_tokenizer_source
 
   if copy_tokenizer_source(c, out):
     return
@@ -139,7 +139,7 @@ def export(workdir: str, out: str, which: str = "best") -> dict:
     ValueError: the exported tokenizer does not reproduce the run's ids (`check_tokenizer`).
   """
   from minpro_jax.models.hf_io import save_hf_checkpoint
-  from minpro_jax.run_load import load_run
+  from minpro_jax.run.run_load import load_run
 
   check_out(out, workdir)
   run = load_run(workdir, which)

@@ -33,7 +33,7 @@ def primitives(out_dir: str) -> dict:
   from minpro_jax.data import ProblemLoader
   from minpro_jax.data.records import MathProblem
   from minpro_jax.errors import LaunchError
-  from minpro_jax.evaluation import grade_split
+  from minpro_jax.run.heldout import grade_split
   from minpro_jax.runtime import multihost
   from minpro_jax.runtime.sharding import make_mesh
 
@@ -117,8 +117,8 @@ def _host_batch(mesh) -> dict:
 def _micro_batch_error(out_dir: str, **overrides) -> str | None:
   """The trainer's config check of micro-batches of 2 on fsdp=-1 (the mesh spans both processes' 4 devices), or of
   the config with `overrides`."""
-  from minpro_jax import run_config
   from minpro_jax.config_lib.defaults import get_config
+  from minpro_jax.run import run_config
 
   c = get_config()
   c.update_from_flattened_dict(
@@ -234,9 +234,9 @@ def per_process_batch(out_dir: str) -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
   from minpro_jax.rl import process_batch
   from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
+  from minpro_jax.run.checkpoint import RunCheckpointer, buffer_state_from_restored
   from minpro_jax.runtime import host_batch, multihost
   from minpro_jax.runtime.sharding import make_mesh
 
@@ -320,7 +320,7 @@ def sampled_rows(out_dir: str) -> dict:
   from minpro_jax.rl.rollout import RolloutBatch
   from minpro_jax.runtime import host_batch, multihost
   from minpro_jax.runtime.sharding import make_mesh, use_mesh
-  from minpro_jax.sampling import PagedKV, Sampler, SamplingParams
+  from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, engines
 
   mesh = make_mesh({"data": 2, "fsdp": 2})
   kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -330,8 +330,12 @@ def sampled_rows(out_dir: str) -> dict:
   sp = SamplingParams(temperature=1.0, max_new_tokens=6)
   rows = host_batch.process_group_rows(4, 2)
   out: dict = {"rows": [rows.start, rows.stop]}
-  for name, continuous, paged_kv in (("continuous", True, None), ("paged", True, PagedKV(4)), ("static", False, None)):
-    sampler = Sampler(model.config, mesh=mesh, continuous=continuous, decode_rows=4, paged_kv=paged_kv)
+  for name, engine in (
+      ("continuous", engines.Continuous(decode_rows=4)),
+      ("paged", engines.Paged(decode_rows=4, kv=PagedKV(4))),
+      ("static", engines.Static()),
+  ):
+    sampler = Sampler(model.config, mesh=mesh, engine=engine)
     with use_mesh(mesh):
       whole = sampler.generate(params, prompts, sp, 7, group_size=2, group_ids=[10, 11, 12, 13], policy_version=3)
       mine = sampler.generate(

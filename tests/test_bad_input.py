@@ -18,7 +18,7 @@ from train_helpers import REPO, cli_args, cli_env, make_config, tiny_overrides
 from minpro_jax.data.records import DataError
 from minpro_jax.data.sources import check_data_file, load_file
 from minpro_jax.errors import ConfigError
-from minpro_jax.run_config import validate_config
+from minpro_jax.run.run_config import validate_config
 from minpro_jax.study import __main__ as study_cli
 from minpro_jax.study import grid, runner
 

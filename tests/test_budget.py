@@ -288,7 +288,7 @@ def _budget_rows(mesh, **fields):
 def test_continuous_decode_gathers_weights_every_step_on_fsdp_and_not_on_data():
   dense = {"sampling.kv_cache": "dense"}  # the dense continuous sampler's schedule (the paged one's: below)
   b, rows = _budget_rows("fsdp=8", **dense)
-  rows_count, refill = b.progs.trainer_sampler.continuous_rows(16)
+  rows_count, refill = b.progs.trainer_sampler.engine.rows_and_refill(16)
   sched = continuous_schedule(b.lengths, rows_count, refill, 16, b.buckets)
   assert rows["sampling"]["iterations"] == sched.iterations
   assert rows["sampling: decode step"]["iterations"] == sched.decode_steps

@@ -21,20 +21,6 @@ COMMITTED_STUDIES = sorted(
 )
 
 
-@pytest.mark.parametrize("study", COMMITTED_STUDIES)
-def test_committed_finished_runs_stay_done_under_todays_defaults(study, capsys):
-  """A config field added since a committed study ran must be in `runner.ADDED_FIELDS` (at the value that keeps the
-  old behaviour), else the runner calls every finished run stale and refuses to go on."""
-  from minpro_jax.study.__main__ import main
-
-  workdir = os.path.join(STUDIES_ROOT, study)
-  with open(os.path.join(workdir, "study.json")) as f:
-    spec = json.load(f)["grid"]
-  assert main([f"--grid={os.path.join(REPO_ROOT, spec)}", f"--workdir={workdir}", "--dry-run"]) == 0
-  out = capsys.readouterr().out
-  assert re.search(r"\b0 stale", out), [line for line in out.splitlines() if line.startswith("stale")][:1]
-
-
 def test_a_study_of_record_is_found_under_either_root(tmp_path, monkeypatch, capsys):
   """Committed studies live in results/ (issue 39); a path under the old root runs/ finds a moved study, and one
   under results/ finds a study this checkout still keeps in runs/, each with a note; other paths are kept."""

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from train_helpers import cli_args, cli_env, make_config, tiny_overrides
 
-from minpro_jax.run_config import ConfigError, validate_config
+from minpro_jax.run.run_config import ConfigError, validate_config
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_cli_unknown_field_fails(tmp_path, ok):
 
 
 def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
-  from minpro_jax.resume_check import check_resume, resume_fingerprint
+  from minpro_jax.run.resume_check import check_resume, resume_fingerprint
 
   stored = resume_fingerprint(make_config(ok))
   check_resume(make_config(ok), stored, "runs/x")  # same config: fine
@@ -137,7 +137,7 @@ def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
 
 
 def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(tmp_path, ok):
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
@@ -157,7 +157,7 @@ def test_mipu_validation_batch_must_split_into_scoring_micro_batches(ok):
   c = make_config({**ok, "mipu.rollback": True, "mipu.val_prompts": 3, "mipu.val_group_size": 3})
   with pytest.raises(ConfigError, match=r"mipu.val_prompts: .* 9 validation samples .* micro-batch"):
     validate_config(c)
-  from minpro_jax.run_config import check_mipu_problem_count
+  from minpro_jax.run.run_config import check_mipu_problem_count
 
   c = make_config({**ok, "mipu.rollback": True, "mipu.val_prompts": 8})
   check_mipu_problem_count(c, 8)
@@ -166,7 +166,7 @@ def test_mipu_validation_batch_must_split_into_scoring_micro_batches(ok):
 
 
 def test_a_data_file_without_eval_path_splits_off_a_seeded_heldout_set(tmp_path, ok):
-  from minpro_jax.run_setup import train_and_eval_problems
+  from minpro_jax.run.run_setup import train_and_eval_problems
 
   path = tmp_path / "mine.jsonl"
   rows = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(30)]
@@ -197,7 +197,7 @@ def test_a_data_file_without_eval_path_splits_off_a_seeded_heldout_set(tmp_path,
 
 def test_heldout_prompts_longer_than_max_prompt_tokens_are_skipped_not_fed_to_the_sampler(ok):
   from minpro_jax.data.records import MathProblem
-  from minpro_jax.run_setup import fit_eval_sets
+  from minpro_jax.run.run_setup import fit_eval_sets
 
   class WordTokenizer:  # one token per word
 
@@ -213,7 +213,7 @@ def test_heldout_prompts_longer_than_max_prompt_tokens_are_skipped_not_fed_to_th
 
 
 def test_the_eval_fields_that_choose_the_heldout_prompts_are_part_of_the_resume_check(ok):
-  from minpro_jax.resume_check import check_resume, resume_fingerprint
+  from minpro_jax.run.resume_check import check_resume, resume_fingerprint
 
   stored = resume_fingerprint(make_config(ok))
   for field, value in (("eval.seed", 1), ("eval.num_problems", 3), ("eval.path", "x=auto:/y.jsonl")):

@@ -1,5 +1,5 @@
 """Every numeric field of the training config has a domain that `validate_config` enforces, naming the field; and
-the settings under which a run would learn nothing are refused up front (minpro_jax/config_domains.py).
+the settings under which a run would learn nothing are refused up front (minpro_jax/run/config_domains.py).
 
 The table holds, for each numeric field of `configs/default.py`, values outside its domain; a field
 that takes any value of its type says why instead. `test_every_numeric_field_is_in_the_table` keeps the table
@@ -11,9 +11,9 @@ import math
 import pytest
 from train_helpers import load_default_config, make_config, tiny_overrides
 
-from minpro_jax.config_domains import DOMAINS, Domain, check_value
 from minpro_jax.errors import ConfigError
-from minpro_jax.run_config import validate_config
+from minpro_jax.run.config_domains import DOMAINS, Domain, check_value
+from minpro_jax.run.run_config import validate_config
 
 INF, NAN = math.inf, math.nan
 # field -> (bad values, extra overrides that make the field matter). Checked with the tiny config.

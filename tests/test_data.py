@@ -454,7 +454,7 @@ def test_tfds_config_checks_name_the_field(tmp_path):
   from train_helpers import make_config, tiny_overrides
 
   from minpro_jax.errors import ConfigError
-  from minpro_jax.run_config import validate_config
+  from minpro_jax.run.run_config import validate_config
 
   ov = tiny_overrides(tmp_path, **{"data.source": "tfds", "data.tfds_name": "my_math"})
   with pytest.raises(ConfigError, match="tfds_name / tfds_split / tfds_data_dir"):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from train_helpers import coin_grade, make_config, tiny_overrides
 
-from minpro_jax import resume_check, run_config
 from minpro_jax.errors import ConfigError
 from minpro_jax.rl.dynamic_sampling import Round, choose_groups, fill_informative, take_groups, unequal_groups
+from minpro_jax.run import resume_check, run_config
 from minpro_jax.sampling.batch import GenerationBatch
 
 
@@ -97,9 +97,9 @@ def test_trainer_drops_equal_groups_and_masks_truncated(tmp_path, monkeypatch):
   import jax
   from flax import nnx
 
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   ov = tiny_overrides(tmp_path, **{"sft.enabled": False, "sampling.drop_equal_reward_groups": True})
   trainer = Trainer.from_config(make_config(ov))
   state = trainer.learner.init_state(jax.tree.map(lambda x: x, nnx.split(trainer.model)[1]))
@@ -138,14 +138,14 @@ def test_trainer_drops_equal_groups_and_masks_truncated(tmp_path, monkeypatch):
   # overlong filtering: rows that ran out of tokens get an empty response mask, after their advantages were computed
   trainer.loader.set_state(loader_state)
   problems = next(trainer.loader)
-  gen = trainer._generate(state.params, problems, trainer.sampling, 0, g, group_ids=np.arange(p), policy_version=0)
+  gen = trainer.generate(state.params, problems, trainer.sampling, 0, g, group_ids=np.arange(p), policy_version=0)
   finish = np.array(["length", "stop"] * (p * g // 2))  # the untrained model never stops: mark half the rows
   gen = dataclasses.replace(gen, finish_reason=finish)
   rewards = np.tile([1.0, 0.0], p * g // 2).astype(np.float32)
   graded = ([""] * (p * g), rewards, {"no_answer": 0, "timeout": 0})
-  masked, _, _ = trainer._rollout(state, gen, problems, g, score=False, graded=graded)
+  masked, _, _ = trainer.rollout(state, gen, problems, g, score=False, graded=graded)
   trainer.c.reward.mask_truncated = False
-  kept, _, _ = trainer._rollout(state, gen, problems, g, score=False, graded=graded)
+  kept, _, _ = trainer.rollout(state, gen, problems, g, score=False, graded=graded)
   assert masked.truncated.tolist() == [True, False] * (p * g // 2)
   assert not masked.response_mask[masked.truncated].any()
   np.testing.assert_array_equal(masked.response_mask[~masked.truncated], kept.response_mask[~kept.truncated])

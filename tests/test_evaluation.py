@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minpro_jax.data import MathProblem
-from minpro_jax.evaluation import avg_at_n, evaluate, maj_at_k, pass_at_k, score_samples, to_markdown
+from minpro_jax.run.heldout import avg_at_n, evaluate, maj_at_k, pass_at_k, score_samples, to_markdown
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""`python -m minpro_jax.export`: a run's checkpoint as a Hugging Face folder (`minpro_jax.run_load`, `export`).
+"""`python -m minpro_jax.export`: a run's checkpoint as a Hugging Face folder (`minpro_jax.run.run_load`, `export`).
 
 A run directory is written here without training (config.json, tokenizer.model, a best-parameter and a run
 checkpoint of a tiny scanned MoE), so every path is exercised in seconds; `test_train_e2e` exports a trained run too.
@@ -22,14 +22,15 @@ from train_helpers import make_config, tiny_overrides
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from minpro_jax import export, run_config, run_load  # noqa: E402
-from minpro_jax.checkpoint import RunCheckpointer  # noqa: E402
+from minpro_jax import export  # noqa: E402
 from minpro_jax.data.spm import train_sentencepiece  # noqa: E402
 from minpro_jax.data.tokenizers import load_hf_tokenizer, load_sentencepiece  # noqa: E402
 from minpro_jax.errors import CheckpointError, ConfigError  # noqa: E402
 from minpro_jax.models import init_model  # noqa: E402
 from minpro_jax.models.hf_io import hf_state_dict, load_hf_checkpoint  # noqa: E402
 from minpro_jax.rl.learner import TrainState  # noqa: E402
+from minpro_jax.run import run_config, run_load  # noqa: E402
+from minpro_jax.run.checkpoint import RunCheckpointer  # noqa: E402
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "num_layers": 2}
 CORPUS = [f"Compute {a} + {b}.\nAnswer: \\boxed{{{a + b}}}" for a in range(40) for b in range(0, 40, 7)]
@@ -127,7 +128,7 @@ def test_final_of_a_stopped_run_says_it_is_the_newest_checkpoint(run_dir, tmp_pa
   cfg = json.load(open(cfg_path))
   cfg["total_steps"] = 20  # the newest checkpoint is after global step 7 of 20
   json.dump(cfg, open(cfg_path, "w"))
-  with caplog.at_level(logging.WARNING, logger="minpro_jax.run_load"):
+  with caplog.at_level(logging.WARNING, logger="minpro_jax.run.run_load"):
     run_load.load_run(workdir, "final")  # finished (total_steps 4 <= 7): nothing to say
     assert not caplog.records
     assert run_load.load_run(stopped, "final").step == 6
@@ -138,7 +139,7 @@ def test_a_resume_that_changes_fields_names_them(tmp_path, caplog):
   c = make_config(tiny_overrides(tmp_path))
   c.tokenizer.kind = "path"  # a tokenizer read from where the config points: only config.json is written
   run_load.save_run_files(str(tmp_path), c, None)
-  with caplog.at_level(logging.WARNING, logger="minpro_jax.run_load"):
+  with caplog.at_level(logging.WARNING, logger="minpro_jax.run.run_load"):
     run_load.save_run_files(str(tmp_path), c, None)  # the same config: nothing to say
     assert not caplog.records
     c.optimizer.learning_rate, c.total_steps = 1e-5, 9

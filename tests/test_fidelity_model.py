@@ -1,4 +1,4 @@
-"""The Tier B gradient-fidelity study (minpro_jax/study/fidelity_model.py) end to end at a toy size: it writes one
+"""The Tier B gradient-fidelity study (minpro_jax/lab/fidelity_model.py) end to end at a toy size: it writes one
 record per drift, on-policy every token-mean method has the same gradient, a rerun skips finished cells and reuses
 the trajectory, a run killed in the truth or in a cell resumes to the same record, and the report regenerates from
 the records, alone and side by side with another study."""
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from train_helpers import coin_grade, kill_at_call, tiny_overrides
 
-from minpro_jax.study import fidelity_model as fm
-from minpro_jax.study import fidelity_model_report as fmr
-from minpro_jax.study import fidelity_toy as ft
+from minpro_jax.lab import fidelity_model as fm
+from minpro_jax.lab import fidelity_model_report as fmr
+from minpro_jax.lab import fidelity_toy as ft
 
 PLAN = fm.Plan(
     updates=4, drifts=("s0", "s2", "s4", "fp8"), prompts=2, batches=3, truth_prompts=4, chunk_prompts=2, seed=0
@@ -27,7 +27,7 @@ def study(tmp_path_factory):
   ov = {k: v for k, v in tiny_overrides(tmp).items() if k != "workdir"}
   out = str(tmp / "out")
   with pytest.MonkeyPatch.context() as mp:  # mixed rewards for the tiny model: nonzero advantages and truth
-    mp.setattr("minpro_jax.trainer.grade_split", coin_grade)
+    mp.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
     assert fm.run(out, PLAN, ov) == 0
     yield out, ov
 
@@ -56,7 +56,7 @@ def test_records_and_on_policy_agreement(study):
 
 def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, monkeypatch, tmp_path):
   out, ov = study
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the run's trainers get their workdirs
   before = {f: os.path.getmtime(os.path.join(out, f)) for f in ("s0.json", "s4.json", "fp8.json")}
   kept = json.load(open(os.path.join(out, "s0.json")))
@@ -76,7 +76,7 @@ def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, mon
 @pytest.mark.slow  # three runs of the study (~4x the rerun test)
 def test_a_killed_run_resumes_in_the_truth_and_in_a_cell(study, capsys, monkeypatch):
   out, ov = study
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   kept = json.load(open(os.path.join(out, "s4.json")))
   os.remove(os.path.join(out, "s4.json"))
   os.remove(os.path.join(out, "trajectory", "truth.npz"))

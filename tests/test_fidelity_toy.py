@@ -1,4 +1,4 @@
-"""The exact gradient-fidelity toy (minpro_jax/study/fidelity_toy.py): exact J and grad J against Monte Carlo, the
+"""The exact gradient-fidelity toy (minpro_jax/lab/fidelity_toy.py): exact J and grad J against Monte Carlo, the
 gradient-only entry point against jax.grad of each loss, and the metrics by hand."""
 
 import json
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from minpro_jax.lab import fidelity_run as fr
+from minpro_jax.lab import fidelity_toy as ft
 from minpro_jax.rl.advantages import group_advantages
-from minpro_jax.study import fidelity_run as fr
-from minpro_jax.study import fidelity_toy as ft
 
 
 def _toy(horizon=6, vocab=4, seed=0, bias=1.5):

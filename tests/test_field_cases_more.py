@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minpro_jax.checkpoint import RunCheckpointer
 from minpro_jax.data.rewards import math_reward, overlong_penalty
 from minpro_jax.errors import CheckpointError
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.hf_io import hf_state_dict, load_hf_checkpoint, save_hf_checkpoint
 from minpro_jax.rl.objectives import policy_loss
+from minpro_jax.run.checkpoint import RunCheckpointer
 from minpro_jax.sampling import SamplingParams
 from minpro_jax.sampling.loop import decode_loop, init_loop_state, sample_step
 
@@ -142,7 +142,7 @@ def test_b38_export_writes_every_tensor_and_expert(tmp_path, preset, overrides, 
 def test_b32_the_trainer_adds_the_penalty_to_every_response(tmp_path):
   from train_helpers import make_config, tiny_overrides
 
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   # the buffer is the whole budget, so every response of n tokens loses n / 6; the tiny warm start answers wrongly
   ov = tiny_overrides(tmp_path, total_steps=1, delay=0, **{"reward.overlong_buffer": 6})

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minpro_jax import run_config
 from minpro_jax.aot.hlo_text import called, parse_hlo
 from minpro_jax.config_lib import defaults
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
+from minpro_jax.run import run_config, sampler_setup
 from minpro_jax.runtime.inference_mesh import INFERENCE_RULES, auto_shape, parse_sampling_mesh, sampler_layout
 from minpro_jax.runtime.sharding import make_mesh
 from minpro_jax.sampling import Sampler, SamplingParams
@@ -219,7 +219,7 @@ def test_validate_config_names_the_sampling_fields(tmp_path):
   c = _config(mesh="data=4,tensor=2", decode_rows=16)
   c.workdir = str(tmp_path / "run")
   run_config.validate_config(c, num_devices=8)  # valid
-  assert run_config.sampler_decode_rows(c) == 16
+  assert sampler_setup.sampler_decode_rows(c) == 16
   c.sampling.mesh = "tensor=4,data=2"  # tiny has 2 KV heads
   with pytest.raises(ConfigError, match=r"^config\.sampling\.mesh: tensor=4 does not divide"):
     run_config.validate_config(c, num_devices=8)
@@ -231,7 +231,7 @@ def test_validate_config_names_the_sampling_fields(tmp_path):
   c.sampling.decode_rows = 0
   with pytest.raises(ConfigError, match=r"^config\.sampling\.decode_rows: must be an int >= 1"):
     run_config.validate_shapes_config(c)
-  assert run_config.sampler_decode_rows(defaults.get_config()) == 64  # today's Sampler default
+  assert sampler_setup.sampler_decode_rows(defaults.get_config()) == 64  # today's Sampler default
   assert defaults.get_config().sampling.mesh == ""
 
 

@@ -10,7 +10,6 @@ import optax
 import pytest
 from flax import nnx
 
-from minpro_jax.checkpoint import RunCheckpointer
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl.aggregation import masked_mean
@@ -18,6 +17,7 @@ from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.objectives import OBJECTIVES, register_objective
 from minpro_jax.rl.optimizer import OptimizerConfig, make_schedule
 from minpro_jax.rl.rollout import RolloutBatch
+from minpro_jax.run.checkpoint import RunCheckpointer
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 
 VOCAB = 64

@@ -17,7 +17,7 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.record_writer import masked_crc32c
 from train_helpers import make_config, tiny_overrides
 
-from minpro_jax.metrics_log import MetricsWriter, read_metrics
+from minpro_jax.run.metrics_log import MetricsWriter, read_metrics
 
 
 def read_tb_scalars(tb_dir: str) -> dict[str, dict[int, float]]:
@@ -85,7 +85,7 @@ def test_metrics_writer_tensorboard_roundtrip(tmp_path):
 
 @pytest.mark.slow
 def test_run_logs_tensorboard_and_progress_bar(tmp_path, capfd):
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   ov = tiny_overrides(tmp_path, **{"log.tensorboard": True, "log.progress": True, "total_steps": 3})
   Trainer.from_config(make_config(ov)).run()

@@ -13,10 +13,10 @@ from flax import nnx
 from test_learner import _batch, _model
 from train_helpers import make_config, tiny_overrides
 
-from minpro_jax import run_config
 from minpro_jax.rl import lr_decay
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
+from minpro_jax.run import run_config
 
 CFG = lr_decay.LrDecayConfig(baseline_steps=3, surge_ratio=3.0, period_factor=1.8, factor=0.5, min_ratio=0.1)
 
@@ -107,7 +107,7 @@ def test_learner_update_uses_the_decayed_learning_rate():
 
 
 def test_trigger_state_round_trips_through_the_checkpoint_json():
-  from minpro_jax.trainer import RunProgress
+  from minpro_jax.run.trainer import RunProgress
 
   lengths = [10.0, 12.0, 8.0, 20.0, 29.0, 30.0, 31.0] + [40.0] * 40
   want, _ = _drive(lengths)
@@ -143,7 +143,7 @@ DECAY_FIELDS = {
 
 
 def _trainer_run(tmp_path, monkeypatch, name, total_steps):
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   sample_step = Trainer.sample_step
 

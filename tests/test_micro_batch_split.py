@@ -9,7 +9,7 @@ from train_helpers import make_config, tiny_overrides
 
 from minpro_jax.aot.topologies import parse_slice
 from minpro_jax.config_lib.files import REPO, load_module
-from minpro_jax.run_config import (
+from minpro_jax.run.run_config import (
     ConfigError,
     check_micro_batch_split,
     parse_mesh_shape,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from train_helpers import coin_grade, make_config, tiny_overrides
 
-from minpro_jax import run_config
 from minpro_jax.config_lib.mipu_variants import VARIANTS
 from minpro_jax.rl import mipu
+from minpro_jax.run import run_config
 
 
 @pytest.mark.parametrize(
@@ -177,7 +177,7 @@ def test_config_validation_of_modes_and_mis_bounds(tmp_path):
 
 
 def _run(tmp_path, name, **extra):
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   ov = tiny_overrides(tmp_path, workdir=str(tmp_path / name), total_steps=3, delay=1, **extra)
   tr = Trainer.from_config(make_config(ov))
@@ -187,7 +187,7 @@ def _run(tmp_path, name, **extra):
 
 
 def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   # reject every update (accept iff T_post >= 1e9): the run ends on the warm-start parameters, version 0
   tr, summary, recs = _run(tmp_path, "reject", **{"mipu.rollback": True, "mipu.gap_tolerance": -1e9})
   assert summary["mipu"] == {"checks": 2, "rollbacks": 2} and summary["policy_version"] == 0
@@ -198,7 +198,7 @@ def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
   assert recs[1]["learn/loss"] != recs[2]["learn/loss"]
   from flax import nnx
 
-  from minpro_jax.run_setup import build_model, build_tokenizer, train_and_eval_problems, warm_start
+  from minpro_jax.run.run_setup import build_model, build_tokenizer, train_and_eval_problems, warm_start
 
   c = make_config(tiny_overrides(tmp_path, workdir=str(tmp_path / "fresh")))
   problems, _ = train_and_eval_problems(c)
@@ -226,7 +226,7 @@ def test_trainer_rollback_reject_all_and_accept_all(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_trainer_t_post_nonzero_with_fp8_sampler(tmp_path, monkeypatch):
   # fp8 sampler vs fp32 learner: rho != 1, so T_post is a small non-zero number, and the verdict follows it
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   _, summary, recs = _run(
       tmp_path,
       "fp8",
@@ -239,7 +239,7 @@ def test_trainer_t_post_nonzero_with_fp8_sampler(tmp_path, monkeypatch):
 
 
 def test_trainer_random_rollback_matches_a_reference_rate_and_samples_nothing(tmp_path, monkeypatch):
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   ref = tmp_path / "reference"
   ref.mkdir()
   (ref / "summary.json").write_text(json.dumps({"mipu": {"checks": 4, "rollbacks": 2}}))
@@ -261,9 +261,9 @@ def test_step2_under_fp8_direct_t_post_ground_truth_and_bitwise_restore(tmp_path
   from flax import nnx
 
   from minpro_jax.models.logprobs import token_logprobs
-  from minpro_jax.trainer import RunProgress, Trainer
+  from minpro_jax.run.trainer import RunProgress, Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   ov = {"mipu.rollback": True, "mipu.ground_truth": True, "mipu.gap_tolerance": -1e9, "sampling.precision": "fp8"}
   tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, **ov)))
   state = tr.learner.init_state(nnx.split(tr.model)[1])

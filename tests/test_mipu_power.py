@@ -1,4 +1,4 @@
-"""The MIPU power study's runner (minpro_jax/study/mipu_power.py) at a toy size: the worked-step setting's config,
+"""The MIPU power study's runner (minpro_jax/lab/mipu_power.py) at a toy size: the worked-step setting's config,
 a rerun that goes on from the kept trajectory state, a pair killed between its chunks resuming to the same record,
 and the side-by-side report of two studies."""
 
@@ -11,8 +11,8 @@ import pytest
 from test_mipu_statistics import _pair
 from train_helpers import coin_grade, kill_at_call, tiny_overrides
 
-from minpro_jax.study import mipu_power as mp
-from minpro_jax.study import mipu_power_report as mpr
+from minpro_jax.lab import mipu_power as mp
+from minpro_jax.lab import mipu_power_report as mpr
 
 # 2 checkpoints x 2 candidates; draws in chunks of 2 prompts: validation 2 chunks of 2 x 8, truth 3 chunks (2, 2, 1)
 PLAN = mp.Plan(checkpoints=(0, 1), candidates=2, val_prompts=4, truth=5, sizes=(8, 32), seed=0, chunk_prompts=2)
@@ -44,7 +44,7 @@ def study(tmp_path_factory):
   ov.update({"delay": 0, "sampling.decode_rows": 16})
   out = str(tmp / "out")
   with pytest.MonkeyPatch.context() as m:  # mixed rewards for the tiny model: nonzero advantages and updates
-    m.setattr("minpro_jax.trainer.grade_split", coin_grade)
+    m.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
     mp.run(out, PLAN, ov)
   return out, ov
 
@@ -66,7 +66,7 @@ def test_records(study):
 @pytest.mark.slow  # two more runs of the study
 def test_a_pair_killed_between_chunks_resumes_to_the_same_record(study, capsys, monkeypatch):
   out, ov = study
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   kept = json.load(open(os.path.join(out, "k1_u1.json")))
   os.remove(os.path.join(out, "k1_u1.json"))
   real_draw, calls = mp.draw, []

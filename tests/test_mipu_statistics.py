@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from train_helpers import coin_grade, make_config, tiny_overrides
 
-from minpro_jax import run_config
+from minpro_jax.lab import mipu_power, mipu_power_report
 from minpro_jax.rl import mipu
-from minpro_jax.study import mipu_power, mipu_power_report
+from minpro_jax.run import run_config
 
 
 def test_paired_difference_by_hand():
@@ -101,9 +101,9 @@ def test_delta_t_is_exactly_zero_at_equal_weights_and_logs_the_pair(tmp_path, mo
   an update the check logs T(theta_k) and tests delta_t; a calibrated c is measured once and kept."""
   from flax import nnx
 
-  from minpro_jax.trainer import RunProgress, Trainer
+  from minpro_jax.run.trainer import RunProgress, Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   ov = {"mipu.rollback": True, "mipu.statistic": "delta_t", "mipu.gap_tolerance": 0.0, "sampling.precision": "fp8"}
   tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, **ov)))
   state = tr.learner.init_state(nnx.split(tr.model)[1])
@@ -131,7 +131,7 @@ def test_delta_t_is_exactly_zero_at_equal_weights_and_logs_the_pair(tmp_path, mo
   c_cal = progress.mipu_tolerance
   assert c_cal is not None and m["mipu/tolerance"] == c_cal
   assert m["mipu/accepted"] == int(m["mipu/t_post"] >= -c_cal)
-  t_start = [tr.mipu_step._draw(before, _val(tr, d), tr._step_seed(d, 6)).t for d in range(3)]
+  t_start = [tr.mipu_step._draw(before, _val(tr, d), tr.step_seed(d, 6)).t for d in range(3)]
   assert c_cal == pytest.approx(mipu.calibrated_tolerance(t_start, 2.0), rel=1e-6)
   _, m = tr.mipu_step(state, mipu.snapshot(state), 2, progress)
   assert progress.mipu_tolerance == c_cal and m["mipu/tolerance"] == c_cal  # measured once
@@ -139,7 +139,7 @@ def test_delta_t_is_exactly_zero_at_equal_weights_and_logs_the_pair(tmp_path, mo
 
 
 def _val(tr, d):
-  idx = mipu.validation_indices(len(tr.train_problems), tr.c.mipu.val_prompts, tr._step_seed(d, 5))
+  idx = mipu.validation_indices(len(tr.train_problems), tr.c.mipu.val_prompts, tr.step_seed(d, 5))
   return [tr.train_problems[i] for i in idx]
 
 

@@ -137,8 +137,8 @@ def test_bad_memory_fields_name_the_field(fields, message):
 def test_the_config_fields_name_themselves_in_errors(tmp_path):
   from train_helpers import make_config, tiny_overrides
 
-  from minpro_jax import run_config
   from minpro_jax.errors import ConfigError
+  from minpro_jax.run import run_config
 
   for field, value in (("attention_impl", "flash"), ("remat", "offload_all"), ("attn_block_size", 0)):
     c = make_config(tiny_overrides(tmp_path, **{f"model.{field}": value}))

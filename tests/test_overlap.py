@@ -1,4 +1,4 @@
-"""Sampling overlapped with learning on disjoint devices (`config.sampling.devices`, `minpro_jax/overlap.py`): the
+"""Sampling overlapped with learning on disjoint devices (`config.sampling.devices`, `minpro_jax/run/step_runner.py`): the
 device split and its config errors, the sampler's layout on its own devices, and the overlapped run equal to the
 sequential one on the same split, bit for bit, after a SIGKILL and resume too."""
 
@@ -20,9 +20,9 @@ from train_helpers import checkpoint_steps, cli_args, cli_env, make_config, metr
 from minpro_jax.errors import ConfigError
 from minpro_jax.launch_local import with_device_count
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.overlap import StepRunner
 from minpro_jax.rl.rollout import RolloutBuffer
-from minpro_jax.run_config import validate_config
+from minpro_jax.run.run_config import validate_config
+from minpro_jax.run.step_runner import StepRunner
 from minpro_jax.runtime.device_split import sampler_device_count, split_devices
 from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
@@ -90,7 +90,7 @@ def test_delay_zero_runs_sequentially_and_says_so(tmp_path, caplog):
       c=make_config(tiny_overrides(tmp_path, delay=delay, **{"sampling.overlap": overlap})),
       parts=types.SimpleNamespace(device_split=split),
   )
-  with caplog.at_level(logging.INFO, logger="minpro_jax.overlap"):
+  with caplog.at_level(logging.INFO, logger="minpro_jax.run.step_runner"):
     runner = StepRunner(fake(0))
   assert not runner.overlapped and runner._pool is None
   assert "learns one after the other (delay=0: step s learns from its own batch)" in caplog.text

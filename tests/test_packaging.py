@@ -139,7 +139,7 @@ def test_pip_install_gives_an_importable_package(tmp_path):
   subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)], check=True)
   env = {**os.environ, "PYTHONPATH": str(target)}
   code = (  # the configs' defaults travel in the package; the config files (configs/) stay in the repository
-      "import minpro_jax, minpro_jax.train, minpro_jax.evaluation; from minpro_jax.config_lib import defaults; "
+      "import minpro_jax, minpro_jax.train, minpro_jax.run.heldout; from minpro_jax.config_lib import defaults; "
       "assert defaults.base_config().loss.method == 'minpro'; print(minpro_jax.__file__)"
   )
   out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)

@@ -17,7 +17,7 @@ from minpro_jax.models.moe import NO_ROUTE
 from minpro_jax.rl import packing
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
-from minpro_jax.run_config import validate_config, validate_shapes_config
+from minpro_jax.run.run_config import validate_config, validate_shapes_config
 
 
 # ------------------------------------------------------------------------------------------------- the packer
@@ -270,9 +270,9 @@ def test_a_packed_trainer_step_equals_the_unpacked_one(tmp_path, monkeypatch):
   one trainer (the sampler compiled once): the same metrics, the padding fraction no higher packed."""
   from test_mismatch_every import _steps
 
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   ov = tiny_overrides(tmp_path, delay=1, **{"sft.enabled": False, "learner.row_tokens": 38})
   trainer = Trainer.from_config(make_config(ov))
   packed_learner = trainer.learner

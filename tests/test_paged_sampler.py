@@ -1,4 +1,4 @@
-"""The continuous sampler on a paged KV cache (`Sampler(paged_kv=PagedKV(...))`) against the static sampler:
+"""The continuous sampler on a paged KV cache (`Sampler(engine=engines.Paged(kv=PagedKV(...)))`) against the static sampler:
 the same responses token for token, with a pool so small that requests wait for pages; shared prompts (one
 prefill per group, full pages stored once) against separate prefills."""
 
@@ -12,9 +12,10 @@ from flax import nnx
 
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.transformer import keys_head_dim_major
-from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, paged
+from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, engines, paged
 from minpro_jax.sampling import paged_continuous as pc
 from minpro_jax.sampling.continuous import init_state
+from minpro_jax.sampling.engines import paged as paged_engine
 
 CFG = get_preset("tiny")
 PROMPTS = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [400], [3, 3], [71, 72, 73, 74, 75], [12], [8, 9, 10]]
@@ -43,8 +44,12 @@ def _assert_equal_samples(got, want):
 def test_paged_sampler_equals_static_with_a_pool_of_one_long_row(state):
   """9 pages of 4 tokens hold one request of the longest prompt (11 + 23 tokens) and no second one, so on 4
   decode rows most of the 14 requests wait for pages; pages are freed and reused as rows stop."""
-  static = Sampler(CFG, prompt_buckets=(8, 16), continuous=False)
-  pag = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, refill_rows=2, paged_kv=PagedKV(page_size=4, num_pages=9))
+  static = Sampler(CFG, prompt_buckets=(8, 16), engine="static")
+  pag = Sampler(
+      CFG,
+      prompt_buckets=(8, 16),
+      engine=engines.Paged(decode_rows=4, refill_rows=2, kv=PagedKV(page_size=4, num_pages=9)),
+  )
   got, want = _generate_both(pag, static, state)
   _assert_equal_samples(got, want)
   np.testing.assert_allclose(got.entropy, want.entropy, atol=1e-5, rtol=0)
@@ -52,11 +57,19 @@ def test_paged_sampler_equals_static_with_a_pool_of_one_long_row(state):
 
 
 def test_paged_options_are_checked(state):
-  with pytest.raises(ValueError, match="in_loop_refill"):
-    Sampler(CFG, paged_kv=PagedKV(page_size=4), continuous=False)
+  with pytest.raises(ValueError, match=r"Paged\(kv=16\): must be a PagedKV"):
+    engines.Paged(kv=16)
+  with pytest.raises(ValueError, match=r"refill_rows=0: must be an int >= 1"):
+    engines.Paged(refill_rows=0)
+  with pytest.raises(
+      ValueError, match=r"engine='pagd'; choose one of \['continuous', 'host_refill', 'paged', 'static'\]"
+  ):
+    Sampler(CFG, engine="pagd")
   with pytest.raises(ValueError, match="page_size"):
     PagedKV(page_size=0)
-  tiny_pool = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, paged_kv=PagedKV(page_size=4, num_pages=8))
+  tiny_pool = Sampler(
+      CFG, prompt_buckets=(8, 16), engine=engines.Paged(decode_rows=4, kv=PagedKV(page_size=4, num_pages=8))
+  )
   with pytest.raises(ValueError, match="needs 9 pages"):  # 11 + 23 tokens: it would wait forever
     tiny_pool.generate(state, PROMPTS, SP, seed=11)
 
@@ -67,11 +80,12 @@ def test_paged_moe_sampler_records_the_routes_of_the_dense_one():
   cfg = get_preset("tiny-moe")
   state = nnx.split(init_model(cfg, seed=3))[1]
   sp = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=tuple(range(3, cfg.vocab_size, 9)))
-  kw = dict(prompt_buckets=(8, 16), decode_rows=4, refill_rows=2, record_routes=True)
-  want = Sampler(cfg, **kw).generate(state, PROMPTS[:3], sp, seed=11, group_size=2)
-  got = Sampler(cfg, **kw, paged_kv=PagedKV(page_size=4, num_pages=10)).generate(
+  kw = dict(prompt_buckets=(8, 16), record_routes=True)
+  want = Sampler(cfg, **kw, engine=engines.Continuous(decode_rows=4, refill_rows=2)).generate(
       state, PROMPTS[:3], sp, seed=11, group_size=2
   )
+  paged = engines.Paged(decode_rows=4, refill_rows=2, kv=PagedKV(page_size=4, num_pages=10))
+  got = Sampler(cfg, **kw, engine=paged).generate(state, PROMPTS[:3], sp, seed=11, group_size=2)
   np.testing.assert_array_equal(got.response_tokens, want.response_tokens)
   np.testing.assert_array_equal(np.asarray(got.routes), np.asarray(want.routes))
   np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5, rtol=0)
@@ -98,10 +112,10 @@ def test_shared_prompts_give_the_responses_of_separate_prefills(state):
   prompts, g = [PROMPTS[1], PROMPTS[4], PROMPTS[2], PROMPTS[0]], 4
   assert pc.share_unit(PagedKV(page_size=4, num_pages=30), g, 8, [11, 5, 1, 3], 16, SP.max_new_tokens) == g
   kw = dict(seed=5, group_size=g, group_ids=[7, 8, 9, 10])
-  want = Sampler(CFG, prompt_buckets=(8, 16), continuous=False).generate(state, prompts, SP, **kw)
+  want = Sampler(CFG, prompt_buckets=(8, 16), engine="static").generate(state, prompts, SP, **kw)
   for share in (True, False):
     kv = PagedKV(page_size=4, num_pages=30, share_prompts=share)
-    got = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=8, refill_rows=4, paged_kv=kv).generate(
+    got = Sampler(CFG, prompt_buckets=(8, 16), engine=engines.Paged(decode_rows=8, refill_rows=4, kv=kv)).generate(
         state, prompts, SP, **kw
     )
     for f in ("response_tokens", "response_mask", "finish_reason", "sample_index"):
@@ -113,8 +127,9 @@ def test_shared_prompts_give_the_responses_of_separate_prefills(state):
 def _refill(state, unit: int, prompts, g: int):
   """One `refill_units` of len(prompts) x g requests into an empty pool of 8 rows and 24 pages of 4 tokens,
   eagerly; returns the carry."""
-  sampler = Sampler(CFG, paged_kv=PagedKV(page_size=4))
-  model = nnx.merge(sampler._graphdef, sampler.prepare_params(state).state)
+  sampler = Sampler(CFG, engine=engines.Paged(kv=PagedKV(page_size=4)))
+  core = sampler.engine.core
+  model = core.model(sampler.prepare_params(state).state)
   sp = SamplingParams(temperature=1.0, max_new_tokens=8)
   n, p = len(prompts) * g, 16
   tokens, segs = np.zeros((n, p), np.int32), np.zeros((n, p), np.int32)
@@ -129,7 +144,7 @@ def _refill(state, unit: int, prompts, g: int):
   st = init_state(sampler.config, 8, n, 1, sp.max_new_tokens, 0)._replace(cache=pool)
   hd_major = keys_head_dim_major(sampler.config.jnp_dtype)
   m = n // unit
-  st, nxt = pc.refill_units(st, 0, m, m, unit, pc.prefill_fn(model), requests, sp, 0, hd_major, None)
+  st, nxt = pc.refill_units(st, 0, m, m, unit, core.prefill_fn(model), requests, sp, 0, hd_major, None)
   assert int(nxt) == n
   return st
 
@@ -217,7 +232,7 @@ from minpro_jax.models import get_preset
 from minpro_jax.models.transformer import Transformer
 from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
 from minpro_jax.runtime.sharding import make_mesh
-from minpro_jax.sampling import PagedKV, Sampler, SamplingParams
+from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, engines
 
 topology = topologies.get_topology_desc(
     platform="tpu", topology_name="v5p:2x2x1", chip_config_name="default", chips_per_host_bounds=(2, 2, 1),
@@ -227,7 +242,7 @@ data, tensor = int(sys.argv[1]), int(sys.argv[2])
 mesh = make_mesh({"data": data, "tensor": tensor}, devices=topology.devices)
 cfg = get_preset("qwen3-8b").replace(num_layers=2)
 kv = PagedKV(page_size=64, num_pages=512)  # kernel "auto"
-s = Sampler(cfg, precision="bf16", mesh=mesh, rules=INFERENCE_RULES, prompt_buckets=(256,), decode_rows=64, paged_kv=kv)
+s = Sampler(cfg, precision="bf16", mesh=mesh, rules=INFERENCE_RULES, prompt_buckets=(256,), engine=engines.Paged(decode_rows=64, kv=kv))
 with nnx.use_eager_sharding(False):
   raw = nnx.split(nnx.eval_shape(lambda: Transformer(s._input_config, rngs=nnx.Rngs(0))))[1]
 state = jax.tree_util.tree_map_with_path(
@@ -237,10 +252,10 @@ state = jax.tree_util.tree_map_with_path(
 n, p = 256, 256
 arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, PartitionSpec()))
 requests = (arg((n, p), jnp.int32), arg((n, p), jnp.int32), arg((n,), jnp.int32), arg((n, 2), jnp.uint32))
-rows, refill = s.continuous_rows(n)
+rows, refill = s.engine.rows_and_refill(n)
 sp = SamplingParams(temperature=1.0, max_new_tokens=1024)
 with s.mesh_context():
-  lowered = s._c_paged.lower(state, requests, sampling=sp, p_len=p, rows=rows, refill=refill, unit=8)
+  lowered = s.engine.program.lower(state, requests, sampling=sp, p_len=p, rows=rows, refill=refill, unit=8)
 comps = hlo_text.parse_hlo(lowered.compile().as_text())
 entry = next(x for x in comps.values() if x.entry)
 seen, todo = set(), [b for i in entry.instrs if i.opcode == "while" for b in hlo_text.called(i.attrs, "body")]
@@ -285,10 +300,10 @@ def test_paged_sampler_on_row_groups_equals_static(state):
 
   mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
   kv = PagedKV(page_size=4, num_pages=24)
-  pag = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, refill_rows=2, paged_kv=kv, mesh=mesh,
-                rules=INFERENCE_RULES)  # fmt: skip
-  assert pc.row_groups(pag, 4, 14) == (("data",), 2)
-  assert pc.row_groups(pag, 4, 7)[1] == 1  # 7 requests do not split in two
-  static = Sampler(CFG, prompt_buckets=(8, 16), continuous=False)
+  engine = engines.Paged(decode_rows=4, refill_rows=2, kv=kv)
+  pag = Sampler(CFG, prompt_buckets=(8, 16), mesh=mesh, rules=INFERENCE_RULES, engine=engine)
+  assert paged_engine.row_groups(pag.engine.core, 4, 14) == (("data",), 2)
+  assert paged_engine.row_groups(pag.engine.core, 4, 7)[1] == 1  # 7 requests do not split in two
+  static = Sampler(CFG, prompt_buckets=(8, 16), engine="static")
   got, want = _generate_both(pag, static, state)
   _assert_equal_samples(got, want)

@@ -1,4 +1,4 @@
-"""The gradient-only entry point (`minpro_jax.rl.policy_gradient`): each objective's gradient from one VJP equals
+"""The gradient-only entry point (`minpro_jax.lab.policy_gradient`): each objective's gradient from one VJP equals
 the gradient the learner's own update steps on, and bad configs are refused."""
 
 import jax
@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 from test_learner import _batch, _model, _sgd_delta
 
+from minpro_jax.lab.policy_gradient import flatten, policy_gradients
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
-from minpro_jax.rl.policy_gradient import flatten, policy_gradients
 
 CONFIGS = (
     LossConfig("minpro"),

@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 from test_learner import _batch, _model
 
-from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
 from minpro_jax.rl import packed_batch, process_batch
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.rollout import RolloutBuffer
+from minpro_jax.run.checkpoint import RunCheckpointer, buffer_state_from_restored
 from minpro_jax.runtime import host_batch
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
 

@@ -12,7 +12,8 @@ from train_helpers import load_default_config
 from minpro_jax.models import get_preset, init_model, token_logprobs
 from minpro_jax.models.quant import act_quant_mode, fake_quant, fake_quant_weights, maybe_quant_act
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.run_config import ConfigError, sampler_fp8_options
+from minpro_jax.run.run_config import ConfigError
+from minpro_jax.run.sampler_setup import sampler_fp8_options
 from minpro_jax.sampling import Sampler, SamplingParams
 
 CFG = get_preset("tiny")

@@ -11,7 +11,7 @@ from minpro_jax.data.records import MathProblem
 from minpro_jax.data.sources import SOURCES, register_source
 from minpro_jax.errors import ConfigError
 from minpro_jax.rl.objectives import OBJECTIVES, register_objective
-from minpro_jax.run_config import validate_config
+from minpro_jax.run.run_config import validate_config
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def toy_registrations():
 
 
 def test_a_registered_objective_and_source_train_one_step(tmp_path, toy_registrations):
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   ov = tiny_overrides(
       tmp_path,

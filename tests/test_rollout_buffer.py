@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from minpro_jax.checkpoint import RunCheckpointer, buffer_state_from_restored
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
+from minpro_jax.run.checkpoint import RunCheckpointer, buffer_state_from_restored
 from minpro_jax.sampling import GenerationBatch
 
 

@@ -14,7 +14,7 @@ from minpro_jax.models.moe import NO_ROUTE, MoE, route_mismatch
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.sampling import Sampler, SamplingParams
+from minpro_jax.sampling import Sampler, SamplingParams, engines
 
 
 def _block(norm_topk=True, moe_impl="ragged"):
@@ -143,8 +143,10 @@ def moe_state():
 def recorded(moe_state):
   """The same requests through the static sampler and the continuous one (4 decode rows: refills), routes on."""
   kw = dict(prompt_buckets=(16,), record_routes=True)
-  static = Sampler(MOE, continuous=False, **kw).generate(moe_state, PROMPTS, SAMPLING, 0, group_size=2)
-  cont = Sampler(MOE, decode_rows=4, refill_rows=1, **kw).generate(moe_state, PROMPTS, SAMPLING, 0, group_size=2)
+  static = Sampler(MOE, **kw, engine="static").generate(moe_state, PROMPTS, SAMPLING, 0, group_size=2)
+  cont = Sampler(MOE, **kw, engine=engines.Continuous(decode_rows=4, refill_rows=1)).generate(
+      moe_state, PROMPTS, SAMPLING, 0, group_size=2
+  )
   return static, cont
 
 
@@ -197,7 +199,7 @@ def test_a_lower_precision_sampler_routes_differently_and_replay_follows_it():
   learner's replayed log-probs differ from its live ones, and the mismatch is measured."""
   cfg = get_preset("tiny-moe", num_experts=16, num_experts_per_tok=4)
   state = nnx.split(init_model(cfg, seed=5))[1]
-  gen = Sampler(cfg, precision="bf16", prompt_buckets=(16,), record_routes=True, continuous=False).generate(
+  gen = Sampler(cfg, precision="bf16", prompt_buckets=(16,), record_routes=True, engine="static").generate(
       state, PROMPTS, SAMPLING, 1, group_size=2
   )
   batch = RolloutBatch.from_generation(gen, rewards=np.zeros(10), advantages=np.zeros(10))
@@ -221,7 +223,7 @@ def test_a_moe_run_with_replay_logs_the_mismatch_and_resumes_its_buffer(tmp_path
 
   from train_helpers import make_config, tiny_overrides
 
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   ov = tiny_overrides(
       tmp_path,
@@ -248,7 +250,7 @@ def test_replay_on_a_dense_model_is_a_config_error(tmp_path):
   from train_helpers import make_config, tiny_overrides
 
   from minpro_jax.errors import ConfigError
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   with pytest.raises(ConfigError, match="config.loss.router_replay: routes exist only in MoE models"):
     Trainer.from_config(make_config(tiny_overrides(tmp_path, **{"loss.router_replay": True})))

@@ -294,10 +294,10 @@ def test_bad_input(state, sampler):
 
 def test_new_param_values_do_not_recompile(state, sampler):
   a = sampler.generate(state, PROMPTS, TOPK, seed=0, group_size=2)
-  traces, cache_size = sampler.trace_count, sampler.jitted_decode._cache_size()
+  traces, cache_size = sampler.trace_count, sampler.engine.program._cache_size()
   new_state = jax.tree.map(lambda x: x * 1.5, state)
   b = sampler.generate(new_state, [[3, 2], list(range(1, 13)), [7, 7, 7]], TOPK, seed=0, group_size=2, policy_version=7)
-  assert sampler.trace_count == traces and sampler.jitted_decode._cache_size() == cache_size
+  assert sampler.trace_count == traces and sampler.engine.program._cache_size() == cache_size
   assert b.policy_version == 7 and not np.array_equal(a.behavior_logp, b.behavior_logp)
 
 
@@ -431,8 +431,8 @@ def _decode_hlo(sampler, state, sp):
       np.ones(b, bool),
   )
   with sampler.mesh_context():
-    st = sampler.jitted_prefill(prepared, *args, sampling=sp)
-    return prepared, sampler.jitted_decode.lower(prepared, st, sampling=sp, cache_offset=16).compile().as_text()
+    st = sampler.engine.prefill(prepared, *args, sampling=sp)
+    return prepared, sampler.engine.decode.lower(prepared, st, sampling=sp, cache_offset=16).compile().as_text()
 
 
 def test_fused_qkv_keeps_the_tensor_split():
@@ -446,7 +446,7 @@ def test_fused_qkv_keeps_the_tensor_split():
   sp = SamplingParams(temperature=0.0, max_new_tokens=4)
   hlo = {}
   for fuse in (False, True):
-    s = Sampler(CFG, prompt_buckets=(16,), mesh=mesh, fuse_qkv=fuse)
+    s = Sampler(CFG, prompt_buckets=(16,), mesh=mesh, fuse_qkv=fuse, engine="static")
     assert s.config.fuse_qkv == fuse
     prepared, hlo[fuse] = _decode_hlo(s, sharded_state, sp)
   layer = prepared["layers"][0]

@@ -1,4 +1,4 @@
-"""Continuous batching (`Sampler(continuous=True)`, the default) against the static sampler, row by row, and
+"""Continuous batching (`Sampler(engine=engines.Continuous())`, the default) against the static sampler, row by row, and
 live-length cache attention against full-cache attention."""
 
 import jax
@@ -11,7 +11,7 @@ from minpro_jax.config_lib.defaults import get_config
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.attention_core import live_length_attention, live_length_buckets, masked_attention
 from minpro_jax.models.transformer import KVCache
-from minpro_jax.sampling import Sampler, SamplingParams
+from minpro_jax.sampling import Sampler, SamplingParams, engines
 
 CFG = get_preset("tiny")
 # 7 ragged prompts x 2 samples = 14 requests on 4 decode rows: refills, and a final partial wave of 2
@@ -33,17 +33,17 @@ def state():
 
 @pytest.fixture(scope="module")
 def static():
-  return Sampler(CFG, prompt_buckets=(8, 16), continuous=False)
+  return Sampler(CFG, prompt_buckets=(8, 16), engine="static")
 
 
 @pytest.fixture(scope="module")
 def cont():  # host-driven chunks, refilled as soon as one row is done
-  return Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, refill_rows=1, in_loop_refill=False)
+  return Sampler(CFG, prompt_buckets=(8, 16), engine=engines.HostRefill(decode_rows=4, refill_rows=1))
 
 
 @pytest.fixture(scope="module")
 def loop():  # the default: refills inside the jitted loop, 2 rows at a time
-  return Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, refill_rows=2)
+  return Sampler(CFG, prompt_buckets=(8, 16), engine=engines.Continuous(decode_rows=4, refill_rows=2))
 
 
 def _assert_same(got, want):
@@ -95,7 +95,7 @@ def test_static_is_selectable_and_continuous_is_the_trainer_default(cont, static
   assert cont.continuous and not static.continuous and Sampler(CFG).continuous and Sampler(CFG).in_loop_refill
   assert get_config().sampling.continuous is True  # sampling.continuous=False keeps the static sampler (A/B)
   with pytest.raises(ValueError, match="decode_rows"):
-    Sampler(CFG, decode_rows=0)
+    Sampler(CFG, engine=engines.Continuous(decode_rows=0))
 
 
 def test_live_length_attention_equals_full_cache_attention_at_every_length():
@@ -141,7 +141,7 @@ def test_live_length_decode_equals_full_cache_decode_at_every_step(state):
   """500 decode steps of the tiny model on a 516-slot cache (buckets 128, 256, 516): the logits of every step
   with live-length attention equal those of attention over the whole cache."""
   cfg = Sampler(CFG).config
-  model = nnx.merge(Sampler(CFG)._graphdef, Sampler(CFG).prepare_params(state).state)
+  model = Sampler(CFG).engine.core.model(Sampler(CFG).prepare_params(state).state)
   b, p, steps = 2, 16, 500
   s = p + steps
   assert len(live_length_buckets(s)) == 3

@@ -1,5 +1,5 @@
 """`config.sampling.kv_cache` / `page_size` / `num_pages`: checked by `validate_config`, turned into the trainer's
-`Sampler(paged_kv=...)` by `sampler_setup.sampler_kwargs`, with the same trainer steps as the dense cache; and the
+`Sampler(engine=engines.Paged(kv=...))` by `sampler_setup.sampler_kwargs`, with the same trainer steps as the dense cache; and the
 aot tool compiles the paged sampler for a TPU slice."""
 
 import logging
@@ -12,13 +12,12 @@ import pytest
 from tpu_helpers import run_with_libtpu
 from train_helpers import TIMING_PREFIXES, coin_grade, global_steps, make_config, tiny_overrides
 
-from minpro_jax import run_config
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
-from minpro_jax.sampler_setup import decode_rows, paged_kernel, row_slots, sampler_kwargs
-from minpro_jax.sampling import PagedKV, Sampler
+from minpro_jax.run import run_config, sampler_setup
+from minpro_jax.run.sampler_setup import decode_rows, paged_kernel, row_slots, sampler_kwargs
+from minpro_jax.sampling import PagedKV, Sampler, engines
 from minpro_jax.sampling.rows import resolve_decode_rows
-from minpro_jax.study.runner import config_differences
 
 
 @pytest.mark.parametrize(
@@ -48,7 +47,7 @@ def test_bad_kv_cache_fields_name_the_field_and_the_fix(tmp_path, overrides, fie
     + [("paged", True, "paged"), ("paged", False, "paged")],  # paged + static: sampler_paged_kv refuses it (above)
 )
 def test_the_resolution_table_of_kv_cache(kv_cache, continuous, want):
-  assert run_config.resolve_kv_cache(kv_cache, continuous) == want
+  assert sampler_setup.resolve_kv_cache(kv_cache, continuous) == want
 
 
 def test_the_default_is_auto_paged_with_pages_of_16_on_the_continuous_sampler(tmp_path):
@@ -61,33 +60,33 @@ def test_the_default_is_auto_paged_with_pages_of_16_on_the_continuous_sampler(tm
       0,
       True,
   )
-  assert run_config.sampler_kv_cache(c) == "paged"
-  assert run_config.sampler_paged_kv(c) == PagedKV(page_size=16, num_pages=None)
+  assert sampler_setup.sampler_kv_cache(c) == "paged"
+  assert sampler_setup.sampler_paged_kv(c) == PagedKV(page_size=16, num_pages=None)
   c.sampling.continuous = False
   run_config.validate_shapes_config(c)  # auto with the static sampler is no error
-  assert run_config.sampler_kv_cache(c) == "dense" and run_config.sampler_paged_kv(c) is None
+  assert sampler_setup.sampler_kv_cache(c) == "dense" and sampler_setup.sampler_paged_kv(c) is None
   c.sampling.continuous, c.sampling.kv_cache = True, "dense"
-  assert run_config.sampler_paged_kv(c) is None
+  assert sampler_setup.sampler_paged_kv(c) is None
   del c.sampling["kv_cache"], c.sampling["page_size"], c.sampling["num_pages"]  # a config from before the fields
-  assert run_config.sampler_kv_cache(c) == "dense" and run_config.sampler_paged_kv(c) is None
+  assert sampler_setup.sampler_kv_cache(c) == "dense" and sampler_setup.sampler_paged_kv(c) is None
 
 
 def test_the_fields_give_the_samplers_paged_kv(tmp_path):
   c = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged", "sampling.page_size": 8}))
-  assert run_config.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=None)  # 0 = auto
+  assert sampler_setup.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=None)  # 0 = auto
   c.sampling.num_pages = 5
-  assert run_config.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=5)
+  assert sampler_setup.sampler_paged_kv(c) == PagedKV(page_size=8, num_pages=5)
 
 
 def test_a_page_longer_than_a_response_is_warned_about(tmp_path, caplog):
   c = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged"}))
   tokens = c.data.max_prompt_tokens + c.sampling.max_new_tokens - 1
-  with caplog.at_level(logging.WARNING, logger="minpro_jax.run_config"):
+  with caplog.at_level(logging.WARNING, logger="minpro_jax.run.run_config"):
     c.sampling.page_size = tokens  # one page holds a whole response: nothing to say
-    run_config.sampler_paged_kv(c)
+    sampler_setup.sampler_paged_kv(c)
     assert not caplog.records
     c.sampling.page_size = 100_000
-    assert run_config.sampler_paged_kv(c) == PagedKV(page_size=100_000, num_pages=None)
+    assert sampler_setup.sampler_paged_kv(c) == PagedKV(page_size=100_000, num_pages=None)
   assert "page_size=100000 is longer than a whole response" in caplog.text
   assert f"{100_000 - tokens} unused slots" in caplog.text
 
@@ -97,7 +96,6 @@ def test_the_paper_configs_and_the_study_grids_pin_their_cache():
   it, so the default's flip to "auto" does not change what they run; the Qwen3-8B paper config runs the paged
   cache on its own sampler layout, the setting its budget entry measures."""
   from minpro_jax.config_lib import files
-  from minpro_jax.study import grid
 
   configs = pathlib.Path(__file__).parent.parent / "configs"
   papers = sorted((configs / "paper").glob("*.py"))
@@ -106,26 +104,10 @@ def test_the_paper_configs_and_the_study_grids_pin_their_cache():
     c = files.load_module(str(path)).get_config()
     if path.stem == "qwen3_8b":
       assert (c.sampling.kv_cache, c.sampling.page_size, c.sampling.mesh) == ("paged", 128, "data=-1,tensor=8")
-      assert run_config.sampler_paged_kv(c) == PagedKV(128) and c.sampling.decode_rows == "auto"
+      assert sampler_setup.sampler_paged_kv(c) == PagedKV(128) and c.sampling.decode_rows == "auto"
       continue
     assert (c.sampling.kv_cache, c.sampling.page_size) == ("dense", 128), path
-    assert run_config.sampler_paged_kv(c) is None
-  studies = configs / "studies"
-  stages = {"minpro_long": ("stage0", "stage0b", "stage1"), "mipu_long": ("pilot", "main")}
-  specs = [f"{p}:{a}" if a else str(p) for p in sorted(studies.glob("*.py")) for a in stages.get(p.stem, ("",))]
-  assert len(specs) >= 10
-  for spec in specs:
-    assert grid.load_grid(spec).fixed.get("sampling.kv_cache") == "dense", spec
-
-
-def test_the_fields_do_not_make_a_finished_study_run_stale(tmp_path):
-  """The paged sampler's responses are the dense one's, so a run finished with either (or before the fields
-  existed) is not stale."""
-  old = make_config(tiny_overrides(tmp_path)).to_dict()
-  for k in ("kv_cache", "page_size", "num_pages"):
-    del old["sampling"][k]
-  now = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged", "sampling.num_pages": 9})).to_dict()
-  assert config_differences(old, now) == []
+    assert sampler_setup.sampler_paged_kv(c) is None
 
 
 def test_row_slots_and_auto_rows_of_a_paged_pool(tmp_path):
@@ -148,9 +130,9 @@ def test_row_slots_and_auto_rows_of_a_paged_pool(tmp_path):
 def test_a_fixed_pool_too_small_for_its_row_groups_is_a_config_error(tmp_path):
   """sampling.num_pages splits over the sampler's data groups (data=2 x tensor=2 on cpu:4): each must hold one
   row at full length, checked when the sampler is built, not by a request that waits forever."""
+  from minpro_jax.run.sampler_setup import _check_group_pool
   from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
   from minpro_jax.runtime.sharding import make_mesh
-  from minpro_jax.sampler_setup import _check_group_pool
 
   c = make_config(tiny_overrides(tmp_path))
   need = row_slots(c, PagedKV(16), c.data.max_prompt_tokens) // 16
@@ -162,22 +144,33 @@ def test_a_fixed_pool_too_small_for_its_row_groups_is_a_config_error(tmp_path):
     _check_group_pool(c, PagedKV(16, 2 * need - 1), 8, mesh, INFERENCE_RULES)
 
 
+def test_one_default_page_size():
+  """The paged cache's page size has one default: the config's is the library's (`PagedKV`)."""
+  from minpro_jax.config_lib.defaults import get_config
+
+  assert PagedKV().page_size == get_config().sampling.page_size == engines.Paged().kv.page_size == 16
+
+
 def test_sampler_kwargs_build_a_paged_sampler(tmp_path, caplog):
-  caplog.set_level(logging.INFO, logger="minpro_jax.sampler_setup")
+  caplog.set_level(logging.INFO, logger="minpro_jax.run.sampler_setup")
   model = init_model(get_preset("tiny"), seed=0)
   tok = types.SimpleNamespace(pad_id=-1)
   ov = {"sampling.kv_cache": "paged", "sampling.page_size": 16, "sampling.num_pages": 40}
   kw = sampler_kwargs(make_config(tiny_overrides(tmp_path, **ov)), model, tok, None)
   want = PagedKV(page_size=16, num_pages=40, kernel="xla")  # head_dim 32: not Pallas, so no block sizes
-  assert kw["paged_kv"] == want and kw["continuous"] and kw["decode_rows"] == 64
+  assert kw["engine"] == engines.Paged(decode_rows=64, kv=want)
   sampler = Sampler(model.config, **kw)
-  assert sampler.paged_kv == want
+  assert sampler.engine.name == "paged" and sampler.engine.kv == want
   dense = make_config(tiny_overrides(tmp_path, **{"sampling.kv_cache": "dense"}))
-  assert sampler_kwargs(dense, model, tok, None)["paged_kv"] is None
+  assert sampler_kwargs(dense, model, tok, None)["engine"] == engines.Continuous(decode_rows=64)
   auto = sampler_kwargs(make_config(tiny_overrides(tmp_path)), model, tok, None)  # the default: paged, pages of 16
-  assert auto["paged_kv"] == PagedKV(page_size=16, kernel="xla") and auto["continuous"]
+  assert auto["engine"] == engines.Paged(decode_rows=64, kv=PagedKV(page_size=16, kernel="xla"))
+  static = make_config(tiny_overrides(tmp_path, **{"sampling.continuous": False}))
+  assert sampler_kwargs(static, model, tok, None)["engine"] == engines.Static()
+  named = make_config(tiny_overrides(tmp_path, **{"sampling.engine": "host_refill", "sampling.decode_rows": 8}))
+  assert sampler_kwargs(named, model, tok, None)["engine"] == engines.HostRefill(decode_rows=8)
   sampler_kwargs(make_config(tiny_overrides(tmp_path, **{"sampling.decode_rows": 100})), model, tok, None)
-  lines = [r.getMessage() for r in caplog.records if r.name == "minpro_jax.sampler_setup"]
+  lines = [r.getMessage() for r in caplog.records if r.name == "minpro_jax.run.sampler_setup"]
   assert lines == [  # the run's log says what each cache resolved to, and rows rounded up to a batch bucket
       "sampler: continuous, kv_cache=paged (pages of 16, pool 40, kernel xla), 64 decode rows",
       "sampler: continuous, kv_cache=dense, 64 decode rows",
@@ -220,9 +213,9 @@ def test_a_trainer_step_with_paged_kv_equals_dense(tmp_path, monkeypatch):
   tokens, rewards, losses and parameters."""
   from flax import nnx
 
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
-  monkeypatch.setattr("minpro_jax.trainer.grade_split", coin_grade)
+  monkeypatch.setattr("minpro_jax.run.trainer.grade_split", coin_grade)
   trainer = Trainer.from_config(make_config(tiny_overrides(tmp_path, delay=1, **{"sft.enabled": False})))
   params, loader_state = nnx.split(trainer.model)[1], trainer.loader.get_state()
   dense, dense_state = _steps(trainer, params, loader_state)
@@ -236,7 +229,7 @@ def test_a_trainer_step_with_paged_kv_equals_dense(tmp_path, monkeypatch):
   trainer.sampler = trainer.eval_sampler = Sampler(
       trainer.model.config, **sampler_kwargs(paged_c, trainer.model, trainer.tokenizer, trainer.mesh)
   )
-  assert trainer.sampler.paged_kv == PagedKV(8, 12, kernel="xla")
+  assert trainer.sampler.engine.kv == PagedKV(8, 12, kernel="xla")
   paged, paged_state = _steps(trainer, params, loader_state)
   trainer.close()
   assert dense[1][1]["learn/loss"] != 0  # a real update is compared
@@ -268,9 +261,9 @@ for hd in (16, 128):
   c = make_config(tiny_overrides(pathlib.Path("/tmp"), **{"sampling.kv_cache": "paged", "sampling.page_size": 16}),
                   model={"head_dim": hd})
   progs = RunPrograms(c, model_config(c)[0], make_mesh({"fsdp": 4}, devices=sl.devices()), run_shapes(c))
-  kv = progs.trainer_sampler.paged_kv
+  kv = progs.trainer_sampler.engine.kv
   (row,) = sweep(c, sl, ["fsdp=-1"], programs=["sample"])
-  print("RESULT", f"hd={hd}", f"kernel={kv.kernel}", f"kernel_used={progs.trainer_sampler.paged_kv.kernel_fields(progs.sampler.mesh)['kernel']}",
+  print("RESULT", f"hd={hd}", f"kernel={kv.kernel}", f"kernel_used={progs.trainer_sampler.engine.kv.kernel_fields(progs.sampler.mesh)['kernel']}",
         f"fits={row.get('fits')}", f"error={row.get('error', '').replace(' ', '_')[:80]}",
         f"shapes={row['shapes'].replace(' ', '_')}")
 """

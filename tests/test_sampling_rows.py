@@ -6,10 +6,10 @@ import math
 import jax
 import pytest
 
-from minpro_jax import run_config
 from minpro_jax.config_lib import defaults
 from minpro_jax.errors import ConfigError, UserError
 from minpro_jax.models.config import ModelConfig
+from minpro_jax.run import run_config, sampler_setup
 from minpro_jax.runtime.inference_mesh import INFERENCE_RULES, inference_mesh
 from minpro_jax.sampling.rows import (
     CACHE_COPIES,
@@ -88,7 +88,7 @@ def test_resolve_decode_rows():
 
 
 def test_the_config_field_takes_an_int_or_auto():
-  from minpro_jax.train import parse_config
+  from minpro_jax.config_lib.parse import parse_config
 
   base = ["t", "--config=configs/default.py"]
   assert parse_config([*base, "--config.sampling.decode_rows=auto"]).sampling.decode_rows == "auto"
@@ -96,18 +96,11 @@ def test_the_config_field_takes_an_int_or_auto():
   c = defaults.get_config()
   assert c.sampling.decode_rows == 64
   c.sampling.decode_rows = "auto"
-  assert run_config.sampler_decode_rows(c) == "auto"
+  assert sampler_setup.sampler_decode_rows(c) == "auto"
   c.sampling.decode_rows = "many"
   with pytest.raises(ConfigError, match=r"^config\.sampling\.decode_rows: must be an int >= 1 .* or 'auto'"):
     run_config.validate_shapes_config(c)
   assert issubclass(ConfigError, UserError)
-
-
-def test_auto_rows_do_not_make_a_finished_study_run_stale():
-  from minpro_jax.study.runner import config_differences
-
-  stored = {"sampling": {"decode_rows": 64, "temperature": 1.0}, "seed": 1}
-  assert config_differences(stored, {"sampling": {"decode_rows": "auto", "temperature": 1.0}, "seed": 1}) == []
 
 
 def test_auto_rows_fill_a_v5p_chip_beside_qwen3_8b():
@@ -133,10 +126,10 @@ def test_the_trainer_resolves_auto_to_an_int(tmp_path):
   """On CPU (no HBM figure) the trainer's samplers get `CPU_ROWS` for "auto"."""
   from train_helpers import make_config, tiny_overrides
 
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, **{"sampling.decode_rows": "auto"})))
-  assert tr.sampler.decode_rows == CPU_ROWS and tr.sampler_kw["decode_rows"] == CPU_ROWS
+  assert tr.sampler.engine.options.decode_rows == CPU_ROWS == tr.sampler_kw["engine"].decode_rows
 
 
 _TPU_LAYOUT = """

@@ -7,14 +7,14 @@ import os
 import pytest
 from train_helpers import make_config, tiny_overrides
 
-from minpro_jax import run_setup
 from minpro_jax.data.records import MathProblem
 from minpro_jax.data.rewards import math_reward
 from minpro_jax.data.sources import reasoning_gym_problems
 from minpro_jax.data.worked import chain_sum_steps, check_sft_target, worked_steps
 from minpro_jax.errors import ConfigError
 from minpro_jax.rl.sft import SFTConfig, build_examples, cache_key, run_key, sft_target
-from minpro_jax.run_config import validate_config
+from minpro_jax.run import run_setup
+from minpro_jax.run.run_config import validate_config
 
 EIGHT_TERMS = {"min_terms": 8, "max_terms": 8, "min_digits": 1, "max_digits": 2}
 
@@ -127,7 +127,7 @@ def test_worked_target_without_a_trace_is_refused_before_any_work(tmp_path, over
 
 
 def test_unknown_target_and_the_resume_check():
-  from minpro_jax.resume_check import check_resume, resume_fingerprint
+  from minpro_jax.run.resume_check import check_resume, resume_fingerprint
 
   with pytest.raises(ConfigError, match=r"config\.sft\.target: 'steps'; choose one of \('answer', 'worked'\)"):
     check_sft_target("steps", make_config({}).data)

@@ -12,12 +12,13 @@ import time
 import pytest
 from train_helpers import REPO, cli_args, cli_env, make_config, tiny_overrides
 
-from minpro_jax import resume_check, run_config, run_setup, train
+from minpro_jax import train
+from minpro_jax.config_lib.parse import parse_config
 from minpro_jax.errors import ConfigError, DiskFullError, UserError
-from minpro_jax.metrics_log import MetricsWriter, read_metrics
 from minpro_jax.models import get_preset
 from minpro_jax.models.hf_io import config_to_hf
-from minpro_jax.study import runner
+from minpro_jax.run import resume_check, run_config, run_setup
+from minpro_jax.run.metrics_log import MetricsWriter, read_metrics
 
 
 def _no_sft_ran(tmp_path) -> bool:
@@ -28,15 +29,18 @@ def _no_sft_ran(tmp_path) -> bool:
 # ------------------------------------------------------------------------------------------------ config
 def test_a_config_argument_typo_names_the_reason():
   with pytest.raises(UserError) as e:
-    train.parse_config(["x", "--config=configs/paper/qwen3_8b.py:ppo,2"])
+    parse_config(["x", "--config=configs/paper/qwen3_8b.py:minpro,3"])
   msg = str(e.value)
-  assert msg.startswith("--config=configs/paper/qwen3_8b.py:ppo,2: ")
-  assert "config arg method 'ppo'; choose one of" in msg and "Traceback" not in msg
+  assert msg.startswith("--config=configs/paper/qwen3_8b.py:minpro,3: ")
+  assert "config arg delay 3; the paper's settings are" in msg and "Traceback" not in msg
+  c = parse_config(["x", "--config=configs/paper/qwen3_8b.py:ppo,2"])  # the method: checked with the config
+  with pytest.raises(ConfigError, match=r"^config.loss.method: Unknown method 'ppo'; valid choices: minpro, grpo"):
+    run_config.validate_config(c)
 
 
 def test_an_override_before_the_config_file_says_to_put_the_file_first():
   with pytest.raises(UserError) as e:
-    train.parse_config(["x", "--config.total_steps=3", "--config=configs/default.py"])
+    parse_config(["x", "--config.total_steps=3", "--config=configs/default.py"])
   assert str(e.value) == (
       "--config.total_steps=3: comes before --config=FILE; put --config=FILE first (the overrides apply to that file)"
   )
@@ -59,7 +63,7 @@ def test_an_override_before_the_config_file_says_to_put_the_file_first():
 )
 def test_a_field_typo_names_the_whole_flag_and_the_suggestion(flag, expected):
   with pytest.raises(UserError) as e:
-    train.parse_config(["x", "--config=configs/default.py", flag])
+    parse_config(["x", "--config=configs/default.py", flag])
   assert str(e.value).startswith(expected) and "\\n" not in str(e.value) and "\\'" not in str(e.value)
 
 
@@ -225,32 +229,6 @@ def test_sft_that_fits_nothing_blames_the_tokenizer_only_when_it_is_at_fault(tmp
 
 
 # ------------------------------------------------------------------------------------------------ study reuse
-def test_a_moved_default_is_named_and_added_fields_do_not_orphan_finished_runs(tmp_path):
-  ran = {"seed": 0, "delay": 2, "sampling": {"continuous": False, "temperature": 1.0}, "mipu": {"rollback": False}}
-  now = {
-      "seed": 0,
-      "delay": 2,
-      # continuous: the same samples either way (runner.SAME_SAMPLES_FIELDS), not a difference
-      "sampling": {"continuous": True, "temperature": 0.7, "fp8_format": "e4m3"},
-      "mipu": {"rollback": False, "mode": "gap", "ground_truth": False},  # fields added since, at their old value
-  }
-  (tmp_path / "r").mkdir()
-  (tmp_path / "r" / "summary.json").write_text(json.dumps({"config": ran}))
-  pinned = {**now, "sampling": {**now["sampling"], "temperature": 1.0}}
-  assert runner.run_status(str(tmp_path / "r"), pinned, set_by_grid=["seed", "sampling.temperature"]) == ("done", [])
-  status = runner.run_status(str(tmp_path / "r"), now, set_by_grid=["seed", "delay"])
-  assert status == ("stale", ["default sampling.temperature changed from 1.0 to 0.7 since this run finished"])
-  with pytest.raises(runner.StudyError) as e:
-    runner.check_not_stale(str(tmp_path), {"r": status})
-  msg = str(e.value)
-  assert "ran with other defaults of the base config than today's (default sampling.temperature changed" in msg
-  assert "the grid did not change" in msg and "(sampling.temperature=1.0) and re-run with --force" in msg
-  grid_change = runner.run_status(str(tmp_path / "r"), {**now, "delay": 4}, set_by_grid=["seed", "delay"])
-  assert grid_change[1][0] == "delay: 2 then, 4 now"
-  with pytest.raises(runner.StudyError, match="finished with another config than the grid gives"):
-    runner.check_not_stale(str(tmp_path), {"r": grid_change})
-
-
 @pytest.mark.parametrize("study", ["minpro_staleness", "mipu"])
 def test_the_committed_studies_still_aggregate(tmp_path, study):
   import shutil

@@ -75,7 +75,7 @@ def test_paper_setting_bounds_simulated():
 def paper_run(tmp_path_factory):
   """The real Trainer, d=2 and n=16 updates per step (16 prompts x 2 samples, 2 samples per update), 6 steps;
   sample_step / learn_step are wrapped to record what the sampler produced and what the learner consumed."""
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   tmp = tmp_path_factory.mktemp("stale")
   c = make_config(

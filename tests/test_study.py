@@ -276,46 +276,11 @@ def test_study_json_of_another_grid_is_refused_unless_forced(tmp_path):
     runner.check_study(str(tmp_path), rec3)
 
 
-def test_pinning_a_moved_default_at_its_old_value_keeps_the_study(tmp_path):
-  """The grids pin `sampling.kv_cache="dense"` since its default became "auto" (2026-12-06): a study.json written
-  before (no such fixed field) is the same study, its finished runs stay done and none is relaunched; pinning another
-  value, or unpinning a stored pin, is still another study."""
-  g = grid.load_grid(SMOKE)
-  assert g.fixed["sampling.kv_cache"] == runner.MOVED_DEFAULTS["sampling.kv_cache"] == "dense"
-  planned = grid.plan(g, str(tmp_path), validate=False)
-  rec = runner.study_record(SMOKE, g, [r for r, _, _ in planned])
-  old = json.loads(json.dumps(rec))
-  del old["fixed"]["sampling.kv_cache"]
-  runner.write_study(str(tmp_path), old)
-  runner.check_study(str(tmp_path), rec)  # the old study.json, today's grid: not refused
-  assert runner.study_differences(old, rec) == []
-  run, _, config = planned[0]
-  ran = config.to_dict()  # what the run's summary.json holds: the old defaults, and before the fields existed
-  ran["sampling"].update(kv_cache="dense", page_size=64)
-  for stored in (ran, {**ran, "sampling": {k: v for k, v in ran["sampling"].items() if k != "kv_cache"}}):
-    (tmp_path / run.name).mkdir(exist_ok=True)
-    (tmp_path / run.name / "summary.json").write_text(json.dumps({"config": stored}))
-    assert runner.run_status(str(tmp_path / run.name), config, grid.run_overrides(g, run, str(tmp_path))) == (
-        "done",
-        [],
-    )
-  for value in ("paged", "auto"):
-    other = {**rec, "fixed": {**rec["fixed"], "sampling.kv_cache": value}}
-    assert runner.study_differences(old, other) == [f"fixed sampling.kv_cache: '(unset)' there, {value!r} here"]
-    with pytest.raises(runner.StudyError, match="fixed sampling.kv_cache"):
-      runner.check_study(str(tmp_path), other)
-  assert runner.study_differences(rec, old) == ["fixed sampling.kv_cache: 'dense' there, '(unset)' here"]
-  for f in ("eval.n", "sampling.max_new_tokens"):  # fields with no moved default: pinning one is still a change
-    assert runner.study_differences({**old, "fixed": {k: v for k, v in old["fixed"].items() if k != f}}, old) == [
-        f"fixed {f}: '(unset)' there, {old['fixed'][f]!r} here"
-    ]
-
-
 def test_paths_into_the_configs_old_folder_name_the_moved_files(tmp_path, capsys):
   """Issue 39 moved `minpro_jax/configs/` to `configs/`: a study.json written before (its base and grid paths) is
   the same study, its grid still loads, the trainer still reads an old --config path, and config files that share
   settings see one module (a test's monkeypatch reaches them)."""
-  from minpro_jax import train
+  from minpro_jax.config_lib.parse import parse_config
 
   assert files.canonical("minpro_jax/configs/default.py") == "configs/default.py"
   assert files.canonical("/r/minpro_jax/configs/studies/x.py:stage1") == "/r/configs/studies/x.py:stage1"
@@ -333,7 +298,7 @@ def test_paths_into_the_configs_old_folder_name_the_moved_files(tmp_path, capsys
   assert runner.study_differences({**old, "base": "minpro_jax/configs/mipu.py"}, rec) == [
       "base config 'minpro_jax/configs/mipu.py' there, 'configs/default.py' here"
   ]
-  c = train.parse_config(["x", "--config=minpro_jax/configs/mipu.py:tis"])
+  c = parse_config(["x", "--config=minpro_jax/configs/mipu.py:tis"])
   assert (c.loss.rollout_is, c.mipu.rollback) == ("token", False)
   assert "the configs moved to configs/; reading " + os.path.join(REPO, "configs", "mipu.py") in capsys.readouterr().err
   assert files.load_module(LONG) is minpro_long and mipu_long.long is minpro_long
@@ -351,22 +316,17 @@ def test_one_runner_per_study_workdir(tmp_path):
 
 
 def test_run_status_of_fake_workdirs(tmp_path):
-  cfg = {"total_steps": 3, "workdir": "a", "log": {"progress": False}, "delay": 1, "optimizer": {"lr": 1e-4}}
-  assert runner.run_status(str(tmp_path / "nothing"), cfg) == ("new", [])
+  """A run is done when its summary.json reads back, whatever config it holds: a finished run is never compared with
+  today's defaults (the study is a record of its commit)."""
+  assert runner.run_status(str(tmp_path / "nothing")) == "new"
   (tmp_path / "p").mkdir()
   (tmp_path / "p" / "metrics.jsonl").write_text('{"step": -1}\n')
-  assert runner.run_status(str(tmp_path / "p"), cfg) == ("partial", [])
+  assert runner.run_status(str(tmp_path / "p")) == "partial"
   (tmp_path / "d").mkdir()
-  (tmp_path / "d" / "summary.json").write_text(json.dumps({"config": {**cfg, "workdir": "elsewhere", "log": {}}}))
-  assert runner.run_status(str(tmp_path / "d"), cfg) == ("done", [])  # workdir and log fields do not count
-  other = {**cfg, "total_steps": 6, "optimizer": {"lr": 3e-4}}
-  assert runner.run_status(str(tmp_path / "d"), other) == ("stale", ["optimizer.lr", "total_steps"])
-  with pytest.raises(
-      runner.StudyError, match=r"1 run\(s\) finished with another config .*: d \(optimizer\.lr, total_steps\)"
-  ):
-    runner.check_not_stale(str(tmp_path), {"d": runner.run_status(str(tmp_path / "d"), other)})
+  (tmp_path / "d" / "summary.json").write_text(json.dumps({"config": {"total_steps": 3, "no_longer_a_field": 1}}))
+  assert runner.run_status(str(tmp_path / "d")) == "done"
   (tmp_path / "d" / "summary.json").write_text("{")
-  assert runner.run_status(str(tmp_path / "d"), cfg) == ("partial", [])
+  assert runner.run_status(str(tmp_path / "d")) == "partial"
 
 
 def _job(tmp_path, name, code):
@@ -382,6 +342,55 @@ def _ok_job(tmp_path, name, sleep):
       f"json.dump({{}}, open(os.path.join({d!r}, 'summary.json'), 'w'))"
   )
   return _job(tmp_path, name, code)
+
+
+def test_a_study_is_a_record_of_its_commit(tmp_path):
+  """study.json records the commit and the resolved base config; a study with runs left is refused at another
+  commit (naming the worktree command) unless continued at head, which is recorded; a finished study is not."""
+  g = grid.load_grid(SMOKE)
+  runs = grid.expand(g)
+  base = grid.resolved_base(g)
+  assert base["loss"]["method"] == "minpro" and "sampling" in base  # every field of the base config, resolved
+  rec = runner.study_record(SMOKE, g, runs, "a" * 40, base)
+  assert (rec["commit"], rec["base_config"]["seed"]) == ("a" * 40, base["seed"])
+  runner.check_commit(str(tmp_path), rec, "a" * 40, left=3)  # the same commit: goes on
+  runner.check_commit(str(tmp_path), rec, "b" * 40, left=0)  # every run done: nothing to launch
+  with pytest.raises(runner.StudyError) as e:
+    runner.check_commit(str(tmp_path), rec, "b" * 40, left=3)
+  msg = str(e.value)
+  assert f"a study of commit {'a' * 40}, with 3 run(s) left, and this code is at {'b' * 40}" in msg
+  assert f"git worktree add /tmp/study-aaaaaaaa {'a' * 40}" in msg and "--continue-at-head" in msg
+  with pytest.raises(runner.StudyError, match=r"commit a+\+dirty"):  # uncommitted code is no record
+    runner.check_commit(str(tmp_path), {**rec, "commit": "a" * 40 + "+dirty"}, "a" * 40 + "+dirty", left=1)
+  old = {k: v for k, v in rec.items() if k not in ("commit", "base_config")}  # a study.json from before records
+  with pytest.raises(runner.StudyError, match=r"a commit it did not record \(a study from before 2026-12-07\)"):
+    runner.check_commit(str(tmp_path), old, "b" * 40, left=1)
+  # --continue-at-head: the launch is recorded; the study keeps its commit and base config
+  later = runner.record_launch(rec, runner.study_record(SMOKE, g, runs, "b" * 40, {"x": 1}), "b" * 40, ["r1"])
+  assert (later["commit"], later["base_config"]) == (rec["commit"], rec["base_config"])
+  assert [(x["commit"], x["runs"]) for x in later["launches"]] == [("b" * 40, ["r1"])]
+  runner.check_commit(str(tmp_path), later, "b" * 40, left=2)  # continued at b before: b goes on
+  assert runner.record_launch(None, rec, "a" * 40, ["r1"]) == rec  # a new study: its own record
+  assert "launches" not in runner.record_launch(rec, rec, "a" * 40, ["r1"])  # a launch at the study's commit
+
+
+def test_a_field_added_to_the_defaults_changes_no_committed_study(monkeypatch, capsys):
+  """Issue 56: a new, unset config field is not a reason to relaunch, refuse or re-validate a finished study."""
+  from minpro_jax.config_lib import defaults
+
+  real = defaults.base_config
+
+  def with_new_field():
+    c = real()
+    c.loss.brand_new_coefficient = 0.0
+    return c
+
+  monkeypatch.setattr(defaults, "base_config", with_new_field)
+  workdir = os.path.join(REPO, "results", "mipu")
+  spec = json.load(open(os.path.join(workdir, "study.json")))["grid"]
+  assert study_cli.main([f"--grid={os.path.join(REPO, spec)}", f"--workdir={workdir}", "--dry-run"]) == 0
+  out = capsys.readouterr().out
+  assert "24 done (skipped), 0 partial (resumed), 0 new" in out and "--config.loss.brand_new_coefficient" not in out
 
 
 def test_executor_runs_jobs_at_once_records_failures_and_goes_on(tmp_path):
@@ -424,7 +433,7 @@ def test_dry_run_prints_every_run_and_writes_nothing(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "8 run(s), 8 selected" in out and out.count("\nnew      method-") == 8
   assert "--config.loss.method=grpo --config.delay=1 --config.seed=1" in out
-  assert "8 new, 0 stale" in out and "dry run: nothing was written" in out and not wd.exists()
+  assert "8 new; dry run: nothing was written" in out and not wd.exists()
   assert study_cli.main([f"--grid={SMOKE}", f"--workdir={wd}", "--dry-run", "--only=method-grpo"]) == 0
   assert "2 selected" in capsys.readouterr().out
   assert study_cli.main([f"--grid={SMOKE}", f"--workdir={wd}", "--dry-run", "--only=nope"]) == 2
@@ -598,15 +607,3 @@ def test_smoke_grid_end_to_end_stopped_and_restarted(tmp_path):
   only = subprocess.run(cmd, capture_output=True, timeout=60, **kw)
   assert only.returncode == 0, only.stderr[-2000:]
   assert json.loads((wd / "summary.json").read_text()) == res
-
-
-def test_a_sampler_mode_with_the_same_samples_does_not_make_a_run_stale():
-  from minpro_jax.study.runner import config_differences
-
-  stored = {"sampling": {"continuous": False, "temperature": 1.0}, "seed": 1}
-  assert config_differences(stored, {"sampling": {"continuous": True, "temperature": 1.0}, "seed": 1}) == []
-  layout = {"continuous": False, "temperature": 1.0, "decode_rows": 16, "mesh": "data=4,tensor=2"}
-  assert config_differences(stored, {"sampling": layout, "seed": 1}) == []  # and fields added since
-  assert config_differences(stored, {"sampling": {"continuous": True, "temperature": 0.5}, "seed": 1}) == [
-      "sampling.temperature"
-  ]

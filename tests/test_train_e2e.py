@@ -10,7 +10,7 @@ from minpro_jax.errors import ConfigError
 
 
 def test_default_config_end_to_end(tmp_path, monkeypatch):
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   ov = tiny_overrides(
       tmp_path,
@@ -90,7 +90,8 @@ def _check_export(run, out):
   import torch
   import transformers
 
-  from minpro_jax import export, run_load
+  from minpro_jax import export
+  from minpro_jax.run import run_load
 
   assert (run / "config.json").is_file() and (run / "tokenizer.model").is_file()
   assert export.export(str(run), str(out), "final")["step"] == 3
@@ -148,7 +149,7 @@ def test_smollm2_config_one_step(tmp_path):
   c.log.tensorboard = False
   if "sft" in c:
     c.sft.enabled = False
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.trainer import Trainer
 
   summary = Trainer.from_config(c).run()
   assert summary["policy_version"] == c.num_updates_per_step

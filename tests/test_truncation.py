@@ -15,7 +15,7 @@ from minpro_jax.models.logprobs import logprobs_from_hidden
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, get_next_tokens
+from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, engines, get_next_tokens
 
 CFG = get_preset("tiny")
 PROMPTS = [[5, 17, 33], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [400], [3, 3]]
@@ -88,7 +88,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def rollout(model):
-  gen = Sampler(CFG, prompt_buckets=(8, 16), continuous=False).generate(
+  gen = Sampler(CFG, prompt_buckets=(8, 16), engine="static").generate(
       nnx.split(model)[1], PROMPTS, TOPP, seed=5, group_size=2
   )
   n = len(gen)
@@ -132,7 +132,9 @@ def test_on_policy_ratios_are_one_and_the_full_vocabulary_reproduces_the_bias(mo
 
 def test_paged_sampler_records_the_static_thresholds(model, rollout):
   gen, _ = rollout
-  paged = Sampler(CFG, prompt_buckets=(8, 16), decode_rows=4, refill_rows=2, paged_kv=PagedKV(page_size=4))
+  paged = Sampler(
+      CFG, prompt_buckets=(8, 16), engine=engines.Paged(decode_rows=4, refill_rows=2, kv=PagedKV(page_size=4))
+  )
   got = paged.generate(nnx.split(model)[1], PROMPTS, TOPP, seed=5, group_size=2)
   np.testing.assert_array_equal(got.response_tokens, gen.response_tokens)
   np.testing.assert_allclose(got.behavior_logp, gen.behavior_logp, atol=1e-5, rtol=0)

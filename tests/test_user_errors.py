@@ -19,8 +19,8 @@ from train_helpers import cli_args, cli_env, make_config, tiny_overrides
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset
 from minpro_jax.models.hf_io import config_to_hf
-from minpro_jax.resume_check import check_resume, resume_fingerprint
-from minpro_jax.run_setup import lock_workdir, writable_workdir
+from minpro_jax.run.resume_check import check_resume, resume_fingerprint
+from minpro_jax.run.run_setup import lock_workdir, writable_workdir
 
 _TINY_PRESET = {
     k: getattr(get_preset("tiny"), k)
@@ -201,8 +201,8 @@ def test_an_update_that_makes_the_parameters_non_finite_is_skipped():
 def test_a_run_whose_updates_keep_being_skipped_stops_on_its_last_good_state(tmp_path, monkeypatch):
   from minpro_jax.errors import TrainingError
   from minpro_jax.rl import learner as learner_mod
-  from minpro_jax.run_watch import MAX_ALL_SKIPPED_STEPS
-  from minpro_jax.trainer import Trainer
+  from minpro_jax.run.run_watch import MAX_ALL_SKIPPED_STEPS
+  from minpro_jax.run.trainer import Trainer
 
   monkeypatch.setattr(learner_mod, "_all_finite", lambda tree: jnp.asarray(False))  # every update is non-finite
   tr = Trainer.from_config(make_config(tiny_overrides(tmp_path, total_steps=8, delay=0)))
@@ -232,8 +232,8 @@ def test_sigterm_during_setup_says_what_is_lost(tmp_path):
 
 
 def test_a_tuple_field_given_twice_is_refused_not_joined():
+  from minpro_jax.config_lib.parse import parse_config
   from minpro_jax.errors import UserError
-  from minpro_jax.train import parse_config
 
   with pytest.raises(
       UserError, match=r"--config\.eval\.ks: given 2 times, so its values were joined into \(1, 2, 1, 8\)"

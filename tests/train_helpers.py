@@ -122,7 +122,7 @@ def kill_at_call(real, n: int, calls: list):
 
 def coin_grade(texts, golds, **kwargs):
   """Rewards 0/1 from a checksum of the text, in `grade_split`'s form (monkeypatch it over
-  `minpro_jax.trainer.grade_split`): mixed rewards inside groups even for an untrained tiny model, so the advantages,
+  `minpro_jax.run.trainer.grade_split`): mixed rewards inside groups even for an untrained tiny model, so the advantages,
   the loss and the updates are not zero."""
   del golds, kwargs
   return [float(zlib.crc32(t.encode()) % 2) for t in texts], {"no_answer": 0, "timeout": 0}

@@ -95,7 +95,6 @@ FIXED = {
     **{f"data.task_config.{k}": v for k, v in CHAIN_SUM.items()},
     "data.max_prompt_tokens": MAX_PROMPT_TOKENS,
     "sampling.max_new_tokens": MAX_NEW_TOKENS,
-    "sampling.kv_cache": "dense",  # the cache its committed results ran with (the default until 2026-12-06)
     **SFT,
     "eval.every": EVAL_EVERY,
     "eval.num_problems": EVAL_PROBLEMS,
@@ -104,8 +103,6 @@ FIXED = {
     "log.tensorboard": False,
     "log.plots": False,
 }
-
-NEW_FIXED = {k: v for k, v in FIXED.items() if k != "sampling.kv_cache"}  # stages lr and 2: the default sampler
 
 
 def total_steps(cell) -> dict:
@@ -184,7 +181,7 @@ def get_grid(arg=None) -> Grid:
   if stage == "lr":
     return Grid(
         base="configs/default.py",
-        fixed={**NEW_FIXED, "delay": 0, "total_steps": LEARN_STEPS},
+        fixed={**FIXED, "delay": 0, "total_steps": LEARN_STEPS},
         variants=OBJECTIVES,
         axes={LR: list(LR_RATES)},
         seeds=tuple(range(n)) if n else LR_SEEDS,
@@ -194,7 +191,7 @@ def get_grid(arg=None) -> Grid:
     rates = stage2_rates()
     return Grid(
         base="configs/default.py",
-        fixed=NEW_FIXED,
+        fixed=FIXED,
         variants={k: {**v, LR: rates[k]} for k, v in OBJECTIVES.items()},
         axes={"delay": list(STAGE2_DELAYS)},
         seeds=tuple(range(n)) if n else SEEDS,

@@ -49,7 +49,6 @@ FIXED = {
     "num_updates_per_step": UPDATES_PER_STEP,
     "prompts_per_step": PROMPTS_PER_STEP,
     "group_size": GROUP_SIZE,
-    "sampling.kv_cache": "dense",  # the cache its committed results ran with (the default until 2026-12-06)
     "optimizer.learning_rate": LEARNING_RATE,
     **{f"data.task_config.{k}": v for k, v in CHAIN_SUM.items()},
     "eval.every": EVAL_EVERY,

@@ -18,7 +18,6 @@ TINY = {
     "data.size": 400,
     "data.max_prompt_tokens": 32,
     "sampling.max_new_tokens": 6,
-    "sampling.kv_cache": "dense",  # the cache its committed results ran with (the default until 2026-12-06)
     "sft.steps": 5,
     "sft.batch_size": 16,
     "sft.num_examples": 64,

@@ -145,7 +145,7 @@ def batch_split_warning(config, row) -> str | None:
   """Why the learner's micro-batch does not split over the batch axes of the row's mesh (data x fsdp x expert, the
   "batch" rule of `minpro_jax.runtime.sharding`), or None; for the update and score programs only. The trainer
   refuses such a config (`run_config.check_micro_batch_split`); a compile still reports what it would cost."""
-  from minpro_jax import run_config
+  from minpro_jax.run import run_config
   from minpro_jax.runtime.sharding import batch_split
 
   if row.get("program") not in ("update", "score"):
@@ -164,7 +164,7 @@ def batch_split_warning(config, row) -> str | None:
 def run_config_of(config_args: list[str]):
   """(config file name, parsed run config) of the command line's `--config=FILE[:ARG]` and `--config.<field>=...`
   flags (the train command's default config when no file is named). Raises UserError on a bad field."""
-  from minpro_jax.train import DEFAULT_CONFIG, parse_config
+  from minpro_jax.config_lib.parse import DEFAULT_CONFIG, parse_config
 
   name = next((a.split("=", 1)[1] for a in reversed(config_args) if a.startswith("--config=")), DEFAULT_CONFIG)
   return name, parse_config(["aot", f"--config={name}", *[a for a in config_args if not a.startswith("--config=")]])

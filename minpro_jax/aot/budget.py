@@ -32,7 +32,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from minpro_jax import run_config
 from minpro_jax.aot.analysis import add_resident, analyze, does_not_fit, model_flops
 from minpro_jax.aot.hlo_cost import HloCost, Rates
 from minpro_jax.aot.lengths import draw_lengths
@@ -56,6 +55,7 @@ from minpro_jax.aot.split_step import split_step
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_core import live_length_buckets
+from minpro_jax.run import run_config
 from minpro_jax.runtime.inference_mesh import layout_name
 from minpro_jax.runtime.sharding import make_mesh
 
@@ -202,9 +202,9 @@ class Budget:
     s = self.progs.trainer_sampler
     p = self.shapes.prompt_len
     # the caches hold the prompt bucket; the simulation sees the rows' real prompt in it (left padded)
-    if s.continuous:
-      rows, refill = s.continuous_rows(num_requests)
-      if s.paged_kv is not None:  # the pool's own admission, and the pages its ragged attention reads
+    if s.engine.name != "static":
+      rows, refill = s.engine.rows_and_refill(num_requests)
+      if s.engine.name == "paged":  # the pool's own admission, and the pages its ragged attention reads
         sched = sampler_paged_schedule(
             s, lengths, num_requests, self.prompt_len, p, self.shapes.response_len, self._group(name)
         )
@@ -545,11 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         log=lambda s: print(f"# {s}", file=sys.stderr, flush=True),
     )
     # with sampling.devices: each side on its own chips, and the overlapped step (`minpro_jax.aot.split_step`)
-    rows = (
-        split_step(config, sl, mesh, **kw)
-        if config.sampling.get("devices", 0)
-        else Budget(config, sl, mesh, **kw).run()
-    )
+    rows = split_step(config, sl, mesh, **kw) if config.sampling.devices else Budget(config, sl, mesh, **kw).run()
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -1,6 +1,6 @@
 """The paged sampler's loop iterations and the KV pages its attention reads, replayed on a length draw.
 
-`paged_schedule` replays `minpro_jax.sampling.paged_continuous.decode_with_refills` (`Sampler(paged_kv=...)`) on
+`paged_schedule` replays `minpro_jax.sampling.paged_continuous.decode_with_refills` (the paged engine, `sampling.engines.paged`) on
 N response lengths with the pool's own admission: requests go in units of `unit` samples of one prompt (the unit's
 full prompt pages stored once and shared, `paged.request_pages`); an iteration refills when `refill_rule` (counted
 in units) says so and at least one waiting unit's pages at full length fit the free pages left after every live
@@ -248,15 +248,17 @@ def sampler_paged_schedule(
     sampler, lengths, num_requests: int, prompt_len: int, prompt_bucket: int, max_new_tokens: int, group_size: int
 ) -> PagedSchedule:
   """`paged_schedule` of a paged `Sampler`'s call on `num_requests` requests of `prompt_len` real prompt tokens
-  (compiled at `prompt_bucket`), `group_size` samples per prompt, as `paged_continuous.generate` runs it: its
-  decode rows and refill size (`Sampler.continuous_rows`) split into its `row_groups`, each group's pool
+  (compiled at `prompt_bucket`), `group_size` samples per prompt, as the paged engine runs it: its
+  decode rows and refill size (`rows_and_refill`) split into its `row_groups`, each group's pool
   (`PagedKV.group_pool`), the unit its host side picks and, with the Pallas kernel, its block of pages."""
   from minpro_jax.models.paged_attention import kernel_block
-  from minpro_jax.sampling.paged_continuous import row_groups, share_unit
+  from minpro_jax.sampling.engines.paged import row_groups
+  from minpro_jax.sampling.paged_continuous import share_unit
 
-  rows, refill = sampler.continuous_rows(num_requests)
-  g = row_groups(sampler, rows, num_requests)[1]
-  kv = sampler.paged_kv.group_pool(g)
+  engine = sampler.engine
+  rows, refill = engine.rows_and_refill(num_requests)
+  g = row_groups(engine.core, rows, num_requests)[1]
+  kv = engine.kv.group_pool(g)
   sizes = kv.pool_sizes(rows // g, prompt_bucket, max_new_tokens)
   unit = share_unit(kv, group_size, rows // g, [prompt_len], prompt_bucket, max_new_tokens, max(1, refill // g))
   unit = math.gcd(unit, num_requests // g)

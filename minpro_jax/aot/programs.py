@@ -32,16 +32,16 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from minpro_jax import run_config
 from minpro_jax.aot.abstract import abstract_params
 from minpro_jax.aot.packed import static_rows
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.config import PRESETS, ModelConfig, get_preset
 from minpro_jax.rl import packing
 from minpro_jax.rl.learner import Learner, ScoreInputs, TrainState, UpdateInputs
+from minpro_jax.run import run_config, sampler_setup
+from minpro_jax.run.sampler_setup import decode_rows, paged_kernel
 from minpro_jax.runtime.inference_mesh import sampler_layout
 from minpro_jax.runtime.sharding import use_mesh
-from minpro_jax.sampler_setup import decode_rows, paged_kernel
 from minpro_jax.sampling.rows import tree_bytes_per_device
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS, Sampler
 
@@ -108,7 +108,7 @@ def model_config(c) -> tuple[ModelConfig, str]:
     return get_preset(m.preset, **overrides), f"preset {m.preset} ({m.path}/config.json not found)"
   if m.source == "gguf":
     from minpro_jax.models.gguf_io import gguf_config
-    from minpro_jax.run_setup import smollm2_gguf_path
+    from minpro_jax.run.run_setup import smollm2_gguf_path
 
     path = m.path or smollm2_gguf_path()
     return gguf_config(path, **overrides), path
@@ -117,7 +117,7 @@ def model_config(c) -> tuple[ModelConfig, str]:
 
 
 def _tokenizer_vocab(c) -> int:
-  from minpro_jax.run_setup import build_tokenizer
+  from minpro_jax.run.run_setup import build_tokenizer
 
   return build_tokenizer(c, []).vocab_size
 
@@ -193,7 +193,7 @@ class RunPrograms:
   def __init__(
       self, c, cfg: ModelConfig, mesh, shapes: RunShapes, hbm_bytes: float | None = None, sampler_only: bool = False
   ):
-    if c.sampling.get("devices", 0):  # not the shared-device programs, silently
+    if c.sampling.devices:  # not the shared-device programs, silently
       raise ConfigError(
           f"--config.sampling.devices={c.sampling.devices}: the compile-only tool compiles the programs of sampler and "
           "learner sharing every device only; drop the override, or cost the split with `python -m minpro_jax.aot "
@@ -218,44 +218,42 @@ class RunPrograms:
         shapes.rollouts,
         shapes.seq_len,
     )
-    self.sampling = run_config.sampling_params(c, (STOP_ID,))
+    self.sampling = sampler_setup.sampling_params(c, (STOP_ID,))
     # the trainer's sampler layout: the learner's mesh, or the sampler's own (config.sampling.mesh)
     own = list(mesh.devices.flat) if sampler_only else None
-    smesh, srules = sampler_layout(c.sampling.get("mesh", ""), mesh, cfg, own)
+    smesh, srules = sampler_layout(c.sampling.mesh, mesh, cfg, own)
     self.sampler = Sampler(
         cfg,
         precision=c.sampling.precision,
-        **run_config.sampler_fp8_options(c),
+        **sampler_setup.sampler_fp8_options(c),
         prompt_buckets=(shapes.prompt_len,),
         batch_buckets=(shapes.sampler_rows,),
         mesh=smesh,
         rules=srules,
-        continuous=False,
+        engine="static",
         record_routes=self.record_routes,
     )
-    # the sampler the trainer builds: continuous or static per `sampling.continuous`, its KV cache, its decode rows
-    rows, paged_kv = run_config.sampler_decode_rows(c), paged_kernel(run_config.sampler_paged_kv(c), cfg)
+    # the sampler the trainer builds: its engine (`sampler_setup.engine_options`), KV cache and decode rows
+    rows, paged_kv = sampler_setup.sampler_decode_rows(c), paged_kernel(sampler_setup.sampler_paged_kv(c), cfg)
     resident = tree_bytes_per_device(self.train_state()) if rows == "auto" and hbm_bytes and not sampler_only else 0
     self.decode_rows = decode_rows(c, cfg, paged_kv=paged_kv, prompt_len=shapes.prompt_len, mesh=smesh,
                                    rules=srules, hbm_bytes=hbm_bytes, other_resident_bytes=resident)  # fmt: skip
     self.trainer_sampler = Sampler(
         cfg,
         precision=c.sampling.precision,
-        **run_config.sampler_fp8_options(c),
+        **sampler_setup.sampler_fp8_options(c),
         prompt_buckets=(shapes.prompt_len,),
         mesh=smesh,
         rules=srules,
-        continuous=c.sampling.continuous,
-        decode_rows=self.decode_rows,
-        paged_kv=paged_kv,
+        engine=sampler_setup.engine_options(c, paged_kv, self.decode_rows),
         record_routes=self.record_routes,
     )
     self._prepared = None
     self._prefill_out = None
 
   def programs(self, names=DEFAULT_PROGRAMS) -> list[Lowered]:
-    s, rows = self.shapes, self.trainer_sampler.continuous_rows(self.shapes.rollouts)[0]
-    kv = "paged KV" if self.trainer_sampler.paged_kv else "dense KV"
+    s, rows = self.shapes, self.trainer_sampler.engine.decode_rows(self.shapes.rollouts)
+    kv = "paged KV" if self.trainer_sampler.engine.name == "paged" else "dense KV"
     table = {
         "update": Lowered(
             "update", self._lower_update, f"{self.update_rows}x{self.learner_width} (micro-batch {s.micro_batch})"
@@ -357,20 +355,22 @@ class RunPrograms:
     and dtype to the sampler's, as one program (the sampler moves it to its layout a layer at a time)."""
     shardings = jax.tree.map(lambda x: x.sharding, self.prepared_params())
     with use_mesh(self.mesh):
-      return jax.jit(self.sampler._prepare_impl, out_shardings=shardings).lower(self.params)
+      return jax.jit(self.sampler.prepare_fn, out_shardings=shardings).lower(self.params)
 
   def lower_continuous(self, num_requests: int, sampling=None, unit: int = 1):
-    """The continuous sampler's whole call (the program the trainer runs: `Sampler._c_paged` with
-    `sampling.kv_cache="paged"`, else `Sampler._c_all`) on `num_requests` prompts of the prompt bucket, with the
-    decode rows and refill size `Sampler.continuous_rows` gives; a paged call with `unit` samples per shared
+    """The continuous engine's whole call (the program the trainer runs: the paged engine's `program` with
+    `sampling.kv_cache="paged"`, else the continuous engine's) on `num_requests` prompts of the prompt bucket, with
+    the decode rows and refill size of the engine's `rows_and_refill`; a paged call with `unit` samples per shared
     prefill (`paged_continuous.share_unit`; the trainer's host side picks it from its prompts)."""
     s, p, n = self.trainer_sampler, self.shapes.prompt_len, int(num_requests)
-    if not s.continuous:
+    engine = s.engine
+    if not hasattr(engine, "program"):
       raise ConfigError(
-          "program 'sample' compiles the continuous sampler; with sampling.continuous=False compile prefill,decode"
+          f"program 'sample' compiles a continuous engine's whole call; the {engine.name!r} engine has none: compile "
+          "prefill,decode"
       )
     m = s.mesh
-    rows, refill = s.continuous_rows(n)
+    rows, refill = engine.rows_and_refill(n)
     requests = (
         _replicated(m, (n, p), jnp.int32),
         _replicated(m, (n, p), jnp.int32),
@@ -379,14 +379,14 @@ class RunPrograms:
     )
     kw = dict(sampling=sampling or self.sampling, p_len=p, rows=rows, refill=refill)
     with s.mesh_context():
-      if s.paged_kv is None:
-        return s._c_all.lower(self.prepared_params(), requests, **kw)
-      return s._c_paged.lower(self.prepared_params(), requests, unit=unit, **kw)
+      if engine.name != "paged":
+        return engine.program.lower(self.prepared_params(), requests, **kw)
+      return engine.program.lower(self.prepared_params(), requests, unit=unit, **kw)
 
   def _lower_prefill(self):
     args = self._prefill_args()
     with self.sampler.mesh_context():
-      return self.sampler.jitted_prefill.lower(*args, sampling=self.sampling)
+      return self.sampler.engine.prefill.lower(*args, sampling=self.sampling)
 
   def _loop_state(self):
     """The abstract decode-loop state the prefill hands to decode."""
@@ -398,6 +398,6 @@ class RunPrograms:
   def _lower_decode(self):
     state, loop_state = self.prepared_params(), self._loop_state()
     with self.sampler.mesh_context():
-      return self.sampler.jitted_decode.lower(
+      return self.sampler.engine.decode.lower(
           state, loop_state, sampling=self.sampling, cache_offset=self.shapes.prompt_len
       )

@@ -1,6 +1,6 @@
 """How many loop iterations the sampler runs on a length draw, and the bound for the same work.
 
-`continuous_schedule` replays the continuous sampler's admission and refill policy (`Sampler(continuous=True)`,
+`continuous_schedule` replays the continuous sampler's admission and refill policy (the continuous engine,
 `minpro_jax.sampling.continuous.decode_with_refills`, whose rule `refill_rule` it calls) on N response lengths:
 each loop iteration either refills up to `refill_rows` done decode rows with the next waiting requests (their
 prefill samples response index 0) or runs one decode step for every live row (a row of length L lives L - 1 decode

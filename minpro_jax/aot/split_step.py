@@ -2,7 +2,7 @@
 
 With `sampling.devices = n` the trainer gives the sampler the last n / P chips of each of the P hosts
 (`runtime.device_split.split_devices`) and the learner's mesh (`mesh.shape`) the rest; with delay >= 1 and
-`sampling.overlap` a step runs (`minpro_jax.overlap.StepRunner`)
+`sampling.overlap` a step runs (`minpro_jax.run.step_runner.StepRunner`)
 
     the weight transfer (the learner's parameters onto the sampler's chips, in its layout and dtype), then
     on the sampler's chips: sampling the step's rollouts      | on the learner's chips: the step's updates

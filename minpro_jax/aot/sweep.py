@@ -11,7 +11,6 @@ import platform
 import time
 from typing import Any, Callable, Iterable
 
-from minpro_jax import run_config
 from minpro_jax.aot.analysis import add_resident, analyze, does_not_fit, model_flops
 from minpro_jax.aot.programs import (
     DEFAULT_PROGRAMS,
@@ -24,6 +23,7 @@ from minpro_jax.aot.programs import (
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_dispatch import resolve_attention_impl
+from minpro_jax.run import run_config
 from minpro_jax.runtime.sharding import make_mesh
 
 # Top-level config sections that never shape a compiled program (the run's bookkeeping); of them, only the fields of

@@ -73,6 +73,10 @@ def base_config() -> ConfigDict:
   c.sampling.drop_equal_reward_groups = False
   c.sampling.max_sampling_rounds = 4
   c.sampling.record_routes = False  # MoE: record the experts of every response token (router replay metrics)
+  # the decoding engine (minpro_jax/sampling/engines/, docs/sampler.md): "" = the one continuous and kv_cache choose
+  # (static without continuous, else continuous on the dense cache or paged); or a registered engine's name
+  # (static | continuous | host_refill | paged | your own), with continuous and kv_cache left at their defaults
+  c.sampling.engine = ""
   c.sampling.continuous = True  # continuous batching + live-length attention (sampling/continuous.py); False: static
   # the continuous sampler's decode rows (rounded up to a batch bucket), or "auto": as many as the HBM holds beside
   # the resident weights at the configured lengths (sampling/rows.py; 64 on CPU)
@@ -83,13 +87,13 @@ def base_config() -> ConfigDict:
   # the sampler's KV cache (docs/sampler.md#paged-kv): "dense" = prompt bucket + max_new_tokens slots per decode row;
   # "paged" = a pool of pages per layer, allocated as a row grows and freed when it stops (continuous sampler only,
   # sampling/paged_continuous.py); "auto" = paged with the continuous sampler, dense with the static one
-  # (run_config.resolve_kv_cache). Same responses either way.
+  # (run/sampler_setup.resolve_kv_cache). Same responses either way.
   c.sampling.kv_cache = "auto"
   c.sampling.page_size = 16  # paged: tokens per page (16 the fastest on CPU, benchmarks/README.md; TPU: 64-256)
   c.sampling.num_pages = 0  # kv_cache=paged: pages per layer; 0 = auto (the dense cache's memory: no request waits)
   # devices of the sampler's own (runtime/device_split.py): 0 = every device, shared with the learner; a count or a
   # fraction in (0, 1) of the devices (the learner's mesh.shape spans the rest). With delay >= 1 and overlap, step
-  # s is sampled while the learner applies step s's updates (minpro_jax/overlap.py); the same samples and updates
+  # s is sampled while the learner applies step s's updates (minpro_jax/run/step_runner.py); the same samples and updates
   c.sampling.devices = config_dict.FieldReference(0, field_type=object)
   c.sampling.overlap = True  # False: one after the other on the split devices (what the overlapped run equals)
 

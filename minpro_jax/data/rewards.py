@@ -77,7 +77,7 @@ class VerifyTimeout(BaseException):
 
 
 # ----------------------------------------------------------------------------------------------- extraction
-def _last_box(text: str) -> tuple[bool, str | None]:
+def last_box(text: str) -> tuple[bool, str | None]:
   """(found_any_box, content of the last box or None if that box is unclosed)."""
   starts = [m.end() for m in _BOX_RE.finditer(text)]
   if not starts:
@@ -139,7 +139,7 @@ def extract_answer(text: str, *, last_number: bool = False) -> str | None:
   """
   if not isinstance(text, str):
     raise TypeError(f"text must be str, got {type(text).__name__}")
-  found, box = _last_box(text)
+  found, box = last_box(text)
   if found:
     return box or None
   k = text.rfind("####")

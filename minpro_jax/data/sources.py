@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from minpro_jax.data.records import DataError, LoadReport, MathProblem
-from minpro_jax.data.rewards import _last_box
+from minpro_jax.data.rewards import last_box
 from minpro_jax.errors import ConfigError
 
 FORMATS = ("auto", "dapo", "math500", "aime", "amc", "minerva", "olympiadbench", "gsm8k")
@@ -88,7 +88,7 @@ def _first(row: dict, keys: Sequence[str]) -> tuple[str | None, Any]:
 
 
 def _last_boxed(text: str) -> str | None:
-  return _last_box(text)[1]
+  return last_box(text)[1]
 
 
 def row_to_problem(row: Any, fmt: str, *, default_id: str, source: str) -> MathProblem:

@@ -12,7 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minpro_jax.rl.prefix import _check_bt, seq_first, seq_sum, valid_and_starts
+from minpro_jax.rl.masks import check_bt, seq_sum, valid_and_starts
+from minpro_jax.rl.prefix import seq_first
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_IS_LEVELS = (None, "token", "sequence")
@@ -61,8 +62,8 @@ def aggregate_loss(
     ValueError: unknown mode, bad shapes, or non-positive ``max_response_length``.
   """
   check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-  _check_bt("loss_bt", loss_bt)
-  _check_bt("response_mask", response_mask, loss_bt.shape)
+  check_bt("loss_bt", loss_bt)
+  check_bt("response_mask", response_mask, loss_bt.shape)
   valid, starts = valid_and_starts(response_mask, segment_ids)
   loss = jnp.where(valid, loss_bt.astype(jnp.float32), 0.0)
   if loss_agg_mode == "token-mean":
@@ -124,7 +125,7 @@ def rollout_correction(
     return ones, valid, {}
   if rollout_logp is None:
     raise ValueError("rollout_is/rollout_mis need rollout_logp ([B, T] inference-engine log-probs).")
-  _check_bt("rollout_logp", rollout_logp, valid.shape)
+  check_bt("rollout_logp", rollout_logp, valid.shape)
   d = _masked_diff(behavior_logp, rollout_logp, valid)
   d_seq = seq_sum(d, starts)
   metrics = {}
@@ -181,9 +182,9 @@ def mismatch_metrics(logp: jax.Array, behavior_logp: jax.Array, response_mask: j
     MIPU's Mismatch-K3). delta is clamped to +-20 before exp.
   Masked positions may hold garbage. Raises ValueError on shape mismatch.
   """
-  _check_bt("logp", logp)
-  _check_bt("behavior_logp", behavior_logp, logp.shape)
-  _check_bt("response_mask", response_mask, logp.shape)
+  check_bt("logp", logp)
+  check_bt("behavior_logp", behavior_logp, logp.shape)
+  check_bt("response_mask", response_mask, logp.shape)
   valid = response_mask.astype(bool)
   delta = _masked_diff(logp, behavior_logp, valid)
   dc = jnp.clip(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -213,9 +214,9 @@ def inference_gap_terms(
 
   Returns ([B] float32, [B] bool). Raises: ValueError on bad shapes.
   """
-  _check_bt("logp_train", logp_train)
-  _check_bt("logp_sampler", logp_sampler, logp_train.shape)
-  _check_bt("response_mask", response_mask, logp_train.shape)
+  check_bt("logp_train", logp_train)
+  check_bt("logp_sampler", logp_sampler, logp_train.shape)
+  check_bt("response_mask", response_mask, logp_train.shape)
   if advantages.shape != (logp_train.shape[0],):
     raise ValueError(f"advantages must have shape [B]={(logp_train.shape[0],)}, got {tuple(advantages.shape)}.")
   valid = response_mask.astype(bool)

@@ -153,7 +153,7 @@ class LossConfig:
     return bool(hp.get("rollout_is") or hp.get("rollout_mis"))
 
 
-def _call_policy_loss(loss_cfg: LossConfig, logp, batch: UpdateInputs, prepared: dict[str, jax.Array]):
+def call_policy_loss(loss_cfg: LossConfig, logp, batch: UpdateInputs, prepared: dict[str, jax.Array]):
   """`policy_loss` on `batch` with the configured method and the rows of its prepared inputs. With rollout
   correction (TIS/MIS) on, the three-policy form is used: ratio against the learner at the sampling version
   (`learner_logp`), correction factor against the sampler (`behavior_logp`)."""
@@ -446,7 +446,7 @@ class Learner:
         routes_btlk=micro.routes,
         kept_logp_threshold_bt=micro.kept_logp_threshold,
     )
-    out = _call_policy_loss(lc, lp.logp, micro, prepared)
+    out = call_policy_loss(lc, lp.logp, micro, prepared)
     mask = micro.response_mask.astype(jnp.float32)
     total = out.loss_sum / denom
     if lc.entropy_coef != 0.0:
@@ -474,7 +474,7 @@ class Learner:
           resolve_hparams(lc.method, lc.hparam_dict),
       )
     # The policy-loss denominator does not depend on the parameters: get it for the whole mini-batch.
-    denom = jnp.maximum(_call_policy_loss(lc, jnp.zeros(mask.shape, jnp.float32), arrays, prepared).denominator, 1.0)
+    denom = jnp.maximum(call_policy_loss(lc, jnp.zeros(mask.shape, jnp.float32), arrays, prepared).denominator, 1.0)
 
     split = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), arrays)
     split_prepared = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), prepared)
@@ -507,7 +507,7 @@ class Learner:
       body = _skip_micro_padding(body, jax.ShapeDtypeStruct((mb, *arrays.tokens.shape[1:]), jnp.float32))
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first, first_prepared = jax.tree.map(lambda a: a[0], (split, split_prepared))
-    metric_shape = jax.eval_shape(lambda: _call_policy_loss(lc, first.behavior_logp, first, first_prepared).metrics)
+    metric_shape = jax.eval_shape(lambda: call_policy_loss(lc, first.behavior_logp, first, first_prepared).metrics)
     zero_metrics = {
         k: jnp.full(s.shape, METRIC_INIT.get(k.rsplit("_", 1)[-1], 0.0), jnp.float32) for k, s in metric_shape.items()
     }

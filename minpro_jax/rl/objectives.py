@@ -48,7 +48,8 @@ from minpro_jax.rl.aggregation import (
     mismatch_metrics,
     rollout_correction,
 )
-from minpro_jax.rl.prefix import PREFIX_STATISTICS, _check_bt, prefix_log_factor, seq_sum, valid_and_starts
+from minpro_jax.rl.masks import check_bt, seq_sum, valid_and_starts
+from minpro_jax.rl.prefix import PREFIX_STATISTICS, prefix_log_factor
 
 __all__ = [
     "PolicyLossOutput",
@@ -271,8 +272,8 @@ def compute_m2po_mask(
 
   Returns: [B, T] bool, true at kept valid tokens. Raises ValueError on bad shapes or threshold.
   """
-  _check_bt("log_ratio", log_ratio)
-  _check_bt("response_mask", response_mask, log_ratio.shape)
+  check_bt("log_ratio", log_ratio)
+  check_bt("response_mask", response_mask, log_ratio.shape)
   if not m2_threshold > 0:
     raise ValueError(f"m2_threshold must be > 0, got {m2_threshold!r}.")
   valid = response_mask.astype(bool)
@@ -397,7 +398,7 @@ def _m2po(inp: TokenLossInputs, hp):
   if mask is None:
     mask = compute_m2po_mask(inp.log_ratio, inp.adv, valid, hp["m2_threshold"])
   else:
-    _check_bt("m2po_mask", mask, valid.shape)
+    check_bt("m2po_mask", mask, valid.shape)
     mask = valid & mask.astype(bool)
   mask = jax.lax.stop_gradient(mask)
   rho = jnp.exp(jnp.clip(inp.log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -463,9 +464,9 @@ def policy_loss(
   """
   hp = resolve_hparams(method, hparams)
   objective = OBJECTIVES[method]
-  _check_bt("logp", logp)
-  _check_bt("behavior_logp", behavior_logp, logp.shape)
-  _check_bt("response_mask", response_mask, logp.shape)
+  check_bt("logp", logp)
+  check_bt("behavior_logp", behavior_logp, logp.shape)
+  check_bt("response_mask", response_mask, logp.shape)
   if segment_ids is not None and advantages.ndim == 1:
     raise ValueError("With segment_ids (packed rows) pass advantages as [B, T] (one value per token).")
   valid, starts = valid_and_starts(response_mask, segment_ids)

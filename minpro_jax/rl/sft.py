@@ -22,10 +22,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from minpro_jax.checkpoint import restore_params, save_params
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl import packing
 from minpro_jax.runtime import multihost
+from minpro_jax.runtime.param_files import restore_params, save_params
 
 logger = logging.getLogger(__name__)
 

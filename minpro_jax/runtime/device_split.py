@@ -2,7 +2,7 @@
 
 With a split, the sampler's layout (`inference_mesh.sampler_layout`) spans its own devices and the learner's mesh
 (`config.mesh.shape`) the rest, so that for delay >= 1 a step's sampling and learning can run at the same time
-(`minpro_jax.overlap`). Without one (0, the default) both span every device, one after the other.
+(`minpro_jax.run.step_runner`). Without one (0, the default) both span every device, one after the other.
 
 Which devices: the same share of every process's devices, the last ones of each process in `jax.devices()` order,
 go to the sampler; so every process would hold devices of both sides and, on one process, the learner keeps device 0

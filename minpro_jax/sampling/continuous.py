@@ -8,12 +8,12 @@ uses fold_in(row_key, i_b) with row_key = fold_in(fold_in(key(seed), group_id), 
 samples depends only on its prompt, its key and the parameters, never on which decode row it ran in or what
 ran beside it.
 
-Chunked work (`Sampler(in_loop_refill=False)`): a jitted `lax.while_loop` runs decode steps until `need` rows are done (or every row is), then
+Chunked work (the host-refill engine, `sampling.engines.host_refill`): a jitted `lax.while_loop` runs decode steps until `need` rows are done (or every row is), then
 the host refills the done rows with a jitted prefill of the waiting prompts (their keys / values written into
 those rows' slots [0, P); the slots after P keep the previous occupant's entries, which the causal rule hides
 until the new row overwrites them) and samples their index 0. Outputs are scattered straight into [N, R]
 arrays on the device, indexed by request, so the host reads only the [B] done flags between chunks.
-`decode_with_refills` (the default, `Sampler(in_loop_refill=True)`) instead runs the whole call as one `lax.while_loop`
+`decode_with_refills` (the continuous engine, the default) instead runs the whole call as one `lax.while_loop`
 whose iterations either prefill the next waiting prompts into done rows (a `lax.cond` branch) or decode.
 
 Each decode step attends over the first L cache slots only, L the smallest `live_length_buckets` size >=

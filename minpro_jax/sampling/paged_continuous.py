@@ -1,4 +1,4 @@
-"""Continuous batching on a paged KV cache (`Sampler(paged_kv=PagedKV(...))`; off by default).
+"""Continuous batching on a paged KV cache: the algorithm of the paged engine (`sampling.engines.paged`).
 
 The loop of `continuous.decode_with_refills` with the dense per-row cache replaced by a `paged.PagePool`
 (carried in `ContinuousState.cache`): a refill prefills each waiting prompt once for the samples of its group
@@ -17,24 +17,16 @@ fed back), which is its admitted capacity.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from minpro_jax.models.moe import ROUTE_DTYPE
 from minpro_jax.models.paged_attention import KERNELS, PagedKVCache, has_megacore
-from minpro_jax.models.rope import rope_tables
-from minpro_jax.models.transformer import KVCache, keys_head_dim_major
-from minpro_jax.runtime.multihost import to_host
-from minpro_jax.runtime.sharding import constrain
 from minpro_jax.sampling import paged
-from minpro_jax.sampling.continuous import ContinuousState, init_state, record, refill_rule, start_rows
+from minpro_jax.sampling.continuous import ContinuousState, record, refill_rule, start_rows
 from minpro_jax.sampling.methods import SamplingParams
 
 
@@ -53,7 +45,7 @@ class PagedKV:
   pages_per_compute_block: the Pallas kernel's block of pages; None: 1024 tokens' worth (`pallas_decode_attention`).
   """
 
-  page_size: int = 64
+  page_size: int = 16  # the config default too (sampling.page_size; tests/test_sampler_setup.py)
   num_pages: int | None = None
   share_prompts: bool = True
   kernel: str = "auto"
@@ -274,18 +266,6 @@ def share_unit(
   return 1
 
 
-def prefill_fn(model):
-  """The refill's prefill with `model` (a per-layer `Transformer`): (tokens, positions, segments) [M, P] ->
-  (logits [M, V] of the last position, the prompts' `KVCache` of P slots)."""
-
-  def prefill(tokens, positions, segs):
-    cache = KVCache.zeros(model.config, tokens.shape[0], tokens.shape[1])
-    out = model(tokens, positions, segs, cache=cache, cache_index=0, return_hidden=True)
-    return model.logits(out.out[:, -1:])[:, 0], out.cache
-
-  return prefill
-
-
 def row_group_axes(mesh, rules) -> tuple[tuple[str, ...], int]:
   """(mesh axes, their size G) of the sampler's "batch" rule that do not split the KV heads: the row groups a
   paged call on `mesh` splits into where G divides its rows and requests (`row_groups`); ((), 1) without a mesh.
@@ -301,112 +281,3 @@ def row_group_axes(mesh, rules) -> tuple[tuple[str, ...], int]:
   heads = set(logical_split(shape, "act_kv_heads", rules)[0])
   axes = tuple(a for a in logical_split(shape, "batch", rules)[0] if a not in heads and a in shape)
   return axes, int(np.prod([shape[a] for a in axes])) if axes else 1
-
-
-def row_groups(sampler, rows: int, num_requests: int) -> tuple[tuple[str, ...], int]:
-  """(mesh axes, their size G) a paged call splits into G independent row groups: the axes of the sampler's
-  "batch" rule that do not split the KV heads (`row_group_axes`, size-1 axes included), when G divides the rows
-  and the requests; else ((), 1).
-
-  Each group runs its own loop on its own rows / G decode rows, a pool of its own (`PagedKV.group_pool`) and a
-  contiguous block of N / G requests, so a chip holds and reads the pages of its own group's rows only (a pool
-  shared by every group would be whole on every chip). Responses do not change: each request keeps its key."""
-  axes, g = row_group_axes(sampler.mesh, sampler.rules)
-  return (axes, g) if axes and rows % g == 0 and num_requests % g == 0 else ((), 1)
-
-
-def _loop(
-    sampler, state, requests, sampling: SamplingParams, p_len: int, rows: int, refill: int, unit: int, num_pages, axes
-):
-  """One row group's fresh pool of `num_pages` pages and `decode_with_refills` over its requests (all of them
-  outside a row-group split), in lockstep with the other groups over mesh `axes` (() without a split). Returns
-  the [N, R] outputs, routes and the pool's error bits ([1] int32)."""
-  model = nnx.merge(sampler._graphdef, state)
-  cfg, r = sampler.config, sampling.max_new_tokens
-  sizes = {**sampler.paged_kv.pool_sizes(rows, p_len, r), "num_pages": num_pages}
-  pool = paged.init_pool(
-      num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.jnp_dtype, **sizes
-  )
-  # the pages split by KV head like the dense cache (and the Pallas kernel's shard_map)
-  pool = pool._replace(kv_pages=jax.tree.map(lambda a: constrain(a, ("act_kv_heads", None, None, None)), pool.kv_pages))
-  st = init_state(cfg, rows, requests[0].shape[0], 1, r, sampler.pad_id, sampler.record_routes, sampling.truncates)
-  st = st._replace(cache=pool)
-  cos_s, sin_s = rope_tables(jnp.arange(p_len + r)[None], cfg)
-  kernel = sampler.paged_kv.kernel_fields(sampler.mesh)
-
-  def step_fn(cache, tokens_b, pos_b):
-    pos, cache = pos_b[:, None], cache._replace(**kernel)
-    out = model(tokens_b[:, None], pos, jnp.ones_like(pos), cache=cache, rope=(cos_s[0][pos], sin_s[0][pos]))
-    return out.out[:, 0], out.cache.kv_pages, *((out.routes[:, 0],) if sampler.record_routes else ())
-
-  hd_major = keys_head_dim_major(cfg.jnp_dtype)
-  st = decode_with_refills(
-      st,
-      step_fn,
-      prefill_fn(model),
-      requests,
-      refill,
-      sampling,
-      sampler.pad_id,
-      hd_major,
-      sampler.logits_processor,
-      unit,
-      (lambda x: jax.lax.psum(x.astype(jnp.int32), axes) > 0) if axes else (lambda x: x),
-  )
-  return *st.outputs(), st.cache.errors[None]
-
-
-def run(sampler, state, requests, *, sampling: SamplingParams, p_len: int, rows: int, refill: int, unit: int = 1):
-  """The jitted whole call (`Sampler._c_paged`): `_loop` on all rows and requests, or, split into `row_groups`,
-  one `_loop` per group in a `jax.shard_map` over the group axes (each with rows / G rows, max(1, refill / G)
-  refill rows and num_pages / G pages), the groups in lockstep (`decode_with_refills`' `any_group`: no group
-  runs a collective the others skip). `sampler` is the `Sampler` whose graphdef, config and options it runs.
-  Returns the [N, R] outputs, routes and the error bits of each group's pool ([G] int32)."""
-  sampler.trace_count += 1
-  n = requests[0].shape[0]
-  axes, g = row_groups(sampler, rows, n)
-  num_pages = sampler.paged_kv.group_pool(g).pool_sizes(rows // g, p_len, sampling.max_new_tokens)["num_pages"]
-  loop = functools.partial(
-      _loop,
-      sampler,
-      sampling=sampling,
-      p_len=p_len,
-      rows=rows // g,
-      refill=max(1, refill // g),
-      unit=unit,
-      num_pages=num_pages,
-      axes=axes,
-  )
-  if axes:
-    split = P(axes)
-    loop = jax.shard_map(
-        loop, mesh=sampler.mesh, in_specs=(P(), split), out_specs=split, axis_names=set(axes), check_vma=False
-    )
-  return loop(state, requests)
-
-
-def generate(sampler, state, tokens, segs, row_group, keys, n: int, sampling: SamplingParams, group_size: int = 1):
-  """The host side of a paged call: check every request fits an empty pool (else it would wait forever),
-  choose the requests per shared prefill (`share_unit`), run the jitted call, raise on a broken pool contract.
-  tokens / segs: [N, P] numpy left-padded prompts, prompt-major (the group_size samples of a prompt in a row);
-  keys: [N, 2] uint32. Returns the outputs of `Sampler._generate_continuous`.
-
-  Raises:
-    ValueError: a prompt the pool could never hold (`paged.check_request`, naming `PagedKV.num_pages`).
-    RuntimeError: the pool's error bits (a bug: `paged.raise_on_errors`).
-  """
-  p_len, r = tokens.shape[1], sampling.max_new_tokens
-  rows, refill_at = sampler.continuous_rows(n)
-  g = row_groups(sampler, rows, n)[1]
-  kv = sampler.paged_kv.group_pool(g)  # one row group's pool and rows (all of them without a split)
-  sizes = kv.pool_sizes(rows // g, p_len, r)
-  shape = jax.eval_shape(lambda: paged.init_pool(num_layers=1, num_kv_heads=1, head_dim=1, **sizes))
-  lens = np.maximum(np.sum(np.asarray(segs) > 0, axis=1), 1)
-  paged.check_request(shape, int(lens.max()), max(r - 1, 0))  # the longest prompt: its error names what suffices
-  unit = share_unit(kv, group_size, rows // g, lens, p_len, r, max(1, refill_at // g))
-  unit = math.gcd(unit, n // g)  # whole units in every group
-  requests = (tokens, segs, np.asarray(row_group).astype(np.int32), keys)
-  kw = dict(sampling=sampling, p_len=p_len, rows=rows, refill=refill_at, unit=unit)
-  *out, errors = sampler._c_paged(state, requests, **kw)
-  paged.raise_on_errors(to_host(errors))
-  return tuple(out)  # on the devices: `Sampler.generate` reads them back (each process its rows, `own_rows`)

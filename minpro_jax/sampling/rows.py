@@ -7,8 +7,7 @@ the sampler's mesh (`auto_decode_rows`). The
 trainer and the compile-only tool resolve it where they build their `Sampler` (`resolve_decode_rows`); the
 `Sampler` itself only ever sees an int. On a device that reports no HBM figure (CPU) "auto" keeps `CPU_ROWS`.
 
-Decode rows change no sample (the continuous sampler's responses equal the static sampler's token for token), so a
-study run finished with another value, or with "auto", is not stale (`minpro_jax.study.runner.SAME_SAMPLES_FIELDS`).
+Decode rows change no sample: the continuous sampler's responses equal the static sampler's token for token.
 """
 
 from __future__ import annotations
@@ -153,7 +152,7 @@ def resolve_decode_rows(
   `hbm_bytes` is None or 0 (CPU).
 
   Args:
-    value: the validated field (`run_config.sampler_decode_rows`).
+    value: the validated field (`sampler_setup.sampler_decode_rows`).
     other_resident_bytes: bytes per device that stay besides the sampler's weights (the learner's state).
     hbm_bytes: one device's HBM (`device_hbm_bytes`, or a slice's chip figure); batch_buckets: the `Sampler`'s;
       the rest as `sampler_memory`.

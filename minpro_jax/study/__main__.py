@@ -1,5 +1,5 @@
 """Command line: `python -m minpro_jax.study --grid=<grid file[:arg]> --workdir=runs/<study> [--jobs=N] [--dry-run]
-[--aggregate-only] [--only=<substring>] [--force] [--debug]`.
+[--aggregate-only] [--only=<substring>] [--force] [--continue-at-head] [--debug]`.
 
 Runs every run of the grid that is not done (each in `<workdir>/<run name>`, resumable), then writes the
 aggregation into the workdir: `summary.json`, `summary.md` and the PNG plots (docs/study.md). Re-running the same
@@ -12,6 +12,8 @@ command after a stop skips the finished runs and resumes the others.
                     also written into study.json, as they change no run).
   --only=S          run only the runs whose name or label contains S (the aggregation still covers every run).
   --force           accept a workdir whose study.json holds another grid's runs (and replace it).
+  --continue-at-head  run the unfinished runs of a study started at another commit with this code (study.json
+                    records the launch and its commit); without it such a study is refused, naming its commit.
   --debug           show the traceback of a mistake instead of its one-line `error: ...`.
   --compilation-cache=DIR  JAX's persistent compilation cache for the runs (default cache/jax_compilation, beside
                     the SFT cache; '' = none): a grid's runs share most programs.
@@ -48,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--aggregate-only", action="store_true", help="only write the aggregation of the finished runs")
   p.add_argument("--only", default="", help="run only the runs whose name or label contains this")
   p.add_argument("--force", action="store_true", help="accept a workdir of another grid (replaces its study.json)")
+  p.add_argument(
+      "--continue-at-head",
+      action="store_true",
+      help="run the unfinished runs of a study started at another commit with this code (recorded in study.json)",
+  )
   p.add_argument("--debug", action="store_true", help="show the traceback of a mistake in the flags or files")
   p.add_argument("--interval", choices=("t", "bootstrap"), default="t", help="the confidence interval (default t)")
   p.add_argument(
@@ -138,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
       planned = grid.plan(g, study_dir, validate=not args.aggregate_only)
     except grid.GridError as e:  # name the grid file as well as its field
       raise grid.GridError(f"--grid={args.grid}: {e}") from e
-    record = runner.study_record(args.grid, g, [r for r, _, _ in planned])
+    commit = runner.code_commit()
+    base_config = None if args.aggregate_only else grid.resolved_base(g)
+    record = runner.study_record(args.grid, g, [r for r, _, _ in planned], commit, base_config)
     try:
       runner.check_study(study_dir, record, force=args.force)
     except runner.StudyFileError as e:
@@ -153,17 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     selected = [p for p in planned if args.only in p[0].name or args.only in p[0].label]
     if not selected:
       raise grid.GridError(f"--only={args.only}: no run's name or label contains it (e.g. {planned[0][0].name})")
-    status = {
-        r.name: runner.run_status(
-            os.path.join(study_dir, r.name), config, set_by_grid=grid.run_overrides(g, r, study_dir)
-        )
-        for r, _, config in selected
-    }
+    status = {r.name: runner.run_status(os.path.join(study_dir, r.name)) for r, _, _ in selected}
+    stored = None if args.force else runner.read_study(study_dir)
+    left = [name for name, st in status.items() if st != "done"]
     if args.dry_run:
-      return _dry_run(args, selected, status, len(planned))
+      return _dry_run(args, selected, status, len(planned), stored, commit)
+    if not args.continue_at_head:
+      runner.check_commit(study_dir, stored, commit, len(left))
     lock = runner.lock_study(study_dir)  # noqa: F841 - held until this process exits
-    runner.check_not_stale(study_dir, status)
-    runner.write_study(study_dir, record)
+    runner.write_study(study_dir, runner.record_launch(stored, record, commit, left))
   except UserError as e:
     if args.debug:
       raise
@@ -172,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
   env = child_env(args.compilation_cache)
   ex = runner.Executor(jobs=args.jobs, env=env, study_log=os.path.join(study_dir, runner.RUN_LOG))
-  done = [r.name for r, _, _ in selected if status[r.name][0] == "done"]
+  done = [r.name for r, _, _ in selected if status[r.name] == "done"]
   for name in done:
     ex.say(f"skip     {name} (finished)")
   jobs = [runner.Job(r.name, argv, os.path.join(study_dir, r.name)) for r, argv, _ in selected if r.name not in done]
@@ -203,17 +210,21 @@ def _aggregate(study_dir: str, record: dict, interval: str) -> int:
   return 0
 
 
-def _dry_run(args, selected, status: dict, total: int) -> int:
-  counts = {s: [st for st, _ in status.values()].count(s) for s in ("done", "partial", "stale", "new")}
+def _dry_run(args, selected, status: dict, total: int, stored: dict | None, commit: str | None) -> int:
+  counts = {s: list(status.values()).count(s) for s in ("done", "partial", "new")}
   print(f"study {args.workdir}: grid {args.grid}, {total} run(s), {len(selected)} selected")
   for run, argv, _ in selected:
-    st, diff = status[run.name]
-    print(f"{st:8s} {run.name}  [{run.label}]" + (f"  (differs in {', '.join(diff)})" if diff else ""))
+    print(f"{status[run.name]:8s} {run.name}  [{run.label}]")
     print(f"         {shlex.join(argv)}")
   print(
-      f"{counts['done']} done (skipped), {counts['partial']} partial (resumed), {counts['new']} new, "
-      f"{counts['stale']} stale (finished with another config: refused); dry run: nothing was written"
+      f"{counts['done']} done (skipped), {counts['partial']} partial (resumed), {counts['new']} new; dry run: "
+      "nothing was written"
   )
+  if stored is not None and not args.continue_at_head:
+    try:
+      runner.check_commit(args.workdir, stored, commit, counts["partial"] + counts["new"])
+    except runner.StudyError as e:
+      print(f"note: a real run would refuse: {e}")
   return 0
 
 

@@ -416,12 +416,12 @@ def train_argv(grid: Grid, run: Run, workdir: str, python: str = sys.executable)
 
 
 def parse_run_config(argv: list[str]):
-  """The locked config the trainer will build from `argv` (a `train_argv`), parsed by `train.parse_config`.
+  """The locked config the trainer will build from `argv` (a `train_argv`), parsed by `config_lib.parse.parse_config`.
 
   Raises:
-    UserError: from `minpro_jax.train.parse_config` (an unknown field, a value that does not parse).
+    UserError: from `minpro_jax.config_lib.parse.parse_config` (an unknown field, a value that does not parse).
   """
-  from minpro_jax.train import parse_config
+  from minpro_jax.config_lib.parse import parse_config
 
   return parse_config([argv[0], *argv[3:]])  # without "-m minpro_jax.train"
 
@@ -486,6 +486,23 @@ def _all_fields(config, prefix: str = "") -> list[str]:
     path = f"{prefix}{k}"
     out += _all_fields(v, path + ".") if hasattr(v, "keys") else [path]
   return out
+
+
+def resolved_base(grid: Grid) -> dict[str, Any]:
+  """The base config of `grid` as the trainer resolves it today (every field, defaults included), as a dict.
+
+  Raises:
+    GridError: the base config file is missing or does not load.
+  """
+  path, _ = split_spec(grid.base)
+  if resolve_path(path) is None:
+    raise GridError(f"grid.base: no such config file {path!r} (from {os.getcwd()} or {REPO}); fix the path")
+  try:
+    return parse_run_config(
+        [sys.executable, "-m", "minpro_jax.train", f"--config={resolve_path(path)}{grid.base[len(path):]}"]
+    ).to_dict()
+  except UserError as e:
+    raise GridError(f"grid.base: {e}") from e
 
 
 def plan(
@@ -573,7 +590,7 @@ def _validate_main() -> None:
   """The child of `validate_in_subprocess`: reads [[name, argv], ...] (JSON) on stdin, prints {name: error}."""
   import json
 
-  from minpro_jax import run_config
+  from minpro_jax.run import run_config
 
   out = {}
   for name, argv in json.loads(sys.stdin.read()):

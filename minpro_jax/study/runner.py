@@ -1,13 +1,19 @@
 """Runs a study's training runs as subprocesses, several at once, and survives being stopped and restarted.
 
 A run is `python -m minpro_jax.train ...` in `<study>/<run>`; its output goes to `<study>/<run>/study.log`.
-A run whose `summary.json` exists (the trainer writes it last, after the final evaluation) for the same config is
-done and skipped; any other run is (re)launched, and the trainer resumes it from its newest checkpoint. A failed
-run is recorded and the others go on. SIGINT / SIGTERM stop launching runs and pass SIGTERM to the running ones,
-which checkpoint after their current step and exit; a second signal kills them.
+A run whose `summary.json` exists (the trainer writes it last, after the final evaluation) is done and skipped; any
+other run is (re)launched, and the trainer resumes it from its newest checkpoint. A failed run is recorded and the
+others go on. SIGINT / SIGTERM stop launching runs and pass SIGTERM to the running ones, which checkpoint after
+their current step and exit; a second signal kills them.
 
-`<study>/study.json` stores the grid's expanded run list; a study workdir holding another grid's list is refused
-(`check_study`) unless forced.
+A study is a record, frozen at its commit. `<study>/study.json` stores the grid (base, fixed overrides, variants,
+the expanded runs), the code commit it was started at, the base config resolved at that commit, and every later
+launch (`launches`: the commit each batch of runs was launched at). A finished run is never compared with today's
+defaults: a field added to the config since, or a default moved, changes no committed study. A study workdir
+holding another grid's runs is refused (`check_study`) unless forced; a study whose runs are not all finished and
+whose commit is not the code's is refused too (`check_commit`): extend it from a checkout of its commit (the message
+gives the `git worktree` command), or pass `--continue-at-head` to run the rest with today's code (the launch is
+recorded with its commit).
 """
 
 from __future__ import annotations
@@ -25,62 +31,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from minpro_jax import pidlock
 from minpro_jax.config_lib import files
 from minpro_jax.errors import UserError
+from minpro_jax.runtime import pidlock
 from minpro_jax.study.grid import Grid, Run
 
 STUDY_FILE = "study.json"
 RUN_LOG = "study.log"
-# config fields that do not change a finished run's result: a summary.json differing only in them is still done
-IGNORED_FIELDS = ("workdir", "log", "checkpoint")
-# sampler execution modes and layouts that give the same responses token for token (tests/test_sampler_continuous.py,
-# tests/test_inference_mesh.py): a run finished under another is not stale
-SAME_SAMPLES_FIELDS = (
-    "sampling.continuous",
-    "sampling.decode_rows",
-    "sampling.mesh",
-    "sampling.kv_cache",  # and its pool (tests/test_paged_sampler.py, tests/test_sampler_setup.py)
-    "sampling.page_size",
-    "sampling.num_pages",
-)
-# Config fields added after studies were run, each with the value that keeps the behaviour from before it existed:
-# a summary.json without the field ran with that value (a field missing here and from a summary.json differs).
-ADDED_FIELDS = {
-    "mipu.mode": "gap",
-    "mipu.random_rate": None,
-    "mipu.match_rate_of": "",
-    "mipu.ground_truth": False,
-    "optimizer.lr_decay_on_length_surge": False,
-    "optimizer.lr_decay_baseline_steps": 50,
-    "optimizer.lr_decay_surge_ratio": 3.0,
-    "optimizer.lr_decay_period_factor": 1.8,
-    "optimizer.lr_decay_factor": 0.5,
-    "optimizer.lr_decay_min_ratio": 0.1,
-    "sampling.fp8_weight_scale": "tensor",  # the defaults of minpro_jax.run_config.FP8_OPTIONS
-    "sampling.fp8_format": "e4m3",
-    "sampling.fp8_activations": "token",
-    "loss.rollout_mis_bounds": None,
-    "sft.target": "answer",
-    "sampling.drop_equal_reward_groups": False,
-    "sampling.max_sampling_rounds": 4,
-    "reward.mask_truncated": False,
-    "learner.row_tokens": 0,
-    "sft.row_tokens": 0,
-    "mipu.statistic": "t_post",
-    "mipu.tolerance": "fixed",
-    "mipu.calibration_draws": 8,
-    "mipu.calibration_z": 2.0,
-    "sampling.devices": 0,
-    "sampling.overlap": True,
-}
-# Defaults of the base config that changed after studies were run, each with its value before: a stored study.json
-# whose fixed fields lack one ran with that value, so a grid that now pins it there is the same study (its runs'
-# configs are the same). Pinning any other value, or unpinning, is another study.
-MOVED_DEFAULTS = {
-    "sampling.kv_cache": "dense",  # "auto" (paged with the continuous sampler) since 2026-12-06
-}
-_ABSENT = object()
 _STOPPED_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT, -signal.SIGKILL}
 
 
@@ -94,22 +51,27 @@ class StudyFileError(StudyError):
 
 
 # ------------------------------------------------------------------------------------------------ study.json
-def study_record(grid_spec: str, grid: Grid, runs: Sequence[Run]) -> dict[str, Any]:
-  """What `study.json` stores: the grid spec, base config, fixed overrides and the expanded runs (JSON)."""
-  return json.loads(
-      json.dumps(
-          {
-              "grid": grid_spec,
-              "base": grid.base,
-              "description": grid.description,
-              "fixed": dict(grid.fixed),
-              "variants": {k: dict(v) for k, v in grid.variants.items()},
-              "comparisons": [list(c) for c in grid.comparisons],
-              "panel": grid.panel,
-              "runs": [r.to_json() for r in runs],
-          }
-      )
-  )
+def study_record(
+    grid_spec: str, grid: Grid, runs: Sequence[Run], commit: str | None = None, base_config: Mapping | None = None
+) -> dict[str, Any]:
+  """What `study.json` stores (JSON): the grid spec, base config, fixed overrides, variants, the expanded runs and
+  reporting fields; `commit` (the code's, `code_commit`) and `base_config` (the base config resolved at that
+  commit, as a dict) when given. A run's resolved config is `base_config` with the run's overrides."""
+  out = {
+      "grid": grid_spec,
+      "base": grid.base,
+      "description": grid.description,
+      "fixed": dict(grid.fixed),
+      "variants": {k: dict(v) for k, v in grid.variants.items()},
+      "comparisons": [list(c) for c in grid.comparisons],
+      "panel": grid.panel,
+      "runs": [r.to_json() for r in runs],
+  }
+  if commit is not None:
+    out["commit"] = commit
+  if base_config is not None:
+    out["base_config"] = dict(base_config)
+  return json.loads(json.dumps(out, default=str))
 
 
 def read_study(study_dir: str) -> dict[str, Any] | None:
@@ -161,15 +123,14 @@ def read_study_runs(study_dir: str) -> tuple[dict[str, Any] | None, list[str]]:
 
 
 def study_differences(stored: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
-  """What differs between a stored `study.json` and this grid's record, one phrase each ([] = the same study). A
-  fixed field the stored grid lacks that this one pins to its `MOVED_DEFAULTS` value is no difference."""
+  """What differs between a stored `study.json` and this grid's record, one phrase each ([] = the same study): the
+  base config's path, the fixed overrides, the variants and the runs (the commit is `check_commit`'s)."""
   out = []
   if files.canonical(stored.get("base") or "") != files.canonical(record["base"]):  # a moved path is the same
     out.append(f"base config {stored.get('base')!r} there, {record['base']!r} here")
   f0, f1 = stored.get("fixed", {}), record["fixed"]
   for k in sorted(set(f0) | set(f1)):
-    pins_old_default = k not in f0 and k in f1 and MOVED_DEFAULTS.get(k, _ABSENT) == f1[k]
-    if f0.get(k) != f1.get(k) and not pins_old_default:
+    if f0.get(k) != f1.get(k):
       out.append(f"fixed {k}: {f0.get(k, '(unset)')!r} there, {f1.get(k, '(unset)')!r} here")
   v0, v1 = stored.get("variants", {}), record.get("variants", {})
   for k in sorted(set(v0) | set(v1)):
@@ -243,104 +204,87 @@ def write_study(study_dir: str, record: Mapping[str, Any]) -> str:
   return path
 
 
-# ------------------------------------------------------------------------------------------------ run status
-def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, Mapping) and v:
-      out.update(_flat(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
+# ------------------------------------------------------------------------------------------------ commit
+def code_commit(repo: str = files.REPO) -> str | None:
+  """The commit of the code in `repo` (`git rev-parse HEAD`), with "+dirty" when its tracked files under
+  minpro_jax/ or configs/ differ from it; None outside a git checkout (e.g. an installed package)."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", "minpro_jax", "configs"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def check_commit(study_dir: str, stored: Mapping[str, Any] | None, commit: str | None, left: int) -> None:
+  """Refuses to launch `left` (> 0) runs of a study started at another commit than the code's `commit`: its
+  finished runs ran with that commit's code and defaults, and the rest must too (or be launched knowingly with
+  `--continue-at-head`, which records the launch's commit).
+
+  Raises:
+    StudyError: naming the study's commit, the code's, and the two ways on.
+  """
+  if stored is None or left == 0:
+    return
+  was = stored.get("commit")
+  if was is not None and commit is not None and was == commit and not was.endswith("+dirty"):
+    return
+  if was is None and "base_config" in stored:  # started outside a git checkout: nothing to compare
+    return
+  since = (stored.get("launches") or [{}])[-1].get("commit", was)
+  if since is not None and since == commit and not since.endswith("+dirty"):
+    return  # continued at this commit before (--continue-at-head)
+  where = f"commit {was}" if was else "a commit it did not record (a study from before 2026-12-07)"
+  how = (
+      f"git worktree add /tmp/study-{was[:8]} {was.removesuffix('+dirty')} and run this command there (with "
+      f"--workdir={os.path.abspath(study_dir)})"
+      if was
+      else "a checkout of the commit that added its study.json (git log -- <workdir>/study.json)"
+  )
+  raise StudyError(
+      f"--workdir={study_dir}: a study of {where}, with {left} run(s) left, and this code is at "
+      f"{commit or 'no git commit'}. A study is a record of one code version: extend it from {how}; or pass "
+      "--continue-at-head to run the rest with this code (study.json records the launch and its commit)"
+  )
+
+
+def record_launch(stored: Mapping[str, Any], record: Mapping[str, Any], commit: str | None, names: Sequence[str]):
+  """`record` to write back to study.json when `names` are launched at `commit`: the stored study's commit and
+  base config kept (a new study takes `record`'s), and the launch appended to `launches` when its commit is not
+  the study's."""
+  out = dict(record)
+  if stored is not None:
+    for k in ("commit", "base_config", "launches"):
+      if k in stored:
+        out[k] = stored[k]
+      else:
+        out.pop(k, None)
+    if names and commit != stored.get("commit"):
+      out["launches"] = [*stored.get("launches", []), {"commit": commit, "at": _now(), "runs": list(names)}]
   return out
 
 
-def _normalized(d: Mapping[str, Any]) -> dict[str, Any]:
-  """The dotted fields of a config dict as JSON values, without `IGNORED_FIELDS`."""
-  flat = _flat(json.loads(json.dumps(dict(d), default=str)))
-  return {k: v for k, v in flat.items() if k.split(".")[0] not in IGNORED_FIELDS and k not in SAME_SAMPLES_FIELDS}
-
-
-def config_differences(stored: Mapping[str, Any], want: Mapping[str, Any], set_by_grid=None) -> list[str]:
-  """What differs between a finished run's config (`stored`, its summary.json) and the config the grid gives it
-  now (`want`), one entry per dotted field, sorted (`IGNORED_FIELDS` left out; a field `stored` lacks counts
-  with its `ADDED_FIELDS` value).
-
-  Args:
-    set_by_grid: the fields the grid sets for this run (its `--config.FIELD` overrides); None = report bare field
-      names. With it, a field the grid does not set is a default of the base config that moved, reported as
-      "default F changed from X to Y since this run finished"; one it sets as "F: X then, Y now".
-  """
-  a, b = _normalized(stored), _normalized(want)
-  out = []
-  for k in sorted(set(a) | set(b)):
-    x, y = a.get(k, ADDED_FIELDS.get(k, _ABSENT)), b.get(k, _ABSENT)
-    if x == y:
-      continue
-    if set_by_grid is None:
-      out.append(k)
-      continue
-    show = lambda v: "(absent)" if v is _ABSENT else repr(v)  # noqa: E731
-    if any(k == f or k.startswith(f + ".") for f in set_by_grid):
-      out.append(f"{k}: {show(x)} then, {show(y)} now")
-    else:
-      out.append(f"default {k} changed from {show(x)} to {show(y)} since this run finished")
-  return out
-
-
-def run_status(run_dir: str, config: Any = None, set_by_grid=None) -> tuple[str, list[str]]:
-  """(status, differences) of a run's workdir. status: "done" (summary.json of the same config: skipped),
-  "stale" (summary.json of another config; `config_differences` lists what differs), "partial" (started, not
-  finished: the trainer resumes it) or "new".
-
-  Args:
-    run_dir: the run's workdir.
-    config: the run's expected config (a ConfigDict or dict); None = any summary.json counts as done.
-    set_by_grid: the fields the grid sets for this run (see `config_differences`).
-  """
+def run_status(run_dir: str) -> str:
+  """A run's status from its workdir: "done" (its summary.json exists: skipped), "partial" (started, not finished:
+  the trainer resumes it) or "new"."""
   path = os.path.join(run_dir, "summary.json")
   if os.path.isfile(path):
     try:
       with open(path) as f:
-        stored = json.load(f)["config"]
+        json.load(f)["config"]
+      return "done"
     except (OSError, ValueError, KeyError, TypeError):
-      return "partial", []  # unreadable: the trainer rewrites it when the run is resumed to its end
-    if config is None:
-      return "done", []
-    want = config.to_dict() if hasattr(config, "to_dict") else config
-    diff = config_differences(stored, want, set_by_grid)
-    return ("stale", diff) if diff else ("done", [])
+      return "partial"  # unreadable: the trainer rewrites it when the run is resumed to its end
   started = os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) or os.path.isdir(
       os.path.join(run_dir, "checkpoints")
   )
-  return ("partial" if started else "new"), []
-
-
-def check_not_stale(study_dir: str, status: Mapping[str, tuple[str, list[str]]]) -> None:
-  """Refuses to run when a run finished with another config: relaunching it would only repeat its final evaluation
-  (the trainer resumes its last checkpoint, and does not check every field, e.g. the learning rate).
-
-  Raises:
-    StudyError: naming the runs, the fields that differ and the fix (delete the run directories).
-  """
-  stale = {name: diff for name, (st, diff) in status.items() if st == "stale"}
-  moved = sorted({d for diff in stale.values() for d in diff if d.startswith("default ")})
-  if stale and len(moved) == sum(map(len, stale.values())):  # only the base config's defaults moved
-    fields = [m.split()[1] for m in moved]
-    pins = ", ".join(dict.fromkeys(f"{m.split()[1]}={m.split(' from ')[1].split(' to ')[0]}" for m in moved))
-    raise StudyError(
-        f"--workdir={study_dir}: {len(stale)} finished run(s) ran with other defaults of the base config than "
-        f"today's ({'; '.join(dict.fromkeys(m.replace(' since this run finished', '') for m in moved))}); the "
-        f"grid did not change. To keep them, pin the old values in the grid's fixed overrides ({pins}) and re-run "
-        "with --force (finished runs whose config then matches are skipped); to rerun them with the new "
-        f"default{'s' if len(set(fields)) > 1 else ''}, delete those run directories"
-    )
-  if stale:
-    shown = "; ".join(f"{n} ({', '.join(d[:4])}{', ...' if len(d) > 4 else ''})" for n, d in list(stale.items())[:3])
-    raise StudyError(
-        f"--workdir={study_dir}: {len(stale)} run(s) finished with another config than the grid gives: {shown}"
-        f"{'; ...' if len(stale) > 3 else ''}. Delete those run directories to run them again with this grid, "
-        "or restore the grid they ran with"
-    )
+  return "partial" if started else "new"
 
 
 # ------------------------------------------------------------------------------------------------ execution

@@ -1,5 +1,5 @@
 """`RunProgress`: what a run has done besides its arrays (best evaluation, MIPU counters, the LR-decay trigger), saved
-as JSON in every run checkpoint (`minpro_jax.trainer`)."""
+as JSON in every run checkpoint (`minpro_jax.run.trainer`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class RunProgress:
     sft_eval: the macro scores of the evaluation after the warm start, None until it ran.
     sft_info: what the warm start did (`run_setup.warm_start`).
     mipu_checks / mipu_rollbacks: MIPU Step-2 tests run / updates rolled back.
-    mipu_ground_truth: [T_post, J(mu') - J(pi')] of each check with `mipu.ground_truth` (`minpro_jax.mipu_step`).
+    mipu_ground_truth: [T_post, J(mu') - J(pi')] of each check with `mipu.ground_truth` (`minpro_jax.run.mipu_step`).
     mipu_tolerance: the c of `mipu.tolerance=calibrated`, once measured at the first check (None before).
     lr_decay: the length-surge trigger's `lr_decay.SurgeState` (as JSON).
   """

@@ -1,7 +1,7 @@
-"""The analysis of the MIPU power study (`minpro_jax.study.mipu_power`; docs/mechanism.md, part 2).
+"""The analysis of the MIPU power study (`minpro_jax.lab.mipu_power`; docs/mechanism.md, part 2).
 
-    python -m minpro_jax.study.mipu_power --out=results/mipu_power --report
-    python -m minpro_jax.study.mipu_power --report --compare="T~6=results/mipu_power,T~70=results/mipu_power_worked"
+    python -m minpro_jax.lab.mipu_power --out=results/mipu_power --report
+    python -m minpro_jax.lab.mipu_power --report --compare="T~6=results/mipu_power,T~70=results/mipu_power_worked"
 
 Reads every finished pair `<out>/k<k>_u<j>.json` and writes `<out>/summary.md`, `<out>/power.png` (ROC per n, SE
 against n) and the tables between the markers ``<!-- BLOCK:begin ... -->`` / ``<!-- BLOCK:end -->`` of
@@ -27,11 +27,11 @@ import os
 
 import numpy as np
 
+from minpro_jax.lab.fidelity_model_report import TASKS, load_studies, replace_block
 from minpro_jax.rl import mipu
-from minpro_jax.study.fidelity_model_report import TASKS, load_studies, replace_block
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "mechanism.md")
-BEGIN, END = "<!-- mipu-power:begin (python -m minpro_jax.study.mipu_power --report) -->", "<!-- mipu-power:end -->"
+BEGIN, END = "<!-- mipu-power:begin (python -m minpro_jax.lab.mipu_power --report) -->", "<!-- mipu-power:end -->"
 COMPARE = "mipu-power-compare"
 BOOT = 1000
 Z_CALIBRATED, C_FIXED = 2.0, 1e-4  # the tolerances whose rollback rates the report shows
@@ -276,7 +276,7 @@ def report(out: str, doc: str = DOC, block: str = "mipu-power") -> str:
   plot(pairs, png)
   md = tables(pairs)
   with open(os.path.join(out, "summary.md"), "w") as f:
-    f.write("# MIPU power study (minpro_jax.study.mipu_power)\n\n" + md + "\n\n![ROC and SE vs n](power.png)\n")
+    f.write("# MIPU power study (minpro_jax.lab.mipu_power)\n\n" + md + "\n\n![ROC and SE vs n](power.png)\n")
   link = os.path.relpath(os.path.abspath(png), os.path.dirname(os.path.abspath(doc)))  # the plot, seen from the doc
   md += f"\n\n![ROC and SE vs n]({link})"
   replace_block(doc, block, f"\n{md}\n")

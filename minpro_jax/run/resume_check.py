@@ -11,7 +11,8 @@ from typing import Any
 
 from minpro_jax.data.tfds_source import parse_tfds_ref
 from minpro_jax.errors import ConfigError
-from minpro_jax.run_config import FP8_OPTIONS, eval_files
+from minpro_jax.run.run_config import eval_files
+from minpro_jax.run.sampler_setup import FP8_OPTIONS
 
 # Fields a run checkpoint is only valid for: resuming with other values would silently change the experiment.
 RESUME_KEYS = (

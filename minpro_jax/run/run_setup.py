@@ -24,8 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minpro_jax import pidlock, run_config
-from minpro_jax.checkpoint import RunCheckpointer
 from minpro_jax.data import encode_prompts, format_prompt, load_file, train_sentencepiece
 from minpro_jax.data.records import MathProblem
 from minpro_jax.data.rewards import math_reward
@@ -46,7 +44,9 @@ from minpro_jax.models.hf_io import load_hf_checkpoint
 from minpro_jax.rl.learner import Learner
 from minpro_jax.rl.optimizer import make_optimizer
 from minpro_jax.rl.sft import SFTConfig, build_examples, long_target_warning, run_sft, sft_target
-from minpro_jax.runtime import multihost
+from minpro_jax.run import run_config
+from minpro_jax.run.checkpoint import RunCheckpointer
+from minpro_jax.runtime import multihost, pidlock
 from minpro_jax.runtime.device_split import DeviceSplit, sampler_device_count, split_devices
 from minpro_jax.runtime.sharding import make_mesh
 
@@ -103,7 +103,7 @@ def setup_run(c) -> RunParts:
   multihost.check_shared_dir(workdir, "workdir")  # every process must write into one workdir (orbax, metrics)
   lock = lock_workdir(workdir) if multihost.is_primary() else None  # one lock per run; process 0 holds it
   try:
-    split = split_devices(sampler_device_count(c.sampling.get("devices", 0), jax.device_count(), jax.process_count()))
+    split = split_devices(sampler_device_count(c.sampling.devices, jax.device_count(), jax.process_count()))
     shape = run_config.parse_mesh_shape(c.mesh.shape)
     mesh = make_mesh(shape, devices=split and split.learner) if shape else None
     problems, eval_sets = train_and_eval_problems(c)
@@ -528,7 +528,7 @@ def sft_steps(c, problems: list[MathProblem]) -> list[str]:
   Raises:
     ConfigError: naming `config.sft.target`, when a problem's trace is missing or does not reach its answer.
   """
-  if c.sft.get("target", "answer") != "worked":
+  if c.sft.target != "worked":
     return [""] * len(problems)
   try:
     return [worked_steps(p) for p in problems]
@@ -550,7 +550,7 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
       tokenizer.encode(format_prompt(p, tokenizer, c.data.template), add_bos=c.data.template == "plain")
       for p in sft_problems
   ]
-  steps = sft_steps(c, sft_problems) if c.sft.get("target", "answer") == "worked" else None
+  steps = sft_steps(c, sft_problems) if c.sft.target == "worked" else None
   try:
     tokens, seg, mask = build_examples(
         prompt_ids,
@@ -575,7 +575,7 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
       seed=c.seed,
       max_len=c.sft.max_len,
       boxed_fraction=c.sft.boxed_fraction,
-      row_tokens=c.sft.get("row_tokens", 0),
+      row_tokens=c.sft.row_tokens,
   )
   params, info = run_sft(
       model,
@@ -595,5 +595,5 @@ def sft_key_parts(c, model: Transformer) -> dict[str, Any]:
   `sft.target=worked` only, the target (absent for `answer`, so the default config keeps the key it always had
   and its cached warm start and committed results still match)."""
   parts = {"model": repr(model.config), "source": c.model.source, "path": c.model.path}
-  target = c.sft.get("target", "answer")
+  target = c.sft.target
   return parts if target == "answer" else {**parts, "target": target}

@@ -1,8 +1,8 @@
-"""Runner and report of the Tier A gradient-fidelity study (`minpro_jax.study.fidelity_toy`; docs/mechanism.md).
+"""Runner and report of the Tier A gradient-fidelity study (`minpro_jax.lab.fidelity_toy`; docs/mechanism.md).
 
-    python -m minpro_jax.study.fidelity_toy --out=results/fidelity_toy                  # the default grid, resumable
-    python -m minpro_jax.study.fidelity_toy --out=results/fidelity_toy --T=16,64 --seeds=0
-    python -m minpro_jax.study.fidelity_toy --out=results/fidelity_toy --report         # tables + plot, no runs
+    python -m minpro_jax.lab.fidelity_run --out=results/fidelity_toy                  # the default grid, resumable
+    python -m minpro_jax.lab.fidelity_run --out=results/fidelity_toy --T=16,64 --seeds=0
+    python -m minpro_jax.lab.fidelity_run --out=results/fidelity_toy --report         # tables + plot, no runs
 
 A cell is (T, tolerance, drift, seed); each finished cell is one small JSON `<out>/<cell>.json` (written atomically
 last), and a finished cell is skipped. The setting of (seed, T, tolerance): V = 6 tokens, 3 correct per position,
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minpro_jax.study import fidelity_toy as ft
+from minpro_jax.lab import fidelity_toy as ft
 from minpro_jax.study import results
 
 VOCAB, NUM_CORRECT, NUM, GROUP = 6, 3, 64, 8
@@ -43,7 +43,7 @@ DEFAULT_DRIFTS = ("s0", "s8", "s32", "s128", "noise0.3")
 ALL_DRIFTS = ("s0", "s8", "s32", "s128", "noise0.1", "noise0.3")  # the report's order
 TOLERANCES = ("E0", "Ek")
 DOC = os.path.join("docs", "mechanism.md")
-BEGIN, END = "<!-- tier-a:begin (python -m minpro_jax.study.fidelity_toy --report) -->", "<!-- tier-a:end -->"
+BEGIN, END = "<!-- tier-a:begin (python -m minpro_jax.lab.fidelity_run --report) -->", "<!-- tier-a:end -->"
 REFERENCE = ft.METHOD_NAMES.index("cispo")  # the paired eta differences are against cispo (= minpro "none")
 CONTRASTS = (("minpro:min", "cispo"), ("minpro:min", "minpro:prod"), ("minpro:prod", "cispo"))
 DOC_TABLES = (("s32", "E0"), ("noise0.3", "E0"), ("s8", "Ek"), ("noise0.3", "Ek"))
@@ -75,7 +75,7 @@ def finite_or_none(x):
   return x
 
 
-def _cpu() -> str:
+def cpu_model() -> str:
   try:
     with open("/proc/cpuinfo") as f:
       return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -163,7 +163,7 @@ def run_cell(setting: Setting, drift: str, seed: int, batches: int, stats_fn) ->
       "methods": methods,
       "seconds": round(time.time() - t0, 1),
       "date": datetime.date.today().isoformat(),
-      "cpu": _cpu(),
+      "cpu": cpu_model(),
   }
 
 
@@ -421,7 +421,7 @@ def _ints(s: str, name: str) -> tuple[int, ...]:
 def main(argv=None) -> int:
   """The command line (module docstring): runs the cells, or with --report regenerates the report; returns the exit
   status (2 with one line on a bad flag)."""
-  p = argparse.ArgumentParser(prog="python -m minpro_jax.study.fidelity_toy", description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(prog="python -m minpro_jax.lab.fidelity_run", description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="", help=f"the study's folder (default {results.committed('fidelity_toy')})")
   p.add_argument("--T", default=",".join(map(str, DEFAULT_T)), help="horizons (powers of two >= 2)")
   p.add_argument("--tolerances", default=",".join(TOLERANCES))

@@ -3,7 +3,7 @@ they check (mesh shape, model fields, evaluation files, learner micro-batch).
 
 Each field is checked once, against the choices of the module that owns it (imported, never copied); a failure is
 a `ConfigError` whose message starts with `config.<field>:` and says how to fix it (`need`). The checks that build a
-part's typed config to validate it (sampling, loss, optimizer) are `minpro_jax.run_config`'s.
+part's typed config to validate it (sampling, loss, optimizer) are `minpro_jax.run.run_config`'s.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
 
 
 def check_mesh(c, num_devices: int) -> None:
-  sampler_devices = sampler_device_count(c.sampling.get("devices", 0), num_devices, jax.process_count())
+  sampler_devices = sampler_device_count(c.sampling.devices, num_devices, jax.process_count())
   num_devices -= sampler_devices  # the learner's mesh spans the rest (runtime/device_split.py)
   host_batch.process_prompts(c.prompts_per_step, 0, jax.process_count())  # each process owns whole groups
   shape = parse_mesh_shape(c.mesh.shape)
@@ -370,7 +370,7 @@ def check_mesh(c, num_devices: int) -> None:
       split = f" (sampling.devices={c.sampling.devices} gives the sampler {sampler_devices}; or change that)"
       raise ConfigError(f"config.mesh.shape: {c.mesh.shape!r}: {e}{split if sampler_devices else ''}") from e
   check_micro_batch_split(c, shape or {}, num_devices)
-  spec = c.sampling.get("mesh", "")
+  spec = c.sampling.mesh
   heads = _model_heads(c)
   if spec and (heads or spec != "auto"):  # the sampler's mesh spans the learner mesh's devices (one without a mesh)
     n = sampler_devices or (math.prod(shape.values()) if shape else 1)  # or its own

@@ -15,7 +15,7 @@ grad J is `jax.grad` of it. An objective's estimate g_hat from N responses of mu
 (`gradient_estimates`); advantages are `minpro_jax.rl.advantages.group_advantages` of the rewards. Metrics per
 batch: a = <g, g*>/|g*|^2 and b = |g|^2/|g*|^2, from which `summarize` gives the projection E a, the efficiency
 eta = (E a)^2 / E b (signed, its square debiased), the bias cos(E g, g*) and tr Cov(g)/|g*|^2. Pure functions; the runner and the report are
-`minpro_jax.study.fidelity_run` (`python -m minpro_jax.study.fidelity_toy` is its command line).
+`minpro_jax.lab.fidelity_run` (also its command line).
 """
 
 from __future__ import annotations
@@ -325,9 +325,3 @@ def summarize(
       "trace_cov": trace_cov.tolist(),
       "bias_cos": cos,
   }
-
-
-if __name__ == "__main__":
-  from minpro_jax.study.fidelity_run import main
-
-  raise SystemExit(main())

@@ -28,10 +28,11 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from minpro_jax import run_config
+from minpro_jax.config_lib.defaults import base_config
 from minpro_jax.errors import CheckpointError, ConfigError
 from minpro_jax.models import Transformer, get_preset
 from minpro_jax.models.config import ModelConfig
+from minpro_jax.run import run_config
 from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,19 @@ def save_run_files(workdir: str, c, tokenizer) -> None:
     os.replace(os.path.join(workdir, TOKENIZER_FILE + ".tmp"), os.path.join(workdir, TOKENIZER_FILE))
 
 
+def with_defaults(stored: dict, defaults: dict) -> dict:
+  """`stored` (a run's config as JSON) completed with `defaults` (today's `base_config().to_dict()`) for every field
+  it lacks: a run written before a field existed reads as having that field's default, so the code that reads a
+  run's config never needs a fallback. Groups merge recursively; a stored value always wins."""
+  out = dict(defaults)
+  for k, v in stored.items():
+    out[k] = with_defaults(v, out[k]) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
+
+
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config of the run in `workdir`: its `config.json`, else the `config` of its `summary.json`.
+  """The config of the run in `workdir`: its `config.json`, else the `config` of its `summary.json`, with today's
+  default for each field it lacks (`with_defaults`: a run from before the field existed).
 
   Raises:
     ConfigError: `workdir` is not a directory, or holds neither file (naming both and the fix).
@@ -126,7 +138,7 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
             f"--workdir: {path} does not hold a run's config ({type(e).__name__}: {e}); it is damaged or not a "
             "run's workdir (re-running the run's train command rewrites it)"
         ) from e
-      return ml_collections.ConfigDict(d)
+      return ml_collections.ConfigDict(with_defaults(d, base_config().to_dict()))
   raise ConfigError(
       f"--workdir: {workdir} has no {CONFIG_FILE} (written at the start of a run) and no summary.json (written at "
       "its end); give the workdir of a run of minpro_jax.train"
@@ -136,7 +148,7 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
 def load_run_tokenizer(workdir: str, c):
   """The run's tokenizer: `workdir/tokenizer.model` when the run trained one, else as `run_setup` builds it."""
   from minpro_jax.data.tokenizers import load_sentencepiece
-  from minpro_jax.run_setup import build_tokenizer, train_and_eval_problems
+  from minpro_jax.run.run_setup import build_tokenizer, train_and_eval_problems
 
   saved = os.path.join(workdir, TOKENIZER_FILE)
   if c.tokenizer.kind == "train_spm" and os.path.isfile(saved):

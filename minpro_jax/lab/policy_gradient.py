@@ -3,7 +3,7 @@
 For a batch of N rows and M loss configs, every objective's gradient is the vector-Jacobian product of the
 teacher-forced log-probs logp(theta) [N, L] with that objective's per-token coefficients dL/dlogp: one forward and
 one VJP of logp per batch, the M cotangents vmapped through it, instead of M copies of the update (issue 38, part 1,
-Tier B). The loss is the learner's own (`minpro_jax.rl.learner._call_policy_loss`, i.e. `policy_loss` on the
+Tier B). The loss is the learner's own (`minpro_jax.rl.learner.call_policy_loss`, i.e. `policy_loss` on the
 whole mini-batch, plus the `kl_coef` k3 term), so each result equals `jax.grad` of the mini-batch loss that
 `Learner.update` steps on (tests/test_policy_gradient.py).
 """
@@ -18,7 +18,7 @@ from flax import nnx
 
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl.aggregation import k3
-from minpro_jax.rl.learner import Learner, LossConfig, UpdateInputs, _call_policy_loss
+from minpro_jax.rl.learner import Learner, LossConfig, UpdateInputs, call_policy_loss
 from minpro_jax.rl.objectives import get_objective, resolve_hparams
 from minpro_jax.rl.rollout import RolloutBatch
 
@@ -74,11 +74,11 @@ def coefficients(loss_cfg: LossConfig, logp: jax.Array, batch: UpdateInputs) -> 
         mask,
         resolve_hparams(loss_cfg.method, loss_cfg.hparam_dict),
     )
-  denom = jnp.maximum(_call_policy_loss(loss_cfg, jnp.zeros(mask.shape, jnp.float32), batch, prepared).denominator, 1.0)
+  denom = jnp.maximum(call_policy_loss(loss_cfg, jnp.zeros(mask.shape, jnp.float32), batch, prepared).denominator, 1.0)
   num_tokens = jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
 
   def loss(lp):
-    out = _call_policy_loss(loss_cfg, lp, batch, prepared)
+    out = call_policy_loss(loss_cfg, lp, batch, prepared)
     total = out.loss_sum / denom
     if loss_cfg.kl_coef:
       delta = jnp.clip(jnp.where(mask, batch.behavior_logp - lp, 0.0), -20.0, 20.0)

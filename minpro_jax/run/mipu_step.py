@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from minpro_jax import run_config
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
+from minpro_jax.run import run_config
 from minpro_jax.runtime import multihost
 from minpro_jax.sampling import Sampler
 
@@ -53,7 +53,7 @@ class MipuStep:
   """Step 5 of the trainer's global step (`Trainer` builds one when `config.mipu.rollback` is on).
 
   Args:
-    trainer: the `minpro_jax.trainer.Trainer` whose sampler, learner, problems and seeds it uses.
+    trainer: the `minpro_jax.run.trainer.Trainer` whose sampler, learner, problems and seeds it uses.
 
   Raises:
     ValueError: `mode="random"` whose rate cannot be resolved (`mipu.reference_rollback_rate`).
@@ -82,10 +82,10 @@ class MipuStep:
     [B, 4] table), so T and its standard errors are those of one process."""
     tr, m = self.trainer, self.cfg
     own = self._own_rows(len(problems))
-    gen = tr._generate(
+    gen = tr.generate(
         state.params, problems, tr.sampling, seed, m.val_group_size, policy_version=int(state.step), own_rows=own
     )
-    batch, _, _ = tr._rollout(state, gen, problems, m.val_group_size)
+    batch, _, _ = tr.rollout(state, gen, problems, m.val_group_size)
     terms, has = inference_gap_terms(batch.learner_logp, batch.behavior_logp, batch.advantages, batch.response_mask)
     per_row = np.stack([np.asarray(terms), np.asarray(has), batch.rewards, batch.group_ids], 1).astype(np.float64)
     if own:
@@ -99,8 +99,8 @@ class MipuStep:
     tr, m = self.trainer, self.cfg
     t = []
     for d in range(m.calibration_draws):
-      idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(d, 5))
-      t.append(self._draw(state, [tr.train_problems[i] for i in idx], tr._step_seed(d, 6)).t)
+      idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr.step_seed(d, 5))
+      t.append(self._draw(state, [tr.train_problems[i] for i in idx], tr.step_seed(d, 6)).t)
     return mipu.calibrated_tolerance(t, float(m.calibration_z))
 
   def check(
@@ -116,9 +116,9 @@ class MipuStep:
     """
     tr, m = self.trainer, self.cfg
     tolerance = float(m.gap_tolerance) if tolerance is None else tolerance
-    idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr._step_seed(step, 3))
+    idx = mipu.validation_indices(len(tr.train_problems), m.val_prompts, tr.step_seed(step, 3))
     problems = [tr.train_problems[i] for i in idx]
-    seed = tr._step_seed(step, 4)
+    seed = tr.step_seed(step, 4)
     new = self._draw(state, problems, seed)
     paired = {}
     if m.statistic != "t_post":
@@ -144,7 +144,7 @@ class MipuStep:
     metrics["mipu/tolerance"] = tolerance
     if self.truth_sampler is not None:
       own = self._own_rows(len(problems))
-      truth = tr._generate(
+      truth = tr.generate(
           state.params, problems, tr.sampling, seed, m.val_group_size, sampler=self.truth_sampler, own_rows=own
       )
       j_pi = float(tr.grade(truth, problems, m.val_group_size)[1].mean())  # [B] rewards of every process's rows

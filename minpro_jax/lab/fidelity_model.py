@@ -1,8 +1,8 @@
 """Gradient fidelity on the real (tiny) transformer (issue 38, part 1, Tier B; docs/mechanism.md).
 
-    python -m minpro_jax.study.fidelity_model --out=results/fidelity_model                # the default plan, resumable
-    python -m minpro_jax.study.fidelity_model --out=results/fidelity_model --report       # tables + plot, no runs
-    python -m minpro_jax.study.fidelity_model --setting=worked --seed=0 --out=results/fidelity_model_worked   # T ~ 70
+    python -m minpro_jax.lab.fidelity_model --out=results/fidelity_model                # the default plan, resumable
+    python -m minpro_jax.lab.fidelity_model --out=results/fidelity_model --report       # tables + plot, no runs
+    python -m minpro_jax.lab.fidelity_model --setting=worked --seed=0 --out=results/fidelity_model_worked   # T ~ 70
 
 The setting (`--setting`, `SETTINGS`) is the staleness study's at delay 0 (`configs/studies/mipu.py`'s fixed fields:
 three-term chain_sum, answers of ~6 tokens, 8 updates per global step on 32 prompts x 8, lr 1e-4, GRPO) with an
@@ -19,7 +19,7 @@ committed; a rerun reloads them). Then:
     estimated without bias by <g_A, g_B> and <g, g*> by <g, (g_A + g_B) / 2> (g independent of both);
   * per drift, `--batches` batches of `--prompts` x 8 samples of mu, each scored by the learner at pi and given
     GRPO advantages, and every method of `fidelity_toy.METHODS` (the same objectives and hparams as Tier A) gets
-    its estimate g = -dL/dtheta from one VJP (`minpro_jax.rl.policy_gradient`). The metrics are Tier A's
+    its estimate g = -dL/dtheta from one VJP (`minpro_jax.lab.policy_gradient`). The metrics are Tier A's
     (`fidelity_toy.summarize`, with |g*|^2 := <g_A, g_B>), once in the Euclidean metric and once in Adam's
     (inner products weighted by 1 / (sqrt(nu_hat) + eps), the optimizer's preconditioner at k); per response
     position the token weight's mean, 5/95 % quantiles and ESS.
@@ -29,7 +29,7 @@ truth is `<out>/trajectory/truth.npz`. A killed run loses at most one batch: the
 `<out>/trajectory/truth.partial.npz` after every chunk and a cell its accumulators in
 `<out>/trajectory/<drift>.partial.npz` after every batch, and a rerun with the same plan goes on from there (the
 batches' prompts and seeds are functions of (seed, drift, batch), so the result is the same as an unbroken run's).
-The report is `minpro_jax.study.fidelity_model_report`.
+The report is `minpro_jax.lab.fidelity_model_report`.
 """
 
 from __future__ import annotations
@@ -50,16 +50,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from minpro_jax.lab import fidelity_toy as ft
+from minpro_jax.lab.fidelity_run import REFERENCE, cpu_model, finite_or_none
+from minpro_jax.lab.mipu_power import derived_seed, train_step
+from minpro_jax.lab.policy_gradient import flatten, make_gradient_fn
+from minpro_jax.lab.settings import SETTINGS, setting_overrides
 from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.learner import LossConfig, UpdateInputs
-from minpro_jax.rl.policy_gradient import flatten, make_gradient_fn
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.study import fidelity_toy as ft
 from minpro_jax.study import results
-from minpro_jax.study.fidelity_run import REFERENCE, _cpu, finite_or_none
-from minpro_jax.study.mipu_power import _seed, train_step
-from minpro_jax.study.settings import SETTINGS, setting_overrides
 
 FP8 = "fp8"  # the drift of an fp8 sampler at pi's weights (MIPU's mismatch), beside the s<s> drifts
 TRUTH_CFG = LossConfig("cispo", (("loss_agg_mode", "seq-mean-token-sum"),))
@@ -185,8 +185,8 @@ def fit_width(batch: RolloutBatch, length: int) -> RolloutBatch:
 
 def draw(tr, params, pi_state, problems, seed: int, width: int) -> RolloutBatch:
   """Samples of `params` (the trainer's sampler), graded, GRPO advantages, scored by the learner at pi."""
-  gen = tr._generate(params, problems, tr.sampling, seed, tr.c.group_size)
-  batch, _, _ = tr._rollout(pi_state, gen, problems, tr.c.group_size)
+  gen = tr.generate(params, problems, tr.sampling, seed, tr.c.group_size)
+  batch, _, _ = tr.rollout(pi_state, gen, problems, tr.c.group_size)
   return fit_width(batch, width)
 
 
@@ -237,7 +237,7 @@ def truth(tr, pi_state, plan: Plan, grad_fn, width: int, path: str):
     print(f"truth: resuming after chunk {done} of {2 * chunks}", flush=True)
   for i in range(done, 2 * chunks):
     h, c = divmod(i, chunks)
-    seed = _seed(plan.seed, _SALT_TRUTH, h, c)
+    seed = derived_seed(plan.seed, _SALT_TRUTH, h, c)
     b = draw(tr, pi_state.params, pi_state, _problems(tr, plan.chunk_prompts, seed), seed + 1, width)
     adv = group_advantages(jnp.asarray(b.rewards), jnp.asarray(b.group_ids), mode="rloo")
     b = b.replace(behavior_logp=b.learner_logp, advantages=np.asarray(adv, np.float32))
@@ -311,7 +311,7 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
   if done:
     print(f"{drift}: resuming after batch {done}/{plan.batches}", flush=True)
   for r in range(done, plan.batches):
-    seed = _seed(plan.seed, _SALT_STALE, _drift_id(drift), r)
+    seed = derived_seed(plan.seed, _SALT_STALE, _drift_id(drift), r)
     b = draw(tr, mu, pi_state, _problems(tr, plan.prompts, seed), seed + 1, width)
     out = grad_fn(pi_state.params, UpdateInputs.of(b))
     g = -np.asarray(flatten(out.grads), np.float64)  # [M, D] ascent directions
@@ -362,7 +362,7 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
       "methods": methods,
       "seconds": round(before + time.time() - t0, 1),
       "date": datetime.date.today().isoformat(),
-      "cpu": _cpu(),
+      "cpu": cpu_model(),
   }
 
 
@@ -370,7 +370,7 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
   """Runs every drift of `plan` whose JSON is not yet in `out` (module docstring), with `overrides` on top of
   `plan.setting`'s config; returns 0."""
   from minpro_jax.config_lib.files import load_module
-  from minpro_jax.trainer import Trainer  # heavy import, after the flags are checked
+  from minpro_jax.run.trainer import Trainer  # heavy import, after the flags are checked
 
   overrides = {**setting_overrides(plan.setting), **(overrides or {})}
   os.makedirs(out, exist_ok=True)
@@ -388,7 +388,7 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
     state = tr.learner.init_state(nnx.split(tr.model)[1])
     folder = os.path.join(out, "trajectory")
     mus, pi, nu_hat = trajectory(tr, state, plan, folder)
-    pi_state = types.SimpleNamespace(params=pi)  # what `Trainer._rollout` reads of a state
+    pi_state = types.SimpleNamespace(params=pi)  # what `Trainer.rollout` reads of a state
     width = max(len(tr.prompt_ids[p.id]) for p in tr.train_problems) + tr.c.sampling.max_new_tokens
     cfgs = loss_configs(tr.learner.loss_cfg.temperature)
     grad_fn = make_gradient_fn(tr.learner.graphdef, cfgs)
@@ -432,7 +432,7 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
 
 def main(argv=None) -> int:
   """The command line (module docstring); exit status 2 with one line `error: ...` for bad flags."""
-  p = argparse.ArgumentParser(prog="python -m minpro_jax.study.fidelity_model", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m minpro_jax.lab.fidelity_model", description=__doc__.split("\n")[0])
   d = Plan()
   p.add_argument("--out", default="", help=f"the study's folder (default {results.committed('fidelity_model')})")
   p.add_argument("--updates", type=int, default=d.updates, help="k: optimizer updates of the GRPO trajectory")
@@ -449,7 +449,7 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   a.out = results.resolve(a.out or results.committed("fidelity_model"), "--out")
   if a.report:
-    from minpro_jax.study import fidelity_model_report as fmr
+    from minpro_jax.lab import fidelity_model_report as fmr
 
     if a.compare:
       pairs = [x.partition("=") for x in a.compare.split(",") if x]

@@ -13,11 +13,11 @@ One global step s:
      the LR-decay multiplier, `minpro_jax.rl.lr_decay`); the staleness this gives is derived in
      `minpro_jax.rl.rollout`; in a multi-process run each process pushes, holds and checkpoints only its rows, and
      the learner's global arrays are assembled from them (`minpro_jax.rl.process_batch`);
-  5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.mipu_step`): sample validation prompts with the updated
+  5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.run.mipu_step`): sample validation prompts with the updated
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
 With `config.sampling.devices` and delay >= 1, steps 2-3 and 4 run at the same time on disjoint devices, with the
-same samples and updates (`minpro_jax.overlap`).
+same samples and updates (`minpro_jax.run.step_runner`).
 
 Randomness is a pure function of (seed, global step), and checkpoints hold parameters, optimizer state, the data
 iterator state, the waiting rollout batches and the `RunProgress`, so a run killed at any point and re-run with the
@@ -39,16 +39,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from minpro_jax import resume_check, run_config, run_load
-from minpro_jax.checkpoint import buffer_state_from_restored
 from minpro_jax.data import ProblemLoader, format_prompt
 from minpro_jax.data.rewards import overlong_penalty
 from minpro_jax.errors import CheckpointError, ConfigError, TrainingError
-from minpro_jax.evaluation import evaluate, grade_split
-from minpro_jax.metrics_log import MetricsWriter, plot_run, write_summary
-from minpro_jax.mipu_step import MipuStep
-from minpro_jax.mipu_step import summary as mipu_summary
-from minpro_jax.overlap import StepRunner
 from minpro_jax.rl import lr_decay, process_batch, rollout_metrics
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.dynamic_rows import take_own_groups
@@ -57,12 +50,19 @@ from minpro_jax.rl.learner import Learner
 from minpro_jax.rl.packing import micro_batch_warning, row_tokens
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.rl.update_metrics import combine_update_metrics
-from minpro_jax.run_progress import RunProgress
-from minpro_jax.run_setup import RunParts, setup_run
-from minpro_jax.run_watch import MAX_ALL_SKIPPED_STEPS, RunWatch
+from minpro_jax.run import resume_check, run_config, run_load, sampler_setup
+from minpro_jax.run.checkpoint import buffer_state_from_restored
+from minpro_jax.run.heldout import evaluate, grade_split
+from minpro_jax.run.metrics_log import MetricsWriter, plot_run, write_summary
+from minpro_jax.run.mipu_step import MipuStep
+from minpro_jax.run.mipu_step import summary as mipu_summary
+from minpro_jax.run.run_progress import RunProgress
+from minpro_jax.run.run_setup import RunParts, setup_run
+from minpro_jax.run.run_watch import MAX_ALL_SKIPPED_STEPS, RunWatch
+from minpro_jax.run.sampler_setup import sampler_kwargs
+from minpro_jax.run.step_runner import StepRunner
 from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import use_mesh
-from minpro_jax.sampler_setup import sampler_kwargs
 from minpro_jax.sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Trainer:
     self.loader = ProblemLoader(
         self.train_problems, c.prompts_per_step, seed=c.seed, num_epochs=c.data.num_epochs, shard_index=0, shard_count=1
     )
-    self.sampling = run_config.sampling_params(c, self.tokenizer.stop_ids)
+    self.sampling = sampler_setup.sampling_params(c, self.tokenizer.stop_ids)
     run_config.check_routes_fit(c, self.model.config)  # scratch and hf were checked before the setup; gguf here
     # the sampler's layout (the learner's mesh, or its own: config.sampling.mesh and .devices), rows, precision
     sampler_kw = self.sampler_kw = sampler_kwargs(c, self.model, self.tokenizer, self.mesh, parts.device_split)
@@ -106,7 +106,9 @@ class Trainer:
     if warning := micro_batch_warning(c):
       logger.warning(warning)
     self.mipu_step = MipuStep(self) if c.mipu.rollback else None
-    self.steps = StepRunner(self)  # a step's sampling and learning: in sequence, or overlapped (minpro_jax/overlap.py)
+    self.steps = StepRunner(
+        self
+    )  # a step's sampling and learning: in sequence, or overlapped (minpro_jax/run/step_runner.py)
     self.lr_decay = run_config.lr_decay_config(c)  # None when off
     self._stop_signal: int | None = None
     self._final_eval = False  # set once the last step is checkpointed: a signal then exits at once
@@ -117,10 +119,13 @@ class Trainer:
     return cls(setup_run(config))
 
   # ------------------------------------------------------------------ sampling, grading, evaluation
-  def _step_seed(self, step: int, salt: int) -> int:
+  def step_seed(self, step: int, salt: int) -> int:
+    """A seed for global step `step`'s draw number `salt` (a uint32 from the run's seed, `step` and `salt`)."""
     return int(np.random.SeedSequence([self.c.seed, step, salt]).generate_state(1)[0])
 
-  def _generate(self, params, problems, sampling: SamplingParams, seed: int, group_size: int, sampler=None, **kw):
+  def generate(self, params, problems, sampling: SamplingParams, seed: int, group_size: int, sampler=None, **kw):
+    """`group_size` responses per problem of `problems` under `params` (the run's sampler, or `sampler`): the
+    sampler's `generate` output, rows prompt-major. `kw` goes to the sampler (e.g. `precision`)."""
     with use_mesh(self.mesh):
       return (sampler or self.sampler).generate(
           params, [self.prompt_ids[p.id] for p in problems], sampling, seed, group_size=group_size, **kw
@@ -130,7 +135,7 @@ class Trainer:
     pairs = zip(gen.response_tokens[rows], gen.response_mask[rows])
     return [self.tokenizer.decode(t[m].tolist()) for t, m in pairs]
 
-  def _rollout(
+  def rollout(
       self, state, gen, problems, group_size: int, score: bool = True, graded=None
   ) -> tuple[RolloutBatch, list[str], dict[str, Any]]:
     """Grades `gen` (prompt-major rows of `problems`, or in a multi-process run this process's rows of them:
@@ -248,11 +253,11 @@ class Trainer:
     version = int(state.step)
     params = state.params if sampler_params is None else sampler_params
     group_ids = step * c.prompts_per_step + np.arange(len(problems))
-    gen = self._generate(
+    gen = self.generate(
         params,
         problems,
         self.sampling,
-        self._step_seed(step, 1),
+        self.step_seed(step, 1),
         c.group_size,
         group_ids=group_ids,
         policy_version=version,
@@ -264,7 +269,7 @@ class Trainer:
       gen, graded = filled.gen, (filled.texts, filled.rewards, filled.stats)
     t1 = time.time()
     score, logs_mismatch = self.scoring(step)
-    batch, texts, gstats = self._rollout(state, gen, problems, c.group_size, score=score, graded=graded)
+    batch, texts, gstats = self.rollout(state, gen, problems, c.group_size, score=score, graded=graded)
     t2, t_grade = time.time(), gstats["seconds"]
     n = c.prompts_per_step * c.group_size  # `gen` and `batch` hold this process's rows of them: its share of the
     sampled = rollout_metrics.sample_metrics(gen, batch, slice(None), n)  # statistics, gathered as [N, k]
@@ -298,8 +303,8 @@ class Trainer:
         if self.loader.remaining <= c.total_steps - step - 1:  # the steps to come need every batch left
           return None
         problems = next(self.loader)
-        seed = self._step_seed(step, 1000 + k)
-        gen = self._generate(
+        seed = self.step_seed(step, 1000 + k)
+        gen = self.generate(
             params, problems, self.sampling, seed, c.group_size, group_ids=group_ids, policy_version=version,
             own_rows=True,
         )  # fmt: skip

@@ -1,9 +1,9 @@
 """The offline power study of MIPU's Step 2 (issue 38 part 2; docs/mechanism.md): can a rollback statistic tell an
 update that lowered J(mu), the reward of the policy as served, from one that did not?
 
-    python -m minpro_jax.study.mipu_power --out=results/mipu_power                 # the default plan, resumable
-    python -m minpro_jax.study.mipu_power --out=results/mipu_power --report        # tables, no runs
-    python -m minpro_jax.study.mipu_power --setting=worked --out=results/mipu_power_worked ...   # T ~ 70 (docs)
+    python -m minpro_jax.lab.mipu_power --out=results/mipu_power                 # the default plan, resumable
+    python -m minpro_jax.lab.mipu_power --out=results/mipu_power --report        # tables, no runs
+    python -m minpro_jax.lab.mipu_power --setting=worked --out=results/mipu_power_worked ...   # T ~ 70 (docs)
 
 The setting is the MIPU study's (`configs/studies/mipu.py`: staleness setting at delay 0, GRPO, seed 1, an fp8
 e5m2 sampler with per-tensor weight and activation scales) on the task of `--setting` (`settings.SETTINGS`):
@@ -53,10 +53,10 @@ from flax import nnx
 from minpro_jax.config_lib import set_fields
 from minpro_jax.config_lib.defaults import get_config
 from minpro_jax.config_lib.files import load_module
+from minpro_jax.lab.settings import SETTINGS, setting_overrides
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
 from minpro_jax.study import results
-from minpro_jax.study.settings import SETTINGS, setting_overrides
 
 CHECKPOINTS = (0, 6, 12, 18, 24)
 CANDIDATES = 8
@@ -95,17 +95,17 @@ def study_config(workdir: str, seed: int = SEED, setting: str = "short", overrid
   return c
 
 
-def _seed(seed: int, *parts: int) -> int:
+def derived_seed(seed: int, *parts: int) -> int:
   return int(np.random.SeedSequence([seed, *parts]).generate_state(1)[0])
 
 
 def train_step(tr, state, key: tuple[int, ...]):
   """One global step of GRPO updates on a fresh batch whose prompts and sampler seed are a function of `key`."""
   c = tr.c
-  idx = mipu.validation_indices(len(tr.train_problems), c.prompts_per_step, _seed(c.seed, *key, 0))
+  idx = mipu.validation_indices(len(tr.train_problems), c.prompts_per_step, derived_seed(c.seed, *key, 0))
   problems = [tr.train_problems[i] for i in idx]
-  gen = tr._generate(state.params, problems, tr.sampling, _seed(c.seed, *key, 1), c.group_size)
-  batch, _, _ = tr._rollout(state, gen, problems, c.group_size, score=tr.learner.loss_cfg.reads_learner_logp)
+  gen = tr.generate(state.params, problems, tr.sampling, derived_seed(c.seed, *key, 1), c.group_size)
+  batch, _, _ = tr.rollout(state, gen, problems, c.group_size, score=tr.learner.loss_cfg.reads_learner_logp)
   state, m = tr.learn_step(state, batch)
   return state, float(batch.rewards.mean())
 
@@ -113,10 +113,10 @@ def train_step(tr, state, key: tuple[int, ...]):
 def draw(tr, params, problems, seed: int, group: int, score_state=None) -> dict[str, np.ndarray]:
   """One fp8 draw of `group` samples per problem at `params`: rewards, and with `score_state` (the learner state
   at the same params) the T terms (`inference_gap_terms`: -rho_i * A_i), their mask and the group ids."""
-  gen = tr._generate(params, problems, tr.sampling, seed, group)
+  gen = tr.generate(params, problems, tr.sampling, seed, group)
   if score_state is None:
     return {"rewards": np.asarray(tr.grade(gen, problems, group)[1], np.float64)}
-  batch, _, _ = tr._rollout(score_state, gen, problems, group)
+  batch, _, _ = tr.rollout(score_state, gen, problems, group)
   tokens = np.where(gen.response_mask, gen.response_tokens, -1)  # to count the rows both draws share
   terms, has = inference_gap_terms(batch.learner_logp, batch.behavior_logp, batch.advantages, batch.response_mask)
   return {
@@ -277,7 +277,7 @@ def _keep_trajectory_state(folder: str, key: str, k: int, state) -> None:
 def run(out: str, plan: Plan, overrides: dict | None = None) -> None:
   """Runs (or resumes) `plan` into `out`, with `overrides` on top of its setting's config; see the module
   docstring."""
-  from minpro_jax.trainer import Trainer  # heavy import, after the flags are checked
+  from minpro_jax.run.trainer import Trainer  # heavy import, after the flags are checked
 
   os.makedirs(out, exist_ok=True)
   pending = lambda k, j: not os.path.exists(f"{out}/k{k}_u{j}.json")  # noqa: E731
@@ -309,10 +309,16 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> None:
       if not os.path.exists(os.path.join(folder, f"k{k}.npz")):
         _keep_trajectory_state(folder, key, k, state)
       t0 = time.time()
-      val = [tr.train_problems[i] for i in mipu.validation_indices(n_val, plan.val_prompts, _seed(seed, k, _SALT_VAL))]
-      tru = [tr.train_problems[i] for i in mipu.validation_indices(n_val, plan.truth, _seed(seed, k, _SALT_TRUTH, 0))]
-      val_seeds = lambda i: _seed(seed, k, _SALT_VAL, 1, *([i] if i else []))  # noqa: E731 - chunk 0: the T~6 seed
-      truth_seeds = lambda i: _seed(seed, k, _SALT_TRUTH, 1, *([i] if i else []))  # noqa: E731
+      val = [
+          tr.train_problems[i]
+          for i in mipu.validation_indices(n_val, plan.val_prompts, derived_seed(seed, k, _SALT_VAL))
+      ]
+      tru = [
+          tr.train_problems[i]
+          for i in mipu.validation_indices(n_val, plan.truth, derived_seed(seed, k, _SALT_TRUTH, 0))
+      ]
+      val_seeds = lambda i: derived_seed(seed, k, _SALT_VAL, 1, *([i] if i else []))  # noqa: E731 - chunk 0: the T~6 seed
+      truth_seeds = lambda i: derived_seed(seed, k, _SALT_TRUTH, 1, *([i] if i else []))  # noqa: E731
       before = _Partial(f"{out}/partial/k{k}_old.npz", key)
       old, truth_old, cand0 = None, None, None
       for j in range(plan.candidates):
@@ -368,7 +374,7 @@ def main(argv=None) -> None:
   a = ap.parse_args(argv)
   a.out = results.resolve(a.out or results.committed("mipu_power"), "--out")
   if a.report:
-    from minpro_jax.study import mipu_power_report
+    from minpro_jax.lab import mipu_power_report
 
     if a.compare:
       pairs = [x.partition("=") for x in a.compare.split(",") if x]

@@ -50,7 +50,7 @@ class ParamsAt(NamedTuple):
 
 
 class StepRunner:
-  """Runs the sampling and learning of a global step for a `minpro_jax.trainer.Trainer` (module docstring).
+  """Runs the sampling and learning of a global step for a `minpro_jax.run.trainer.Trainer` (module docstring).
 
   Args:
     trainer: the trainer whose `sample_step`, `learn_step`, sampler, config and device split it uses.
@@ -60,7 +60,7 @@ class StepRunner:
     self.tr = trainer
     c = trainer.c
     self.split = trainer.parts.device_split is not None
-    asked = self.split and bool(c.sampling.get("overlap", True))
+    asked = self.split and bool(c.sampling.overlap)
     self.overlapped = asked and c.delay >= 1
     self._pool = None
     if self.overlapped:

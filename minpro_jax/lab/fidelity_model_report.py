@@ -1,7 +1,7 @@
-"""Report of the Tier B gradient-fidelity study (`minpro_jax.study.fidelity_model`; docs/mechanism.md).
+"""Report of the Tier B gradient-fidelity study (`minpro_jax.lab.fidelity_model`; docs/mechanism.md).
 
-    python -m minpro_jax.study.fidelity_model --out=results/fidelity_model --report
-    python -m minpro_jax.study.fidelity_model --report --compare="T~6=results/fidelity_model,T~70=results/fidelity_model_worked"
+    python -m minpro_jax.lab.fidelity_model --out=results/fidelity_model --report
+    python -m minpro_jax.lab.fidelity_model --report --compare="T~6=results/fidelity_model,T~70=results/fidelity_model_worked"
 
 Reads the finished cells `<out>/s<s>.json` and `<out>/fp8.json` and writes `<out>/summary.md` (every table), `<out>/eta_by_drift.png`
 and the tables between the markers ``<!-- BLOCK:begin ... -->`` and ``<!-- BLOCK:end -->`` of docs/mechanism.md,
@@ -17,10 +17,10 @@ import os
 
 import numpy as np
 
-from minpro_jax.study import fidelity_toy as ft
+from minpro_jax.lab import fidelity_toy as ft
 
 DOC = os.path.join("docs", "mechanism.md")
-BEGIN = "<!-- tier-b:begin (python -m minpro_jax.study.fidelity_model --report) -->"
+BEGIN = "<!-- tier-b:begin (python -m minpro_jax.lab.fidelity_model --report) -->"
 END = "<!-- tier-b:end -->"
 COMPARE = "tier-b-compare"
 TASKS = {"short": "three-term chain_sum (T ~ 6)", "worked": "eight-term chain_sum, worked steps (T ~ 70)"}

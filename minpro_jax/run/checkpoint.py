@@ -30,12 +30,9 @@ import orbax.checkpoint as ocp
 
 from minpro_jax.errors import CheckpointError, DiskFullError
 from minpro_jax.runtime import host_batch, multihost
+from minpro_jax.runtime.param_files import abstract_like
 
 logger = logging.getLogger(__name__)
-
-
-def _abstract(tree):
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
 
 class RunCheckpointer:
@@ -128,7 +125,7 @@ class RunCheckpointer:
           }
       )
     restored = self._mngr.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(state_template)), buffer=buffer_args)
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(state_template)), buffer=buffer_args)
     )
     return restored["state"], jax.tree.map(_host_rows, restored["buffer"])
 
@@ -301,15 +298,3 @@ def buffer_state_from_restored(tree: dict[str, Any]) -> dict[str, Any]:
   batches = {k: v for k, v in tree["batches"].items() if k != "_"}
   count = int(np.asarray(tree["count"]))
   return {"steps": np.asarray(tree["steps"]).reshape(-1)[:count], "batches": batches}
-
-
-def save_params(path: str, params: Any) -> None:
-  """Saves a parameter pytree (e.g. the SFT warm-start cache) to `path` with orbax."""
-  ckptr = ocp.StandardCheckpointer()
-  ckptr.save(os.path.abspath(path), params, force=True)
-  ckptr.wait_until_finished()
-
-
-def restore_params(path: str, params_template: Any) -> Any:
-  """Restores a parameter pytree saved by `save_params` onto the template's shapes/dtypes/shardings."""
-  return ocp.StandardCheckpointer().restore(os.path.abspath(path), _abstract(params_template))

@@ -1,12 +1,12 @@
 """A training config (`configs/default.py`) checked and turned into the typed configs of its parts.
 
-`validate_config` runs before anything expensive; the checks of single parts are `minpro_jax/config_checks.py`
+`validate_config` runs before anything expensive; the checks of single parts are `minpro_jax/run/config_checks.py`
 (their public names are importable from here as well). Each field is checked once, against the choices of the module
 that owns it (imported, never copied), and a failure is a `ConfigError` whose message starts with
 `config.<field>:` and says how to fix it. Where a part validates its own settings (`SamplingParams`, the
 objectives' hyper-parameters, `ModelConfig`), the config is handed to it and its error is renamed to the config
 field. `loss_config`, `optimizer_config` and `sampling_params` build the typed configs the learner and the
-sampler take. The resume check (one workdir, one experiment) is `minpro_jax/resume_check.py`.
+sampler take. The resume check (one workdir, one experiment) is `minpro_jax/run/resume_check.py`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from minpro_jax import config_checks
-from minpro_jax.config_checks import (  # the checks' public names stay importable from here
+from minpro_jax.data.worked import check_sft_target
+from minpro_jax.errors import ConfigError
+from minpro_jax.rl import mipu
+from minpro_jax.rl.advantages import ADVANTAGE_MODES
+from minpro_jax.rl.learner import LossConfig
+from minpro_jax.rl.lr_decay import LrDecayConfig
+from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
+from minpro_jax.rl.optimizer import OptimizerConfig
+from minpro_jax.rl.packing import check_row_tokens
+from minpro_jax.run import config_checks, sampler_setup
+from minpro_jax.run.config_checks import (  # the checks' public names stay importable from here
     MODEL_SOURCES,
     REWARD_MODES,
     check_eval,
@@ -35,19 +44,8 @@ from minpro_jax.config_checks import (  # the checks' public names stay importab
     parse_mesh_shape,
     resolve_mesh_shape,
 )
-from minpro_jax.config_checks import need as _need
-from minpro_jax.config_domains import check_domains
-from minpro_jax.data.worked import check_sft_target
-from minpro_jax.errors import ConfigError
-from minpro_jax.models.quant import FP8_ACTIVATIONS, FP8_FORMATS, FP8_WEIGHT_SCALES, PRECISIONS
-from minpro_jax.rl import mipu
-from minpro_jax.rl.advantages import ADVANTAGE_MODES
-from minpro_jax.rl.learner import LossConfig
-from minpro_jax.rl.lr_decay import LrDecayConfig
-from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
-from minpro_jax.rl.optimizer import OptimizerConfig
-from minpro_jax.rl.packing import check_row_tokens
-from minpro_jax.sampling import PagedKV, SamplingParams
+from minpro_jax.run.config_checks import need as _need
+from minpro_jax.run.config_domains import check_domains
 
 __all__ = [
     "ConfigError",
@@ -72,15 +70,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "cosine", "linear")  # minpro_jax.rl.optimizer.make_schedule's schedules
-# config.sampling.kv_cache: "auto" (`resolve_kv_cache`), or the continuous sampler's KV caches
-# (minpro_jax.sampling.paged_continuous)
-KV_CACHES = ("auto", "dense", "paged")
-# config.sampling.fp8_* field, choices, default (the sampler's FP8 options, minpro_jax.models.quant)
-FP8_OPTIONS = (
-    ("fp8_weight_scale", FP8_WEIGHT_SCALES, "tensor"),
-    ("fp8_format", tuple(FP8_FORMATS), "e4m3"),
-    ("fp8_activations", FP8_ACTIVATIONS, "token"),
-)
 
 
 def validate_config(c, num_devices: int | None = None) -> None:
@@ -116,7 +105,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
   if c.sft.enabled:
     ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
     _need(ok, "sft", "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
-    w = c.sft.get("row_tokens", 0)
+    w = c.sft.row_tokens
     _need(
         not w or w >= c.sft.max_len,
         "sft.row_tokens",
@@ -124,7 +113,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
         f"{4 * c.sft.max_len}: several examples per row), or 0 to turn packing off",
     )
   check_domains(c)  # the fields no part checks itself, and settings under which nothing is learnt
-  check_sft_target(c.sft.get("target", "answer"), c.data)  # also shapes the tokenizer corpus, so checked without SFT
+  check_sft_target(c.sft.target, c.data)  # also shapes the tokenizer corpus, so checked without SFT
   config_checks.check_mesh(c, num_devices or len(jax.devices()))
 
 
@@ -138,127 +127,10 @@ def validate_shapes_config(c) -> None:
   config_checks.check_batch_split(c)
   _need(c.model.source in MODEL_SOURCES, "model.source", f"{c.model.source!r}; choose one of {MODEL_SOURCES}")
   _need(c.data.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {c.data.max_prompt_tokens}")
-  sampling_params(c, stop_token_ids=())
-  _need(
-      c.sampling.precision in PRECISIONS, "sampling.precision", f"{c.sampling.precision!r}; choose one of {PRECISIONS}"
-  )
-  sampler_fp8_options(c)
-  sampler_decode_rows(c)
-  sampler_paged_kv(c)
+  sampler_setup.check_sampling(c)
   loss_config(c)
   _check_optimizer(c)
   check_row_tokens(c)
-
-
-def sampler_fp8_options(c) -> dict[str, str]:
-  """The `Sampler` keyword arguments of `config.sampling.fp8_*` (defaults where a config lacks them).
-
-  Raises:
-    ConfigError: a value outside its choices, or one changed from its default while sampling.precision is not fp8.
-  """
-  out = {}
-  for field, choices, default in FP8_OPTIONS:
-    value = c.sampling.get(field, default)
-    _need(value in choices, f"sampling.{field}", f"{value!r}; choose one of {choices}")
-    _need(
-        value == default or c.sampling.precision == "fp8",
-        f"sampling.{field}",
-        f"{value!r} needs sampling.precision='fp8' (got {c.sampling.precision!r}); set it or unset this field",
-    )
-    out[field] = value
-  return out
-
-
-def sampler_decode_rows(c) -> int | str:
-  """`config.sampling.decode_rows` (64, the `Sampler` default, where a config lacks it): an int, or "auto", which
-  the trainer and the compile-only tool resolve for their layout (`minpro_jax.sampling.rows`).
-
-  Raises:
-    ConfigError: neither an int >= 1 nor "auto".
-  """
-  rows = c.sampling.get("decode_rows", 64)
-  ok = rows == "auto" or isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1
-  _need(
-      ok,
-      "sampling.decode_rows",
-      f"must be an int >= 1 (the continuous sampler's decode rows) or 'auto' (as many as fit), got {rows!r}",
-  )
-  return rows
-
-
-def resolve_kv_cache(kv_cache: str, continuous: bool) -> str:
-  """The KV cache `sampling.kv_cache` stands for with the sampler `sampling.continuous` picks: "auto" is "paged"
-  with the continuous sampler and "dense" with the static one (which has no paged cache); "dense" and "paged" are
-  themselves. The one place "auto" is resolved (the trainer, the evaluation and the aot tool all reach it through
-  `sampler_paged_kv`). Any other value is returned as it is, for `sampler_paged_kv` to refuse."""
-  if kv_cache == "auto":
-    return "paged" if continuous else "dense"
-  return kv_cache
-
-
-def sampler_kv_cache(c) -> str:
-  """`config.sampling.kv_cache` resolved (`resolve_kv_cache`): "dense" or "paged". A config from before the field
-  (no `sampling.kv_cache`) ran the dense cache and stays on it.
-
-  Raises:
-    ConfigError: an unknown kv_cache.
-  """
-  kind = c.sampling.get("kv_cache", "dense")
-  _need(kind in KV_CACHES, "sampling.kv_cache", f"{kind!r}; choose one of {KV_CACHES}")
-  return resolve_kv_cache(kind, bool(c.sampling.continuous))
-
-
-def sampler_paged_kv(c) -> PagedKV | None:
-  """The `Sampler(paged_kv=...)` of `config.sampling.kv_cache` / `page_size` / `num_pages` ("dense", 64, 0 where
-  a config lacks them): a `PagedKV` where the cache resolves to "paged" (`sampler_kv_cache`; num_pages 0 = None,
-  the dense cache's memory), None where it resolves to "dense".
-
-  Raises:
-    ConfigError: an unknown kv_cache, "paged" without sampling.continuous, a page_size < 1, a num_pages < 0, a
-      num_pages set for the dense cache, or a pool too small for one response at the configured lengths (it would
-      wait forever).
-  """
-  kind = sampler_kv_cache(c)
-  page_size, num_pages = c.sampling.get("page_size", 64), c.sampling.get("num_pages", 0)
-  is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-  _need(is_int(page_size) and page_size >= 1, "sampling.page_size", f"must be an int >= 1 (tokens), got {page_size!r}")
-  _need(
-      is_int(num_pages) and num_pages >= 0,
-      "sampling.num_pages",
-      f"must be an int >= 0 (pages per layer; 0 = auto), got {num_pages!r}",
-  )
-  if kind == "dense":
-    _need(
-        num_pages == 0,
-        "sampling.num_pages",
-        f"{num_pages} sizes a page pool, but sampling.kv_cache={c.sampling.get('kv_cache', 'dense')!r} resolves to the "
-        "dense cache here, which has none; set sampling.kv_cache=paged (with sampling.continuous=True) or unset it",
-    )
-    return None
-  _need(
-      c.sampling.continuous,
-      "sampling.kv_cache",
-      "'paged' runs the continuous sampler; set sampling.continuous=True or sampling.kv_cache='dense'",
-  )
-  tokens = c.data.max_prompt_tokens + c.sampling.max_new_tokens - 1  # the last sampled token is never stored
-  per_row = -(-tokens // page_size)
-  _need(
-      num_pages == 0 or num_pages >= per_row,
-      "sampling.num_pages",
-      f"{num_pages} pages of {page_size} tokens cannot hold one response of data.max_prompt_tokens + "
-      f"sampling.max_new_tokens - 1 = {tokens} tokens ({per_row} pages); raise it, or 0 = auto",
-  )
-  if page_size > tokens:
-    logger.warning(
-        "sampling.page_size=%d is longer than a whole response (data.max_prompt_tokens + sampling.max_new_tokens "
-        "- 1 = %d tokens): every row holds one page with %d unused slots, and the auto pool (num_pages=0) is that "
-        "much larger than the dense cache; use pages of at most %d tokens (16-256 are usual)",
-        page_size,
-        tokens,
-        page_size - tokens,
-        tokens,
-    )
-  return PagedKV(page_size=page_size, num_pages=num_pages or None)
 
 
 MAX_LEARNING_RATE = 1.0  # AdamW moves each parameter by about lr per update: above 1 nothing survives
@@ -307,26 +179,6 @@ def random_rollback_rate(c) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- typed configs
-def sampling_params(c, stop_token_ids) -> SamplingParams:
-  """The sampler's `SamplingParams` of `config.sampling` (top_k 0 and top_p 1 mean off).
-
-  Raises:
-    ConfigError: naming the `config.sampling` field `SamplingParams` refuses.
-  """
-  s = c.sampling
-  try:
-    return SamplingParams(
-        temperature=s.temperature,
-        top_k=s.top_k or None,
-        top_p=s.top_p if s.top_p != 1.0 else None,
-        max_new_tokens=s.max_new_tokens,
-        stop_token_ids=tuple(int(i) for i in stop_token_ids),
-    )
-  except ValueError as e:
-    hit = re.search(r"SamplingParams\.(\w+)", str(e))
-    raise ConfigError(f"config.sampling.{hit.group(1) if hit else ''}: {e}") from e
-
-
 # config.loss fields that are not objective hyper-parameters
 _LOSS_TERMS = ("method", "entropy_coef", "kl_coef", "router_aux_coef", "logprob_chunk_size", "router_replay")
 _COMMON_HPARAMS = ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis", "rollout_mis_bounds")
