@@ -8,11 +8,14 @@
 #   TOPOLOGY=v5p-64 SHAPES="fsdp=-1 data=2,fsdp=-1" OUT=reports/8b_v5p64.json launch/sweep_sharding.sh
 #   TOPOLOGY=cpu:8 CONFIG=configs/default.py SHAPES="data=8 fsdp=8" launch/sweep_sharding.sh
 #   SHAPES="fsdp=-1 data=2,fsdp=-1" EXTRA_ARGS="--config.total_steps=5" launch/sweep_sharding.sh --run
+#   SHAPES="fsdp=-1,tensor=2" RULES="default default:mlp=fsdp,q_heads=fsdp,kv_heads=fsdp" launch/sweep_sharding.sh
 #   LAUNCHER=tpu TPU_NAME=my-v5p ZONE=us-east5-a MODEL_PATH=/mnt/ckpt/Qwen3-8B-Base launch/sweep_sharding.sh --run
 #
 # Environment: SHAPES (space-separated mesh shapes; axes data, fsdp, tensor, expert; one size may be -1 = the
 # remaining devices; default "fsdp=-1 data=2,fsdp=-1 fsdp=-1,tensor=2"); CONFIG (default
-# configs/paper/qwen3_8b.py:minpro,2); EXTRA_ARGS (added to every command).
+# configs/paper/qwen3_8b.py:minpro,2); RULES (space-separated learner logical-axis rules as config.mesh.rules takes
+# them, each crossed with every shape; default the config's; minpro_jax/runtime/rules.py); EXTRA_ARGS (added to
+# every command).
 # Compile-only: TOPOLOGY (default v5p-8; v4-N, v5e-N, v5p-N, v6e-N or cpu:N), PROGRAMS (default
 # update,score,prefill,decode), REMAT (space-separated remat policies; default the config's), OUT (JSON report; a
 # rerun keeps the rows it already has), DUMP_HLO (folder for the optimized HLO and shardings). See docs/aot.md.
@@ -70,6 +73,8 @@ if [[ "$MODE" == compile ]]; then
   cmd=(.venv/bin/python -m minpro_jax.aot "--config=$CONFIG" "--topology=$TOPOLOGY"
        "--programs=${PROGRAMS:-update,score,prefill,decode}")
   for shape in "${shapes[@]}"; do cmd+=("--mesh=$shape"); done
+  read -r -a rule_sets <<< "${RULES:-}"
+  for r in "${rule_sets[@]}"; do cmd+=("--rules=$r"); done
   read -r -a remats <<< "${REMAT:-}"
   for r in "${remats[@]}"; do cmd+=("--remat=$r"); done
   [[ -n "${OUT:-}" ]] && cmd+=("--out=$OUT")
@@ -82,15 +87,20 @@ if [[ "$MODE" == compile ]]; then
 fi
 echo "# sharding sweep: ${#shapes[@]} mesh shapes (${shapes[*]}); config $CONFIG; launcher $LAUNCHER"
 [[ "$MODE" == dry-run ]] && echo "# dry run: commands are printed, not executed; pass --run to execute"
+read -r -a rule_sets <<< "${RULES:-}"
+[[ ${#rule_sets[@]} == 0 ]] && rule_sets=("")
 for shape in "${shapes[@]}"; do
-  workdir="$(workdir_for "$shape")"
-  args="--config.mesh.shape=$shape${EXTRA_ARGS:+ $EXTRA_ARGS}"
-  echo "# mesh.shape=$shape -> workdir $workdir"
+for ri in "${!rule_sets[@]}"; do
+  rules="${rule_sets[$ri]}"
+  workdir="$(workdir_for "$shape")${rules:+_rules$ri}"
+  args="--config.mesh.shape=$shape${rules:+ --config.mesh.rules=$rules}${EXTRA_ARGS:+ $EXTRA_ARGS}"
+  echo "# mesh.shape=$shape${rules:+ mesh.rules=$rules} -> workdir $workdir"
   case "$LAUNCHER" in
     local)
       read -r -a extra <<< "$EXTRA_ARGS"
       cmd=(.venv/bin/python -m minpro_jax.train "--config=$CONFIG" "--config.mesh.shape=$shape"
            "--config.workdir=$workdir")
+      [[ -n "$rules" ]] && cmd+=("--config.mesh.rules=$rules")
       [[ -n "$MODEL_PATH" ]] && cmd+=("--config.model.path=$MODEL_PATH")
       cmd+=("${extra[@]}")
       ;;
@@ -105,4 +115,5 @@ for shape in "${shapes[@]}"; do
   esac
   show "${cmd[@]}"
   if [[ "$MODE" == run ]]; then "${cmd[@]}"; fi
+done
 done

@@ -100,6 +100,7 @@ def _convert(old: Any, text: str) -> Any:
 
 
 def _default_config():
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.config_lib.defaults import base_config
 
   return base_config()
@@ -114,6 +115,7 @@ def eval_mesh(c):
   """
   import jax
 
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.run.config_checks import parse_mesh_shape
   from minpro_jax.runtime.sharding import make_mesh
 
@@ -133,9 +135,11 @@ def eval_mesh(c):
 
 def load_model(args, overrides: dict[str, str]):
   """(config, tokenizer, model, the output folder, policy step, mesh) of `--workdir`/`--which` or `--hf`."""
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.run import run_config, run_load
 
   if args.hf:
+    # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
     from minpro_jax.errors import FileFormatError
     from minpro_jax.models.hf_io import load_hf_checkpoint
     from minpro_jax.run.run_setup import build_tokenizer
@@ -152,7 +156,8 @@ def load_model(args, overrides: dict[str, str]):
       raise ConfigError(f"--hf: {args.hf} has no config.json; give a Hugging Face model folder")
     mesh = eval_mesh(c)
     try:
-      model = load_hf_checkpoint(args.hf, mesh=mesh, **run_config.model_overrides(c))[0]
+      rules = run_config.learner_rules(c)
+      model = load_hf_checkpoint(args.hf, mesh=mesh, rules=rules, **run_config.model_overrides(c))[0]
       tokenizer = build_tokenizer(c, [])
     except UserError:
       raise
@@ -172,6 +177,7 @@ def load_model(args, overrides: dict[str, str]):
 
 def _check(c, out: str) -> None:
   """The evaluation's settings and `--out`, before any model is loaded. Raises ConfigError naming the field."""
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.run import run_config
 
   run_config.check_eval(c)
@@ -200,8 +206,9 @@ def run_evaluation(
   from flax import nnx
   from tqdm import tqdm
 
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.data import format_prompt
-  from minpro_jax.run import heldout, sampler_setup
+  from minpro_jax.run import heldout, run_config, sampler_setup
   from minpro_jax.run.run_setup import eval_benchmarks, fit_eval_sets
   from minpro_jax.run.sampler_setup import sampler_kwargs
   from minpro_jax.runtime import multihost
@@ -218,7 +225,8 @@ def run_evaluation(
   multihost.check_shared_dir(out, "--out")
   _check_settings(out, settings, write=multihost.is_primary())
   sampler = Sampler(model.config, **sampler_kwargs(c, model, tokenizer, mesh, optimizer_copies=0))
-  with use_mesh(mesh):
+  rules = run_config.learner_rules(c)
+  with use_mesh(mesh, rules):
     params = sampler.prepare_params(nnx.state(model, nnx.Param))
   run_sampling = sampler_setup.sampling_params(c, tokenizer.stop_ids)
   sp = SamplingParams(  # as `Trainer.generate_texts`
@@ -237,7 +245,7 @@ def run_evaluation(
 
   def generate(prompts, n, seed):
     ids = [tokenizer.encode(p, add_bos=c.data.template == "plain") for p in prompts]
-    with use_mesh(mesh):
+    with use_mesh(mesh, rules):
       gen = sampler.generate(params, ids, sp, seed, group_size=n)
     texts = [tokenizer.decode(t[m].tolist()) for t, m in zip(gen.response_tokens, gen.response_mask)]
     bar.update(1)
@@ -307,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
   if argv is None:  # the process's own signals: SIGTERM (a preemption, a scheduler) ends it as Ctrl-C does
     signal.signal(signal.SIGTERM, _stopped)
   try:
+    # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
     from minpro_jax.runtime import multihost
     from minpro_jax.runtime.distributed import maybe_initialize_distributed
 
@@ -329,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_USER_ERROR
   except KeyboardInterrupt:
     _stopped(signal.SIGINT, None)
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.run.heldout import to_markdown
 
   if not multihost.is_primary():

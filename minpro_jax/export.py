@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 
-from minpro_jax.errors import UserError
+from minpro_jax.errors import ConfigError, UserError
 
 EXIT_USER_ERROR = 2
 MARKER = "minpro_export.json"  # what marks a folder as an export (so that only an export is ever overwritten)
@@ -64,6 +64,7 @@ def special_ids(tokenizer) -> dict:
 
 def save_tokenizer(c, tokenizer, out: str) -> None:
   """Writes the run's tokenizer into `out` in a form `transformers.AutoTokenizer` loads."""
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.data.tokenizers import HFTokenizer
   from minpro_jax.run.run_load import copy_tokenizer_source
 
@@ -98,8 +99,6 @@ def _auto_tokenizer():
   try:
     from transformers import AutoTokenizer
   except ImportError as e:
-    from minpro_jax.errors import ConfigError
-
     raise ConfigError(
         f"export needs transformers ({e}): pip install 'minpro_jax[export]' (or transformers>=5.23)"
     ) from e
@@ -120,8 +119,6 @@ def check_tokenizer(tokenizer, out: str, texts=CHECK_TEXTS) -> None:
 
 def check_out(out: str, workdir: str) -> None:
   """Raises ConfigError unless `out` is new, an empty folder, or an earlier export (it holds `MARKER`)."""
-  from minpro_jax.errors import ConfigError
-
   if os.path.exists(out) and not os.path.isdir(out):
     raise ConfigError(f"--out: {out} is a file; give a folder (new or empty)")
   if os.path.abspath(out) == os.path.abspath(workdir):
@@ -138,6 +135,7 @@ def export(workdir: str, out: str, which: str = "best") -> dict:
       holding no export (`check_out`).
     ValueError: the exported tokenizer does not reproduce the run's ids (`check_tokenizer`).
   """
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.models.hf_io import save_hf_checkpoint
   from minpro_jax.run.run_load import load_run
 

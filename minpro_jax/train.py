@@ -40,12 +40,15 @@ def _quiet_logging() -> None:
 
 def _run(config) -> dict | None:
   """Trains; returns the summary to print (None on the processes of a multi-process run other than process 0)."""
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.runtime.host_memory import keep_freed_host_memory
 
   keep_freed_host_memory()  # host (XLA:CPU) steps stop re-faulting their temporaries; before JAX starts threads
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.runtime.distributed import maybe_initialize_distributed
 
   maybe_initialize_distributed()  # multi-host TPU / multi-node GPU only; must precede any JAX computation
+  # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
   from minpro_jax.run.run_setup import setup_run
   from minpro_jax.run.trainer import Trainer
   from minpro_jax.runtime import multihost

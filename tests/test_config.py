@@ -67,6 +67,12 @@ BAD = [
     ({"data.source": "file", "data.path": "/"}, 1, "data.path"),  # a directory
     ({"eval.num_problems": 0}, 1, "eval.num_problems"),
     ({"data.format": "jsonl"}, 1, "data.format"),
+    ({"mesh.rules": "fsdp_only"}, 1, "mesh.rules: rule set 'fsdp_only' is unknown"),
+    ({"mesh.rules": "default:mlps=fsdp"}, 1, "mesh.rules: 'mlps' is no logical axis"),
+    ({"mesh.rules": "mlp=fsdp+fsdp"}, 1, "mesh.rules: mlp=fsdp+fsdp names a mesh axis twice"),
+    ({"sampling.rules": "vocab=model"}, 1, "sampling.rules: vocab=model: 'model' is no mesh axis"),
+    ({"sampling.engine": "vllm"}, 1, "sampling.engine: 'vllm'; choose one of"),
+    ({"sampling.engine": "static", "sampling.kv_cache": "dense"}, 1, "sampling.engine: 'static' names the engine"),
 ]
 
 

@@ -29,9 +29,9 @@ MODEL_KW = dict(
 MOE_KW = dict(MODEL_KW, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
 
 
-def _model(mesh=None, preset="tiny", **overrides):
-  kw = MOE_KW if preset == "tiny-moe" else MODEL_KW
-  return init_model(get_preset(preset, **kw, **overrides), seed=0, mesh=mesh)
+def _model(mesh=None, preset="tiny", rules=None, **overrides):
+  kw = {**(MOE_KW if preset == "tiny-moe" else MODEL_KW), **overrides}
+  return init_model(get_preset(preset, **kw), seed=0, mesh=mesh, rules=rules)
 
 
 def _batch(model, n=8, length=12, seed=0):
@@ -202,27 +202,37 @@ def test_update_reports_the_learner_entropy_and_k3_against_the_behavior(model_an
 
 
 SHARDED_UPDATE_CASES = [
-    ("tiny", {"data": 2, "fsdp": 4}, "fsdp"),
-    ("tiny-moe", {"expert": 4, "data": 2}, "expert"),
-    ("tiny-moe", {"expert": 4, "fsdp": 2}, "expert"),
+    ("tiny", {"data": 2, "fsdp": 4}, "fsdp", ""),
+    ("tiny", {"fsdp": 4, "tensor": 2}, "tensor", ""),  # heads, mlp and vocab split over tensor (issue 58)
+    ("tiny", {"fsdp": 4, "tensor": 2}, "fsdp", "default:mlp=fsdp,q_heads=,kv_heads=,vocab=,embed="),  # mesh.rules
+    ("tiny-moe", {"expert": 4, "data": 2}, "expert", ""),
+    ("tiny-moe", {"expert": 4, "fsdp": 2}, "expert", ""),
 ]
 
 
 @pytest.mark.parametrize(
-    "preset,layout,sharded_axis", SHARDED_UPDATE_CASES, ids=[f"{p}-{l}" for p, l, _ in SHARDED_UPDATE_CASES]
+    "preset,layout,sharded_axis,rules",
+    SHARDED_UPDATE_CASES,
+    ids=[f"{p}-{l}{'-rules' if r else ''}" for p, l, _, r in SHARDED_UPDATE_CASES],
 )
-def test_sharded_update_equals_single_device(preset, layout, sharded_axis):
-  """Two learner updates on a mesh equal them on one device. For the MoE, the single device runs the dense
-  dispatch (every expert on every token) and the mesh the ragged one (the default), with experts sharded."""
+def test_sharded_update_equals_single_device(preset, layout, sharded_axis, rules):
+  """Two learner updates on a mesh equal them on one device, also with a tensor axis and with the learner's rules
+  from config (`config.mesh.rules`: here no tensor split at all, the weights over fsdp on their mlp / heads side).
+  For the MoE, the single device runs the dense dispatch (every expert on every token) and the mesh the ragged one
+  (the default), with experts sharded."""
+  from minpro_jax.runtime.rules import parse_rules
+
   assert len(jax.devices()) == 8
   mesh = make_mesh(layout)
+  table = parse_rules(rules, "default", "mesh.rules")
+  extra = {"num_kv_heads": 2} if "tensor" in layout else {}  # heads that split over tensor=2
   cfg = LossConfig(method="minpro")
   opt = OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0)
-  model1 = _model(preset=preset, **({"moe_impl": "dense"} if preset == "tiny-moe" else {}))
+  model1 = _model(preset=preset, **({"moe_impl": "dense"} if preset == "tiny-moe" else {}), **extra)
   batch = _batch(model1)
   l1 = Learner(model1, cfg, opt, micro_batch_size=4)
   s1 = l1.init_state(nnx.split(model1)[1])
-  model8 = _model(mesh, preset=preset)
+  model8 = _model(mesh, preset=preset, rules=table, **extra)
   _, p8 = nnx.split(model8)
   leaves8, treedef8 = jax.tree.flatten(p8)
   p8 = jax.tree.unflatten(
@@ -237,9 +247,11 @@ def test_sharded_update_equals_single_device(preset, layout, sharded_axis):
   assert _max_abs_diff(jax.tree.map(np.asarray, s1.params), jax.tree.map(np.asarray, s8.params)) == 0.0
   shardings = {str(x.sharding.spec) for x in jax.tree.leaves(s8.params)}
   assert any(sharded_axis in s for s in shardings), shardings
+  if rules:  # the rules moved every weight off the tensor axis
+    assert not any("tensor" in s for s in shardings), shardings
   for _ in range(2):
     s1, m1 = l1.update(s1, batch)
-    with use_mesh(mesh):
+    with use_mesh(mesh, table):
       s8, m8 = l8.update(s8, batch)
   assert int(s8.step) == 2
   # Adam divides by sqrt(v): an expert that few tokens reach has tiny gradients whose float-rounding differences

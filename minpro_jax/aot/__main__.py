@@ -17,6 +17,7 @@ whose learner micro-batch does not split over the mesh's batch axes carries a "w
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -95,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
       default="update,score,prefill,decode",
       help="comma-separated subset of update,score,prefill,decode,sample (sample: the trainer's sampler call)",
   )
+  p.add_argument(
+      "--rules",
+      action="append",
+      default=[],
+      help="the learner's logical-axis rules, as config.mesh.rules takes them (repeat to sweep; default: the config's)",
+  )
   p.add_argument("--sampler-rows", type=int, default=None, help="rows of prefill/decode (default: the trainer's)")
   p.add_argument("--out", default="", help="JSON report path (rows already there for this config are kept)")
   p.add_argument("--dump-hlo", default="", help="folder for each program's optimized HLO and shardings")
@@ -151,7 +158,7 @@ def batch_split_warning(config, row) -> str | None:
   if row.get("program") not in ("update", "score"):
     return None
   shape = {k: int(v) for k, v in (p.split("=") for p in str(row.get("mesh", "")).split(",") if "=" in p)}
-  axes, split = batch_split(shape)
+  axes, split = batch_split(shape, run_config.learner_rules(config))
   micro = run_config.learner_micro_batch(config)
   if micro % split == 0:
     return None
@@ -194,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     from minpro_jax.aot.sweep import machine_info, markdown, settled, sweep
     from minpro_jax.aot.topologies import parse_slice
+    from minpro_jax.run import run_config
 
     sl = parse_slice(args.topology)
     name, config = run_config_of(config_args)
@@ -210,25 +218,31 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.out, sl, kept, machine_info())
       print(f"# {row['mesh']} {row['remat']} {row['program']}: {_brief(row)}", file=sys.stderr, flush=True)
 
-    rows = sweep(
-        config,
-        sl,
-        meshes,
-        args.remat or None,
-        [p.strip() for p in args.programs.split(",") if p.strip()],
-        sampler_rows=args.sampler_rows,
-        dump_hlo=args.dump_hlo or None,
-        done=done,
-        on_row=save,
-        config_name=name,
-    )
+    rows = []
+    for rules in args.rules or [config.mesh.rules]:  # a sharding sweep over rule sets: one config copy each
+      with config.unlocked():
+        one = copy.deepcopy(config)
+        one.mesh.rules = rules
+      run_config.learner_rules(one)  # a bad spec is named before anything compiles
+      rows += sweep(
+          one,
+          sl,
+          meshes,
+          args.remat or None,
+          [p.strip() for p in args.programs.split(",") if p.strip()],
+          sampler_rows=args.sampler_rows,
+          dump_hlo=args.dump_hlo or None,
+          done=done,
+          on_row=save,
+          config_name=name,
+      )
   except UserError as e:
     if args.debug:
       raise
     print(f"error: {e}", file=sys.stderr)
     return 2
-  fp = rows[0]["fingerprint"] if rows else None
-  shown = [r for r in kept if fp is None or r.get("fingerprint") == fp]
+  fps = {r["fingerprint"] for r in rows}
+  shown = [r for r in kept if not fps or r.get("fingerprint") in fps]
   print(f"# {name} on {sl.name} ({sl.topology}, {sl.num_chips} chips, {sl.num_hosts} hosts); per device")
   print(markdown(shown))
   return 1 if any("error" in r and r.get("fits") is not False for r in rows) else 0

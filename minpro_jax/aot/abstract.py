@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from minpro_jax.models.config import ModelConfig
 from minpro_jax.models.transformer import Transformer
-from minpro_jax.runtime.sharding import use_mesh
+from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
 
 
 def tpu_topology_devices(topology: str, chips_per_host: tuple[int, int, int]) -> list:
@@ -35,10 +35,11 @@ def tpu_topology_devices(topology: str, chips_per_host: tuple[int, int, int]) ->
   return list(desc.devices)
 
 
-def abstract_params(config: ModelConfig, mesh: jax.sharding.Mesh):
+def abstract_params(config: ModelConfig, mesh: jax.sharding.Mesh, rules=None):
   """(graphdef, params) of `Transformer(config)`: params an `nnx.State` of `jax.ShapeDtypeStruct`s sharded on `mesh`
-  by the model's logical-axis rules (what `init_model(config, mesh=mesh)` would create, without creating it)."""
-  with use_mesh(mesh):
+  by the logical-axis `rules` (None: the default; what `init_model(config, mesh=mesh, rules=rules)` would create,
+  without creating it)."""
+  with use_mesh(mesh, rules or DEFAULT_RULES):
     with nnx.use_eager_sharding(False):
       abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

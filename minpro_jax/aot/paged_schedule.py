@@ -28,8 +28,12 @@ import math
 import numpy as np
 
 from minpro_jax.aot.schedule import Schedule
+from minpro_jax.models.paged_attention import kernel_block
+from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
 from minpro_jax.sampling.continuous import refill_rule
+from minpro_jax.sampling.engines.paged import row_groups
 from minpro_jax.sampling.paged import pages_for, request_pages
+from minpro_jax.sampling.paged_continuous import share_unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +207,7 @@ def paged_schedule(
 def page_bytes_per_device(model_config, page_size: int, mesh, rules) -> float:
   """Bytes of one page over all layers (keys and values) that one device of the sampler's layout holds and its
   attention reads: page_size x layers x 2 K x head_dim x itemsize, the KV heads split as "act_kv_heads" splits
-  them where it divides K (`models.paged_attention.pallas_decode_attention`, `paged_continuous.run`)."""
-  from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
-
+  them where it divides K (`models.paged_attention.pallas_decode_attention`, the paged engine)."""
   cfg = model_config
   heads = logical_split(dict(mesh.shape), "act_kv_heads", rules or DEFAULT_RULES)[1] if mesh is not None else 1
   heads = heads if cfg.num_kv_heads % heads == 0 else 1
@@ -251,10 +253,6 @@ def sampler_paged_schedule(
   (compiled at `prompt_bucket`), `group_size` samples per prompt, as the paged engine runs it: its
   decode rows and refill size (`rows_and_refill`) split into its `row_groups`, each group's pool
   (`PagedKV.group_pool`), the unit its host side picks and, with the Pallas kernel, its block of pages."""
-  from minpro_jax.models.paged_attention import kernel_block
-  from minpro_jax.sampling.engines.paged import row_groups
-  from minpro_jax.sampling.paged_continuous import share_unit
-
   engine = sampler.engine
   rows, refill = engine.rows_and_refill(num_requests)
   g = row_groups(engine.core, rows, num_requests)[1]

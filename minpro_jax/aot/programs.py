@@ -202,7 +202,8 @@ class RunPrograms:
     self.c, self.cfg, self.mesh, self.shapes = c, cfg, mesh, shapes
     self.replay = bool(c.loss.router_replay)
     self.record_routes = bool(c.loss.router_replay or c.sampling.record_routes) and cfg.is_moe
-    graphdef, self.params = abstract_params(cfg, mesh)
+    self.rules = run_config.learner_rules(c)  # the learner's logical-axis rules (config.mesh.rules)
+    graphdef, self.params = abstract_params(cfg, mesh, self.rules)
     self.learner = Learner(
         nnx.merge(graphdef, self.params),
         run_config.loss_config(c),
@@ -222,6 +223,7 @@ class RunPrograms:
     # the trainer's sampler layout: the learner's mesh, or the sampler's own (config.sampling.mesh)
     own = list(mesh.devices.flat) if sampler_only else None
     smesh, srules = sampler_layout(c.sampling.mesh, mesh, cfg, own)
+    srules = sampler_setup.sampler_rules_of(c, srules)
     self.sampler = Sampler(
         cfg,
         precision=c.sampling.precision,
@@ -316,7 +318,7 @@ class RunPrograms:
     state = self.train_state()
     inputs = UpdateInputs(**self._rows(self.update_rows))
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    with use_mesh(self.mesh):
+    with use_mesh(self.mesh, self.rules):
       lr_scale = _replicated(self.mesh, (), jnp.float32)
       mb = min(self.shapes.micro_batch, self.update_rows)
       return self.learner.jitted_update(shardings).lower(state, inputs, mb, lr_scale)
@@ -325,7 +327,7 @@ class RunPrograms:
     rows = self._rows(self.score_rows)
     inputs = ScoreInputs(*(rows[f] for f in ScoreInputs._fields))
     mb = min(self.shapes.micro_batch, self.score_rows)
-    with use_mesh(self.mesh):
+    with use_mesh(self.mesh, self.rules):
       return self.learner.jitted_score.lower(self.params, inputs, mb)
 
   # ------------------------------------------------------------------------------------------ sampler
@@ -333,7 +335,7 @@ class RunPrograms:
     """The abstract sampler parameters (precision cast, per-layer layout) as its `prepare_params` lays them out
     (`Sampler.param_shardings`, on the sampler's mesh)."""
     if self._prepared is None:
-      with use_mesh(self.mesh):
+      with use_mesh(self.mesh, self.rules):
         lowered = self.sampler.jitted_prepare.lower(self.params)
         self._prepared = _on(_with_shardings(lowered, lowered.compile()), self.sampler.param_shardings)
     return self._prepared
@@ -354,7 +356,7 @@ class RunPrograms:
     """`Sampler.prepare_params` on the learner's parameters: the once-per-version transfer from the learner's layout
     and dtype to the sampler's, as one program (the sampler moves it to its layout a layer at a time)."""
     shardings = jax.tree.map(lambda x: x.sharding, self.prepared_params())
-    with use_mesh(self.mesh):
+    with use_mesh(self.mesh, self.rules):
       return jax.jit(self.sampler.prepare_fn, out_shardings=shardings).lower(self.params)
 
   def lower_continuous(self, num_requests: int, sampling=None, unit: int = 1):

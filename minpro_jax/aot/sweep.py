@@ -207,6 +207,7 @@ def sweep(
           "chips": sl.num_chips,
           "hosts": sl.num_hosts,
           "mesh": canonical_mesh(shape),
+          "rules": c.mesh.rules or "default",
           "remat": remat,
           "sampler_rows": shapes.sampler_rows,
           "attention_impl": resolve_attention_impl(cfg, shapes.seq_len, platform=platform_name),
@@ -273,7 +274,7 @@ def _compile_one(prog, progs: RunPrograms, sl: Slice, shapes, remat: str, dump_h
 
 
 _COLUMNS = (
-    ("mesh", "mesh"),
+    ("mesh", lambda r: r["mesh"] + (f" [{r['rules']}]" if r.get("rules", "default") != "default" else "")),
     ("remat", "remat"),
     ("program", "program"),
     ("shapes", "shapes"),

@@ -84,6 +84,9 @@ def base_config() -> ConfigDict:
   # the sampler's own mesh over the learner's devices (runtime/inference_mesh.py): "" = the learner's mesh and rules;
   # "tensor=4", "data=4,tensor=2" (weights split over tensor, replicated over data), or "auto"
   c.sampling.mesh = ""
+  # the sampler's logical-axis rules (runtime/rules.py): "" = the learner's rules on the learner's mesh, "inference"
+  # on its own (sampling.mesh); a rule set's name or overrides, e.g. "inference:vocab=" (the vocabulary whole)
+  c.sampling.rules = ""
   # the sampler's KV cache (docs/sampler.md#paged-kv): "dense" = prompt bucket + max_new_tokens slots per decode row;
   # "paged" = a pool of pages per layer, allocated as a row grows and freed when it stops (continuous sampler only,
   # sampling/paged_continuous.py); "auto" = paged with the continuous sampler, dense with the static one
@@ -199,6 +202,9 @@ def base_config() -> ConfigDict:
 
   c.mesh = ConfigDict()
   c.mesh.shape = ""  # "" = one device; e.g. "data=2,fsdp=4" (must multiply to the device count)
+  # the learner's logical-axis rules (runtime/rules.py): "" = "default"; a rule set's name, or overrides on it, e.g.
+  # "default:mlp=fsdp,q_heads=fsdp,kv_heads=fsdp" (docs/aot.md: a sharding sweep varies this)
+  c.mesh.rules = ""
 
   c.log = ConfigDict()
   c.log.tensorboard = True

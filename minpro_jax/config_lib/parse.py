@@ -13,6 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from minpro_jax.config_lib import files
+from minpro_jax.config_lib.defaults import base_config
 from minpro_jax.errors import UserError
 
 DEFAULT_CONFIG = "configs/default.py"  # found from the current directory or the repository root (`_find_config`)
@@ -128,7 +129,6 @@ def _unknown_field_message(argv: list[str], e: BaseException) -> str:
 def _fields_named(leaf: str, flag: str) -> list[str]:
   """The default config's fields (`config.a.b`) whose last name is `leaf`, other than `flag` (a field put in the
   wrong section: `config.learner.micro_batch_size` for `config.micro_batch_size`)."""
-  from minpro_jax.config_lib.defaults import base_config
 
   def walk(d, prefix):
     for k, v in d.items():

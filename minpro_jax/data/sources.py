@@ -435,6 +435,7 @@ def _file(d, *, seed: int, size: int) -> list[MathProblem]:
 
 
 def _check_tfds(d) -> None:
+  # optional dependency (tensorflow-datasets), imported only for a tfds source
   from minpro_jax.data.tfds_source import dataset_dir_exists
 
   if not d.tfds_name or not d.tfds_split or not d.tfds_data_dir:
@@ -452,6 +453,7 @@ def _check_tfds(d) -> None:
 @register_source("tfds", generator=False, heldout_name=lambda d: d.tfds_name, validate=_check_tfds)
 def _tfds(d, *, seed: int, size: int) -> list[MathProblem]:
   """A TFDS dataset prepared by `minpro_jax.data.build_tfds`, read with `tfds.data_source` (tfds_source.py)."""
+  # optional dependency (tensorflow-datasets), imported only for a tfds source
   from minpro_jax.data.tfds_source import load_tfds
 
   del seed, size

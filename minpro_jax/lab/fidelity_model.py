@@ -50,6 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from minpro_jax.config_lib import set_fields
+from minpro_jax.config_lib.defaults import get_config
+from minpro_jax.config_lib.files import load_module
+from minpro_jax.lab import fidelity_model_report as fmr
 from minpro_jax.lab import fidelity_toy as ft
 from minpro_jax.lab.fidelity_run import REFERENCE, cpu_model, finite_or_none
 from minpro_jax.lab.mipu_power import derived_seed, train_step
@@ -98,10 +102,6 @@ def loss_configs(temperature: float) -> tuple[LossConfig, ...]:
 
 def study_config(workdir: str, seed: int, overrides: dict | None = None):
   """The MIPU study's fixed fields (GRPO at delay 0) with an fp32 sampler at `seed`, then `overrides`."""
-  from minpro_jax.config_lib import set_fields
-  from minpro_jax.config_lib.defaults import get_config
-  from minpro_jax.config_lib.files import load_module
-
   mipu_study = load_module("configs/studies/mipu.py")
 
   c = set_fields(get_config(), {**mipu_study.get_grid().fixed, "seed": seed, **(overrides or {})})
@@ -369,7 +369,6 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
 def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
   """Runs every drift of `plan` whose JSON is not yet in `out` (module docstring), with `overrides` on top of
   `plan.setting`'s config; returns 0."""
-  from minpro_jax.config_lib.files import load_module
   from minpro_jax.run.trainer import Trainer  # heavy import, after the flags are checked
 
   overrides = {**setting_overrides(plan.setting), **(overrides or {})}
@@ -449,8 +448,6 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   a.out = results.resolve(a.out or results.committed("fidelity_model"), "--out")
   if a.report:
-    from minpro_jax.lab import fidelity_model_report as fmr
-
     if a.compare:
       pairs = [x.partition("=") for x in a.compare.split(",") if x]
       if any(not lab or not sep or not path for lab, sep, path in pairs):

@@ -53,6 +53,7 @@ from flax import nnx
 from minpro_jax.config_lib import set_fields
 from minpro_jax.config_lib.defaults import get_config
 from minpro_jax.config_lib.files import load_module
+from minpro_jax.lab import mipu_power_report
 from minpro_jax.lab.settings import SETTINGS, setting_overrides
 from minpro_jax.rl import mipu
 from minpro_jax.rl.aggregation import inference_gap_terms
@@ -374,8 +375,6 @@ def main(argv=None) -> None:
   a = ap.parse_args(argv)
   a.out = results.resolve(a.out or results.committed("mipu_power"), "--out")
   if a.report:
-    from minpro_jax.lab import mipu_power_report
-
     if a.compare:
       pairs = [x.partition("=") for x in a.compare.split(",") if x]
       if any(not lab or not sep or not path for lab, sep, path in pairs):

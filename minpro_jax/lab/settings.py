@@ -8,6 +8,8 @@ fixed fields (`configs/studies/mipu.py`: the staleness setting at delay 0, GRPO)
 
 from __future__ import annotations
 
+from minpro_jax.config_lib.files import load_module
+
 SETTINGS = ("short", "worked")  # the task: the MIPU study's (T ~ 6) | minpro_long.py's worked steps (T ~ 70)
 
 
@@ -21,7 +23,6 @@ def setting_overrides(setting: str) -> dict:
     raise ValueError(f"setting {setting!r}; choose one of {SETTINGS}")
   if setting == "short":
     return {}
-  from minpro_jax.config_lib.files import load_module
 
   long = load_module("configs/studies/minpro_long.py")
   return {**long.FIXED, "optimizer.learning_rate": long.chosen_rate()}

@@ -42,7 +42,7 @@ from minpro_jax.rl import packed_batch
 from minpro_jax.rl.learner import Learner, ScoreInputs, UpdateInputs, staleness
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime import host_batch, multihost
-from minpro_jax.runtime.sharding import batch_split
+from minpro_jax.runtime.sharding import DEFAULT_RULES, active_rules, batch_split
 
 
 def _input_fields(local, names, replay: bool) -> dict:
@@ -130,7 +130,7 @@ def _per_row(local: RolloutBatch, num_rows: int) -> np.ndarray:
 def learner_sharding(mesh: jax.sharding.Mesh, rows: int) -> jax.sharding.NamedSharding:
   """The learner's batch sharding of a [rows, ...] mini-batch: rows over the mesh axes the logical "batch" axis maps
   to (those of size > 1), or replicated when their product does not divide `rows`."""
-  axes = tuple(a for a in batch_split(dict(mesh.shape))[0] if mesh.shape.get(a, 1) > 1)
+  axes = tuple(a for a in batch_split(dict(mesh.shape), active_rules() or DEFAULT_RULES)[0] if mesh.shape.get(a, 1) > 1)
   if rows % math.prod(mesh.shape[a] for a in axes):
     axes = ()
   return host_batch.batch_sharding(mesh, axes)

@@ -26,6 +26,7 @@ from minpro_jax.rl import mipu
 from minpro_jax.runtime import host_batch
 from minpro_jax.runtime.device_split import sampler_device_count
 from minpro_jax.runtime.inference_mesh import parse_sampling_mesh
+from minpro_jax.runtime.rules import parse_rules
 from minpro_jax.runtime.sharding import MESH_AXES, batch_split
 
 REWARD_MODES = ("math", "integer")  # minpro_jax.data.rewards.math_reward's modes
@@ -241,6 +242,7 @@ def check_eval(c) -> None:
         f"{name}={fmt}:{path}: unknown format {fmt!r}; use one of {FORMATS}",
     )
     if fmt == "tfds":  # name=tfds:DATASET/SPLIT@DATA_DIR (minpro_jax.data.tfds_source)
+      # optional dependency (tensorflow-datasets), imported only for a tfds source
       from minpro_jax.data.tfds_source import dataset_dir_exists, parse_tfds_ref
 
       ds, _, data_dir = parse_tfds_ref(path)
@@ -389,7 +391,7 @@ def check_micro_batch_split(c, mesh_shape: dict[str, int], num_devices: int) -> 
   Raises:
     ConfigError: naming `config.micro_batch_size` (or `config.mipu.val_prompts`), both figures and the fix.
   """
-  axes, split = batch_split(mesh_shape)
+  axes, split = batch_split(mesh_shape, parse_rules(c.mesh.rules, "default", "mesh.rules"))
   micro, mini = learner_micro_batch(c), c.prompts_per_step * c.group_size // c.num_updates_per_step
   where = f"mesh.shape={c.mesh.shape!r} on {num_devices} devices: {' x '.join(axes)} = {split}"
   fits = [m for m in range(split, mini + 1, split) if mini % m == 0]

@@ -46,6 +46,7 @@ from minpro_jax.run.config_checks import (  # the checks' public names stay impo
 )
 from minpro_jax.run.config_checks import need as _need
 from minpro_jax.run.config_domains import check_domains
+from minpro_jax.runtime.rules import parse_rules
 
 __all__ = [
     "ConfigError",
@@ -127,10 +128,20 @@ def validate_shapes_config(c) -> None:
   config_checks.check_batch_split(c)
   _need(c.model.source in MODEL_SOURCES, "model.source", f"{c.model.source!r}; choose one of {MODEL_SOURCES}")
   _need(c.data.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {c.data.max_prompt_tokens}")
+  learner_rules(c)
   sampler_setup.check_sampling(c)
   loss_config(c)
   _check_optimizer(c)
   check_row_tokens(c)
+
+
+def learner_rules(c):
+  """The learner's logical-axis rules of `config.mesh.rules` (`runtime.rules.parse_rules`; "" = "default").
+
+  Raises:
+    ConfigError: naming config.mesh.rules (an unknown rule set, logical or mesh axis).
+  """
+  return parse_rules(c.mesh.rules, "default", "mesh.rules")
 
 
 MAX_LEARNING_RATE = 1.0  # AdamW moves each parameter by about lr per update: above 1 nothing survives

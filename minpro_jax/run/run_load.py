@@ -29,11 +29,15 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from minpro_jax.config_lib.defaults import base_config
+from minpro_jax.data.tokenizers import load_sentencepiece, smollm2_gguf_path
 from minpro_jax.errors import CheckpointError, ConfigError
 from minpro_jax.models import Transformer, get_preset
 from minpro_jax.models.config import ModelConfig
+from minpro_jax.models.gguf_io import gguf_config
+from minpro_jax.models.hf_io import config_from_hf
 from minpro_jax.run import run_config
-from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
+from minpro_jax.run.run_setup import build_tokenizer, train_and_eval_problems
+from minpro_jax.runtime.sharding import use_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +151,6 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
 
 def load_run_tokenizer(workdir: str, c):
   """The run's tokenizer: `workdir/tokenizer.model` when the run trained one, else as `run_setup` builds it."""
-  from minpro_jax.data.tokenizers import load_sentencepiece
-  from minpro_jax.run.run_setup import build_tokenizer, train_and_eval_problems
-
   saved = os.path.join(workdir, TOKENIZER_FILE)
   if c.tokenizer.kind == "train_spm" and os.path.isfile(saved):
     return load_sentencepiece(saved, chat_format=c.tokenizer.chat_format or "plain")
@@ -165,12 +166,8 @@ def model_config(c, tokenizer) -> ModelConfig:
   if c.model.source == "scratch":
     return get_preset(c.model.preset, vocab_size=tokenizer.vocab_size, **dict(c.model.overrides), **overrides)
   if c.model.source == "hf":
-    from minpro_jax.models.hf_io import config_from_hf
-
     with open(os.path.join(c.model.path, "config.json")) as f:
       return config_from_hf(json.load(f), **overrides)
-  from minpro_jax.data.tokenizers import smollm2_gguf_path
-  from minpro_jax.models.gguf_io import gguf_config
 
   return gguf_config(c.model.path or smollm2_gguf_path(), **overrides)
 
@@ -206,7 +203,7 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
   Args:
     workdir: a run's workdir.
     which: "best", "final" or a global step (int or digits) of a kept run checkpoint.
-    mesh: a device mesh to shard the parameters on (default rules), or None for one device.
+    mesh: a device mesh to shard the parameters on (by the run's `config.mesh.rules`), or None for one device.
 
   Raises:
     ConfigError: no config in `workdir`, or `which` is not best/final/a step.
@@ -225,7 +222,7 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
     )
   tokenizer = load_run_tokenizer(workdir, c)
   cfg = model_config(c, tokenizer)
-  with nnx.use_eager_sharding(False) if mesh is None else use_mesh(mesh, DEFAULT_RULES):
+  with nnx.use_eager_sharding(False) if mesh is None else use_mesh(mesh, run_config.learner_rules(c)):
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   template = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)

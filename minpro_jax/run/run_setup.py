@@ -486,13 +486,14 @@ def build_tokenizer(c, problems: list[MathProblem]):
 
 
 def build_model(c, tokenizer, mesh) -> Transformer:
-  """The policy: a loaded HF folder / GGUF file, or a scratch preset (vocabulary = the tokenizer's), on `mesh`."""
+  """The policy: a loaded HF folder / GGUF file, or a scratch preset (vocabulary = the tokenizer's), on `mesh` by
+  the learner's rules (`config.mesh.rules`)."""
   overrides = run_config.model_overrides(c)
   if c.model.source in ("hf", "gguf"):
     path = c.model.path or smollm2_gguf_path()
     try:
       load = load_hf_checkpoint if c.model.source == "hf" else load_gguf
-      model = load(path, mesh=mesh, **overrides)[0]
+      model = load(path, mesh=mesh, rules=run_config.learner_rules(c), **overrides)[0]
     except Exception as e:  # noqa: BLE001 - a file that does not load is a bad file: name it
       raise FileFormatError(
           f"{path}: cannot load a {c.model.source} checkpoint (config.model.path; " f"{type(e).__name__}: {e})"
@@ -501,7 +502,7 @@ def build_model(c, tokenizer, mesh) -> Transformer:
     check_finite_params(model, path)
     return model
   cfg = get_preset(c.model.preset, vocab_size=tokenizer.vocab_size, **dict(c.model.overrides), **overrides)
-  return init_model(cfg, seed=c.seed, mesh=mesh)
+  return init_model(cfg, seed=c.seed, mesh=mesh, rules=run_config.learner_rules(c))
 
 
 MAX_TOKENS_PER_CHAR = 0.6  # a tokenizer that knows the text takes about a token per 3-4 characters of it

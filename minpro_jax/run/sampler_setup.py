@@ -22,6 +22,7 @@ from minpro_jax.errors import ConfigError
 from minpro_jax.models.quant import FP8_ACTIVATIONS, FP8_FORMATS, FP8_WEIGHT_SCALES, PRECISIONS
 from minpro_jax.run.config_checks import need as _need
 from minpro_jax.runtime.inference_mesh import sampler_layout
+from minpro_jax.runtime.rules import parse_rules
 from minpro_jax.sampling import PagedKV, SamplingParams, paged
 from minpro_jax.sampling.engines import ENGINES
 from minpro_jax.sampling.paged_continuous import row_group_axes
@@ -187,6 +188,18 @@ def engine_options(c, paged_kv: PagedKV | None, rows: int):
   return cls(**kw)
 
 
+def sampler_rules_of(c, layout_rules):
+  """The sampler's logical-axis rules: those of its layout (`layout_rules`: `INFERENCE_RULES` on its own mesh; None
+  on the learner's mesh, which means the learner's `config.mesh.rules`), or `config.sampling.rules` when set (a rule
+  set's name, or overrides on the layout's rules).
+
+  Raises:
+    ConfigError: naming config.sampling.rules or config.mesh.rules.
+  """
+  own = layout_rules if layout_rules is not None else parse_rules(c.mesh.rules, "default", "mesh.rules")
+  return parse_rules(c.sampling.rules, own, "sampling.rules")
+
+
 def check_sampling(c) -> None:
   """Every check of `config.sampling` that needs no device: the sampling parameters, the precision and its FP8
   options, the engine, decode rows and the paged cache (`validate_config` runs it).
@@ -202,6 +215,7 @@ def check_sampling(c) -> None:
   sampler_decode_rows(c)
   sampler_paged_kv(c)
   engine_name(c)
+  parse_rules(c.sampling.rules, "default", "sampling.rules")
 
 
 def sampling_params(c, stop_token_ids) -> SamplingParams:
@@ -344,6 +358,7 @@ def sampler_kwargs(c, model, tokenizer, mesh, split=None, *, optimizer_copies: i
   """
   devices = None if split is None else split.sampler
   sampler_mesh, sampler_rules = sampler_layout(c.sampling.mesh, mesh, model.config, devices)
+  sampler_rules = sampler_rules_of(c, sampler_rules)
   learner_copies = 0 if devices is not None else 1 + optimizer_copies
   paged_kv = paged_kernel(sampler_paged_kv(c), model.config)
   rows = decode_rows(  # "auto": as many as fit beside the weights (and the learner's state)

@@ -91,7 +91,7 @@ class StepRunner:
       buffer.push(step, batch)
       return self._learn(state, self._released(buffer, step), lr_scale, metrics)
     t0 = time.time()
-    with use_mesh(tr.mesh):
+    with use_mesh(tr.mesh, tr.rules):
       prepared = tr.sampler.prepare_params(state.params)  # the weight transfer, once per version
     transfer = {"time/weight_transfer": time.time() - t0}
     if not self.overlapped:

@@ -79,6 +79,7 @@ class Trainer:
     c = self.c = parts.config
     self.parts = parts
     self.workdir, self.mesh, self.ckpt = parts.workdir, parts.mesh, parts.checkpointer
+    self.rules = run_config.learner_rules(c)  # the learner's logical-axis rules (config.mesh.rules)
     self.model, self.tokenizer = parts.model, parts.tokenizer
     self.train_problems, self.prompt_ids, self.eval_sets = parts.train_problems, parts.prompt_ids, parts.eval_sets
     self.sft_info = parts.sft_info
@@ -126,7 +127,7 @@ class Trainer:
   def generate(self, params, problems, sampling: SamplingParams, seed: int, group_size: int, sampler=None, **kw):
     """`group_size` responses per problem of `problems` under `params` (the run's sampler, or `sampler`): the
     sampler's `generate` output, rows prompt-major. `kw` goes to the sampler (e.g. `precision`)."""
-    with use_mesh(self.mesh):
+    with use_mesh(self.mesh, self.rules):
       return (sampler or self.sampler).generate(
           params, [self.prompt_ids[p.id] for p in problems], sampling, seed, group_size=group_size, **kw
       )
@@ -164,7 +165,7 @@ class Trainer:
     recorded = batch.routes is not None  # the learner's own routes ([N, L, layers, k]) only to compare with them
     num = self.c.num_updates_per_step  # packed: each mini-batch on its own (`packed_batch`)
     chunk = num_rows // num if num_rows % num == 0 else None
-    with use_mesh(self.mesh):
+    with use_mesh(self.mesh, self.rules):
       if own:  # its rows in, its rows of the log-probs out (collective; `process_batch.score`)
         scored = process_batch.score(
             self.learner, state.params, batch, num_rows, return_routes=recorded, chunk_rows=chunk
@@ -212,14 +213,14 @@ class Trainer:
         max_new_tokens=self.sampling.max_new_tokens,
         stop_token_ids=self.sampling.stop_token_ids,
     )
-    with use_mesh(self.mesh):
+    with use_mesh(self.mesh, self.rules):
       texts = self._decode(self.eval_sampler.generate(params, ids, sp, seed, group_size=n))
     return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
 
   def evaluate(self, params, step: int, name: str) -> dict[str, Any]:
     """Held-out evaluation of `params` (`config.eval`); writes `workdir/eval/<name>.json|md`."""
     e = self.c.eval
-    with use_mesh(self.mesh):
+    with use_mesh(self.mesh, self.rules):
       params = self.eval_sampler.prepare_params(params)  # converted once for all of the evaluation's batches
     fn = lambda prompts, n, seed: self.generate_texts(params, prompts, n, seed)  # noqa: E731
     return evaluate(
@@ -328,7 +329,7 @@ class Trainer:
     """Step 4: one optimizer update per mini-batch of a released batch (`learner_batch`), at `lr_scale` x the
     scheduled rate (`process_batch.updates`)."""
     t0 = time.time()
-    with use_mesh(self.mesh):
+    with use_mesh(self.mesh, self.rules):
       state, ups, stale, tokens = process_batch.updates(
           self.learner, state, batch, self.c.num_updates_per_step, lr_scale
       )

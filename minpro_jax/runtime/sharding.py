@@ -168,7 +168,7 @@ def batch_split(mesh_shape: dict[str, int], rules=DEFAULT_RULES) -> tuple[tuple[
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules=None) -> P:
   """Resolves logical axis names to a `PartitionSpec` with the active (or given) rules."""
-  table = dict(rules if rules is not None else _active_rules())
+  table = dict(rules if rules is not None else active_rules())
   return P(*[table.get(a) if a is not None else None for a in logical_axes])
 
 
@@ -205,7 +205,8 @@ def auto_axes(mesh) -> frozenset[str]:
   return frozenset(mesh.axis_names) - manual_axes(mesh)
 
 
-def _active_rules():
+def active_rules():
+  """The logical-axis rules of the enclosing `use_mesh` (() outside one)."""
   return core_spmd.get_logical_axis_rules() or ()
 
 
@@ -217,7 +218,7 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   activations [B, T, E, F]) is kept only on the later dimension.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty or not _active_rules():
+  if mesh is None or mesh.empty or not active_rules():
     return x
   spec = list(logical_to_spec(logical_axes))
   used: set[str] = set(manual_axes(mesh))  # inside a shard_map, its manual axes split nothing

@@ -25,6 +25,7 @@ import numpy as np
 
 from minpro_jax.models.moe import ROUTE_DTYPE
 from minpro_jax.models.paged_attention import KERNELS, PagedKVCache, has_megacore
+from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
 from minpro_jax.sampling import paged
 from minpro_jax.sampling.continuous import ContinuousState, record, refill_rule, start_rows
 from minpro_jax.sampling.methods import SamplingParams
@@ -273,8 +274,6 @@ def row_group_axes(mesh, rules) -> tuple[tuple[str, ...], int]:
   carries the pool through the loop's refill / decode `cond` in place; outside a shard_map it copied every layer's
   pool once per iteration (Qwen3-8B on v5p-8 at tensor=4, 32 rows: 80.9 GB of temporaries against 28.3 GB,
   2026-12-06, compile-only)."""
-  from minpro_jax.runtime.sharding import DEFAULT_RULES, logical_split
-
   if mesh is None:
     return (), 1
   rules, shape = rules or DEFAULT_RULES, dict(mesh.shape)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from minpro_jax.config_lib import files
+from minpro_jax.config_lib.parse import parse_config
 from minpro_jax.errors import UserError
 
 REPO = files.REPO
@@ -421,8 +422,6 @@ def parse_run_config(argv: list[str]):
   Raises:
     UserError: from `minpro_jax.config_lib.parse.parse_config` (an unknown field, a value that does not parse).
   """
-  from minpro_jax.config_lib.parse import parse_config
-
   return parse_config([argv[0], *argv[3:]])  # without "-m minpro_jax.train"
 
 
@@ -590,6 +589,7 @@ def _validate_main() -> None:
   """The child of `validate_in_subprocess`: reads [[name, argv], ...] (JSON) on stdin, prints {name: error}."""
   import json
 
+  # JAX only in this child process: the study runner itself never imports it (it forks trainers)
   from minpro_jax.run import run_config
 
   out = {}
