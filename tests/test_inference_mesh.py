@@ -152,15 +152,15 @@ def _compiled_c_all(s: Sampler, state) -> tuple[str, int]:
   prepared = s.prepare_params(state).state
   n, p = 6, 16
   requests = (np.ones((n, p), np.int32), np.ones((n, p), np.int32), np.zeros(n, np.int32), np.zeros((n, 2), np.uint32))
-  rows, refill = s.continuous_rows(n)
+  rows, refill = s.engine.rows_and_refill(n)
   sp = SamplingParams(temperature=0.7, top_k=40, max_new_tokens=4)
   with s.mesh_context():
-    lowered = s._c_all.lower(prepared, requests, sampling=sp, p_len=p, rows=rows, refill=refill)
+    lowered = s.engine.program.lower(prepared, requests, sampling=sp, p_len=p, rows=rows, refill=refill)
   return lowered.compile().as_text(), len(jax.tree.leaves(prepared))
 
 
 def test_decode_gathers_no_weight_on_the_sampler_layout(sampler, learner_state, learner_mesh):
-  """The compiled continuous sampler (prefill, decode loop, refills: `Sampler._c_all`, what the trainer runs) has
+  """The compiled continuous sampler (prefill, decode loop, refills: the continuous engine's `program`, what the trainer runs) has
   no all-gather of a weight anywhere, in or out of its while loops (its all-gathers are of activations: the rows'
   tokens and states over data, logits over vocab); on the learner's fsdp=8 layout the same program gathers every
   weight matrix (11 of them for tiny, in a loop body), so the check can fail."""
@@ -250,7 +250,7 @@ def test_the_step_budget_compiles_the_sampler_on_its_own_layout():
   b = Budget(c, parse_slice("cpu:8"), "fsdp=8", lengths="gamma:mean=5", prompt_len=6, parts=("sampling",))
   rows = {r["part"]: r for r in b.run()}
   s = b.progs.trainer_sampler
-  assert dict(s.mesh.shape) == {"data": 4, "tensor": 2} and s.continuous_rows(16)[0] == 8
+  assert dict(s.mesh.shape) == {"data": 4, "tensor": 2} and s.engine.rows_and_refill(16)[0] == 8
   weights = _param_bytes(b.progs.prepared_params())
   gathers = rows["sampling: decode step"]["per_iteration"]["collectives"].get("all-gather", {"bytes": 0})
   assert gathers["bytes"] < 0.05 * weights  # activations only

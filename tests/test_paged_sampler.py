@@ -211,7 +211,7 @@ def test_paged_kernel_choice():
   assert (kv.page_size, kv.num_pages) == (16, 40) and type(kv.page_size) is int
 
 
-# The paged sampler's whole call (`Sampler._c_paged`, shared prompts in units of 8) for a v5p-8 (4 chips) on the
+# The paged sampler's whole call (the paged engine's `program`, shared prompts in units of 8) for a v5p-8 (4 chips) on the
 # sampler's layout data=D x tensor=T (argv): Qwen3-8B's heads and 2 layers in bf16, 64 decode rows, 256 prompts of
 # 256 tokens, 1024 new tokens, pages of 64, split into D row groups. Every instruction of the computations its
 # `while` loop runs (the refill and decode branches, nested loops), and the copies as large as one chip's share of a

@@ -170,7 +170,7 @@ def test_live_length_decode_equals_full_cache_decode_at_every_step(state):
 
 
 # The trainer's sampler as the step budget compiles it (Qwen3-8B's layers on v5p-64, data=8 x tensor=4, bf16),
-# cut to 2 layers and short lengths: its whole call (`Sampler._c_all`) for TPU, and every `copy` in the
+# cut to 2 layers and short lengths: its whole call (the continuous engine's `program`) for TPU, and every `copy` in the
 # computations its `while` loop runs (the decode and refill branches, the live-length switch, nested loops).
 _TPU_CACHE_COPIES = """
 from minpro_jax.aot import hlo_text
@@ -194,7 +194,7 @@ while todo:
     todo += [n for i in comps[name].instrs for k in ("calls", "body", "condition", "branch_computations")
              for n in hlo_text.called(i.attrs, k)]
 s = progs.trainer_sampler
-rows, tensor = s.continuous_rows(512)[0] // s.mesh.shape["data"], s.mesh.shape["tensor"]
+rows, tensor = s.engine.rows_and_refill(512)[0] // s.mesh.shape["data"], s.mesh.shape["tensor"]
 layer = sorted([rows, cfg.num_kv_heads // tensor, 256 + 1024, cfg.head_dim])  # one layer's K (or V) per chip
 copies = [i for x in seen for i in comps[x].instrs if i.opcode == "copy" and sorted(hlo_text.dims(i.shape)) == layer]
 print(f"RESULT computations={len(seen)} layer={','.join(map(str, layer))} cache_copies={len(copies)}")

@@ -67,8 +67,6 @@ def test_the_default_is_auto_paged_with_pages_of_16_on_the_continuous_sampler(tm
   assert sampler_setup.sampler_kv_cache(c) == "dense" and sampler_setup.sampler_paged_kv(c) is None
   c.sampling.continuous, c.sampling.kv_cache = True, "dense"
   assert sampler_setup.sampler_paged_kv(c) is None
-  del c.sampling["kv_cache"], c.sampling["page_size"], c.sampling["num_pages"]  # a config from before the fields
-  assert sampler_setup.sampler_kv_cache(c) == "dense" and sampler_setup.sampler_paged_kv(c) is None
 
 
 def test_the_fields_give_the_samplers_paged_kv(tmp_path):
@@ -171,11 +169,13 @@ def test_sampler_kwargs_build_a_paged_sampler(tmp_path, caplog):
   assert sampler_kwargs(named, model, tok, None)["engine"] == engines.HostRefill(decode_rows=8)
   sampler_kwargs(make_config(tiny_overrides(tmp_path, **{"sampling.decode_rows": 100})), model, tok, None)
   lines = [r.getMessage() for r in caplog.records if r.name == "minpro_jax.run.sampler_setup"]
-  assert lines == [  # the run's log says what each cache resolved to, and rows rounded up to a batch bucket
-      "sampler: continuous, kv_cache=paged (pages of 16, pool 40, kernel xla), 64 decode rows",
+  assert lines == [  # the run's log names the engine, what each cache resolved to, and rows rounded up to a bucket
+      "sampler: paged, kv_cache=paged (pages of 16, pool 40, kernel xla), 64 decode rows",
       "sampler: continuous, kv_cache=dense, 64 decode rows",
-      "sampler: continuous, kv_cache=auto -> paged (pages of 16, pool auto, kernel xla), 64 decode rows",
-      "sampler: continuous, kv_cache=auto -> paged (pages of 16, pool auto, kernel xla), 100 decode rows (runs as "
+      "sampler: paged, kv_cache=auto -> paged (pages of 16, pool auto, kernel xla), 64 decode rows",
+      "sampler: static, kv_cache=auto -> dense, 64 decode rows",
+      "sampler: host_refill, kv_cache=auto -> dense, 8 decode rows",
+      "sampler: paged, kv_cache=auto -> paged (pages of 16, pool auto, kernel xla), 100 decode rows (runs as "
       "128: decode rows round up to a batch bucket)",
   ]
 
@@ -245,7 +245,7 @@ def test_a_trainer_step_with_paged_kv_equals_dense(tmp_path, monkeypatch):
 
 
 def test_the_aot_tool_compiles_the_paged_sampler_for_tpu():
-  """`--programs=sample` with kv_cache=paged lowers the trainer's paged call (`Sampler._c_paged`) and compiles it
+  """`--programs=sample` with kv_cache=paged lowers the trainer's paged call (the paged engine's `program`) and compiles it
   for a v5p-8: with head_dim 128 the Pallas kernel (PagedKV kernel "auto" on TPU devices); with head_dim 16, not
   whole vregs, the plain-JAX attention (`sampler_setup.paged_kernel`)."""
   code = """

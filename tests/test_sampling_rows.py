@@ -143,7 +143,7 @@ _, c = run_config_of(["--config=configs/paper/qwen3_8b.py", "--config.sampling.m
 progs = RunPrograms(c, model_config(c)[0], make_mesh({"fsdp": 32}, devices=sl.devices()), run_shapes(c),
                     hbm_bytes=sl.chip.hbm_bytes)
 s = progs.trainer_sampler
-print(f"RESULT data={s.mesh.shape['data']} tensor={s.mesh.shape['tensor']} rows={s.decode_rows}")
+print(f"RESULT data={s.mesh.shape['data']} tensor={s.mesh.shape['tensor']} rows={s.engine.options.decode_rows}")
 """
 
 

@@ -314,7 +314,9 @@ class Budget:
         "slice": self.sl.name,
         "chips": self.sl.num_chips,
         "mesh": self.mesh_name,
-        "sampler_layout": layout_name(s.mesh, s.rules) if s.rules is not None else f"{self.mesh_name} (learner rules)",
+        "sampler_layout": layout_name(s.mesh, s.rules)
+        if s.mesh is not self.mesh
+        else f"{self.mesh_name} (learner rules)",
         "decode_rows": self.progs.decode_rows,
         "lengths": self.lengths_spec,
         "lengths_from": self.lengths_from,

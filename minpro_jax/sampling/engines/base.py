@@ -19,7 +19,7 @@ import abc
 import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import numpy as np
@@ -146,14 +146,19 @@ class Engine(abc.ABC):
 
   Attributes:
     core: the `SamplerCore`.
+    options: the engine's options (a registered options dataclass).
+    name: the engine's registered name (its options').
     trace_count: how often the engine's programs were traced (tests assert parameter updates never retrace).
   """
 
-  name: ClassVar[str] = ""
-
-  def __init__(self, core: SamplerCore):
+  def __init__(self, core: SamplerCore, options: Any):
     self.core = core
+    self.options = options
     self.trace_count = 0
+
+  @property
+  def name(self) -> str:
+    return type(self.options).name
 
   def traced(self) -> None:
     """Called inside each of the engine's jitted functions: counts a trace."""

@@ -53,8 +53,7 @@ class ContinuousEngineBase(Engine):
   """What the continuous engines share: their rows and refill rule, and the dense decode step."""
 
   def __init__(self, core: SamplerCore, options: ContinuousOptions):
-    super().__init__(core)
-    self.options = options
+    super().__init__(core, options)
 
   def rows_and_refill(self, num_requests: int) -> tuple[int, int]:
     """(decode rows, rows per refill) of a call of `num_requests` requests: `decode_rows` rounded up to a batch

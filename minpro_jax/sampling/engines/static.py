@@ -32,7 +32,7 @@ class Static:
   """Options of the static engine (none)."""
 
   def make(self, core: SamplerCore) -> "StaticEngine":
-    return StaticEngine(core)
+    return StaticEngine(core, self)
 
 
 class StaticEngine(Engine):
@@ -44,8 +44,8 @@ class StaticEngine(Engine):
     decode: jitted `(state, LoopState; sampling, cache_offset=P) -> LoopState`, the carry donated.
   """
 
-  def __init__(self, core: SamplerCore):
-    super().__init__(core)
+  def __init__(self, core: SamplerCore, options: Static):
+    super().__init__(core, options)
     self.prefill = jax.jit(self._prefill, static_argnames=("sampling",))
     self.decode = jax.jit(self._decode, static_argnames=("sampling", "cache_offset"), donate_argnums=(1,))
 
