@@ -149,14 +149,17 @@ def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
   for spec in ("stage0b", "stage1"):  # the rate is stage 0's to choose: refused until it is set
     with pytest.raises(ValueError, match="LEARNING_RATE is still the placeholder None; run stage 0"):
       minpro_long.get_grid(spec)
-  for bad in ("", ":stage2", ":stage1:x"):
-    with pytest.raises(GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1', 'rate'\)"):
+  for bad in ("", ":stage3", ":stage1:x"):
+    with pytest.raises(
+        GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1', 'rate', 'lr', 'stage2'\)"
+    ):
       grid.load_grid(LONG + bad)
   monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)
   runs = grid.expand(minpro_long.get_grid("stage0b"))
   assert [r.name for r in runs] == ["method-minpro_seed-0", "method-grpo_seed-0", "method-cispo_seed-0"]
   g = minpro_long.get_grid("stage1")
   grid.check_grid(g)
+  assert g.contrasts == (("loss.method", "grpo", "delay", 0),)  # the staleness contrast (issue 55)
   runs = grid.expand(g)
   cells = list(dict.fromkeys(r.cell_name for r in runs))
   assert len(runs) == 75 and len(cells) == 15 and {r.seed for r in runs} == {0, 1, 2, 3, 4}
