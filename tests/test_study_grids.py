@@ -1,6 +1,7 @@
 """The study grid files (configs/studies/): each grid's runs, names and overrides as the study docs state them, the
 long grids' stage arguments and placeholders, and a grid's mistakes named by field or variant."""
 
+import functools
 import json
 import os
 
@@ -211,6 +212,27 @@ def test_the_long_mipu_grid(monkeypatch):
       1e-4,
   )
   assert (rnd.mipu.mode, rnd.mipu.match_rate_of, rnd.sampling.max_new_tokens) == ("random", "variant-mipu_seed-3", 128)
+
+
+def test_the_random_rollback_at_delta_js_rate_reads_the_committed_mipu_dj_runs(monkeypatch):
+  """Issue 55: `random-dj` rolls back at random at the rate of results/mipu_long's `mipu-dj` run of its seed."""
+  from minpro_jax.run.run_config import random_rollback_rate
+
+  monkeypatch.chdir(REPO)  # the rate's path is from the repository root, where study commands run
+  planned = grid.plan(grid.load_grid(MIPU_LONG + ":random-dj"), "/tmp/study", validate=False)
+  assert [r.name for r, _, _ in planned] == [f"variant-random-dj_seed-{s}" for s in range(5)]
+  main = {r.name: c for r, _, c in grid.plan(grid.load_grid(MIPU_LONG + ":main"), "/tmp/study", validate=False)}
+  for run, _, c in planned:
+    dj = main[f"variant-mipu-dj_seed-{run.seed}"]
+    assert c.mipu.match_rate_of == f"results/mipu_long/variant-mipu-dj_seed-{run.seed}"
+    assert (c.mipu.mode, c.loss.rollout_is, c.loss.tis_cap, c.sampling.precision) == ("random", "token", 2.0, "fp8")
+    same = ("sampling.fp8_format", "sampling.fp8_activations", "optimizer.learning_rate", "sft.target", "seed")
+    get = lambda cfg, f: functools.reduce(lambda node, k: node[k], f.split("."), cfg)  # noqa: E731
+    assert all(get(c, f) == get(dj, f) for f in same)  # the setting and warm start of the mipu-dj run
+    with open(os.path.join(REPO, c.mipu.match_rate_of, "summary.json")) as f:
+      m = json.load(f)["mipu"]
+    assert random_rollback_rate(c) == m["rollbacks"] / m["checks"]
+  assert [random_rollback_rate(c) for _, _, c in planned] == [0.5625, 0.375, 0.4375, 0.4375, 0.40625]
 
 
 @pytest.mark.parametrize(
