@@ -52,6 +52,12 @@ def test_records_and_on_policy_agreement(study):
   # stale: the sequence log-ratio spreads, on-policy it is ~0
   assert abs(cells[0]["log_ratio_seq_sd"]) < 1e-3 < min(cells[2]["log_ratio_seq_sd"], cells[3]["log_ratio_seq_sd"])
   assert cells[0]["truth_samples_per_half"] == 4 * 2
+  # issue 55: the intervals resample the truth's chunks too; the weights split by the response's reward
+  assert all(set(r["truth_undefined"]) == {"euclid", "adam"} and "truth's chunks" in r["interval"] for r in cells)
+  s2 = cells[2]["methods"]
+  assert 0.0 < cells[2]["rewarded_token_share"] < 1.0 and s2["grpo"]["weight_rewarded"] > 0  # coin-flip rewards
+  for m in ("cispo", "minpro:min"):  # clipped at 1 + eps_high = 1.28
+    assert 0.0 < s2[m]["weight_unrewarded"] <= 1.28 + 1e-6 and 0.0 <= s2[m]["weight_rewarded"] <= 1.28 + 1e-6
 
 
 def test_rerun_skips_finished_cells_and_reuses_the_trajectory(study, capsys, monkeypatch, tmp_path):

@@ -208,3 +208,26 @@ def test_power_study_statistics_on_a_coupled_draw():
   assert all(d["delta_t"] == 0.0 and d["delta_j"] == 0.0 for d in res["by_n"]["8"])
   whole = res["by_n"]["32"][0]
   assert whole["t_post"] == pytest.approx(old["terms"].mean()) and whole["t_post"] == whole["t_before"]
+  assert whole["group_share"] == 1.0  # every group of uniform rewards has a spread
+  flat = {**old, "rewards": np.where(g < 3, 0.0, old["rewards"])}  # groups 0-2 all fail: no advantage
+  assert mipu_power.evaluate_pair(flat, old, np.ones(10), np.ones(10), (32,))["by_n"]["32"][0]["group_share"] == 0.25
+
+
+def test_auc_within_checkpoints_by_hand():
+  """Checkpoint 0: the statistic ranks its two updates right; checkpoint 1: wrong; checkpoint 2: one side only. The
+  pooled AUC also compares updates across checkpoints, whose statistic levels differ (a drifting T)."""
+  pairs = []
+  for k, (first, second) in enumerate(((-1.0, 1.0), (3.0, 2.0), (5.0, 6.0))):
+    for j, (stat, truth) in enumerate(((first, -0.01 if k < 2 else 0.01), (second, 0.02))):
+      pairs.append({"checkpoint": k, "candidate": j, "truth": truth, "by_n": {"8": [{"t_post": stat}]}})
+  a = mipu_power_report.checkpoint_aucs(pairs, "t_post", "8", np.random.default_rng(0))
+  assert a["per_checkpoint"][0] == 1.0 and a["per_checkpoint"][1] == 0.0 and math.isnan(a["per_checkpoint"][2])
+  assert a["within"][0] == 0.5  # (1 + 0) / (1 + 1)
+  # pooled: lowered -1, 3 against raised 1, 2, 5, 6: by -stat, -1 beats all four, 3 beats 5 and 6: 6 / 8
+  assert a["pooled"][0] == pytest.approx(6 / 8)
+  assert 0.0 <= a["within"][1] <= 0.5 <= a["within"][2] <= 1.0
+  assert mipu_power_report.normalised_t(pairs) is None  # records from before group_share
+  for p in pairs:
+    p["by_n"]["8"][0]["group_share"] = 0.5
+  norm = mipu_power_report.normalised_t(pairs)
+  assert norm[0]["by_n"]["8"][0]["t_post_norm"] == -2.0

@@ -109,6 +109,29 @@ def test_v2_details():
   np.testing.assert_allclose(grad[0], [0, 0, -0.060239, -0.089866, -0.081314], **TOL)
 
 
+def test_minpro_ppo_surrogate_hand_vector_both_advantage_signs():
+  """MinPRO's trust-region ablation (issue 55): the PPO clipped surrogate on r = sg(f_t) rho_t with eps_low 0.2,
+  eps_high 0.28. l = [.5, 0, -.4, .1, .3]: log f = exclusive prefix min [0, .5, 0, -.4, -.4], log r = [.5, .5, -.4,
+  -.3, -.1], r = [1.648721, 1.648721, 0.670320, 0.740818, 0.904837] (token 1 leaves the band through f alone: l = 0).
+  A = +1: tokens with r > 1.28 lose their gradient (loss -1.28), the rest keep -A r; A = -1: tokens with r < 0.8 lose
+  it (loss 0.8), the rest keep -A r. dL/dlogp_t = -A r_t / N on a kept token (f detached), N = 10."""
+  old = [[-1.0, -2.0, -0.5, -1.5, -0.8]] * 2
+  delta = [[0.5, 0.0, -0.4, 0.1, 0.3]] * 2
+  out, grad = _run("minpro", old, delta, [1.0, -1.0], surrogate="ppo", eps_low=0.2)
+  r = [1.648721, 1.648721, 0.670320, 0.740818, 0.904837]
+  np.testing.assert_allclose(out.token_weights, [r, r], **TOL)  # the unclipped r, for the logs
+  kept = np.array([[0, 0, 1, 1, 1], [1, 1, 0, 0, 1]], bool)  # the gradient mask of each sign
+  np.testing.assert_array_equal(grad != 0, kept)
+  np.testing.assert_allclose(
+      grad, [[0, 0, -0.067032, -0.074082, -0.090484], [0.164872, 0.164872, 0, 0, 0.090484]], **TOL
+  )
+  # per-token losses [-1.28, -1.28, -.670320, -.740818, -.904837] and [1.648721, 1.648721, .8, .8, .904837]
+  np.testing.assert_allclose(out.loss, (-4.875975 + 5.802279) / 10, **TOL)
+  np.testing.assert_allclose([out.metrics["clip_frac_high"], out.metrics["clip_frac_low"]], [0.2, 0.2], **TOL)
+  _, grad_reinforce = _run("minpro", old, delta, [1.0, -1.0], eps_low=0.2)  # the paper's surrogate: no mask
+  assert np.all(grad_reinforce != 0)
+
+
 # ---------------------------------------------------------------- V3 / V4: padding, length 1
 V3_OLD = [-0.8, -1.6, -0.4]
 V3_DELTA = [-0.3, 0.2, 0.1]

@@ -1,6 +1,7 @@
 """The study grid files (configs/studies/): each grid's runs, names and overrides as the study docs state them, the
 long grids' stage arguments and placeholders, and a grid's mistakes named by field or variant."""
 
+import functools
 import json
 import os
 
@@ -149,14 +150,17 @@ def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
   for spec in ("stage0b", "stage1"):  # the rate is stage 0's to choose: refused until it is set
     with pytest.raises(ValueError, match="LEARNING_RATE is still the placeholder None; run stage 0"):
       minpro_long.get_grid(spec)
-  for bad in ("", ":stage2", ":stage1:x"):
-    with pytest.raises(GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1', 'rate'\)"):
+  for bad in ("", ":stage3", ":stage1:x"):
+    with pytest.raises(
+        GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1', 'rate', 'lr', 'stage2'\)"
+    ):
       grid.load_grid(LONG + bad)
   monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)
   runs = grid.expand(minpro_long.get_grid("stage0b"))
   assert [r.name for r in runs] == ["method-minpro_seed-0", "method-grpo_seed-0", "method-cispo_seed-0"]
   g = minpro_long.get_grid("stage1")
   grid.check_grid(g)
+  assert g.contrasts == (("loss.method", "grpo", "delay", 0),)  # the staleness contrast (issue 55)
   runs = grid.expand(g)
   cells = list(dict.fromkeys(r.cell_name for r in runs))
   assert len(runs) == 75 and len(cells) == 15 and {r.seed for r in runs} == {0, 1, 2, 3, 4}
@@ -208,6 +212,27 @@ def test_the_long_mipu_grid(monkeypatch):
       1e-4,
   )
   assert (rnd.mipu.mode, rnd.mipu.match_rate_of, rnd.sampling.max_new_tokens) == ("random", "variant-mipu_seed-3", 128)
+
+
+def test_the_random_rollback_at_delta_js_rate_reads_the_committed_mipu_dj_runs(monkeypatch):
+  """Issue 55: `random-dj` rolls back at random at the rate of results/mipu_long's `mipu-dj` run of its seed."""
+  from minpro_jax.run.run_config import random_rollback_rate
+
+  monkeypatch.chdir(REPO)  # the rate's path is from the repository root, where study commands run
+  planned = grid.plan(grid.load_grid(MIPU_LONG + ":random-dj"), "/tmp/study", validate=False)
+  assert [r.name for r, _, _ in planned] == [f"variant-random-dj_seed-{s}" for s in range(5)]
+  main = {r.name: c for r, _, c in grid.plan(grid.load_grid(MIPU_LONG + ":main"), "/tmp/study", validate=False)}
+  for run, _, c in planned:
+    dj = main[f"variant-mipu-dj_seed-{run.seed}"]
+    assert c.mipu.match_rate_of == f"results/mipu_long/variant-mipu-dj_seed-{run.seed}"
+    assert (c.mipu.mode, c.loss.rollout_is, c.loss.tis_cap, c.sampling.precision) == ("random", "token", 2.0, "fp8")
+    same = ("sampling.fp8_format", "sampling.fp8_activations", "optimizer.learning_rate", "sft.target", "seed")
+    get = lambda cfg, f: functools.reduce(lambda node, k: node[k], f.split("."), cfg)  # noqa: E731
+    assert all(get(c, f) == get(dj, f) for f in same)  # the setting and warm start of the mipu-dj run
+    with open(os.path.join(REPO, c.mipu.match_rate_of, "summary.json")) as f:
+      m = json.load(f)["mipu"]
+    assert random_rollback_rate(c) == m["rollbacks"] / m["checks"]
+  assert [random_rollback_rate(c) for _, _, c in planned] == [0.5625, 0.375, 0.4375, 0.4375, 0.40625]
 
 
 @pytest.mark.parametrize(

@@ -162,8 +162,8 @@ def parse_arg(arg: str | None) -> tuple[str, int | None]:
 
 
 def get_grid(arg=None) -> Grid:
-  """arg: "stage0", "stage0b", "stage1" or "rate", optionally ":N" for seeds 0..N-1 (default one seed for the
-  stage-0 grids, SEEDS for stage 1, RATE_CHECK_SEEDS for the rate check)."""
+  """arg: one of STAGES, optionally ":N" for seeds 0..N-1 (default one seed for the stage-0 grids, SEEDS for stages
+  1 and 2, RATE_CHECK_SEEDS for the rate check, LR_SEEDS for the lr stage)."""
   stage, n = parse_arg(arg)
   description = (
       f"long responses: eight-term chain_sum, worked-step warm start, {MAX_NEW_TOKENS} new tokens, "
@@ -197,6 +197,7 @@ def get_grid(arg=None) -> Grid:
         seeds=tuple(range(n)) if n else SEEDS,
         derived=total_steps,
         comparisons=(("variant", STAGE2_REFERENCE),),
+        contrasts=(("variant", STAGE2_REFERENCE, "delay", 0),),  # the primary estimand (issue 55)
         panel="delay",
         description=f"stage 2, each objective at its own rate ({rates}) under staleness; {description}",
     )
@@ -231,6 +232,7 @@ def get_grid(arg=None) -> Grid:
       seeds=tuple(range(n)) if n else SEEDS,
       derived=total_steps,
       comparisons=(("loss.method", "minpro"), ("loss.prefix_statistic", "min")),
+      contrasts=(("loss.method", STAGE2_REFERENCE, "delay", 0),),  # (X - GRPO at delay d) - (X - GRPO at delay 0)
       panel="delay",
       description=f"stage 1, MinPRO vs baselines under staleness, lr {fixed[LR]}; {description}",
   )

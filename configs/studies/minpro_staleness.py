@@ -76,6 +76,7 @@ def get_grid(arg=None) -> Grid:
       seeds=seeds,
       derived=total_steps,
       comparisons=(("loss.method", "minpro"), ("loss.prefix_statistic", "min")),
+      contrasts=(("loss.method", "grpo", "delay", 0),),  # what staleness adds to each method's gap to GRPO
       panel="delay",
       description=(
           f"MinPRO vs baselines under staleness: three-term chain_sum, {UPDATES_PER_STEP} updates per step, "

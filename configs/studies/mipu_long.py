@@ -4,6 +4,7 @@
 #   G=configs/studies/mipu_long.py
 #   .venv/bin/python -m minpro_jax.study --grid=$G:pilot --workdir=results/mipu_long_pilot   # GRPO fp32 vs fp8, 1 seed
 #   .venv/bin/python -m minpro_jax.study --grid=$G:main --workdir=results/mipu_long          # 5 variants x 5 seeds
+#   .venv/bin/python -m minpro_jax.study --grid=$G:random-dj --workdir=results/mipu_long_random_dj  # issue 55
 #   (main:N = N seeds)
 #
 # The pilot runs GRPO with an fp32 sampler and with the FP8 candidate below (the short study's setting: per-tensor
@@ -14,19 +15,29 @@
 # Step 2 on the statistic the mechanism study (issue 38, docs/mechanism.md) found to have power, delta_j at
 # n = DJ_PROMPTS x VAL_GROUP_SIZE = 512 with c = 0 (as configs/studies/mipu_delta_j.py).
 #
+# The random-dj stage (issue 55) is the arm the main grid lacks: `mipu-dj` rolls back 44 % of its steps and `mipu`
+# 83 %, so "delta_j learns faster than T_post" compares two rates. `random-dj` is Step 1 + a rollback at random at
+# the rate of results/mipu_long's `mipu-dj` run of the same seed (read from its summary.json, `mipu.match_rate_of`
+# = results/mipu_long/variant-mipu-dj_seed-<seed>, from the repository root where the study command runs). A seed's
+# runs share the warm start of the main grid's on one CPU type (AMD EPYC there), so mipu-dj - random-dj pairs by
+# seed across the two summaries. 5 runs, about 15-25 min each as the main grid's `random` runs.
+#
 # Both stages run at minpro_long.LEARNING_RATE, a PLACEHOLDER until minpro_long's stage 0 chooses it: they refuse
 # to run until then, and the main grid also until FP8_CONFIRMED. Cost: like a minpro_long run at delay 0 plus
 # MIPU's validation (16 x 8 samples) per step for mipu and random, 2 x 512 for mipu-dj: about 30 runs x 15-30 min,
 # 9-11 h.
 """The long-response MIPU grid of issue 40 (numbers to tune are the constants below)."""
 
+import os
+
 from minpro_jax.config_lib.files import load_module
 from minpro_jax.config_lib.mipu_variants import variant_overrides
+from minpro_jax.study import results
 from minpro_jax.study.grid import Grid
 
 long = load_module("minpro_long.py", relative_to=__file__)  # the long staleness study's setting
 
-STAGES = ("pilot", "main")
+STAGES = ("pilot", "main", "random-dj")
 VARIANTS = ("grpo", "tis", "mipu", "random", "mipu-dj")  # "fp32" (GRPO, fp32 sampler) comes first
 PILOT_SEEDS = (0,)
 SEEDS = (0, 1, 2, 3, 4)  # as minpro_long's stage 1: a seed's runs share their warm start
@@ -62,6 +73,12 @@ def sibling_rate(cell) -> dict:
   return {"mipu.match_rate_of": f"variant-mipu_seed-{cell['seed']}"}
 
 
+def dj_rate(cell) -> dict:
+  """The random-dj run rolls back at the measured rate of its seed's `mipu-dj` run in results/mipu_long (a path
+  from the repository root, where the study command runs)."""
+  return {"mipu.match_rate_of": os.path.join(results.committed("mipu_long"), f"variant-mipu-dj_seed-{cell['seed']}")}
+
+
 def parse_arg(arg: str | None) -> tuple[str, int | None]:
   """ "main:3" -> ("main", 3); "pilot" -> ("pilot", None). Raises ValueError naming the choices."""
   stage, _, n = (arg or "").partition(":")
@@ -71,7 +88,7 @@ def parse_arg(arg: str | None) -> tuple[str, int | None]:
 
 
 def get_grid(arg=None) -> Grid:
-  """arg: "pilot" or "main", optionally ":N" for seeds 0..N-1 (default PILOT_SEEDS / SEEDS)."""
+  """arg: "pilot", "main" or "random-dj", optionally ":N" for seeds 0..N-1 (default PILOT_SEEDS / SEEDS)."""
   stage, n = parse_arg(arg)
   fixed = {
       **long.FIXED,
@@ -89,6 +106,20 @@ def get_grid(arg=None) -> Grid:
         seeds=tuple(range(n)) if n else PILOT_SEEDS,
         comparisons=(("variant", "fp32"),),
         description=f"pilot: GRPO with an fp32 and an fp8 sampler ({FP8}); {what}",
+    )
+  if stage == "random-dj":
+    random = variants(("random",))["random"]
+    return Grid(
+        base="configs/default.py",
+        fixed=fixed,
+        variants={
+            "random-dj": {**random, "mipu.val_prompts": DJ_PROMPTS}
+        },  # val_*: unused, as mipu-dj's for the record
+        seeds=tuple(range(n)) if n else SEEDS,
+        derived=dj_rate,
+        description=(
+            f"random rollback at the rate of results/mipu_long's mipu-dj run of the same seed (fp8 sampler {FP8}); {what}"
+        ),
     )
   if not FP8_CONFIRMED:
     raise ValueError("mipu_long.FP8_CONFIRMED is still the placeholder False; run the pilot (--grid=...:pilot) first")

@@ -15,14 +15,17 @@ committed; a rerun reloads them). Then:
 
   * the truth g* = grad J(pi): two independent on-policy halves of `--truth-prompts` x 8 samples each, every
     half's gradient the sequence-sum REINFORCE estimate (cispo on-policy, `seq-mean-token-sum`, leave-one-out
-    advantages: unbiased for grad J up to one constant), in chunks of `--chunk-prompts` prompts; |g*|^2 is
-    estimated without bias by <g_A, g_B> and <g, g*> by <g, (g_A + g_B) / 2> (g independent of both);
+    advantages: unbiased for grad J up to one constant), in chunks of `--chunk-prompts` prompts, each chunk's
+    gradient kept; |g*|^2 is estimated without bias by <g_A, g_B> and <g, g*> by <g, (g_A + g_B) / 2> (g
+    independent of both), and eta's intervals resample the truth's chunks within each half as well as the batches
+    (`fidelity_toy.truth_error_intervals`: they carry the truth's own error, issue 55);
   * per drift, `--batches` batches of `--prompts` x 8 samples of mu, each scored by the learner at pi and given
     GRPO advantages, and every method of `fidelity_toy.METHODS` (the same objectives and hparams as Tier A) gets
     its estimate g = -dL/dtheta from one VJP (`minpro_jax.lab.policy_gradient`). The metrics are Tier A's
     (`fidelity_toy.summarize`, with |g*|^2 := <g_A, g_B>), once in the Euclidean metric and once in Adam's
     (inner products weighted by 1 / (sqrt(nu_hat) + eps), the optimizer's preconditioner at k); per response
-    position the token weight's mean, 5/95 % quantiles and ESS.
+    position the token weight's mean, 5/95 % quantiles and ESS; and each method's mean token weight on rewarded
+    and on unrewarded responses (issue 55: does the real model look like Tier A's c3i or c1d toy?).
 
 Each finished cell (drift) is one small JSON `<out>/<drift>.json`, written atomically last, skipped on a rerun; the
 truth is `<out>/trajectory/truth.npz`. A killed run loses at most one batch: the truth keeps its running sums in
@@ -221,17 +224,24 @@ def _save_partial(path: str, **arrays) -> None:
 
 
 def truth(tr, pi_state, plan: Plan, grad_fn, width: int, path: str):
-  """(g_A, g_B) [D] f64, the rewards' mean and the halves' size, from `path` or computed and saved; the running
-  sums are kept after every chunk in `path` with ``.partial`` (a rerun goes on from there)."""
+  """[2C, D] f64 the truth's chunk gradients (ascent directions; half A's C chunks first: g_A is the mean of the
+  first C), the rewards' mean and the halves' size, from `path` or computed and saved; the chunks are kept after
+  every one in `path` with ``.partial`` (a rerun goes on from there).
+
+  Raises:
+    ValueError: `path` is a truth from before issue 55 (its halves' sums only): delete it to recompute.
+  """
   if os.path.exists(path):
     with np.load(path) as z:
-      return z["g_a"], z["g_b"], float(z["reward"]), int(z["samples"])
+      if "chunks" not in z.files:
+        raise ValueError(f"{path} holds a truth from before issue 55 without its chunks: delete it to recompute")
+      return z["chunks"], float(z["reward"]), int(z["samples"])
   chunks = plan.truth_prompts // plan.chunk_prompts
   partial_path = path.replace(".npz", ".partial.npz")
-  key = _partial_key(plan, "truth_prompts", "chunk_prompts")
+  key = _partial_key(plan, "truth_prompts", "chunk_prompts") + "+chunks"  # not a partial of the sums-only format
   p = _load_partial(partial_path, key)
   done = int(p["done"]) if p is not None else 0  # chunks finished over both halves
-  totals = p["totals"] if p is not None else None  # [2, D] f64
+  kept = p["chunks"] if p is not None else None  # [2C, D] f64, the first `done` filled
   rewards = [p["rewards"]] if p is not None else []
   if done:
     print(f"truth: resuming after chunk {done} of {2 * chunks}", flush=True)
@@ -242,19 +252,18 @@ def truth(tr, pi_state, plan: Plan, grad_fn, width: int, path: str):
     adv = group_advantages(jnp.asarray(b.rewards), jnp.asarray(b.group_ids), mode="rloo")
     b = b.replace(behavior_logp=b.learner_logp, advantages=np.asarray(adv, np.float32))
     g = np.asarray(flatten(grad_fn(pi_state.params, UpdateInputs.of(b)).grads)[0], np.float64)
-    if totals is None:
-      totals = np.zeros((2, g.size))
-    totals[h] += g
+    if kept is None:
+      kept = np.zeros((2 * chunks, g.size))
+    kept[i] = -g  # an ascent direction
     rewards.append(np.asarray(b.rewards, np.float64))
-    _save_partial(partial_path, key=key, done=i + 1, totals=totals, rewards=np.concatenate(rewards))
+    _save_partial(partial_path, key=key, done=i + 1, chunks=kept, rewards=np.concatenate(rewards))
     print(f"truth half {h}: chunk {c + 1}/{chunks}", flush=True)
-  g_a, g_b = -totals[0] / chunks, -totals[1] / chunks  # ascent directions
   reward = float(np.mean(np.concatenate(rewards)))
   samples = plan.truth_prompts * tr.c.group_size
-  np.savez(path + ".tmp.npz", g_a=g_a, g_b=g_b, reward=reward, samples=samples)
+  np.savez(path + ".tmp.npz", chunks=kept, reward=reward, samples=samples)
   os.replace(path + ".tmp.npz", path)
   os.remove(partial_path)
-  return g_a, g_b, reward, samples
+  return kept, reward, samples
 
 
 def _position_weights(weights: np.ndarray, mask: np.ndarray, pos) -> tuple[np.ndarray, np.ndarray]:
@@ -292,19 +301,25 @@ def _drift_id(drift: str) -> int:
   return 10_000 if drift == FP8 else int(drift[1:])
 
 
-def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a, g_b, precond, partial: str) -> dict:
-  """One drift's record (JSON-ready): the metrics of every method in the Euclidean and Adam's metric; ``tr``'s
-  sampler draws the stale batches (for drift `FP8` a trainer with the fp8 sampler). The accumulators are kept in
-  the file `partial` after every batch, and a call that finds it goes on from there."""
+def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, chunks, precond, partial: str) -> dict:
+  """One drift's record (JSON-ready): the metrics of every method in the Euclidean and Adam's metric, against the
+  truth's chunk gradients `chunks` [2C, D]; ``tr``'s sampler draws the stale batches (for drift `FP8` a trainer
+  with the fp8 sampler). The accumulators are kept in the file `partial` after every batch, and a call that finds
+  it goes on from there."""
   t0 = time.time()
+  half = len(chunks) // 2
+  g_a, g_b = chunks[:half].mean(0), chunks[half:].mean(0)
   g_star = 0.5 * (g_a + g_b)
   metrics = {"euclid": (1.0, g_star, float(g_a @ g_b))}
   metrics["adam"] = (precond, precond * g_star, float((precond * g_a) @ (precond * g_b)))
   pos = positions(tr.c.sampling.max_new_tokens)
-  key = _partial_key(plan, "prompts", "batches")
+  key = _partial_key(plan, "prompts", "batches") + "+chunks"
   acc = _load_partial(partial, key)
+  m_count, c_count = len(ft.METHODS), len(chunks)
   if acc is None:
-    acc = {f"{x}_{k}": np.zeros((0, len(ft.METHODS))) for x in ("proj", "sq") for k in metrics}
+    acc = {f"{x}_{k}": np.zeros((0, m_count)) for x in ("proj", "sq", "gsq") for k in metrics}
+    acc.update({f"chunk_proj_{k}": np.zeros((0, m_count, c_count)) for k in metrics})
+    acc.update(w_split=np.zeros((m_count, 2)), split_tokens=np.zeros(2))
     acc.update(gsum=0.0, weights=np.zeros((len(ft.METHODS), 0, len(pos))), reach=np.zeros((0, len(pos)), bool))
     acc.update({k: np.zeros(0) for k in ("rewards", "lr_seq", "response_tokens")}, done=0, seconds=0.0)
   done, before = int(acc["done"]), float(acc["seconds"])
@@ -319,7 +334,14 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
       gk = g * scale
       acc[f"proj_{k}"] = np.concatenate([acc[f"proj_{k}"], (gk @ gs / norm2)[None]])
       acc[f"sq_{k}"] = np.concatenate([acc[f"sq_{k}"], (np.sum(gk * gk, axis=1) / norm2)[None]])
+      acc[f"gsq_{k}"] = np.concatenate([acc[f"gsq_{k}"], np.sum(gk * gk, axis=1)[None]])
+      acc[f"chunk_proj_{k}"] = np.concatenate([acc[f"chunk_proj_{k}"], (gk @ (chunks * scale).T)[None]])
     acc["gsum"] = acc["gsum"] + g  # Adam's metric: precond * gsum
+    tw, mask = np.asarray(out.token_weights, np.float64), np.asarray(b.response_mask, bool)
+    rewarded = (np.asarray(b.rewards) > 0)[:, None] & mask
+    for j, part in enumerate((rewarded, mask & ~rewarded)):
+      acc["w_split"][:, j] += np.sum(np.where(part[None], tw, 0.0), axis=(1, 2))
+      acc["split_tokens"][j] += part.sum()
     w, has = _position_weights(np.asarray(out.token_weights), b.response_mask, pos)
     acc["weights"], acc["reach"] = np.concatenate([acc["weights"], w], axis=1), np.concatenate([acc["reach"], has])
     lr_seq = np.sum(np.where(b.response_mask, b.learner_logp - b.behavior_logp, 0.0), axis=1)
@@ -329,7 +351,7 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
     _save_partial(partial, **acc)
     if (r + 1) % 4 == 0:
       print(f"{drift}: batch {r + 1}/{plan.batches}, {before + time.time() - t0:.0f} s", flush=True)
-  methods = {name: {} for name in ft.METHOD_NAMES}
+  methods, undefined = {name: {} for name in ft.METHOD_NAMES}, {}
   for k, (scale, gs, norm2) in metrics.items():
     s = ft.summarize(
         acc[f"proj_{k}"],
@@ -340,10 +362,18 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
         seed=plan.seed,
         g_star_norm2=norm2,
     )
+    scale = metrics[k][0]
+    gram = (chunks * scale) @ (chunks * scale).T
+    s.update(
+        ft.truth_error_intervals(acc[f"chunk_proj_{k}"], acc[f"gsq_{k}"], gram, reference=REFERENCE, seed=plan.seed)
+    )
+    undefined[k] = s.pop("truth_undefined")
     for i, name in enumerate(ft.METHOD_NAMES):
       methods[name].update({(f"{key}" if k == "euclid" else f"adam_{key}"): v[i] for key, v in s.items()})
   for i, name in enumerate(ft.METHOD_NAMES):
     methods[name].update(_weight_summary(acc["weights"][i], acc["reach"]))
+    split = acc["w_split"][i] / np.maximum(acc["split_tokens"], 1.0)
+    methods[name]["weight_rewarded"], methods[name]["weight_unrewarded"] = (float(x) for x in split)
   return {
       "drift": drift,
       "setting": plan.setting,
@@ -360,6 +390,9 @@ def run_cell(tr, pi_state, mu, plan: Plan, drift: str, grad_fn, width: int, g_a,
       "group": tr.c.group_size,
       "positions": list(pos),
       "methods": methods,
+      "interval": "bootstrap over batches and the truth's chunks within each half (issue 55)",
+      "truth_undefined": undefined,  # the share of resamples whose halves had <g_A, g_B> <= 0, per metric
+      "rewarded_token_share": float(acc["split_tokens"][0] / max(acc["split_tokens"].sum(), 1.0)),
       "seconds": round(before + time.time() - t0, 1),
       "date": datetime.date.today().isoformat(),
       "cpu": cpu_model(),
@@ -392,7 +425,8 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
     cfgs = loss_configs(tr.learner.loss_cfg.temperature)
     grad_fn = make_gradient_fn(tr.learner.graphdef, cfgs)
     truth_fn = make_gradient_fn(tr.learner.graphdef, (dataclasses.replace(TRUTH_CFG, temperature=cfgs[0].temperature),))
-    g_a, g_b, j_pi, samples = truth(tr, pi_state, plan, truth_fn, width, os.path.join(folder, "truth.npz"))
+    chunks, j_pi, samples = truth(tr, pi_state, plan, truth_fn, width, os.path.join(folder, "truth.npz"))
+    g_a, g_b = chunks[: len(chunks) // 2].mean(0), chunks[len(chunks) // 2 :].mean(0)
     eps = tr.learner.opt_cfg.eps
     precond = np.asarray(flatten(jax.tree.map(lambda v: (1.0 / (jnp.sqrt(v) + eps))[None], nu_hat))[0], np.float64)
     precond = np.sqrt(precond)  # scaling both vectors by sqrt(P) gives the inner product <a, P b>
@@ -403,7 +437,7 @@ def run(out: str, plan: Plan, overrides: dict | None = None) -> int:
         sampler_tr = Trainer.from_config(study_config(tempfile.mkdtemp(dir=scratch), plan.seed, fp8))
       try:
         partial = os.path.join(folder, f"{drift}.partial.npz")
-        res = run_cell(sampler_tr, pi_state, mus[drift], plan, drift, grad_fn, width, g_a, g_b, precond, partial)
+        res = run_cell(sampler_tr, pi_state, mus[drift], plan, drift, grad_fn, width, chunks, precond, partial)
       finally:
         if sampler_tr is not tr:
           sampler_tr.close()

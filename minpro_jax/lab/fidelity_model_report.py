@@ -58,6 +58,11 @@ def load(out: str) -> list[dict]:
   return sorted(cells, key=lambda r: (r["drift"] == "fp8", int(r["drift"][1:]) if r["drift"] != "fp8" else 0))
 
 
+def _pair(lo, hi) -> str:
+  """ "[-0.01, +0.02]" of a paired interval; "[undefined]" where the truth's resamples could not give one."""
+  return "[undefined]" if lo is None or hi is None else f"[{lo:+.2g}, {hi:+.2g}]"
+
+
 def _ci(v: dict, prefix: str) -> str:
   eta, lo, hi = v[f"{prefix}eta"], v[f"{prefix}eta_low"], v[f"{prefix}eta_high"]
   if eta is None:
@@ -66,8 +71,8 @@ def _ci(v: dict, prefix: str) -> str:
 
 
 def eta_table(cells, prefix: str = "") -> str:
-  """Markdown: eta [95 % bootstrap interval over batches] per method (rows) and drift (columns); ``prefix`` "adam_"
-  for the metric of Adam's preconditioner."""
+  """Markdown: eta [95 % bootstrap interval: over batches, and over the truth's chunks too in records since issue 55
+  (their "interval")] per method (rows) and drift (columns); ``prefix`` "adam_" for Adam's preconditioner."""
   lines = ["| method | " + " | ".join(r["drift"] for r in cells) + " |", "|---" * (len(cells) + 1) + "|"]
   for m in ft.METHOD_NAMES:
     lines.append(f"| {m} | " + " | ".join(_ci(r["methods"][m], prefix) for r in cells) + " |")
@@ -93,7 +98,7 @@ def contrast_table(cells, methods=("minpro:min", "minpro:prod", "grpo", "seq_is"
           out.append("—")
           continue
         d = v[f"{prefix}eta"] - ref[f"{prefix}eta"]
-        out.append(f"{d:+.2g} [{v[f'{prefix}eta_diff_low']:+.2g}, {v[f'{prefix}eta_diff_high']:+.2g}]")
+        out.append(f"{d:+.2g} {_pair(v[f'{prefix}eta_diff_low'], v[f'{prefix}eta_diff_high'])}")
       lines.append(f"| {m}{label} | " + " | ".join(out) + " |")
   return "\n".join(lines) + "\n"
 
@@ -123,6 +128,18 @@ def weight_table(r: dict) -> str:
     for a, b, c, e in zip(v["weight_mean"], v["weight_q05"], v["weight_q95"], v["ess"]):
       cols.append("—" if a is None else f"{a:.2g} [{b:.2g}, {c:.2g}] {e:.2f}")
     lines.append(f"| {m} | " + " | ".join(cols) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def split_table(cells, methods=("minpro:min", "minpro:prod", "cispo", "grpo")) -> str:
+  """Markdown: per method and drift, the mean token weight on rewarded / on unrewarded responses (issue 55: in
+  Tier A's c3i toy the prefix minimum weighs both alike, in its c1d toy it falls after a failed response's first
+  error), and the rewarded tokens' share."""
+  lines = ["| method | " + " | ".join(r["drift"] for r in cells) + " |", "|---" * (len(cells) + 1) + "|"]
+  for m in methods:
+    cols = [f"{r['methods'][m]['weight_rewarded']:.2f} / {r['methods'][m]['weight_unrewarded']:.2f}" for r in cells]
+    lines.append(f"| {m} | " + " | ".join(cols) + " |")
+  lines.append("| *rewarded tokens* | " + " | ".join(f"{r['rewarded_token_share']:.2f}" for r in cells) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -170,7 +187,8 @@ def report(out: str, doc: str = DOC, block: str = "tier-b") -> int:
   cells = load(out) if os.path.isdir(out) else []
   if not cells:
     raise SystemExit(f"error: no finished cells in {out}; run the study first (without --report)")
-  eta = "\n**eta [95 % interval over batches], Euclidean metric**\n\n" + eta_table(cells)
+  over = "batches and the truth's chunks" if all("interval" in r for r in cells) else "batches"
+  eta = f"\n**eta [95 % interval over {over}], Euclidean metric**\n\n" + eta_table(cells)
   eta += "\n**eta under Adam's preconditioner (second moments at k)**\n\n" + eta_table(cells, "adam_")
   eta += "\n**Paired differences against cispo (= minpro `none`)**\n\n" + contrast_table(cells)
   parts = ["# Tier B gradient fidelity (tiny transformer)\n\n", setting_line(cells), eta]
@@ -185,6 +203,11 @@ def report(out: str, doc: str = DOC, block: str = "tier-b") -> int:
   stale = [r for r in cells if r["drift"] != "fp8"]
   last = (stale or cells)[-1]  # the largest drift s
   body = "\n" + setting_line(cells) + eta + "\n**Token weight by response position**\n\n" + weight_table(last)
+  if all("weight_rewarded" in r["methods"]["cispo"] for r in cells):  # recorded since issue 55
+    split = "\n**Mean token weight on rewarded / unrewarded responses**\n\n" + split_table(cells)
+    body += split
+    with open(os.path.join(out, "summary.md"), "a") as f:
+      f.write(split)
   if replace_block(doc, block, body):
     wrote.append(f"the {block} tables of {doc}")
   print("wrote " + ", ".join(wrote))
@@ -198,7 +221,7 @@ def _contrast(r: dict, a: str, b: str) -> str:
     return "—"
   d = va["eta"] - vb["eta"]
   if b == "cispo":
-    return f"{d:+.2g} [{va['eta_diff_low']:+.2g}, {va['eta_diff_high']:+.2g}]"
+    return f"{d:+.2g} {_pair(va['eta_diff_low'], va['eta_diff_high'])}"
   return f"{d:+.2g}"  # the records hold paired intervals against cispo only
 
 

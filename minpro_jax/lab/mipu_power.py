@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -129,8 +130,16 @@ def draw(tr, params, problems, seed: int, group: int, score_state=None) -> dict[
   }
 
 
+def group_share(rewards: np.ndarray, group_ids: np.ndarray) -> float:
+  """The share of the groups whose rewards are not all equal: the groups with a nonzero advantage, the only ones
+  that add to T (issue 55: T normalised by it does not drift toward 0 as fewer groups hold a success)."""
+  groups = np.unique(group_ids)
+  return float(np.mean([np.ptp(rewards[group_ids == u]) > 0 for u in groups])) if groups.size else math.nan
+
+
 def statistics(new: dict, old: dict, rows: slice) -> dict[str, float]:
-  """The three statistics and their standard errors on the rows `rows` of a paired validation draw."""
+  """The three statistics and their standard errors on the rows `rows` of a paired validation draw, and the share
+  of its groups at theta' with a nonzero advantage (`group_share`)."""
   t, h, g = new["terms"][rows], new["has"][rows], new["group_ids"][rows]
   t_post = float(t[h].sum() / max(h.sum(), 1))
   d_t, d_t_se = mipu.paired_difference(t, h, old["terms"][rows], old["has"][rows], g)
@@ -144,6 +153,7 @@ def statistics(new: dict, old: dict, rows: slice) -> dict[str, float]:
       "delta_t_se": d_t_se,
       "delta_j": d_j,
       "delta_j_se": d_j_se,
+      "group_share": group_share(new["rewards"][rows], g),
   }
 
 

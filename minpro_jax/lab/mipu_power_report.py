@@ -15,7 +15,12 @@ results/mipu_power_<x>). ``--compare`` puts several studies side by side in the 
   * the typical true change, in the statistic's units: for T (t_post, delta_t) the root mean square over updates of
     E[T(theta') - T(theta_k)], for J (delta_j) of J(mu') - J(mu_k) (`typical_change`);
   * n_half: the n at which SE(n) = typical change / 2, from the largest n's SE at the 1/sqrt(n) rate; for delta_j
-    also against the median |J(mu') - J(mu_k)|.
+    also against the median |J(mu') - J(mu_k)|;
+  * within checkpoints (issue 55; `within_checkpoint_table`): the AUC per checkpoint (its candidates share theta_k,
+    so a statistic that drifts with the run's reward cannot score by telling checkpoints apart), the pooled AUC and
+    the stratified AUC (only pairs of updates of one checkpoint compared), both with a bootstrap over checkpoints;
+    and T normalised by the share of validation groups with a nonzero advantage (the groups that carry T: a group
+    whose responses all fail has A = 0), from the records that hold that share (`t_post_norm`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import glob
 import json
 import math
 import os
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +83,91 @@ def auc_with_interval(pairs, stat: str, n: str, rng) -> tuple[float, float, floa
   if not boots.size:
     return point, math.nan, math.nan
   return point, float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
+
+
+def _concordance(scores: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+  """(concordant pairs, ties counted half; positive x negative pairs) of `scores` for the True `labels`."""
+  pos, neg = scores[labels], scores[~labels]
+  greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+  return float(greater), float(pos.size * neg.size)
+
+
+def _by_checkpoint(pairs, stat: str, n: str) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+  """checkpoint -> (-stat over its pairs' sub-draws, whether each one's update lowered J)."""
+  out = {}
+  for k in sorted({p["checkpoint"] for p in pairs}):
+    ps = [p for p in pairs if p["checkpoint"] == k]
+    vals, lowered = _values(ps, stat, n)
+    out[k] = (-np.concatenate(vals), np.concatenate([np.full(v.size, lo) for v, lo in zip(vals, lowered)]))
+  return out
+
+
+def checkpoint_aucs(pairs, stat: str, n: str, rng) -> dict[str, Any]:
+  """The AUC of -stat for truth < 0 per checkpoint (nan where all its updates fall on one side), pooled over every
+  (pair, sub-draw), and stratified: sum_k concordant_k / sum_k (pos_k neg_k), only pairs of one checkpoint
+  compared; the last two with 95 % percentile intervals of a bootstrap over checkpoints (`BOOT` resamples).
+
+  Returns {"per_checkpoint": {k: auc}, "pooled": (auc, low, high), "within": (auc, low, high)}."""
+  by_k = _by_checkpoint(pairs, stat, n)
+  ks = list(by_k)
+  conc = {k: _concordance(*by_k[k]) for k in ks}
+
+  def pooled(idx):
+    return auc(np.concatenate([by_k[ks[i]][0] for i in idx]), np.concatenate([by_k[ks[i]][1] for i in idx]))
+
+  def within(idx):
+    num, den = (sum(conc[ks[i]][j] for i in idx) for j in (0, 1))
+    return num / den if den else math.nan
+
+  out = {"per_checkpoint": {k: (conc[k][0] / conc[k][1] if conc[k][1] else math.nan) for k in ks}}
+  boots = rng.integers(0, len(ks), size=(BOOT, len(ks)))
+  for name, fn in (("pooled", pooled), ("within", within)):
+    b = np.array([fn(idx) for idx in boots])
+    b = b[np.isfinite(b)]
+    low, high = (float(np.quantile(b, q)) for q in (0.025, 0.975)) if b.size else (math.nan, math.nan)
+    out[name] = (fn(range(len(ks))), low, high)
+  return out
+
+
+def normalised_t(pairs) -> list[dict] | None:
+  """`pairs` with a statistic ``t_post_norm`` = t_post / (the share of the sub-draw's validation groups at theta'
+  with a nonzero advantage) on every sub-draw, or None when the records lack that share (pairs from before
+  issue 55: a rerun of the study records it)."""
+  if not all("group_share" in d for p in pairs for ds in p["by_n"].values() for d in ds):
+    return None
+  norm = lambda d: d["t_post"] / d["group_share"] if d["group_share"] > 0 else 0.0  # noqa: E731
+  return [{**p, "by_n": {n: [{**d, "t_post_norm": norm(d)} for d in ds] for n, ds in p["by_n"].items()}} for p in pairs]
+
+
+def within_checkpoint_table(pairs: list[dict], rng) -> str:
+  """Markdown: per statistic and n, the AUC per checkpoint, pooled and within checkpoints [95 % bootstrap over
+  checkpoints] (`checkpoint_aucs`); `t_post_norm` too where the records allow it (`normalised_t`)."""
+  sizes = sorted(pairs[0]["by_n"], key=int)
+  ks = sorted({p["checkpoint"] for p in pairs})
+  norm = normalised_t(pairs)
+  stats = [(s, pairs) for s in mipu.STATISTICS] + ([("t_post_norm", norm)] if norm else [])
+  lines = [
+      '**Within checkpoints** (the candidates of a checkpoint share theta_k; AUC of -statistic for "the update '
+      f"lowered J(mu)\" per checkpoint k = {', '.join(map(str, ks))}, pooled over all, and within checkpoints: only "
+      "updates of one checkpoint compared; [95 % bootstrap over checkpoints]; – where a checkpoint's updates all "
+      "fall on one side):",
+      "",
+      "| statistic | n | " + " | ".join(f"k = {k}" for k in ks) + " | pooled | within |",
+      "|---|---:|" + "---:|" * (len(ks) + 2),
+  ]
+  for stat, ps in stats:
+    for n in sizes:
+      a = checkpoint_aucs(ps, stat, n, rng)
+      per = " | ".join("–" if math.isnan(a["per_checkpoint"][k]) else f"{a['per_checkpoint'][k]:.2f}" for k in ks)
+      ci = lambda t: f"{t[0]:.2f} [{t[1]:.2f}, {t[2]:.2f}]"  # noqa: E731
+      lines.append(f"| `{stat}` | {n} | {per} | {ci(a['pooled'])} | {ci(a['within'])} |")
+  if norm is None:
+    lines += [
+        "",
+        "T normalised by the share of validation groups with a nonzero advantage: these records lack that share "
+        "(recorded since issue 55 as `group_share`); a rerun of the study adds the row `t_post_norm`.",
+    ]
+  return "\n".join(lines)
 
 
 def typical_change(pairs, stat: str, n: str) -> tuple[float, float]:
@@ -206,6 +297,7 @@ def tables(pairs: list[dict]) -> str:
       f"`delta_j` against the literal criterion: SE = median |truth| / 2 = {typical / 2:.4f} at n = "
       f"{int(n_max) * (se_j / (typical / 2)) ** 2:,.0f} (SE {se_j:.4f} at n = {n_max}).",
   ]
+  lines += ["", within_checkpoint_table(pairs, np.random.default_rng(1))]
   t0 = [d["t_before"] for p in pairs if p["checkpoint"] == ks[0] and p["candidate"] == 0 for d in p["by_n"][sizes[0]]]
   if len(t0) >= 2:
     c_cal = mipu.calibrated_tolerance(t0, Z_CALIBRATED)

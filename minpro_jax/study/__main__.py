@@ -8,8 +8,8 @@ command after a stop skips the finished runs and resumes the others.
   --dry-run         print each run's status and command; write nothing.
   --aggregate-only  only (re)write the aggregation from the finished runs' files (`--grid` optional: without it
                     the run list comes from `<workdir>/study.json`; runs of a damaged study.json that do not read
-                    back are left out, with a warning; with it, the grid's description, comparisons and panel are
-                    also written into study.json, as they change no run).
+                    back are left out, with a warning; with it, the grid's description, comparisons, contrasts and
+                    panel are also written into study.json, as they change no run).
   --only=S          run only the runs whose name or label contains S (the aggregation still covers every run).
   --force           accept a workdir whose study.json holds another grid's runs (and replace it).
   --continue-at-head  run the unfinished runs of a study started at another commit with this code (study.json
@@ -82,8 +82,9 @@ def write_aggregation(study_dir: str, record: dict, interval: str = "t", plots: 
   plots; returns the paths written."""
   runs = [grid.Run.from_json(r) for r in record["runs"]]
   comparisons = [tuple(c) for c in record.get("comparisons", ())]
+  contrasts = [tuple(c) for c in record.get("contrasts", ())]
   extra = {"grid": record.get("grid"), "description": record.get("description", ""), "base": record.get("base")}
-  result = aggregate.aggregate(study_dir, runs, comparisons, method=interval, extra=extra)
+  result = aggregate.aggregate(study_dir, runs, comparisons, method=interval, extra=extra, contrasts=contrasts)
   paths = aggregate.write_summary(study_dir, result)
   if plots and result["runs"]:
     paths += study_plots.write_plots(study_dir, result, runs, record.get("panel"))
@@ -107,19 +108,22 @@ def _check_flags(args, study_dir: str) -> None:
     raise runner.StudyError(f"--jobs={args.jobs}: must be >= 1 (training runs at once)")
 
 
-REPORTING_FIELDS = ("description", "comparisons", "panel")  # what a grid may change without changing its runs
+# what a grid may change without changing its runs ("contrasts" is in a record only where the grid sets some)
+REPORTING_FIELDS = ("description", "comparisons", "contrasts", "panel")
 
 
 def _update_reporting_fields(study_dir: str, record: dict) -> None:
-  """Copies the grid's `REPORTING_FIELDS` into the study's study.json (when there is one and they differ), so that
-  `--aggregate-only` without `--grid` and the committed-results test aggregate as this command does."""
+  """Copies the grid's `REPORTING_FIELDS` into the study's study.json (when there is one and they differ; a field
+  the grid's record lacks is dropped), so that `--aggregate-only` without `--grid` and the committed-results test
+  aggregate as this command does."""
   stored = runner.read_study(study_dir)
   if stored is None:
     return
-  updated = {**stored, **{k: record[k] for k in REPORTING_FIELDS}}
+  updated = {k: v for k, v in stored.items() if k not in REPORTING_FIELDS or k in record}
+  updated.update({k: record[k] for k in REPORTING_FIELDS if k in record})
   if updated != stored:
     runner.write_study(study_dir, updated)
-    changed = ", ".join(k for k in REPORTING_FIELDS if stored.get(k) != record[k])
+    changed = ", ".join(k for k in REPORTING_FIELDS if stored.get(k) != record.get(k))
     print(f"updated {runner.STUDY_FILE}: the grid's {changed}", file=sys.stderr)
 
 

@@ -41,11 +41,14 @@ start and initial evaluation on one CPU type, but not across CPU types (XLA:CPU'
 AMD machines), so a grid continued on another machine has, for one seed, runs from different warm starts: those
 pairs are not paired (`warm_start`: the SFT's final loss, or the initial evaluation without SFT) and are counted
 apart.
+
+Contrasts (`contrasts.difference_in_differences`, a grid's `contrasts`): (cell - reference at d) - (cell - reference
+at the base value of another field), per seed on the seeds whose four runs share a warm start, e.g. the part of
+MinPRO's gap to GRPO that staleness adds.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -54,80 +57,16 @@ from typing import Any
 
 import numpy as np
 
+from minpro_jax.study.contrasts import contrasts_markdown, difference_in_differences
 from minpro_jax.study.dynamics import cell_dynamics, curve_auc, dynamics_markdown, run_dynamics
 from minpro_jax.study.grid import Run, short_names
+from minpro_jax.study.intervals import LEVEL, Interval, format_points, mean_ci
 
-LEVEL = 0.95
-BOOTSTRAP_SEED = 0  # the bootstrap's resampling is seeded: the same files give the same summary
 METRICS = ("best", "peak", "final", "auc", "largest_drop", "fall_rate", "initial")  # per cell
 PAIRED_METRICS = ("best", "peak", "final", "auc", "largest_drop")  # the initial value is the same on a shared seed
 OPTIONAL_METRICS = ("rollback_rate", "k3_mean", "train_auc")  # per cell where every finished run of it has them
 K3_KEY = "sampler_learner/mismatch_k3"
 EVAL_KEY = "eval/pass@1"
-
-
-@dataclasses.dataclass(frozen=True)
-class Interval:
-  """The mean of n values and its confidence interval; `low`/`high` are None when n < 2 (no spread to estimate:
-  one seed says nothing about another, so no interval is given rather than a zero-width one)."""
-
-  mean: float
-  low: float | None
-  high: float | None
-  n: int
-  method: str
-
-  def to_json(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
-
-  def excludes(self, value: float = 0.0) -> bool:
-    """Whether the interval lies wholly above or below `value` (False without an interval)."""
-    return self.low is not None and (self.low > value or self.high < value)
-
-
-def mean_ci(values: Sequence[float], level: float = LEVEL, method: str = "t", seed: int = BOOTSTRAP_SEED) -> Interval:
-  """The mean of `values` and a two-sided `level` confidence interval for it.
-
-  method "t" (the default): mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard deviation (ddof 1);
-  exact when seed-to-seed variation is normal. The default, because at n = 3..5 seeds the bootstrap is
-  anti-conservative (three values have only ten distinct resamples).
-  method "bootstrap": `scipy.stats.bootstrap`, BCa, 9999 resamples with `numpy.random.default_rng(seed)`
-  (deterministic); meant for >= ~10 values.
-  Constant values give the zero-width interval [c, c] with either method.
-
-  Args:
-    values: the n per-seed values (finite).
-    level: the confidence level, in (0, 1).
-    method: "t" or "bootstrap".
-    seed: the bootstrap's rng seed.
-
-  Returns:
-    An `Interval` (low = high = None when n == 1).
-
-  Raises:
-    ValueError: no values, a non-finite value, a level outside (0, 1), an unknown method.
-  """
-  x = np.asarray(values, np.float64).reshape(-1)
-  if x.size == 0:
-    raise ValueError("mean_ci: no values")
-  if not np.all(np.isfinite(x)):
-    raise ValueError(f"mean_ci: values must be finite, got {x.tolist()}")
-  if not 0 < level < 1:
-    raise ValueError(f"mean_ci: level must lie in (0, 1), got {level}")
-  if method not in ("t", "bootstrap"):
-    raise ValueError(f"mean_ci: method {method!r}; choose 't' or 'bootstrap'")
-  mean = float(x.mean())
-  if x.size == 1:
-    return Interval(mean, None, None, 1, method)
-  if np.all(x == x[0]):
-    return Interval(mean, mean, mean, int(x.size), method)
-  from scipy import stats
-
-  if method == "t":
-    half = float(stats.t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
-    return Interval(mean, mean - half, mean + half, int(x.size), method)
-  res = stats.bootstrap((x,), np.mean, confidence_level=level, method="BCa", rng=np.random.default_rng(seed))
-  return Interval(mean, float(res.confidence_interval.low), float(res.confidence_interval.high), int(x.size), method)
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -383,12 +322,14 @@ def aggregate(
     comparisons: Sequence[Sequence[Any]] = (),
     method: str = "t",
     extra: Mapping[str, Any] | None = None,
+    contrasts: Sequence[Sequence[Any]] = (),
 ) -> dict[str, Any]:
   """The study's summary from the run directories `study_dir/<run.name>` (unfinished runs are listed, not used).
 
   Returns:
     {"level", "interval_method", "runs": {name: run_metrics}, "unfinished": [names], "cells": `cell_stats`,
-    "paired": `paired_differences`, **extra}.
+    "paired": `paired_differences`, **extra}, and "contrasts" (`contrasts.difference_in_differences`) when
+    `contrasts` names any.
 
   Raises:
     ValueError: naming the run whose summary.json and metrics.jsonl disagree (`run_metrics`).
@@ -411,23 +352,14 @@ def aggregate(
       "unfinished": unfinished,
       "cells": cell_stats(per_run, runs, method),
       "paired": paired_differences(per_run, runs, comparisons, method),
+      **({"contrasts": difference_in_differences(per_run, runs, contrasts, method)} if contrasts else {}),
   }
 
 
 # ------------------------------------------------------------------------------------------------ markdown
-def _pct(iv: Mapping[str, Any] | None, signed: bool = False) -> str:
-  """ "26.4 [22.1, 30.7]" in percentage points; "26.4 (n=1)" without an interval."""
-  if not iv:
-    return "-"
-  f = "{:+.1f}" if signed else "{:.1f}"
-  m = f.format(100 * iv["mean"])
-  if iv["low"] is None:
-    return f"{m} (n=1)"
-  return f"{m} [{f.format(100 * iv['low'])}, {f.format(100 * iv['high'])}]"
-
-
 def to_markdown(result: Mapping[str, Any]) -> str:
-  """The summary as Markdown: the cell table and the paired differences (percentage points, 95 % intervals)."""
+  """The summary as Markdown: the cell tables, the contrasts and the paired differences (percentage points, 95 %
+  intervals)."""
   lvl = round(100 * result["level"])
   lines = []
   if result.get("description"):
@@ -448,7 +380,9 @@ def to_markdown(result: Mapping[str, Any]) -> str:
     below = f"{c['below_initial']}/{n}" if n else "-"
     lines.append(
         f"| {c['label']} | {n}{miss} | "
-        + " | ".join(_pct(m.get(k)) for k in ("initial", "best", "peak", "final", "auc", "largest_drop", "fall_rate"))
+        + " | ".join(
+            format_points(m.get(k)) for k in ("initial", "best", "peak", "final", "auc", "largest_drop", "fall_rate")
+        )
         + f" | {below} |"
     )
   mipu_cells = [c for c in result["cells"] if any(k in c["metrics"] for k in ("rollback_rate", "k3_mean"))]
@@ -463,8 +397,9 @@ def to_markdown(result: Mapping[str, Any]) -> str:
     for c in mipu_cells:
       k3, rate = c["metrics"].get("k3_mean"), c["metrics"].get("rollback_rate")
       k3_text = "-" if not k3 else f"{k3['mean']:.2e}"
-      lines.append(f"| {c['label']} | {k3_text} | {_pct(rate)} |")
+      lines.append(f"| {c['label']} | {k3_text} | {format_points(rate)} |")
   lines += dynamics_markdown(result["cells"], lvl)
+  lines += contrasts_markdown(result.get("contrasts"), lvl)
   if result["paired"]:
     lines += [
         "",
@@ -479,7 +414,7 @@ def to_markdown(result: Mapping[str, Any]) -> str:
       for k in PAIRED_METRICS:
         iv = p["metrics"][k]
         star = " *" if Interval(**iv).excludes(0.0) else ""
-        cols.append(_pct(iv, signed=True) + star)
+        cols.append(format_points(iv, signed=True) + star)
       unpaired = f" (+{len(p['unpaired_seeds'])})" if p.get("unpaired_seeds") else ""
       lines.append(f"| {p['label']} | {len(p['seeds'])}{unpaired} | " + " | ".join(cols) + " |")
   if result["unfinished"]:

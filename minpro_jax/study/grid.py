@@ -61,6 +61,10 @@ class Grid:
       same overrides with `field` set to the reference value (or absent from them). A third element, a tuple of
       values, keeps only the cells whose `field` is one of them: ("variant", "mipu", ("tis", "random")) reports
       mipu - tis and mipu - random alone.
+    contrasts: (field, reference value, across, base value) tuples: the aggregation reports, for every cell whose
+      `field` and `across` are set to other values, the difference in differences (cell - reference at its
+      `across`) - (cell - reference at `across` = base) seed by seed (`contrasts.difference_in_differences`), e.g.
+      ("loss.method", "grpo", "delay", 0): the part of each method's gap to GRPO that staleness adds.
     panel: a field with one plot panel per value (e.g. "delay"); None = one panel.
     description: one line for the study's summary.
   """
@@ -73,6 +77,7 @@ class Grid:
   cells: Sequence[Mapping[str, Any]] = ()
   derived: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
   comparisons: Sequence[tuple[str, Any] | tuple[str, Any, tuple[Any, ...]]] = ()
+  contrasts: Sequence[tuple[str, Any, str, Any]] = ()
   panel: str | None = None
   description: str = ""
 
@@ -200,7 +205,7 @@ def check_grid(grid: Grid) -> None:
   Raises:
     GridError: naming the grid field: no cells, a reserved field (workdir, seed), a field in both `fixed` and
       `axes`, an empty axis, a value that is not a bool/int/float/str (tuples allowed in `fixed`), a repeated value
-      or seed, a cell repeated, a `comparisons` entry or `panel` naming a field of no cell.
+      or seed, a cell repeated, a `comparisons`, `contrasts` entry or `panel` naming a field or value of no cell.
   """
   if not isinstance(grid.base, str) or not grid.base:
     raise GridError("grid.base: must be the base config path[:arg], e.g. 'configs/default.py'")
@@ -263,6 +268,14 @@ def check_grid(grid: Grid) -> None:
       raise GridError(
           f"grid.comparisons[{i}]: the values compared must be a non-empty tuple of values of {comp[0]!r} "
           f"({sorted(map(str, values))}), got {comp[2]!r}"
+      )
+  for i, con in enumerate(grid.contrasts):
+    values = lambda f: {v for cell in cells for k, v in cell if k == f}  # noqa: E731
+    ok = isinstance(con, (tuple, list)) and len(con) == 4 and all(isinstance(con[j], str) for j in (0, 2))
+    if not ok or con[0] == con[2] or con[1] not in values(con[0]) or con[3] not in values(con[2]):
+      raise GridError(
+          f"grid.contrasts[{i}]: must be a (field, reference value, across, base value) tuple of two different "
+          f"fields of the cells, each value one they take (e.g. ('loss.method', 'grpo', 'delay', 0)), got {con!r}"
       )
   if grid.panel is not None and grid.panel not in fields:
     raise GridError(f"grid.panel: {grid.panel!r} is no field of any cell; use one of {sorted(fields)} or None")

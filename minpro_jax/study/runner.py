@@ -67,6 +67,8 @@ def study_record(
       "panel": grid.panel,
       "runs": [r.to_json() for r in runs],
   }
+  if grid.contrasts:  # only where set: a study without contrasts keeps the study.json it had
+    out["contrasts"] = [list(c) for c in grid.contrasts]
   if commit is not None:
     out["commit"] = commit
   if base_config is not None:
