@@ -263,3 +263,25 @@ def test_mean_schedule_of_several_calls():
   assert m.iterations == (a.iterations + b.iterations) / 2
   assert m.kv_pages_read == (a.kv_pages_read + b.kv_pages_read) / 2 and m.peak_pages == max(a.peak_pages, b.peak_pages)
   assert (m.page_size, m.num_pages) == (2, 64)
+
+
+# A remat policy's offload: an activation written into a host-memory (S(5)) stack of 4 layers, async.
+OFFLOAD_HLO = """HloModule offload, is_scheduled=true, num_partitions=1
+
+ENTRY %main (h: bf16[4,1024,512], x: bf16[1,1024,512], i: s32[]) -> bf16[4,1024,512] {
+  %h = bf16[4,1024,512]{2,1,0:S(5)} parameter(0)
+  %x = bf16[1,1024,512]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %s = ((bf16[4,1024,512]{2,1,0:S(5)}, bf16[1,1024,512]{2,1,0}, s32[]), bf16[4,1024,512]{2,1,0:S(5)}, u32[]) dynamic-update-slice-start(%h, %x, %i, %z, %z)
+  ROOT %d = bf16[4,1024,512]{2,1,0:S(5)} dynamic-update-slice-done(%s)
+}
+"""
+
+
+def test_an_offloaded_activation_moves_over_the_host_link_once():
+  update = 1024 * 512 * 2
+  assert HloCost(OFFLOAD_HLO, 1).total().hbm_bytes == update  # read once from HBM, not the host stack
+  chip = Chip("test", 0, 1e12, 1e10, 1, (8, 1, 1), 1, "test", 1e9, 1e9, 2, host_bytes_per_s=1e8)
+  f = Forecaster(HloCost(OFFLOAD_HLO, 1), chip, LINE8, K).program()
+  np.testing.assert_allclose(f["terms"]["host_transfers"], update / 1e8)  # nothing to hide behind: exposed

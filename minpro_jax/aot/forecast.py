@@ -17,7 +17,9 @@ computation on its own, as a TPU (or GPU) runs them, one after the other:
   optimized HLO holds unless async collectives are turned on) blocks the core, an async `-start` / `-done` pair
   hides behind the independent instructions scheduled between the two.
 
-The caller adds what the HLO cannot show (`forecast_extra`): the paged attention's KV reads at the paged kernel's
+Activations a remat policy offloads to host memory move over PCIe (`Chip.host_bytes_per_s` at the link
+efficiency), async like a collective and exposed by the same rule ("host_transfers"). The caller adds what the HLO
+cannot show (`forecast_extra`): the paged attention's KV reads at the paged kernel's
 efficiency, and the FLOPs of Pallas attention kernels at the attention efficiency. Every constant is a `Band`
 (`minpro_jax.aot.efficiency`), so each figure comes at three levels, low / central / high. It is a forecast from
 compiled programs, never a measurement (docs/aot.md, "The forecast").
@@ -30,12 +32,13 @@ from typing import Any
 import numpy as np
 
 from minpro_jax.aot.efficiency import LEVELS, Constants
-from minpro_jax.aot.hlo_cost import NO_MEMORY, HloCost, Node, collective_of
+from minpro_jax.aot.hlo_cost import NO_MEMORY, HloCost, Node, collective_of, host_transfer_bytes
 from minpro_jax.aot.hlo_text import Computation, Instr, called, shape_bytes
 from minpro_jax.aot.links import Links, collective_seconds
 from minpro_jax.aot.topologies import Chip
 
-TERMS = ("matmuls", "other_ops", "op_floor", "collectives", "collectives_hidden")
+TERMS = ("matmuls", "other_ops", "op_floor", "collectives", "collectives_hidden", "host_transfers",
+         "host_transfers_hidden")  # fmt: skip
 _KERNELS = ("fusion", "custom-call", "copy")  # every one is a kernel launch, whatever its size
 
 
@@ -48,6 +51,7 @@ class Forecaster:
 
   def __init__(self, cost: HloCost, chip: Chip, links: Links, k: Constants):
     self.cost, self.links, self.k = cost, links, k
+    self.host = chip.host_bytes_per_s * k.link_efficiency.values()  # offloaded activations over PCIe
     self.mxu = k.mxu.values() * chip.peak_bf16_flops
     self.hbm = k.hbm.values() * chip.hbm_bytes_per_s
     self.matmul_hbm = k.matmul_hbm.values() * chip.hbm_bytes_per_s
@@ -85,7 +89,7 @@ class Forecaster:
     n = len(comp.instrs)
     times = np.zeros((n, 3))
     out = _empty()
-    colls: dict[int, np.ndarray] = {}
+    colls: dict[int, tuple[np.ndarray, str]] = {}  # collectives and host transfers: (seconds, term)
     for i, ins in enumerate(comp.instrs):
       if ins.name in child:
         f = child[ins.name]
@@ -94,8 +98,12 @@ class Forecaster:
         continue
       col = self._collective(ins, comp)
       if col is not None:
-        colls[i] = col
+        colls[i] = (col, "collectives")
         out["collectives"] += 1
+        continue
+      moved = host_transfer_bytes(ins, comp)
+      if moved and self.host.all():
+        colls[i] = (moved / self.host, "host_transfers")
         continue
       if ins.opcode in NO_MEMORY or ins.opcode.endswith("-done"):
         continue
@@ -112,10 +120,11 @@ class Forecaster:
     out["seconds"] = out["seconds"] + times.sum(axis=0)
     if colls:
       exposed = self._exposed(comp, times, colls)
-      total = sum(colls.values())
-      out["terms"]["collectives"] += exposed
-      out["terms"]["collectives_hidden"] += total - exposed
-      out["seconds"] = out["seconds"] + exposed
+      for term in set(k for _, k in colls.values()):
+        total = sum(t for t, k in colls.values() if k == term)
+        out["terms"][term] += exposed[term]
+        out["terms"][term + "_hidden"] += total - exposed[term]
+        out["seconds"] = out["seconds"] + exposed[term]
     return out
 
   def _collective(self, ins: Instr, comp: Computation) -> np.ndarray | None:
@@ -131,8 +140,9 @@ class Forecaster:
     return collective_seconds(col.kind, col.result_bytes, col.ici_bytes, col.group or range(col.group_size),
                               self.links, pair=col.pair, **self._coll)  # fmt: skip
 
-  def _exposed(self, comp: Computation, times: np.ndarray, colls: dict[int, np.ndarray]) -> np.ndarray:
-    """The collectives' summed exposed seconds at each level (module docstring): at "low", each hides behind the
+  def _exposed(self, comp: Computation, times: np.ndarray, colls: dict[int, tuple]) -> dict[str, np.ndarray]:
+    """The collectives' (and host transfers') exposed seconds at each level, summed by term (module docstring):
+    at "low", each hides behind the
     instructions that are neither its ancestors nor its descendants, sharing them with the others (what a
     latency-hiding schedule could reach); at "central" and "high", as the compiled schedule runs them: a synchronous
     collective blocks, an async one hides behind the independent instructions scheduled between its start and its
@@ -147,9 +157,9 @@ class Forecaster:
           users[j].append(i)
           preds[i].append(j)
     free = times.copy()  # what independent work is left to hide behind, per instruction
-    exposed = np.zeros(3)
+    exposed = {k: np.zeros(3) for _, k in colls.values()}
     for c in sorted(colls):
-      t = colls[c]
+      t, term = colls[c]
       after = _reach(c, users)
       dependent = after | _reach(c, preds)
       independent = np.asarray([i for i in range(len(comp.instrs)) if i not in dependent and i != c], np.int64)
@@ -162,7 +172,7 @@ class Forecaster:
         done = _done_of(comp, c, users)
         window = [i for i in range(c + 1, done) if i not in after] if done is not None else []
         level[1:] = np.maximum(t[1:] - times[window, 1:].sum(axis=0), 0.0) if window else t[1:]
-      exposed += level
+      exposed[term] += level
     return exposed
 
 

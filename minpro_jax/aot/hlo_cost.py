@@ -17,6 +17,8 @@ Per computation (its own instructions, fused computations included, nested loops
   which the HLO cannot show, so the caller adds them analytically (`aot.paged_schedule.analytic_kv`);
   async copies and slices into VMEM (`copy-start`, `slice-start`) and `ConcatBitcast` count nothing: the op that
   reads their result counts those bytes (once);
+  an async slice of, or update into, a host-memory buffer (a remat policy's offloaded activations) counts the
+  slice or update once: its HBM side (`host_transfer_bytes`; the forecast adds its PCIe time);
 - collectives: kind, result bytes, group size, the mesh axes the group spans, and the bytes one chip receives over
   ICI (all-gather R(n-1)/n, reduce-scatter R(n-1), all-reduce 2R(n-1)/n, all-to-all R(n-1)/n, permute R; R the
   result, n the group size: ring algorithms).
@@ -83,6 +85,31 @@ NO_MEMORY = {  # ops that move no HBM bytes of their own (and launch no kernel)
 }
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # ops that update operand 0 in place: index of the update
+HOST_SPACE = "S(5)"  # XLA:TPU's memory space of pinned host memory (a remat policy's offloaded activations)
+
+
+def host_transfer_bytes(ins: Instr, comp: Computation) -> float:
+  """Bytes an async slice or update moves between HBM and host memory (`dynamic-slice-start` of a host buffer,
+  `dynamic-update-slice-start` into one, a `copy-start` to or from one), else 0."""
+  big = comp.by_name.get(ins.operands[0]) if ins.operands else None
+  if ins.opcode == "dynamic-update-slice-start" and big is not None and HOST_SPACE in big.shape:
+    upd = comp.by_name.get(ins.operands[1]) if len(ins.operands) > 1 else None
+    return shape_bytes(upd.shape) if upd else 0.0
+  if ins.opcode == "dynamic-slice-start" and big is not None and HOST_SPACE in big.shape:
+    return _slice_bytes(ins, big)
+  if ins.opcode == "copy-start" and HOST_SPACE in ins.shape:
+    return shape_bytes(big.shape) if big else 0.0
+  return 0.0
+
+
+def _slice_bytes(ins: Instr, operand: Instr) -> float:
+  """The bytes of a (dynamic-)slice-start's slice: its `dynamic_slice_sizes` at its operand's element size."""
+  sizes = [int(x) for x in re.findall(r"\d+", attr(ins.attrs, "dynamic_slice_sizes") or "")]
+  arrays = ARRAY.findall(operand.shape)
+  if not sizes or not arrays:
+    return 0.0
+  full = _array_bytes(*arrays[0])
+  return full * math.prod(sizes) / max(math.prod(dims(operand.shape) or [1]), 1)
 
 
 # ------------------------------------------------------------------------------------------- collectives
@@ -347,6 +374,15 @@ class HloCost:
     out = shape_bytes(ins.shape)
     if ins.opcode in _SLICING:
       return 2 * out
+    if ins.opcode in ("dynamic-update-slice-start", "dynamic-slice-start"):
+      # async: to or from host memory, one side of the transfer is HBM; else read and written in HBM
+      host = host_transfer_bytes(ins, comp)
+      if host:
+        return host
+      if ins.opcode == "dynamic-slice-start":
+        return 2 * _slice_bytes(ins, comp.by_name[ins.operands[0]]) if ins.operands[0] in comp.by_name else 0.0
+      upd = comp.by_name.get(ins.operands[1]) if len(ins.operands) > 1 else None
+      return 2 * (shape_bytes(upd.shape) if upd else 0.0)
     update_at = _IN_PLACE.get(ins.opcode)
     if update_at is not None and len(ins.operands) > update_at:
       upd = comp.by_name.get(ins.operands[update_at])

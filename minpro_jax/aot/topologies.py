@@ -42,30 +42,42 @@ class Chip:
   ici_link_bytes_per_s: float = 0.0  # one link, one way (the forecast's; scaling book tpus.md, NVLink for GPUs)
   ici_ports: int = 0  # links per chip: 6 on a 3D torus, 4 on a 2D one
   platform: str = "tpu"  # "tpu", "gpu" or "cpu"
+  host_bytes_per_s: float = 0.0  # one way between the chip and its host's memory (PCIe), for offloaded activations
 
 
 # ICI, roofline: the documented per-chip interconnect figures (v4 2,400 Gbps = 300 GB/s, v5e 1,600 Gbps = 200 GB/s,
 # v5p 4,800 Gbps = 600 GB/s; v6e 800 GB/s bidirectional, taken as 400), as bytes/s one chip receives with every link
 # busy (the scaling book's per-link figures agree within 10 %: v5p 6 links x 90 GB/s one way = 540 GB/s).
 # ICI, forecast: one way per link, v4 and v5e 45 GB/s, v5p and v6e 90 GB/s (scaling book tpus.md, the ICI table).
+# Host (PCIe) per chip: "typically around 1.5e10 bytes / second", v6e 32 GB/s (scaling book tpus.md); GPUs: PCIe Gen5
+# x16 64 GB/s one way (H100, H200), Gen4 32 GB/s (A100).
 _BOOK = "; ICI links: https://jax-ml.github.io/scaling-book/tpus/"
 _GCP = "https://cloud.google.com/tpu/docs/"
 # fmt: off
 CHIPS = {
-    "v4": Chip("v4", 32 * GIB, 275e12, 1228e9, 2, (2, 2, 1), 3, _GCP + "v4" + _BOOK, 300e9, 45e9, 6),
-    "v5e": Chip("v5e", 16 * GIB, 197e12, 819e9, 1, (2, 4, 1), 2, _GCP + "v5e" + _BOOK, 200e9, 45e9, 4),
-    "v5p": Chip("v5p", 95 * GIB, 459e12, 2765e9, 2, (2, 2, 1), 3, _GCP + "v5p" + _BOOK, 600e9, 90e9, 6),
-    "v6e": Chip("v6e", 32 * GIB, 918e12, 1640e9, 1, (2, 4, 1), 2, _GCP + "v6e" + _BOOK, 400e9, 90e9, 4),
+    "v4": Chip("v4", 32 * GIB, 275e12, 1228e9, 2, (2, 2, 1), 3, _GCP + "v4" + _BOOK, 300e9, 45e9, 6,
+                host_bytes_per_s=15e9),
+    "v5e": Chip("v5e", 16 * GIB, 197e12, 819e9, 1, (2, 4, 1), 2, _GCP + "v5e" + _BOOK, 200e9, 45e9, 4,
+                host_bytes_per_s=15e9),
+    "v5p": Chip("v5p", 95 * GIB, 459e12, 2765e9, 2, (2, 2, 1), 3, _GCP + "v5p" + _BOOK, 600e9, 90e9, 6,
+                host_bytes_per_s=15e9),
+    "v6e": Chip("v6e", 32 * GIB, 918e12, 1640e9, 1, (2, 4, 1), 2, _GCP + "v6e" + _BOOK, 400e9, 90e9, 4,
+                host_bytes_per_s=32e9),
 }
 # GPUs (SXM unless named): dense bf16 (half the datasheets' "with sparsity" figure), HBM, NVLink 900 GB/s (H100, H200)
 # or 600 GB/s (A100) bidirectional, i.e. 450 / 300 GB/s one way per GPU through NVSwitch (one hop to any GPU of a node).
 _NV = "https://www.nvidia.com/en-us/data-center/"
 GPUS = {
-    "h100": Chip("h100", 80 * 10**9, 989e12, 3350e9, 1, (8, 1, 1), 1, _NV + "h100/", 450e9, 450e9, 1, "gpu"),
-    "h100-pcie": Chip("h100-pcie", 80 * 10**9, 756e12, 2000e9, 1, (8, 1, 1), 1, _NV + "h100/", 300e9, 300e9, 1, "gpu"),
-    "h200": Chip("h200", 141 * 10**9, 989e12, 4800e9, 1, (8, 1, 1), 1, _NV + "h200/", 450e9, 450e9, 1, "gpu"),
-    "a100-80gb": Chip("a100-80gb", 80 * 10**9, 312e12, 2039e9, 1, (8, 1, 1), 1, _NV + "a100/", 300e9, 300e9, 1, "gpu"),
-    "a100-40gb": Chip("a100-40gb", 40 * 10**9, 312e12, 1555e9, 1, (8, 1, 1), 1, _NV + "a100/", 300e9, 300e9, 1, "gpu"),
+    "h100": Chip("h100", 80 * 10**9, 989e12, 3350e9, 1, (8, 1, 1), 1, _NV + "h100/", 450e9, 450e9, 1, "gpu",
+                host_bytes_per_s=64e9),
+    "h100-pcie": Chip("h100-pcie", 80 * 10**9, 756e12, 2000e9, 1, (8, 1, 1), 1, _NV + "h100/", 300e9, 300e9, 1, "gpu",
+                host_bytes_per_s=64e9),
+    "h200": Chip("h200", 141 * 10**9, 989e12, 4800e9, 1, (8, 1, 1), 1, _NV + "h200/", 450e9, 450e9, 1, "gpu",
+                host_bytes_per_s=64e9),
+    "a100-80gb": Chip("a100-80gb", 80 * 10**9, 312e12, 2039e9, 1, (8, 1, 1), 1, _NV + "a100/", 300e9, 300e9, 1, "gpu",
+                host_bytes_per_s=32e9),
+    "a100-40gb": Chip("a100-40gb", 40 * 10**9, 312e12, 1555e9, 1, (8, 1, 1), 1, _NV + "a100/", 300e9, 300e9, 1, "gpu",
+                host_bytes_per_s=32e9),
 }
 # fmt: on
 # The standard slice shapes by chip count (Google Cloud's tables); 2D for v5e / v6e, 3D for v4 / v5p.
