@@ -285,3 +285,24 @@ def test_an_offloaded_activation_moves_over_the_host_link_once():
   chip = Chip("test", 0, 1e12, 1e10, 1, (8, 1, 1), 1, "test", 1e9, 1e9, 2, host_bytes_per_s=1e8)
   f = Forecaster(HloCost(OFFLOAD_HLO, 1), chip, LINE8, K).program()
   np.testing.assert_allclose(f["terms"]["host_transfers"], update / 1e8)  # nothing to hide behind: exposed
+
+
+def test_a_collective_wrapped_in_async_collective_start_hides_like_an_async_pair():
+  # XLA:TPU's async collective fusion: the all-gather's result goes into an AsyncCollectiveStart custom call, and
+  # an AsyncCollectiveDone ends it; t1 and t2 run between the two
+  text = CHAIN_HLO.replace(
+      "  %ag = f32[128]{0} all-gather(%s), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}\n", ""
+  ).replace(
+      "  %t1 = f32[16]{0} fusion(%s, %s)",
+      "  %ag0 = f32[128]{0} all-gather(%s), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}\n"
+      '  %acs = (f32[128]{0}, u32[]) custom-call(%ag0), custom_call_target="AsyncCollectiveStart"\n'
+      "  %t1 = f32[16]{0} fusion(%s, %s)",
+  ).replace(
+      "  ROOT %out",
+      '  %ag = f32[128]{0} custom-call(%acs), custom_call_target="AsyncCollectiveDone"\n  ROOT %out',
+  )  # fmt: skip
+  f = _forecast(text, 8)
+  ag = OVERHEAD + 7 * US + 128 * 4 * 7 / 8 / 1e9
+  ar = OVERHEAD + 2 * 7 * US + 2 * (128 * 1024 * 2) * 7 / 8 / 1e9
+  hidden = np.minimum(ag, 2 * FLOOR)
+  np.testing.assert_allclose(f["terms"]["collectives"][1:], (ar + ag - hidden)[1:], rtol=1e-9)

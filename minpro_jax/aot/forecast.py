@@ -27,6 +27,7 @@ compiled programs, never a measurement (docs/aot.md, "The forecast").
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -177,16 +178,24 @@ class Forecaster:
 
 
 def _done_of(comp: Computation, start: int, users: list[list[int]]) -> int | None:
-  """The index of the `-done` of an async collective starting at `start` (through async-update), or None (a
-  synchronous collective)."""
+  """The index of the instruction that ends an async collective starting at `start`: its `-done` (through
+  async-update), or, for a collective XLA:TPU wraps in an `AsyncCollectiveStart` custom call, the
+  `AsyncCollectiveDone` that follows; None for a synchronous collective."""
+
+  def target(i):
+    ins = comp.instrs[i]
+    return ins.opcode == "custom-call" and re.search(r'custom_call_target="(\w+)"', ins.attrs)
+
   op = comp.instrs[start].opcode
-  if not op.endswith("-start"):
+  wrapped = [u for u in users[start] if (m := target(u)) and m.group(1) == "AsyncCollectiveStart"]
+  if not op.endswith("-start") and not wrapped:
     return None
-  frontier = [start]
+  frontier = [start, *wrapped]
   while frontier:
     i = frontier.pop()
     for u in users[i]:
-      if comp.instrs[u].opcode.endswith("-done"):
+      m = target(u)
+      if comp.instrs[u].opcode.endswith("-done") or (m and m.group(1) == "AsyncCollectiveDone"):
         return u
       if comp.instrs[u].opcode.endswith("-update"):
         frontier.append(u)
