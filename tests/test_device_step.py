@@ -14,7 +14,7 @@ def test_device_step_tiny_writes_every_part(tmp_path):
                         text=True, timeout=900)  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
-  assert report["device"]["platform"] == "cpu" and report["device"]["slice"] == "cpu:1"
+  assert report["device"]["platform"] == "cpu" and report["device"]["slice"].startswith("cpu:")
   parts = {p["part"]: p for p in report["parts"]}
   assert set(parts) == {"sampling", "sampling: decode step", "update"}
   keys = {"measured_seconds", "roofline_seconds", "forecast_seconds", "bound_seconds", "measured_over_forecast"}
