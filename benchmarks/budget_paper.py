@@ -62,6 +62,10 @@ ENTRIES = [
     ("qwen3_8b_v6e-16", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
     ("qwen3_30b_a3b_v5p-32", "v5p-32", [f"--config={PAPER}/qwen3_30b_a3b.py", *MINPRO_LENGTHS]),
+    # the configs as they stand, costed with the forecast (2026-12-07), beside the rows above
+    ("qwen3_8b_v5p-32_forecast", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v6e-16_forecast", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_4b_mipu_v5p-8_forecast", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
 ]
 
 

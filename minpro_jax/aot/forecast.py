@@ -11,18 +11,18 @@ computation on its own, as a TPU (or GPU) runs them, one after the other:
 - a collective takes the alpha + beta time of its group on the slice's links (`minpro_jax.aot.links`), and is
   exposed where the HLO serialises it. Its dependencies bound what it can hide behind: only the instructions of its
   computation that are neither its ancestors nor its descendants (a decode step's all-reduce, between two matmuls
-  of one chain, hides behind nothing; a weight all-gather can hide behind the layer before). The "low" level takes
+  of one chain, hides behind little; a weight all-gather can hide behind the layer before). The "low" level takes
   that bound (every collective hides behind the independent work, shared among them: what a latency-hiding schedule
-  could reach); "central" and "high" follow the compiled schedule: a synchronous collective (what XLA:TPU's
-  optimized HLO holds unless async collectives are turned on) blocks the core, an async `-start` / `-done` pair
-  hides behind the independent instructions scheduled between the two.
+  could reach); "central" and "high" follow the compiled schedule: a synchronous collective (most of XLA:TPU's, in
+  the programs here) blocks the core, an async one (a `-start` / `-done` pair, or an `AsyncCollectiveStart` /
+  `AsyncCollectiveDone` custom-call pair around it) hides behind the independent instructions scheduled between.
 
 Activations a remat policy offloads to host memory move over PCIe (`Chip.host_bytes_per_s` at the link
 efficiency), async like a collective and exposed by the same rule ("host_transfers"). The caller adds what the HLO
-cannot show (`forecast_extra`): the paged attention's KV reads at the paged kernel's
-efficiency, and the FLOPs of Pallas attention kernels at the attention efficiency. Every constant is a `Band`
-(`minpro_jax.aot.efficiency`), so each figure comes at three levels, low / central / high. It is a forecast from
-compiled programs, never a measurement (docs/aot.md, "The forecast").
+cannot show (`forecast_extra`): the paged attention's KV reads at the paged kernel's efficiency, and the FLOPs of
+Pallas attention kernels at the attention efficiency. Every constant is a `Band` (`minpro_jax.aot.efficiency`), so
+each figure comes at three levels, low / central / high. It is a forecast from compiled programs, never a
+measurement (docs/aot.md, "The forecast").
 """
 
 from __future__ import annotations
