@@ -10,7 +10,9 @@ for the MinPRO configs, mean 3,000 at MIPU's 8,192; prompts of 256 real tokens. 
 (prompt bucket data.max_prompt_tokens), so the figures move when the sampler and learner issues change the code.
 Qwen3-8B on v5p-64 has its before and after: `_fsdp_dense` (the learner's mesh, 64 rows, the dense cache: the
 config of 2026-12-03), `_sampler_layout` (its own mesh and rows, dense), `_paged` (paged on mesh=auto) and the config
-as it stands (paged on data x tensor=8).
+as it stands (paged on data x tensor=8); `_forecast` is the config as it stands costed on 2026-12-07 with the
+forecast beside the roofline (issue 54: the score pass on every 10th step, the evaluation on its own program and
+calls), beside the older rows it does not replace.
 Needs libtpu (`make setup`). Each entry compiles 4 programs, 5-40 minutes on this project's 2-core CPU.
 """
 
@@ -47,6 +49,7 @@ SPLIT = ["--config.sampling.devices=16", "--config.micro_batch_size=16", "--part
 
 ENTRIES = [
     ("qwen3_8b_v5p-64", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v5p-64_forecast", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v5p-64_fsdp_dense", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *FSDP_DENSE]),
     ("qwen3_8b_v5p-64_sampler_layout", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *DENSE_LAYOUT]),
     ("qwen3_8b_v5p-64_paged", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *PAGED, *SAMPLER_PARTS]),
@@ -59,6 +62,10 @@ ENTRIES = [
     ("qwen3_8b_v6e-16", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
     ("qwen3_30b_a3b_v5p-32", "v5p-32", [f"--config={PAPER}/qwen3_30b_a3b.py", *MINPRO_LENGTHS]),
+    # the configs as they stand, costed with the forecast (2026-12-07), beside the rows above
+    ("qwen3_8b_v5p-32_forecast", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v6e-16_forecast", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_4b_mipu_v5p-8_forecast", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
 ]
 
 
@@ -98,14 +105,18 @@ def _h(s) -> str:
 
 
 def summary(entries) -> str:
-  """One line per entry: the step with and without evaluation, its bound and ratio, and each part's time / bound."""
-  head = "| entry | sampler layout | step | step without eval | bound (without eval) | ours / bound | sampling | score | update |"
-  lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  """One line per entry: the step's roofline with and without evaluation, its bound and ratio, the forecast band
+  (entries costed since the forecast, 2026-12-07), and each part's roofline / bound."""
+  head = ("| entry | sampler layout | step | step without eval | bound (without eval) | ours / bound "
+          "| forecast low / central / high | sampling | score | update |")  # fmt: skip
+  lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for name, rows in entries:
     if rows is None:
       lines.append(f"| {name} | | not run | | | | | | |")
       continue
     part = {r["part"]: r for r in rows}
+    for r in rows:  # "score (1/10)": the score pass on the steps the trainer runs it
+      part.setdefault(r["part"].split(" (")[0], r)
     # entries from before the field: the learner's mesh and rules, 64 decode rows
     layout = f"{rows[0].get('sampler_layout') or rows[0]['mesh'] + ' (learner rules)'}, {rows[0].get('decode_rows', 64)} rows"
 
@@ -122,15 +133,17 @@ def summary(entries) -> str:
     if step.get("seconds_overlapped") is None:  # a part does not fit: no step time
       bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
       lines.append(
-          f"| {name} | {layout} | n/a | n/a | {_h(bound)} | | {cell('sampling')} | {cell('score')} | {cell('update')} |"
+          f"| {name} | {layout} | n/a | n/a | {_h(bound)} | | | {cell('sampling')} | {cell('score')} | {cell('update')} |"
       )
       continue
+    f = (step.get("forecast") or {}).get("seconds")
+    band = " / ".join(_h(f[k]) for k in ("low", "central", "high")) if f else "not costed"
     no_eval = (step.get("seconds_overlapped") or 0) - (ev.get("seconds_overlapped") or 0)
     bound = (step.get("bound_seconds") or 0) - (ev.get("bound_seconds") or 0)
     ratio = f"{no_eval / bound:.1f}x" if bound and step.get("seconds_overlapped") else ""
     lines.append(
         f"| {name} | {layout} | {_h(step.get('seconds_overlapped'))} | {_h(no_eval)} | {_h(bound)} | {ratio} | "
-        f"{cell('sampling')} | {cell('score')} | {cell('update')} |"
+        f"{band} | {cell('sampling')} | {cell('score')} | {cell('update')} |"
     )
   return "\n".join(lines)
 

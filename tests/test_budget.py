@@ -349,7 +349,9 @@ proc = subprocess.run(cmd, capture_output=True, text=True)
 assert proc.returncode == 0, proc.stderr[-3000:]
 print(proc.stdout)
 for r in json.load(open(out))["rows"]:
-  print(f"RESULT part={r['part'].replace(' ', '_')} seconds={r.get('seconds_overlapped')} bound={r.get('bound_seconds')}")
+  f = ((r.get("forecast") or {}).get("seconds") or {}).get("central")
+  print(f"RESULT part={r['part'].replace(' ', '_')} seconds={r.get('seconds_overlapped')} bound={r.get('bound_seconds')} "
+        f"forecast={f}")
 """
 
 
@@ -364,3 +366,7 @@ def test_the_tiny_budget_on_v5e_4_prints_every_part():
     assert float(rows[part]["bound"]) > 0, rows[part]
   assert any(p.startswith("eval") for p in rows)
   assert float(rows["step"]["seconds"]) >= float(rows["step"]["bound"])
+  # the forecast: every part and the step, above the bound (per-op floors and collective latencies on top)
+  for part in ("sampling", "transfer", "score", "update", "step"):
+    assert float(rows[part]["forecast"]) > 0, rows[part]
+  assert float(rows["step"]["forecast"]) >= float(rows["step"]["bound"])

@@ -180,8 +180,8 @@ def run_config_of(config_args: list[str]):
 def main(argv: list[str] | None = None) -> int:
   command_line = argv is None  # signals are the process's own only then (not in a test calling main)
   argv = list(sys.argv[1:] if argv is None else argv)
-  if "--budget" in argv:  # one global step's time and its bound (minpro_jax/aot/budget.py)
-    from minpro_jax.aot.budget import main as budget_main
+  if "--budget" in argv:  # one global step: roofline, bound and forecast (minpro_jax/aot/budget_cli.py)
+    from minpro_jax.aot.budget_cli import main as budget_main
 
     if command_line:
       _exit_on_signal("nothing was written (--budget writes its --out at the end): rerun the command")

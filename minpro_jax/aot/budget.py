@@ -1,31 +1,33 @@
-"""How long one global RL step takes on a slice, from the programs the trainer runs, next to its bound.
+"""How long one global RL step takes on a slice, from the programs the trainer runs: roofline, bound and forecast.
 
-  python -m minpro_jax.aot --budget --config=<file[:arg]> --topology=v5p-64 [--mesh=fsdp=-1]
-      [--lengths=gamma:mean=8192 | const:N | FILE] [--prompt-len=256] [--seed=0] [--parts=sampling,...]
-      [--config.<field>=<value> ...] [--out=reports/NAME.json] [--dump-hlo=DIR] [--hlo-from=DIR]
-
-Each part of a step is compiled with abstract values for the slice (nothing runs on an accelerator) and costed
-per loop iteration from its optimized HLO (`minpro_jax.aot.hlo_cost`): FLOPs, HBM bytes and the collectives each
-iteration reaches, times the nested trip counts. Data-dependent trip counts come from a seeded response-length
-draw replayed through the sampler's own refill rule (`minpro_jax.aot.schedule`). Parts:
+The command line is `python -m minpro_jax.aot --budget` (`minpro_jax.aot.budget_cli`). Each part of a step is
+compiled with abstract values for the slice (nothing runs on an accelerator) and costed per loop iteration from its
+optimized HLO (`minpro_jax.aot.hlo_cost`): FLOPs, HBM bytes and the collectives each iteration reaches, times the
+nested trip counts. Data-dependent trip counts come from a seeded response-length draw replayed through the
+sampler's own refill rule (`minpro_jax.aot.schedule`). Each part gets three times: its **roofline** (those bytes and
+FLOPs at peak, communication overlapped), the **bound** for the same work (the physics of it, `schedule`), and a
+**forecast** band (`minpro_jax.aot.forecast`: per-op efficiencies and floors, collectives on the slice's links,
+each constant sourced in `minpro_jax.aot.efficiency`). Parts:
 
   sampling    the sampler call the trainer makes for one step's N = prompts_per_step x group_size rollouts: the
               continuous sampler's single `while_loop` (decode steps and refills), or the static prefill + decode
   transfer    `Sampler.prepare_params`: the learner's parameters into the sampler's layout and dtype, once a step
-  score       `Learner.score` over the step's rollouts (the trainer scores every step today)
+  score       `Learner.score` over the step's rollouts, on the steps the trainer runs it: every step when the loss
+              reads the learner's log-probs (TIS/MIS), else every log.mismatch_every steps (amortised)
   update      `Learner.update` for one mini-batch, x num_updates_per_step
-  eval        the evaluation's sampling (eval.num_problems x eval.n responses on the training sampler's program),
-              amortised over eval.every steps
+  eval        the evaluation's sampling as the trainer runs it: calls of max(1, 256 // eval.n) prompts x eval.n
+              samples with eval's temperature and top-p, ceil(eval.num_problems / prompts per call) calls, amortised
+              over eval.every steps
+  host        (forecast only) detokenising and grading each process's rows, from measured per-response costs
 
-The result is an estimate from compiled programs (docs/aot.md: what it leaves out), never a TPU measurement.
+None of the three is a measurement on an accelerator (docs/aot.md: what each covers and what none does).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import os
-import sys
 import time
 from typing import Any
 
@@ -33,8 +35,11 @@ import jax
 import numpy as np
 
 from minpro_jax.aot.analysis import add_resident, analyze, does_not_fit, model_flops
+from minpro_jax.aot.efficiency import constants_for, host_seconds_per_response
+from minpro_jax.aot.forecast import Forecaster, forecast_extra, record
 from minpro_jax.aot.hlo_cost import HloCost, Rates
 from minpro_jax.aot.lengths import draw_lengths
+from minpro_jax.aot.links import Links
 from minpro_jax.aot.packed import analytic_flops, learner_packing, weight_active
 from minpro_jax.aot.paged_schedule import (
     PagedSchedule,
@@ -51,7 +56,15 @@ from minpro_jax.aot.schedule import (
     sampling_bound,
     static_schedule,
 )
-from minpro_jax.aot.split_step import split_step
+from minpro_jax.aot.step_rows import (
+    add_forecast,
+    eval_calls,
+    eval_sampling,
+    mean_schedule,
+    score_every,
+    step_row,
+    sum_forecasts,
+)
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_core import live_length_buckets
@@ -76,10 +89,13 @@ def _shard_bytes(tree) -> float:
 
 
 class _Part:
-  """One compiled program of the step, costed: its HLO text, `HloCost` tree, runs per step, and its memory."""
+  """One compiled program of the step, costed: its HLO text, `HloCost` tree, runs per step, its memory, and its
+  `Forecaster` (None without chip figures)."""
 
-  def __init__(self, name: str, text: str, memory: dict, tree: HloCost, calls: float, shapes: str):
+  def __init__(self, name: str, text: str, memory: dict, tree: HloCost, calls: float, shapes: str,
+               forecaster: Forecaster | None = None):  # fmt: skip
     self.name, self.text, self.memory, self.tree, self.calls, self.shapes = name, text, memory, tree, calls, shapes
+    self.forecaster = forecaster
 
 
 def _sampler_resolvers(schedule: Schedule, continuous: bool):
@@ -120,6 +136,8 @@ class Budget:
       instead of compiling (parts without a dump are compiled).
     log: a callable for progress lines.
     sampler_only: `sl` is the sampler's chips of a device split (`RunPrograms`; `minpro_jax.aot.split_step`).
+    keep_compiled: keep each compiled program and its arguments' shapes in `compiled` ({part: (jax.stages.Compiled,
+      lowered.args_info)}), to run it (`benchmarks/device_step.py` times the very programs it costs).
 
   Raises:
     ConfigError: a bad field, mesh or lengths spec, naming it.
@@ -127,7 +145,7 @@ class Budget:
 
   def __init__(self, c, sl: Slice, mesh_spec: str, *, lengths: str, prompt_len: int | None = None, seed: int = 0,
                parts=PARTS, dump_hlo: str | None = None, hlo_from: str | None = None,
-               log=lambda s: None, sampler_only: bool = False):  # fmt: skip
+               log=lambda s: None, sampler_only: bool = False, keep_compiled: bool = False):  # fmt: skip
     from minpro_jax.aot.sweep import canonical_mesh, parse_mesh
 
     run_config.validate_shapes_config(c)
@@ -135,6 +153,7 @@ class Budget:
     if not self.parts or set(self.parts) - set(PARTS):
       raise ConfigError(f"--parts={','.join(self.parts)}: choose from {','.join(PARTS)}")
     self.c, self.sl, self.log, self.dump_hlo, self.hlo_from = c, sl, log, dump_hlo, hlo_from
+    self.compiled: dict[str, tuple] | None = {} if keep_compiled else None
     self.cfg, self.model_from = model_config(c)
     self.shapes = run_shapes(c)
     prompt_len = min(256, self.shapes.prompt_len) if prompt_len is None else prompt_len
@@ -151,16 +170,27 @@ class Budget:
     )
     r = self.shapes.response_len
     self.lengths, self.lengths_from = draw_lengths(lengths, self.shapes.rollouts, r, seed)
-    n_eval = c.eval.num_problems * c.eval.n if "eval" in self.parts else 0
+    self.eval_requests, self.eval_calls = eval_calls(c)
+    n_eval = self.eval_requests * self.eval_calls if "eval" in self.parts else 0
     self.eval_lengths = draw_lengths(lengths, n_eval, r, seed + 1)[0] if n_eval else None
     self.lengths_spec, self.seed = lengths, seed
     chip = sl.chip
     self.rates = Rates(chip.peak_bf16_flops, chip.hbm_bytes_per_s, chip.ici_bytes_per_s)
+    self.k = constants_for(chip.platform) if chip.hbm_bytes_per_s else None  # forecast constants (None: no figures)
     self.buckets = live_length_buckets(self.shapes.prompt_len + r)
     self.packed = learner_packing(c, self.shapes, self.lengths, self.prompt_len)  # None: unpacked rows
 
   # ------------------------------------------------------------------------------------------ compile
-  def _compile(self, name: str, lower, resolvers=(None, None), calls: float = 1.0, shapes: str = ""):
+  def _forecaster(self, tree: HloCost, mesh) -> Forecaster | None:
+    if self.k is None:
+      return None
+    return Forecaster(tree, self.sl.chip, Links.of(self.sl, list(mesh.devices.flat)), self.k)
+
+  def _compile(self, name: str, lower, resolvers=(None, None), calls: float = 1.0, shapes: str = "", mesh=None):
+    """Compiles (or reads `hlo_from`'s dump of) program `name` and costs it; a `_Part`, or the memory row of a
+    program that does not fit. `mesh`: the one it runs on (default the learner's), whose device order its
+    partition ids follow."""
+    mesh = mesh if mesh is not None else self.mesh
     saved = os.path.join(self.hlo_from, f"{name}.hlo.txt") if self.hlo_from else ""
     if saved and os.path.isfile(saved):  # re-cost a dumped program (another length draw) without compiling
       with open(saved) as f:
@@ -174,7 +204,8 @@ class Budget:
       self.log(f"compiling {name} ...")
       t0 = time.time()
       try:
-        compiled = lower().compile()
+        lowered = lower()
+        compiled = lowered.compile()
       except Exception as e:  # noqa: BLE001 - a program that does not fit is a finding, not a crash
         row = does_not_fit(e)
         if row is None:
@@ -187,6 +218,8 @@ class Budget:
       if name == "update" and self.c.mipu.rollback:  # MIPU's snapshot of the state (docs/aot.md)
         add_resident(memory, "mipu_snapshot_bytes", mem["alias_bytes"], self.sl.chip.hbm_bytes)
       memory["compile_seconds"] = round(time.time() - t0, 1)
+      if self.compiled is not None:
+        self.compiled[name] = (compiled, lowered.args_info)
       text = compiled.as_text()
       self.log(f"{name}: compiled in {memory['compile_seconds']} s")
     if self.dump_hlo:
@@ -195,44 +228,55 @@ class Budget:
         f.write(text)
       with open(os.path.join(self.dump_hlo, f"{name}.memory.json"), "w") as f:
         json.dump(memory, f)
-    tree = HloCost(text, self.sl.num_chips, self.mesh_shape, self.rates, *resolvers)
-    return _Part(name, text, memory, tree, calls, shapes)
+    tree = HloCost(text, self.sl.num_chips, dict(mesh.shape), self.rates, *resolvers)
+    return _Part(name, text, memory, tree, calls, shapes, self._forecaster(tree, mesh))
 
-  def _sampler_part(self, lengths, name: str, calls: float, num_requests: int):
+  def _sampler_part(self, lengths, name: str, calls: float, num_requests: int, sampling=None):
+    """The sampler's program for calls of `num_requests` requests, costed on `lengths` (one call, or consecutive
+    calls of `num_requests` each: their mean schedule, `calls` runs a step), with `sampling` (default the
+    training's `SamplingParams`); returns (part, schedule, decode rows)."""
     s = self.progs.trainer_sampler
-    p = self.shapes.prompt_len
+    p, mesh = self.shapes.prompt_len, s.mesh if s.mesh is not None else self.mesh
+    chunks = [lengths[i : i + num_requests] for i in range(0, len(lengths), num_requests)]
     # the caches hold the prompt bucket; the simulation sees the rows' real prompt in it (left padded)
     if s.engine.name != "static":
       rows, refill = s.engine.rows_and_refill(num_requests)
       if s.engine.name == "paged":  # the pool's own admission, and the pages its ragged attention reads
-        sched = sampler_paged_schedule(
-            s, lengths, num_requests, self.prompt_len, p, self.shapes.response_len, self._group(name)
-        )
+        scheds = [sampler_paged_schedule(s, x, num_requests, self.prompt_len, p, self.shapes.response_len,
+                                         self._group(name)) for x in chunks]  # fmt: skip
       else:
-        sched = continuous_schedule(lengths, rows, refill, p, self.buckets)
+        scheds = [continuous_schedule(x, rows, refill, p, self.buckets) for x in chunks]
+      sched = mean_schedule(scheds)
       reuse = getattr(self, "_sampling", None)
-      if reuse is not None and reuse[0] == (rows, refill):
+      key = (rows, refill, sampling or self.progs.sampling)
+      resolvers = _sampler_resolvers(sched, continuous=True)
+      if reuse is not None and reuse[0] == key:
         # the same decode step and refill: cost the training call's program on this schedule (the request
         # arrays' size does not change an iteration's work)
         text, memory = reuse[1], reuse[2]
-        tree = HloCost(text, self.sl.num_chips, self.mesh_shape, self.rates, *_sampler_resolvers(sched, True))
+        tree = HloCost(text, self.sl.num_chips, dict(mesh.shape), self.rates, *resolvers)
         shapes = f"{num_requests} requests on {rows} decode rows, refills of {refill} (the sampling program)"
-        return _Part(name, None, memory, tree, calls, shapes), sched, rows
+        return _Part(name, None, memory, tree, calls, shapes, self._forecaster(tree, mesh)), sched, rows
       part = self._compile(
           name,
-          lambda: self.progs.lower_continuous(num_requests, unit=getattr(sched, "unit", 1)),
-          _sampler_resolvers(sched, continuous=True),
+          lambda: self.progs.lower_continuous(num_requests, sampling=sampling, unit=getattr(scheds[0], "unit", 1)),
+          resolvers,
           calls,
           f"{num_requests} requests on {rows} decode rows, refills of {refill}",
+          mesh=mesh,
       )
       if isinstance(part, _Part):
-        self._sampling = ((rows, refill), part.text, part.memory)
+        self._sampling = (key, part.text, part.memory)
       return part, sched, rows
-    sched = static_schedule(lengths, p, self.buckets)
+    sched = mean_schedule([static_schedule(x, p, self.buckets) for x in chunks])
     shapes = run_shapes(self.c, sampler_rows=_static_rows(num_requests))
     progs = RunPrograms(self.c, self.cfg, self.mesh, shapes, hbm_bytes=self.sl.chip.hbm_bytes)
-    pre = self._compile(f"{name}.prefill", progs._lower_prefill, calls=calls)
-    dec = self._compile(f"{name}.decode", progs._lower_decode, _sampler_resolvers(sched, continuous=False), calls)
+    if sampling is not None:
+      progs.sampling = sampling
+    smesh = progs.sampler.mesh if progs.sampler.mesh is not None else self.mesh
+    pre = self._compile(f"{name}.prefill", progs._lower_prefill, calls=calls, mesh=smesh)
+    dec = self._compile(f"{name}.decode", progs._lower_decode, _sampler_resolvers(sched, continuous=False), calls,
+                        mesh=smesh)  # fmt: skip
     return (pre, dec), sched, progs.shapes.sampler_rows
 
   def _group(self, name: str) -> int:
@@ -275,34 +319,47 @@ class Budget:
     mb, pk = sh.micro_batch, self.packed or {}
     if "score" in self.parts:
       what = pk["score"].describe() if pk else f"{sh.rollouts}x{sh.seq_len}, micro-batch {mb}"
-      part = self._compile("score", self.progs._lower_score, shapes=what)
+      every = score_every(c)  # the trainer scores only on some steps (`Trainer.scoring`)
+      part = self._compile("score", self.progs._lower_score, calls=1.0 / every, shapes=what)
       micro = -(-sh.rollouts // mb) if not pk else round(pk["score"].active_per_run)
-      rows.append(self._row("score", part, micro, fwd / peak_total if has_rates else None, "score"))
+      name = "score" if every == 1 else f"score (1/{every})"
+      rows.append(self._row(name, part, micro, fwd / peak_total / every if has_rates else None, "score"))
     if "update" in self.parts:
       what = pk["update"].describe() if pk else f"{sh.mini_batch}x{sh.seq_len}"
       part = self._compile("update", self.progs._lower_update, calls=c.num_updates_per_step, shapes=what)
       micro = -(-sh.mini_batch // mb) if not pk else pk["update"].active_per_run
       rows.append(self._row("update", part, micro, 3 * fwd / peak_total if has_rates else None, "update"))
 
-    # evaluation, amortised
+    # evaluation, amortised: its own calls, rows and sampling settings (`Trainer.evaluate`)
     if self.eval_lengths is not None:
       every = c.eval.every or max(c.total_steps, 1)
-      n_eval = int(self.eval_lengths.size)
-      part, sched, srows = self._sampler_part(self.eval_lengths, "eval", 1.0 / every, n_eval)
+      calls = self.eval_calls / every
+      part, sched, srows = self._sampler_part(self.eval_lengths, "eval", calls, self.eval_requests, eval_sampling(c))
       bound = sampling_bound(self.eval_lengths, self.prompt_len, **bound_kw)
-      rows += self._sampling_rows(f"eval (1/{every})", part, sched, srows, bound, 1.0 / every)
-
-    step = {"part": "step", "bound_seconds": 0.0, "seconds_overlapped": 0.0, "seconds_serial": 0.0}
-    for r in rows:
-      if r.get("sub"):
-        continue
-      for k in ("bound_seconds", "seconds_overlapped", "seconds_serial"):
-        step[k] = None if step[k] is None or r.get(k) is None else step[k] + r[k]
-    if step["seconds_overlapped"] is not None and step["bound_seconds"] and has_rates:
-      step["ratio"] = step["seconds_overlapped"] / step["bound_seconds"]
-    rows.append(step)
+      name = f"eval (1/{every}: {self.eval_calls} calls of {self.eval_requests})"
+      rows += self._sampling_rows(name, part, sched, srows, bound, calls, bound_share=1.0 / every)
+    if "sampling" in self.parts and self.k is not None:
+      rows.append(self._host_row())
+    rows.append(step_row(rows, has_rates))
     common = self._common()
     return [{**common, **r} for r in rows]
+
+  def _host_row(self) -> dict[str, Any]:
+    """Host time per step (forecast only): each of the slice's processes (one a host) detokenises and grades its
+    share of the step's responses, and of the evaluation's amortised, in its main thread, from measured costs
+    (`efficiency.HOST_COST`) at the draw's mean lengths."""
+    c, hosts = self.c, self.sl.num_hosts
+    train, mode = host_seconds_per_response(c.reward.mode, float(self.lengths.mean()))
+    seconds = math.ceil(self.shapes.rollouts / hosts) * train
+    detail = {"train_mode": mode, "seconds_per_response": train, "responses_per_process": self.shapes.rollouts / hosts}
+    if self.eval_lengths is not None:
+      every = c.eval.every or max(c.total_steps, 1)
+      per, emode = host_seconds_per_response(c.eval.reward_mode or c.reward.mode, float(self.eval_lengths.mean()))
+      seconds += math.ceil(self.eval_lengths.size / hosts) * per / every
+      detail.update(eval_mode=emode, eval_seconds_per_response=per)
+    f = seconds * self.k.host_scale.values()
+    return {"part": "host (detokenise, grade)", "host": True, "iterations": None, "detail": detail,
+            "forecast": record(f, {"host": f}, 0, 0, None)}  # fmt: skip
 
   def _common(self) -> dict[str, Any]:
     from minpro_jax.aot.sweep import fingerprint
@@ -349,6 +406,14 @@ class Budget:
         extra = missing / self.sl.chip.peak_bf16_flops
     per = tree.total()
     t = self.rates.times(per)
+    forecast = None
+    if part.forecaster is not None:
+      f = part.forecaster.program()
+      sec = f["seconds"] * calls
+      terms = {k: v * calls for k, v in f["terms"].items()}
+      if extra:  # the attention kernels' FLOPs at the attention efficiency
+        sec = forecast_extra(sec, terms, "opaque_flops", extra / self.k.attention.values())
+      forecast = record(sec, terms, f["ops"] * calls, f["collectives"] * calls, per_call * calls)
     return {
         "part": name,
         "shapes": part.shapes,
@@ -364,12 +429,16 @@ class Budget:
         "per_call": per.as_dict(),
         "loops": tree.loops(),
         "memory": part.memory,
+        "forecast": forecast,
         **({"packed": packed.as_dict()} if packed is not None else {}),
     }
 
-  def _sampling_rows(self, name: str, part, sched: Schedule, srows: int, bound: dict, calls: float) -> list[dict]:
+  def _sampling_rows(self, name: str, part, sched: Schedule, srows: int, bound: dict, calls: float,
+                     bound_share: float | None = None) -> list[dict]:  # fmt: skip
+    """The rows of a sampler part run `calls` times a step on `sched` (one call's schedule); `bound` is the bound
+    of all its work at once, a step's share `bound_share` (default `calls`). Iterations are a step's."""
     base = {"schedule": {**sched.__dict__, "rows": srows}, "bound_terms": bound}
-    bound_total = None if bound is None else bound["total"] * calls
+    bound_total = None if bound is None else bound["total"] * (calls if bound_share is None else bound_share)
     if isinstance(part, tuple):  # static: prefill + decode programs
       pre, dec = part
       if not isinstance(pre, _Part) or not isinstance(dec, _Part):
@@ -390,17 +459,22 @@ class Budget:
       }
       total["seconds_per_iteration"] = total["seconds_overlapped"] / calls / max(sched.iterations, 1)
       total["ratio"] = total["seconds_overlapped"] / total["bound_seconds"] if total["bound_seconds"] else None
+      total["forecast"] = sum_forecasts([pre_row, dec_row], sched.iterations * calls)
       return [pre_row, dec_row, total]
     if not isinstance(part, _Part):
       return [{"part": name, "fits": False, "memory": part, "bound_seconds": bound_total, **base}]
     row = self._row(name, part, sched.iterations, bound_total)
     row.update(base)
-    kv = None
+    kv, kv_f = None, None
     if isinstance(sched, PagedSchedule):  # the ragged attention's KV reads: analytic, added to the HLO's cost
       s = self.progs.trainer_sampler
       page = page_bytes_per_device(s.config, sched.page_size, s.mesh, s.rules)
       kv = analytic_kv(sched, page, self.sl.chip.hbm_bytes_per_s)
       add_analytic_kv(row, kv, calls, sched.iterations)
+      if row["forecast"] is not None:  # at the paged kernel's efficiency
+        kv_f = kv["bytes_per_device"] / (self.sl.chip.hbm_bytes_per_s * self.k.paged_attention.values())
+        add_forecast(row, "kv_reads", kv_f * calls, sched.iterations * calls)
+    fc = part.forecaster
     subs = []
     loop = next((ch for ch in part.tree.root.children if ch.kind == "while" and ch.trip_source == "given"), None)
     if loop is not None:
@@ -415,7 +489,7 @@ class Budget:
             {
                 "part": f"{name}: {label}",
                 "sub": True,
-                "iterations": count,
+                "iterations": count * calls if calls >= 1 else count,
                 "seconds_per_iteration": br.seconds_per_run(True),
                 "seconds_per_iteration_serial": br.seconds_per_run(False),
                 "limiter": t["limiter"],
@@ -424,15 +498,22 @@ class Budget:
                 "per_iteration": per.as_dict(),
             }
         )
+        if fc is not None:
+          f = fc.node(br)
+          n = count * calls
+          subs[-1]["forecast"] = record(f["seconds"] * n, {k: v * n for k, v in f["terms"].items()}, f["ops"] * n,
+                                        f["collectives"] * n, n)  # fmt: skip
         if is_decode and kv is not None:
           add_analytic_kv(subs[-1], kv, calls, sched.decode_steps)
+          if kv_f is not None:
+            add_forecast(subs[-1], "kv_reads", kv_f * calls, sched.decode_steps * calls)
       if loop.own_overlapped > 0:  # what every iteration does outside both branches (e.g. copies of the carry)
         t = self.rates.times(loop.own)
         subs.append(
             {
                 "part": f"{name}: every iteration, outside the branches",
                 "sub": True,
-                "iterations": sched.iterations,
+                "iterations": sched.iterations * calls if calls >= 1 else sched.iterations,
                 "seconds_per_iteration": loop.own_overlapped,
                 "seconds_per_iteration_serial": loop.own_serial,
                 "limiter": t["limiter"],
@@ -441,6 +522,10 @@ class Budget:
                 "per_iteration": loop.own.as_dict(),
             }
         )
+        if fc is not None:  # the loop's iteration less its branches
+          own = fc.node(loop)["seconds"] - sum(br.trips * fc.node(br)["seconds"] for br in loop.children)
+          n = loop.trips * calls
+          subs[-1]["forecast"] = record(own * n, {"other_ops": own * n}, 0, 0, n)
     return [*subs, row]
 
 
@@ -463,109 +548,3 @@ def _matmul_params(cfg) -> float:
 
 def _attn_per_ctx(cfg) -> float:
   return float(4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
-
-
-# ------------------------------------------------------------------------------------------------ output
-def _t(s) -> str:
-  if s is None:
-    return ""
-  if s >= 3600:
-    return f"{s / 3600:.2f} h"
-  if s >= 100:
-    return f"{s:,.0f} s"
-  if s >= 1:
-    return f"{s:.3g} s"
-  return f"{s * 1e3:.3g} ms"
-
-
-def render(rows: list[dict[str, Any]]) -> str:
-  """The budget rows as a Markdown table: part, iterations, per-iteration time and limiter, total (overlapped and
-  serial communication), bound, ours / bound."""
-  lines = [
-      "| part | iterations | per iteration | limiter | total (overlapped) | total (serial) | bound | ours / bound |",
-      "|---|---:|---:|---|---:|---:|---:|---:|",
-  ]
-  for r in rows:
-    if r.get("fits") is False:
-      mem = r.get("memory", {})
-      size = mem.get("total_bytes") or mem.get("temp_bytes")
-      what = f"does not fit ({size / GIB:.1f} GiB)" if size else "does not fit"
-      lines.append(f"| {r['part']} | | | {what} | | | {_t(r.get('bound_seconds'))} | |")
-      continue
-    it = r.get("iterations")
-    ratio = r.get("ratio")
-    lines.append(
-        f"| {r['part']} | {'' if it is None else f'{it:,}'} | {_t(r.get('seconds_per_iteration'))} | "
-        f"{r.get('limiter', '')} | {_t(r.get('seconds_overlapped'))} | {_t(r.get('seconds_serial'))} | "
-        f"{_t(r.get('bound_seconds')) if not r.get('sub') else ''} | {'' if ratio is None else f'{ratio:.1f}x'} |"
-    )
-  return "\n".join(lines)
-
-
-def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m minpro_jax.aot --budget", description=__doc__.split("\n")[0])
-  p.add_argument("--budget", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--topology", required=True, help="v5p-64, v6e-16, v5e-4, ... or cpu:N")
-  p.add_argument("--mesh", default="", help="the mesh, e.g. fsdp=-1 (default: the config's mesh.shape or fsdp=-1)")
-  p.add_argument("--lengths", default="gamma:mean=8192", help="response lengths: gamma:mean=M[,shape=K], const:N, FILE")
-  p.add_argument(
-      "--prompt-len", type=int, default=None, help="real prompt tokens per row (default: 256, at most the bucket)"
-  )
-  p.add_argument("--seed", type=int, default=0, help="seed of the length draw")
-  p.add_argument("--parts", default=",".join(PARTS), help=f"a comma-separated subset of {','.join(PARTS)}")
-  p.add_argument("--out", default="", help="JSON report path")
-  p.add_argument("--dump-hlo", default="", help="folder for each part's optimized HLO")
-  p.add_argument("--hlo-from", default="", help="a --dump-hlo folder: cost its programs instead of compiling")
-  return p
-
-
-def main(argv: list[str] | None = None) -> int:
-  """The `--budget` command line (module docstring). Exit status 0, or 2 with one `error: ...` line."""
-  from minpro_jax.aot.__main__ import _prepare_environment, run_config_of
-
-  argv = list(sys.argv[1:] if argv is None else argv)
-  config_args = [a for a in argv if a.startswith("--config")]
-  args = _parser().parse_args([a for a in argv if not a.startswith("--config")])
-  _prepare_environment(args.topology)
-
-  from minpro_jax.errors import UserError
-
-  try:
-    from minpro_jax.aot.sweep import machine_info
-    from minpro_jax.aot.topologies import parse_slice
-
-    sl = parse_slice(args.topology)
-    name, config = run_config_of(config_args)
-    mesh = args.mesh or config.mesh.shape or "fsdp=-1"
-    kw = dict(
-        lengths=args.lengths,
-        prompt_len=args.prompt_len,
-        seed=args.seed,
-        parts=[p.strip() for p in args.parts.split(",") if p.strip()],
-        dump_hlo=args.dump_hlo or None,
-        hlo_from=args.hlo_from or None,
-        log=lambda s: print(f"# {s}", file=sys.stderr, flush=True),
-    )
-    # with sampling.devices: each side on its own chips, and the overlapped step (`minpro_jax.aot.split_step`)
-    rows = split_step(config, sl, mesh, **kw) if config.sampling.devices else Budget(config, sl, mesh, **kw).run()
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  r0 = rows[0]
-  print(
-      f"# {name} on {sl.name} ({sl.num_chips} chips), mesh {r0['mesh']}; lengths {r0['lengths_from']} "
-      f"(mean {r0['lengths_mean']:.0f}); prompts {r0['prompt_len']} tokens"
-  )
-  print("# an estimate from compiled programs (docs/aot.md), not a TPU measurement")
-  print(render(rows))
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    report = {"tool": "python -m minpro_jax.aot --budget", "config": name, "machine": machine_info(), "rows": rows}
-    with open(args.out + ".tmp", "w") as f:
-      json.dump(report, f, indent=1, default=float)
-    os.replace(args.out + ".tmp", args.out)
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -15,6 +15,10 @@ Per computation (its own instructions, fused computations included, nested loops
   dynamic-update-slice or scatter counts its update, not the whole buffer (as XLA's own fusion cost analysis does);
   a paged attention kernel (`DMA_KERNELS`) counts its result only: it copies the pages it reads from HBM itself,
   which the HLO cannot show, so the caller adds them analytically (`aot.paged_schedule.analytic_kv`);
+  async copies and slices into VMEM (`copy-start`, `slice-start`) and `ConcatBitcast` count nothing: the op that
+  reads their result counts those bytes (once);
+  an async slice of, or update into, a host-memory buffer (a remat policy's offloaded activations) counts the
+  slice or update once: its HBM side (`host_transfer_bytes`; the forecast adds its PCIe time);
 - collectives: kind, result bytes, group size, the mesh axes the group spans, and the bytes one chip receives over
   ICI (all-gather R(n-1)/n, reduce-scatter R(n-1), all-reduce 2R(n-1)/n, all-to-all R(n-1)/n, permute R; R the
   result, n the group size: ring algorithms).
@@ -50,8 +54,10 @@ from minpro_jax.aot.hlo_text import (
 # Pallas kernels (custom calls, by instruction name) that take their big operands in HBM and DMA only the parts
 # they read: jax's paged attention kernels, given the whole page pool and reading each row's own pages
 DMA_KERNELS = ("paged_attention", "ragged_paged_attention")
+# XLA:TPU custom calls that move no bytes: ConcatBitcast joins buffers that lie side by side (a weight's async slices)
+NO_BYTES_TARGETS = ('custom_call_target="ConcatBitcast"',)
 
-_NO_MEMORY = {
+NO_MEMORY = {  # ops that move no HBM bytes of their own (and launch no kernel)
     "parameter",
     "constant",
     "get-tuple-element",
@@ -68,8 +74,10 @@ _NO_MEMORY = {
     "async-start",
     "async-update",
     "async-done",
-    "copy-start",
+    "copy-start",  # an async copy (HBM to VMEM, host offload): its consumer counts the bytes it reads
     "copy-done",
+    "slice-start",  # XLA:TPU's async slice of a weight into VMEM: likewise
+    "slice-done",
     "send",
     "send-done",
     "recv",
@@ -77,6 +85,31 @@ _NO_MEMORY = {
 }
 _SLICING = {"dynamic-slice", "slice", "gather"}
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # ops that update operand 0 in place: index of the update
+HOST_SPACE = "S(5)"  # XLA:TPU's memory space of pinned host memory (a remat policy's offloaded activations)
+
+
+def host_transfer_bytes(ins: Instr, comp: Computation) -> float:
+  """Bytes an async slice or update moves between HBM and host memory (`dynamic-slice-start` of a host buffer,
+  `dynamic-update-slice-start` into one, a `copy-start` to or from one), else 0."""
+  big = comp.by_name.get(ins.operands[0]) if ins.operands else None
+  if ins.opcode == "dynamic-update-slice-start" and big is not None and HOST_SPACE in big.shape:
+    upd = comp.by_name.get(ins.operands[1]) if len(ins.operands) > 1 else None
+    return shape_bytes(upd.shape) if upd else 0.0
+  if ins.opcode == "dynamic-slice-start" and big is not None and HOST_SPACE in big.shape:
+    return _slice_bytes(ins, big)
+  if ins.opcode == "copy-start" and HOST_SPACE in ins.shape:
+    return shape_bytes(big.shape) if big else 0.0
+  return 0.0
+
+
+def _slice_bytes(ins: Instr, operand: Instr) -> float:
+  """The bytes of a (dynamic-)slice-start's slice: its `dynamic_slice_sizes` at its operand's element size."""
+  sizes = [int(x) for x in re.findall(r"\d+", attr(ins.attrs, "dynamic_slice_sizes") or "")]
+  arrays = ARRAY.findall(operand.shape)
+  if not sizes or not arrays:
+    return 0.0
+  full = _array_bytes(*arrays[0])
+  return full * math.prod(sizes) / max(math.prod(dims(operand.shape) or [1]), 1)
 
 
 # ------------------------------------------------------------------------------------------- collectives
@@ -90,6 +123,8 @@ class Collective:
   group_size: int
   axes: tuple[str, ...]  # mesh axes the group spans ("?" when the groups could not be read)
   ici_bytes: float  # received by one chip over ICI
+  group: tuple[int, ...] = ()  # the partition ids of its first group (() when unreadable)
+  pair: tuple[int, int] | None = None  # a collective-permute's first (source, target)
 
 
 def replica_group_ids(text: str | None, num_partitions: int) -> np.ndarray | None:
@@ -136,7 +171,8 @@ def _axes(ids: np.ndarray | None, mesh_shape: dict[str, int] | None) -> tuple[st
   return tuple(a for a, c in zip(mesh_shape, coords) if len(set(c.tolist())) > 1)
 
 
-def _collective(ins: Instr, comp: Computation, num_partitions: int, mesh_shape) -> Collective | None:
+def collective_of(ins: Instr, comp: Computation, num_partitions: int, mesh_shape) -> Collective | None:
+  """The `Collective` instruction `ins` is (a `-start` counts, its `-done` not), or None for any other op."""
   op = ins.opcode.removesuffix("-start")
   op = op.removeprefix("ragged-")
   if op not in COLLECTIVES or ins.opcode.endswith("-done"):
@@ -144,7 +180,9 @@ def _collective(ins: Instr, comp: Computation, num_partitions: int, mesh_shape) 
   arrays = [_array_bytes(d, s) for d, s in ARRAY.findall(ins.shape)]
   result = (max(arrays) if ins.opcode.endswith("-start") else sum(arrays)) if arrays else 0.0
   if op == "collective-permute":
-    return Collective(op, result, 2, _axes(_pairs(ins), mesh_shape), result)
+    pairs = _pairs(ins)
+    pair = (int(pairs[0, 0]), int(pairs[0, 1])) if pairs is not None else None
+    return Collective(op, result, 2, _axes(pairs, mesh_shape), result, pair=pair)
   ids = replica_group_ids(attr(ins.attrs, "replica_groups"), num_partitions)
   n = int(ids.shape[1]) if ids is not None else num_partitions
   if op == "reduce-scatter" and ins.opcode.endswith("-start"):
@@ -153,7 +191,8 @@ def _collective(ins: Instr, comp: Computation, num_partitions: int, mesh_shape) 
   ici = {"all-gather": result * frac, "all-reduce": 2 * result * frac, "all-to-all": result * frac}.get(op)
   if op == "reduce-scatter":
     ici = result * (n - 1)
-  return Collective(op, result, n, _axes(ids, mesh_shape), float(ici))
+  group = tuple(int(i) for i in ids[0]) if ids is not None else ()
+  return Collective(op, result, n, _axes(ids, mesh_shape), float(ici), group)
 
 
 def _pairs(ins: Instr) -> np.ndarray | None:
@@ -223,7 +262,8 @@ class Node:
 
   kind: "entry", "while", "branch" or "call"; `trip_source`: "known" (XLA's annotation), "inferred" (read off a
   counted loop's condition, start and step), "given" (the caller's resolver), "unknown" (counted once), "weight" or "max" (a conditional branch: the caller's weight, or the
-  costliest branch when no weight was given).
+  costliest branch when no weight was given). `comps`: the computations whose own instructions make `own` (a
+  loop's body and condition); `instr`: the instruction of the parent's computation that runs it.
   """
 
   name: str
@@ -235,6 +275,8 @@ class Node:
   own_overlapped: float = 0.0
   children: list["Node"] = dataclasses.field(default_factory=list)
   op_name: str = ""
+  comps: tuple[str, ...] = ()
+  instr: str = ""
 
   def per_run(self) -> Cost:
     """The cost of one run (one iteration, for a loop): own + every child's trips x its per-run cost."""
@@ -284,6 +326,7 @@ class HloCost:
       branch_weights: BranchResolver | None = None,
   ):
     self.comps = parse_hlo(text)
+    self.scheduled = "is_scheduled=true" in text[: text.find("\n") if "\n" in text else len(text)]
     self.num_partitions, self.mesh_shape = num_partitions, mesh_shape
     self.rates = rates or Rates(0.0, 0.0, 0.0)
     self.while_trips, self.branch_weights = while_trips, branch_weights
@@ -298,13 +341,14 @@ class HloCost:
       comp = self.comps[name]
       cost = Cost()
       for ins in comp.instrs:
-        cost = cost + self._instr_cost(ins, comp)
+        cost = cost + self.instr_cost(ins, comp)
       self._own[name] = cost
     return self._own[name]
 
-  def _instr_cost(self, ins: Instr, comp: Computation) -> Cost:
+  def instr_cost(self, ins: Instr, comp: Computation) -> Cost:
+    """The cost of one instruction of `comp` (a fusion's fused computation included; a loop's body not)."""
     c = Cost()
-    col = _collective(ins, comp, self.num_partitions, self.mesh_shape)
+    col = collective_of(ins, comp, self.num_partitions, self.mesh_shape)
     if col is not None:
       entry = {"count": 1.0, "bytes": col.result_bytes, "ici_bytes": col.ici_bytes, "axes": list(col.axes)}
       return Cost(ici_bytes=col.ici_bytes, collectives={col.kind: entry})
@@ -316,11 +360,13 @@ class HloCost:
       c.hbm_bytes += self._fusion_bytes(ins, comp)
     elif ins.opcode == "custom-call" and ins.name.startswith(DMA_KERNELS):
       c.hbm_bytes += shape_bytes(ins.shape)
+    elif ins.opcode == "custom-call" and any(t in ins.attrs for t in NO_BYTES_TARGETS):
+      pass
     elif ins.opcode in ("async-start",):
       for callee in called(ins.attrs, "calls"):
         if callee in self.comps:
           c = c + self.own_cost(callee)
-    elif ins.opcode not in _NO_MEMORY and not ins.opcode.endswith("-done"):
+    elif ins.opcode not in NO_MEMORY and not ins.opcode.endswith("-done"):
       c.hbm_bytes += self._plain_bytes(ins, comp)
     return c
 
@@ -328,6 +374,15 @@ class HloCost:
     out = shape_bytes(ins.shape)
     if ins.opcode in _SLICING:
       return 2 * out
+    if ins.opcode in ("dynamic-update-slice-start", "dynamic-slice-start"):
+      # async: to or from host memory, one side of the transfer is HBM; else read and written in HBM
+      host = host_transfer_bytes(ins, comp)
+      if host:
+        return host
+      if ins.opcode == "dynamic-slice-start":
+        return 2 * _slice_bytes(ins, comp.by_name[ins.operands[0]]) if ins.operands[0] in comp.by_name else 0.0
+      upd = comp.by_name.get(ins.operands[1]) if len(ins.operands) > 1 else None
+      return 2 * (shape_bytes(upd.shape) if upd else 0.0)
     update_at = _IN_PLACE.get(ins.opcode)
     if update_at is not None and len(ins.operands) > update_at:
       upd = comp.by_name.get(ins.operands[update_at])
@@ -385,10 +440,12 @@ class HloCost:
     return read + written
 
   # ---- the tree
-  def _node(self, name: str, kind: str, trips: float, source: str, path: tuple[str, ...], op_name: str = "") -> Node:
+  def _node(self, name: str, kind: str, trips: float, source: str, path: tuple[str, ...], op_name: str = "",
+            instr: str = "") -> Node:  # fmt: skip
     own = self.own_cost(name)
     t = self.rates.times(own)
-    node = Node(name, kind, trips, source, own, t["serial"], t["overlapped"], op_name=op_name)
+    node = Node(name, kind, trips, source, own, t["serial"], t["overlapped"], op_name=op_name, comps=(name,),
+                instr=instr)  # fmt: skip
     for ins in self.comps[name].instrs:
       if ins.opcode == "while":
         body = called(ins.attrs, "body")[0]
@@ -400,11 +457,11 @@ class HloCost:
           n, src = self.while_trips(ins, path), "given"
         if n is None:
           n, src = 1, "unknown"
-        child = self._node(body, "while", float(n), src, path + (ins.name,), _op_name(ins))
+        child = self._node(body, "while", float(n), src, path + (ins.name,), _op_name(ins), ins.name)
         cond_node = self._node(cond, "call", 1.0, "known", path + (ins.name,))
         child.own, child.own_serial = child.own + cond_node.own, child.own_serial + cond_node.own_serial
         child.own_overlapped += cond_node.own_overlapped
-        child.name = ins.name
+        child.name, child.comps = ins.name, (body, cond)
         node.children.append(child)
       elif ins.opcode == "conditional":
         branches = called(ins.attrs, "branch_computations") or (
@@ -412,7 +469,9 @@ class HloCost:
         )
         if attr(ins.attrs, "branch_computations") is None and len(branches) == 2:
           branches = branches[::-1]  # pred conditional: index 0 is false
-        kids = [self._node(b, "branch", 1.0, "max", path + ("?" + ins.name,), _op_name(ins)) for b in branches]
+        kids = [
+            self._node(b, "branch", 1.0, "max", path + ("?" + ins.name,), _op_name(ins), ins.name) for b in branches
+        ]
         weights = self.branch_weights(ins, len(kids), path) if self.branch_weights else None
         if weights is not None:
           for k, w in zip(kids, weights):
@@ -424,7 +483,7 @@ class HloCost:
       elif ins.opcode == "call":
         for callee in called(ins.attrs, "to_apply"):
           if callee in self.comps:
-            node.children.append(self._node(callee, "call", 1.0, "known", path, _op_name(ins)))
+            node.children.append(self._node(callee, "call", 1.0, "known", path, _op_name(ins), ins.name))
     return node
 
   def loops(self) -> list[dict]:

@@ -60,7 +60,7 @@ def continuous_schedule(lengths, rows: int, refill_rows: int, prompt_len: int, b
 
   Args:
     lengths: [N] ints, tokens each response gets (stop token included).
-    rows: decode rows B; refill_rows: M, rows one refill prefills (`Sampler.continuous_rows`).
+    rows: decode rows B; refill_rows: M, rows one refill prefills (the engine's `rows_and_refill`).
     prompt_len: P, the prompt bucket (cache slots before the responses).
     buckets: the live-length buckets of a P + R slot cache (`attention_core.live_length_buckets`).
   """

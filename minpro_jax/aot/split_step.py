@@ -10,7 +10,7 @@ With `sampling.devices = n` the trainer gives the sampler the last n / P chips o
     updates end),
 
 so step = transfer + max(sampling, updates) + score; run one after the other on the same split, transfer + sampling
-+ score + updates. Here each side is a `Budget` of its own chips (a `SubSlice`): the sampler's programs compiled on
++ score + updates. The host's grading follows the sampling on the sampler's side (forecast only). Here each side is a `Budget` of its own chips (a `SubSlice`): the sampler's programs compiled on
 its chips' layout (`sampling.mesh`, decode rows "auto" with no learner state beside them), the learner's score and
 update on its mesh over the rest. The transfer is not one program (its source and destination chips differ, which
 one XLA program cannot span): its time is the bytes a chip sends or receives over ICI at the chip's ICI rate, an
@@ -26,6 +26,10 @@ import copy
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from minpro_jax.aot.efficiency import LEVELS, constants_for
+from minpro_jax.aot.forecast import record
 from minpro_jax.aot.topologies import Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.runtime.device_split import sampler_device_count, split_devices
@@ -95,6 +99,7 @@ def split_step(c, sl: Slice, mesh_spec: str, *, log=lambda s: None, **budget_kw)
   sent = _param_bytes(prepared) / len(split.learner) * copies
   ici = sl.chip.ici_bytes_per_s
   t = max(received, sent) / ici if ici else None
+  k = constants_for(sl.chip.platform) if ici else None
   transfer = {
       "part": "transfer",
       "shapes": "learner chips -> sampler chips over ICI (arithmetic, not a compiled program)",
@@ -105,6 +110,10 @@ def split_step(c, sl: Slice, mesh_spec: str, *, log=lambda s: None, **budget_kw)
       "ratio": 1.0 if t else None,
       "bytes_received_per_sampler_chip": received,
       "bytes_sent_per_learner_chip": sent,
+      # the forecast: the same bytes at the link efficiency (the roofline's rate assumes every link busy)
+      "forecast": record(t / k.link_efficiency.values(), {"collectives": t / k.link_efficiency.values()}, 0, 1, 1)
+      if k is not None
+      else None,
   }
   by_part = {r["part"]: r for r in s_rows + l_rows if not r.get("sub")}
   rows = [
@@ -131,6 +140,10 @@ def _steps(part: dict[str, dict], transfer: dict, *, multi_host: bool) -> list[d
     r = part.get(name) or next((v for k, v in part.items() if k.startswith(name)), None)
     return None if r is None or r.get("fits") is False else r.get(key)
 
+  def levels(name):
+    f = get(name, "forecast") if name != "transfer" else transfer.get("forecast")
+    return None if f is None else np.array([f["seconds"][lvl] for lvl in LEVELS])
+
   out = []
   for key in ("seconds_overlapped", "seconds_serial", "bound_seconds"):
     s, c, u, t = get("sampling", key), get("score", key), get("update", key), transfer.get(key)
@@ -139,17 +152,24 @@ def _steps(part: dict[str, dict], transfer: dict, *, multi_host: bool) -> list[d
       out.append((None, None))
       continue
     out.append((t + max(s, u) + c + ev, t + s + c + u + ev))
+  s, c, u, t, h = (levels(n) for n in ("sampling", "score", "update", "transfer", "host"))
+  ev = levels("eval") if get("eval", "forecast") is not None else 0.0
+  h = 0.0 if h is None else h
+  forecasts = (None, None) if any(x is None for x in (s, c, u, t)) else (
+      t + np.maximum(s + h, u) + c + ev, t + s + h + c + u + ev)  # fmt: skip
   note = "a split needs one process today (runtime/device_split.py): not runnable on this multi-host slice" if (
       multi_host) else ""  # fmt: skip
   rows = []
   for i, name in enumerate(("step (overlapped)", "step (one after the other)")):
     sec, ser, bound = (v[i] for v in out)
+    f = forecasts[i]
     rows.append({
         "part": name,
         "seconds_overlapped": sec,
         "seconds_serial": ser,
         "bound_seconds": bound,
         "ratio": sec / bound if sec and bound else None,
+        "forecast": None if f is None else record(f, {}, 0, 0, None),
         "note": note,
     })  # fmt: skip
   return rows
