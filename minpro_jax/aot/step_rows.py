@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from minpro_jax import run_config
 from minpro_jax.aot.forecast import record
 from minpro_jax.aot.programs import STOP_ID
 from minpro_jax.aot.schedule import Schedule
+from minpro_jax.run import run_config
 
 
 def mean_schedule(scheds: list[Schedule]) -> Schedule:
