@@ -333,16 +333,16 @@ def test_the_tiny_config_fits_v5e_4_and_v5p_8():
 
 
 def test_the_environment_quiets_libtpu_without_hiding_the_users_settings(monkeypatch):
-  from minpro_jax.aot.__main__ import _prepare_environment
+  from minpro_jax.aot.environment import prepare_environment
 
   for k in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "LIBTPU_INIT_ARGS"):
     monkeypatch.delenv(k, raising=False)
-  _prepare_environment("v5e-4")
+  prepare_environment("v5e-4")
   assert os.environ["TPU_WORKER_HOSTNAMES"] == "localhost" and os.environ["TPU_ACCELERATOR_TYPE"] == "v5litepod-4"
   assert os.environ["LIBTPU_INIT_ARGS"] == "--install_signal_handlers=false"
   monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-8")
   monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_foo=1")
-  _prepare_environment("v5e-4")
+  prepare_environment("v5e-4")
   assert os.environ["TPU_ACCELERATOR_TYPE"] == "v5p-8"
   assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_foo=1 --install_signal_handlers=false"
 
@@ -352,9 +352,9 @@ _TPU_SIGTERM = """
 import os, signal, subprocess, sys, time
 child = '''
 import sys, time
-from minpro_jax.aot.__main__ import _prepare_environment, _exit_on_signal
-_prepare_environment("v5e-4")
-_exit_on_signal("KEPT")
+from minpro_jax.aot.environment import exit_on_signal, prepare_environment
+prepare_environment("v5e-4")
+exit_on_signal("KEPT")
 from minpro_jax.aot.topologies import parse_slice
 print(len(parse_slice("v5e-4").devices()), flush=True)
 time.sleep(120)

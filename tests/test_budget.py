@@ -293,9 +293,9 @@ def test_continuous_decode_gathers_weights_every_step_on_fsdp_and_not_on_data():
   assert rows["sampling"]["iterations"] == sched.iterations
   assert rows["sampling: decode step"]["iterations"] == sched.decode_steps
   assert rows["sampling: refill"]["iterations"] == sched.refills
-  from minpro_jax.aot.budget import _param_bytes
+  from minpro_jax.aot.budget import param_bytes
 
-  weights = _param_bytes(b.progs.prepared_params())
+  weights = param_bytes(b.progs.prepared_params())
   gathers = rows["sampling: decode step"]["per_iteration"]["collectives"].get("all-gather", {})
   assert gathers.get("count", 0) >= b.cfg.num_layers and "fsdp" in gathers["axes"]
   assert gathers["bytes"] >= 0.9 * weights  # every weight matrix is gathered at every decode step

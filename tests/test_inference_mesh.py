@@ -239,7 +239,7 @@ def test_the_step_budget_compiles_the_sampler_on_its_own_layout():
   """`python -m minpro_jax.aot --budget` with sampling.mesh: the sampling program it compiles for cpu:8 (learner
   fsdp=8) runs on data=4 x tensor=2 and its decode step gathers no weight (on fsdp=8 it gathers all of them at
   every step, tests/test_budget.py)."""
-  from minpro_jax.aot.budget import Budget, _param_bytes
+  from minpro_jax.aot.budget import Budget, param_bytes
   from minpro_jax.aot.topologies import parse_slice
   from minpro_jax.config_lib import set_fields
 
@@ -251,6 +251,6 @@ def test_the_step_budget_compiles_the_sampler_on_its_own_layout():
   rows = {r["part"]: r for r in b.run()}
   s = b.progs.trainer_sampler
   assert dict(s.mesh.shape) == {"data": 4, "tensor": 2} and s.engine.rows_and_refill(16)[0] == 8
-  weights = _param_bytes(b.progs.prepared_params())
+  weights = param_bytes(b.progs.prepared_params())
   gathers = rows["sampling: decode step"]["per_iteration"]["collectives"].get("all-gather", {"bytes": 0})
   assert gathers["bytes"] < 0.05 * weights  # activations only

@@ -174,7 +174,7 @@ def test_live_length_decode_equals_full_cache_decode_at_every_step(state):
 # computations its `while` loop runs (the decode and refill branches, the live-length switch, nested loops).
 _TPU_CACHE_COPIES = """
 from minpro_jax.aot import hlo_text
-from minpro_jax.aot.__main__ import run_config_of
+from minpro_jax.aot.environment import run_config_of
 from minpro_jax.aot.programs import RunPrograms, model_config, run_shapes
 from minpro_jax.aot.topologies import parse_slice
 from minpro_jax.runtime.sharding import make_mesh

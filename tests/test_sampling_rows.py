@@ -134,7 +134,7 @@ def test_the_trainer_resolves_auto_to_an_int(tmp_path):
 
 _TPU_LAYOUT = """
 from minpro_jax.aot.programs import RunPrograms, model_config, run_shapes
-from minpro_jax.aot.__main__ import run_config_of
+from minpro_jax.aot.environment import run_config_of
 from minpro_jax.aot.topologies import parse_slice
 from minpro_jax.runtime.sharding import make_mesh
 sl = parse_slice("v5p-64")

@@ -49,7 +49,8 @@ _OP = re.compile(
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 
 
-def _array_bytes(dtype: str, dims: str) -> float:
+def array_bytes(dtype: str, dims: str) -> float:
+  """Bytes of an HLO array of element type `dtype` ("bf16", "f32", ...) and dimensions `dims` ("128,8,1,128")."""
   size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else 0)
   n = 1
   for d in filter(None, dims.split(",")):
@@ -68,7 +69,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, float]]:
     if not m:
       continue
     op = m.group("op").removeprefix("ragged-")
-    arrays = [_array_bytes(d, s) for d, s in _ARRAY.findall(m.group("shape"))]
+    arrays = [array_bytes(d, s) for d, s in _ARRAY.findall(m.group("shape"))]
     out[op]["count"] += 1
     out[op]["bytes"] += (max(arrays) if m.group("start") else sum(arrays)) if arrays else 0.0
   return out

@@ -65,21 +65,24 @@ from minpro_jax.aot.step_rows import (
     step_row,
     sum_forecasts,
 )
+from minpro_jax.aot.sweep import canonical_mesh, fingerprint, parse_mesh
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_core import live_length_buckets
 from minpro_jax.run import run_config
 from minpro_jax.runtime.inference_mesh import layout_name
 from minpro_jax.runtime.sharding import make_mesh
+from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS
 
 PARTS = ("sampling", "transfer", "score", "update", "eval")
 
 
-def _param_bytes(tree) -> float:
+def param_bytes(tree) -> float:
+  """Bytes of a tree of (abstract) arrays, whole (every shard counted once)."""
   return float(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def _shard_bytes(tree) -> float:
+def shard_bytes(tree) -> float:
   """Bytes one device holds of a tree of sharded abstract arrays."""
   total = 0.0
   for x in jax.tree.leaves(tree):
@@ -146,7 +149,6 @@ class Budget:
   def __init__(self, c, sl: Slice, mesh_spec: str, *, lengths: str, prompt_len: int | None = None, seed: int = 0,
                parts=PARTS, dump_hlo: str | None = None, hlo_from: str | None = None,
                log=lambda s: None, sampler_only: bool = False, keep_compiled: bool = False):  # fmt: skip
-    from minpro_jax.aot.sweep import canonical_mesh, parse_mesh
 
     run_config.validate_shapes_config(c)
     self.parts = tuple(parts)
@@ -291,7 +293,7 @@ class Budget:
     cfg = self.progs.trainer_sampler.config
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
     prepared = self.progs.prepared_params()
-    sampler_weight_bytes = _param_bytes(prepared)
+    sampler_weight_bytes = param_bytes(prepared)
     resident = max(1, min(chips, int(np.prod(self.sl.chips_per_host))))
     bound_kw = dict(
         kv_bytes_per_token=kv_per_token,
@@ -308,7 +310,7 @@ class Budget:
       rows += self._sampling_rows("sampling", part, sched, srows, bound, 1.0)
     if "transfer" in self.parts:
       part = self._compile("transfer", self.progs.lower_prepare, shapes="learner params -> sampler params")
-      moved = _shard_bytes(self.progs.params) + sampler_weight_bytes / chips
+      moved = shard_bytes(self.progs.params) + sampler_weight_bytes / chips
       t_bound = moved / self.sl.chip.hbm_bytes_per_s if has_rates else None
       rows.append(self._row("transfer", part, 1, t_bound))
 
@@ -362,8 +364,6 @@ class Budget:
             "forecast": record(f, {"host": f}, 0, 0, None)}  # fmt: skip
 
   def _common(self) -> dict[str, Any]:
-    from minpro_jax.aot.sweep import fingerprint
-
     s = self.progs.trainer_sampler
     return {
         "fingerprint": fingerprint(self.c),
@@ -530,8 +530,6 @@ class Budget:
 
 
 def _static_rows(n: int) -> int:
-  from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS
-
   top = DEFAULT_BATCH_BUCKETS[-1]
   return next((b for b in DEFAULT_BATCH_BUCKETS if b >= n), -(-n // top) * top)
 

@@ -17,8 +17,12 @@ import sys
 from typing import Any
 
 from minpro_jax.aot.budget import PARTS, Budget
+from minpro_jax.aot.efficiency import constants_for
+from minpro_jax.aot.environment import prepare_environment, run_config_of
 from minpro_jax.aot.split_step import split_step
-from minpro_jax.aot.topologies import GIB
+from minpro_jax.aot.sweep import machine_info
+from minpro_jax.aot.topologies import GIB, parse_slice
+from minpro_jax.errors import UserError
 
 
 def _t(s) -> str:
@@ -88,19 +92,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   """The `--budget` command line (module docstring). Exit status 0, or 2 with one `error: ...` line."""
-  from minpro_jax.aot.__main__ import _prepare_environment, run_config_of
-
   argv = list(sys.argv[1:] if argv is None else argv)
   config_args = [a for a in argv if a.startswith("--config")]
   args = _parser().parse_args([a for a in argv if not a.startswith("--config")])
-  _prepare_environment(args.topology)
-
-  from minpro_jax.errors import UserError
+  prepare_environment(args.topology)
 
   try:
-    from minpro_jax.aot.sweep import machine_info
-    from minpro_jax.aot.topologies import parse_slice
-
     sl = parse_slice(args.topology)
     name, config = run_config_of(config_args)
     mesh = args.mesh or config.mesh.shape or "fsdp=-1"
@@ -114,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         log=lambda s: print(f"# {s}", file=sys.stderr, flush=True),
     )
     # with sampling.devices: each side on its own chips, and the overlapped step (`minpro_jax.aot.split_step`)
-    rows = (
-        split_step(config, sl, mesh, **kw)
-        if config.sampling.get("devices", 0)
-        else Budget(config, sl, mesh, **kw).run()
-    )
+    rows = split_step(config, sl, mesh, **kw) if config.sampling.devices else Budget(config, sl, mesh, **kw).run()
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -132,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
   print(render(rows))
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    from minpro_jax.aot.efficiency import constants_for
 
     k = constants_for(sl.chip.platform)
     report = {"tool": "python -m minpro_jax.aot --budget", "config": name, "machine": machine_info(),

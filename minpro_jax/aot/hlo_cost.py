@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from minpro_jax.aot.analysis import COLLECTIVES, _array_bytes
+from minpro_jax.aot.analysis import COLLECTIVES, array_bytes
 from minpro_jax.aot.hlo_text import (
     ARRAY,
     Computation,
@@ -108,7 +108,7 @@ def _slice_bytes(ins: Instr, operand: Instr) -> float:
   arrays = ARRAY.findall(operand.shape)
   if not sizes or not arrays:
     return 0.0
-  full = _array_bytes(*arrays[0])
+  full = array_bytes(*arrays[0])
   return full * math.prod(sizes) / max(math.prod(dims(operand.shape) or [1]), 1)
 
 
@@ -177,7 +177,7 @@ def collective_of(ins: Instr, comp: Computation, num_partitions: int, mesh_shape
   op = op.removeprefix("ragged-")
   if op not in COLLECTIVES or ins.opcode.endswith("-done"):
     return None
-  arrays = [_array_bytes(d, s) for d, s in ARRAY.findall(ins.shape)]
+  arrays = [array_bytes(d, s) for d, s in ARRAY.findall(ins.shape)]
   result = (max(arrays) if ins.opcode.endswith("-start") else sum(arrays)) if arrays else 0.0
   if op == "collective-permute":
     pairs = _pairs(ins)

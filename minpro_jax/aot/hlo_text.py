@@ -10,7 +10,7 @@ import dataclasses
 import json
 import re
 
-from minpro_jax.aot.analysis import _array_bytes
+from minpro_jax.aot.analysis import array_bytes
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
@@ -106,7 +106,7 @@ def parse_hlo(text: str) -> dict[str, Computation]:
 
 def shape_bytes(shape: str) -> float:
   """Bytes of every array in an HLO type text (a tuple's elements summed)."""
-  return float(sum(_array_bytes(d, s) for d, s in ARRAY.findall(shape)))
+  return float(sum(array_bytes(d, s) for d, s in ARRAY.findall(shape)))
 
 
 def dims(shape: str) -> list[int]:

@@ -107,6 +107,7 @@ def model_config(c) -> tuple[ModelConfig, str]:
       )
     return get_preset(m.preset, **overrides), f"preset {m.preset} ({m.path}/config.json not found)"
   if m.source == "gguf":
+    # the loader of the config's model source, only for that source (a GGUF file, a trained tokenizer)
     from minpro_jax.models.gguf_io import gguf_config
     from minpro_jax.run.run_setup import smollm2_gguf_path
 
@@ -117,6 +118,7 @@ def model_config(c) -> tuple[ModelConfig, str]:
 
 
 def _tokenizer_vocab(c) -> int:
+  # the loader of the config's model source, only for that source (a GGUF file, a trained tokenizer)
   from minpro_jax.run.run_setup import build_tokenizer
 
   return build_tokenizer(c, []).vocab_size

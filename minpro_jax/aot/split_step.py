@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from minpro_jax.aot.budget import Budget, param_bytes, shard_bytes
 from minpro_jax.aot.efficiency import LEVELS, constants_for
 from minpro_jax.aot.forecast import record
 from minpro_jax.aot.topologies import Slice
@@ -64,8 +65,6 @@ def split_step(c, sl: Slice, mesh_spec: str, *, log=lambda s: None, **budget_kw)
   Raises:
     ConfigError: `config.sampling.devices` that does not split `sl` (naming it), or as `Budget`.
   """
-  from minpro_jax.aot.budget import Budget, _param_bytes, _shard_bytes
-
   devices = sl.devices()
   count = sampler_device_count(c.sampling.devices, len(devices))
   try:
@@ -94,9 +93,9 @@ def split_step(c, sl: Slice, mesh_spec: str, *, log=lambda s: None, **budget_kw)
   # the transfer: each learner chip sends its parameters' shard (in the sampler's dtype) to every sampler chip
   # that holds a copy; each sampler chip receives its layout's share of the sampler's weights
   prepared = s_budget.progs.prepared_params()
-  received = _shard_bytes(prepared)
-  copies = _param_bytes(prepared) and _shard_bytes(prepared) * len(split.sampler) / _param_bytes(prepared)
-  sent = _param_bytes(prepared) / len(split.learner) * copies
+  received = shard_bytes(prepared)
+  copies = param_bytes(prepared) and shard_bytes(prepared) * len(split.sampler) / param_bytes(prepared)
+  sent = param_bytes(prepared) / len(split.learner) * copies
   ici = sl.chip.ici_bytes_per_s
   t = max(received, sent) / ici if ici else None
   k = constants_for(sl.chip.platform) if ici else None

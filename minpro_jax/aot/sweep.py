@@ -21,10 +21,11 @@ from minpro_jax.aot.programs import (
     run_shapes,
 )
 from minpro_jax.aot.topologies import GIB, Slice
+from minpro_jax.config_lib.defaults import base_config
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_dispatch import resolve_attention_impl
 from minpro_jax.run import run_config
-from minpro_jax.runtime.sharding import make_mesh
+from minpro_jax.runtime.sharding import MESH_AXES, make_mesh
 
 # Top-level config sections that never shape a compiled program (the run's bookkeeping); of them, only the fields of
 # `_SHAPE_FIELDS` count: the prompt length, and MIPU's rollback (its snapshot of the state is counted into the
@@ -41,7 +42,6 @@ def fingerprint(c) -> str:
   did, leaves it unchanged, and so do the run's bookkeeping fields (workdir, seed, steps, evaluation, logging,
   checkpoints, data source). A change of code is not in it: `--fresh` compiles again.
   """
-  from minpro_jax.config_lib.defaults import base_config
 
   def flat(d, prefix=""):
     out = {}
@@ -70,8 +70,6 @@ def parse_mesh(spec: str, num_devices: int) -> dict[str, int]:
   Raises:
     ConfigError: unknown axes, a bad size, or sizes that do not divide the slice's devices, naming `--mesh`.
   """
-  from minpro_jax.runtime.sharding import MESH_AXES
-
   try:
     shape = run_config.parse_mesh_shape(spec)
   except ValueError as e:  # a ConfigError naming config.mesh.shape, or int() refusing a size

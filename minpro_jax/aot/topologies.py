@@ -153,6 +153,7 @@ class Slice:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={self.num_chips} (python -m minpro_jax.aot does)"
         )
       return cpus[: self.num_chips]
+    # heavy import (JAX, the model): only to build a TPU topology's devices; parsing a slice needs none
     from minpro_jax.aot.abstract import tpu_topology_devices
 
     try:
