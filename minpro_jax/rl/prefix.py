@@ -25,11 +25,15 @@ import jax.numpy as jnp
 PREFIX_STATISTICS = ("min", "mean", "geomean", "prod", "none")
 
 
-def _check_bt(name: str, x: jax.Array, shape: tuple[int, ...] | None = None) -> None:
+def check_bt(name: str, x: jax.Array, shape: tuple[int, ...] | None = None) -> None:
+  """Raises ValueError naming ``name`` unless ``x`` is [B, T] (and, given ``shape``, of that shape)."""
   if x.ndim != 2:
     raise ValueError(f"{name} must be a [B, T] array, got shape {tuple(x.shape)}.")
   if shape is not None and tuple(x.shape) != tuple(shape):
     raise ValueError(f"{name} has shape {tuple(x.shape)} but must match log-probs shape {tuple(shape)}.")
+
+
+_check_bt = check_bt  # the name the older modules import
 
 
 def valid_and_starts(response_mask: jax.Array, segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
@@ -48,7 +52,7 @@ def valid_and_starts(response_mask: jax.Array, segment_ids: jax.Array | None) ->
     return valid, None
   if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
     raise ValueError(f"segment_ids must be an integer array ([B, T] int32), got dtype {segment_ids.dtype}.")
-  _check_bt("segment_ids", segment_ids, response_mask.shape)
+  check_bt("segment_ids", segment_ids, response_mask.shape)
   valid = valid & (segment_ids != 0)
   prev = jnp.concatenate([jnp.full_like(segment_ids[:, :1], -1), segment_ids[:, :-1]], axis=1)
   starts = (segment_ids != prev).at[:, 0].set(True)
@@ -83,6 +87,20 @@ def seq_first(starts: jax.Array | None, valid: jax.Array) -> jax.Array:
   else:
     before = _segmented_inclusive(jnp.add, v, starts) - v
   return valid & (before == 0)
+
+
+def seq_cumsum(x_bt: jax.Array, starts: jax.Array | None, *, exclusive: bool = False) -> jax.Array:
+  """[B, T] cumulative sum of ``x_bt`` along each sequence (restarting at every segment start; ``starts=None``: a
+  row is one sequence), inclusive of the position itself or, with ``exclusive``, over the positions before it (0 at
+  a sequence's first position). ``x_bt`` must already be 0 at masked positions; an integer input sums exactly."""
+  zero = jnp.zeros((), x_bt.dtype)
+  if starts is None:
+    inclusive = jnp.cumsum(x_bt, axis=1)
+    return _shift_right(inclusive, zero) if exclusive else inclusive
+  inclusive = _segmented_inclusive(jnp.add, x_bt, starts)
+  if not exclusive:
+    return inclusive
+  return jnp.where(starts, zero, _shift_right(inclusive, zero))
 
 
 def _shift_right(x: jax.Array, fill) -> jax.Array:
@@ -157,8 +175,8 @@ def prefix_log_factor(
   """
   if statistic not in PREFIX_STATISTICS:
     raise ValueError(f"Unknown prefix statistic {statistic!r}; valid choices: {', '.join(PREFIX_STATISTICS)}.")
-  _check_bt("log_ratio", log_ratio)
-  _check_bt("response_mask", response_mask, log_ratio.shape)
+  check_bt("log_ratio", log_ratio)
+  check_bt("response_mask", response_mask, log_ratio.shape)
   valid, starts = valid_and_starts(response_mask, segment_ids)
   lr = log_ratio.astype(jnp.float32)
   zero = jnp.zeros_like(lr)
