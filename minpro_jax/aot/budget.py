@@ -12,8 +12,9 @@ draw replayed through the sampler's own refill rule (`minpro_jax.aot.schedule`).
   sampling    the sampler call the trainer makes for one step's N = prompts_per_step x group_size rollouts: the
               continuous sampler's single `while_loop` (decode steps and refills), or the static prefill + decode
   transfer    `Sampler.prepare_params`: the learner's parameters into the sampler's layout and dtype, once a step
-  score       `Learner.score` over the step's rollouts (the trainer scores every step today)
-  update      `Learner.update` for one mini-batch, x num_updates_per_step
+  score       `Learner.score` over the step's rollouts (the trainer scores every step today), x 2 with decoupled PPO's
+              proximal score pass (`loss.proximal=score`) over the released batch
+  update      `Learner.update` for one mini-batch, x num_updates_per_step x num_epochs
   eval        the evaluation's sampling (eval.num_problems x eval.n responses on the training sampler's program),
               amortised over eval.every steps
 
@@ -275,12 +276,14 @@ class Budget:
     mb, pk = sh.micro_batch, self.packed or {}
     if "score" in self.parts:
       what = pk["score"].describe() if pk else f"{sh.rollouts}x{sh.seq_len}, micro-batch {mb}"
-      part = self._compile("score", self.progs._lower_score, shapes=what)
+      calls = 1 + int(run_config.loss_config(c).reads_proximal_logp)  # decoupled PPO scores its released batch too
+      part = self._compile("score", self.progs._lower_score, calls=calls, shapes=what)
       micro = -(-sh.rollouts // mb) if not pk else round(pk["score"].active_per_run)
       rows.append(self._row("score", part, micro, fwd / peak_total if has_rates else None, "score"))
     if "update" in self.parts:
       what = pk["update"].describe() if pk else f"{sh.mini_batch}x{sh.seq_len}"
-      part = self._compile("update", self.progs._lower_update, calls=c.num_updates_per_step, shapes=what)
+      calls = c.num_updates_per_step * run_config.num_epochs(c)  # every pass over the batch
+      part = self._compile("update", self.progs._lower_update, calls=calls, shapes=what)
       micro = -(-sh.mini_batch // mb) if not pk else pk["update"].active_per_run
       rows.append(self._row("update", part, micro, 3 * fwd / peak_total if has_rates else None, "update"))
 
