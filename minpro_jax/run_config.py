@@ -124,6 +124,13 @@ def validate_config(c, num_devices: int | None = None) -> None:
         f"{4 * c.sft.max_len}: several examples per row), or 0 to turn packing off",
     )
   check_domains(c)  # the fields no part checks itself, and settings under which nothing is learnt
+  _need(
+      num_epochs(c) == 1 or not c.learner.get("row_tokens") or jax.process_count() == 1,
+      "num_epochs",
+      f"{num_epochs(c)} passes reorder the batch's groups after the first, but with learner.row_tokens each of the "
+      f"{jax.process_count()} processes packs its own mini-batches, which a reordered pass cannot reuse; set "
+      "num_epochs=1 or learner.row_tokens=0",
+  )
   check_sft_target(c.sft.get("target", "answer"), c.data)  # also shapes the tokenizer corpus, so checked without SFT
   config_checks.check_mesh(c, num_devices or len(jax.devices()))
 

@@ -17,6 +17,8 @@ from flax import nnx
 from test_learner import _batch, _model
 from train_helpers import make_config, tiny_overrides
 
+from minpro_jax import run_config
+from minpro_jax.errors import ConfigError
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl import process_batch
 from minpro_jax.rl.epochs import epoch_rows
@@ -207,3 +209,18 @@ def test_a_trainer_run_logs_epochs_ess_and_cosine(tmp_path):
                                rtol=1e-5)  # fmt: skip
     assert "learn/policy/proximal_log_ratio_mean" in r
   assert (tmp_path / "run" / "ess.png").exists()
+
+
+def test_the_loss_config_of_decoupled_ppo(tmp_path):
+  """Which pi_prox the learner provides follows loss.proximal; decoupled PPO refuses TIS on top of its own
+  behaviour weight, naming the field."""
+  lc = run_config.loss_config(make_config(tiny_overrides(tmp_path, **{"loss.method": "decoupled_ppo"})))
+  assert (lc.proximal, lc.reads_proximal_logp) == ("score", True)
+  lc = run_config.loss_config(
+      make_config(tiny_overrides(tmp_path, **{"loss.method": "decoupled_ppo", "loss.proximal": "interpolate"}))
+  )
+  assert (lc.proximal, lc.reads_proximal_logp) == ("interpolate", False)
+  assert LossConfig(method="grpo").proximal is None
+  c = make_config(tiny_overrides(tmp_path, **{"loss.method": "decoupled_ppo", "loss.rollout_is": "token"}))
+  with pytest.raises(ConfigError, match=r"config\.loss\.rollout_is: decoupled_ppo weights each token"):
+    run_config.loss_config(c)
