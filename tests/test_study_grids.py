@@ -150,8 +150,10 @@ def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
   for spec in ("stage0b", "stage1"):  # the rate is stage 0's to choose: refused until it is set
     with pytest.raises(ValueError, match="LEARNING_RATE is still the placeholder None; run stage 0"):
       minpro_long.get_grid(spec)
-  for bad in ("", ":stage2", ":stage1:x"):
-    with pytest.raises(GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1', 'rate'\)"):
+  for bad in ("", ":stage3", ":stage1:x"):
+    with pytest.raises(
+        GridError, match=r"pass a stage: .* one of \('stage0', 'stage0b', 'stage1', 'rate', 'lr', 'stage2'\)"
+    ):
       grid.load_grid(LONG + bad)
   monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)
   runs = grid.expand(minpro_long.get_grid("stage0b"))

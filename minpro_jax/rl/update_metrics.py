@@ -14,7 +14,7 @@ def combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
   the mean learner-behaviour |log ratio|, and the weights' effective sample size as a fraction of the bin's tokens,
   ESS / n = (sum w)^2 / (n sum w^2) (Kish's effective sample size;
   1: equal weights). The learner's entropy, K3, token and sequence-ratio ESS and gradient cosine are also listed
-  update by update (`*_by_update`; the step's first cosine is NaN, written as null); `learn/grad_cosine` is the mean
+  update by update (`*_by_update`; None for a non-finite value: the step's first cosine); `learn/grad_cosine` is the mean
   over the step's other updates (None with one update)."""
   out: dict[str, Any] = {}
   per_bin = {}
@@ -51,5 +51,5 @@ def combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
   # how they move over the step's updates (staleness grows)
   for k in ("entropy_mean", "learner_behavior/k3", "ess/token_frac", "ess/seq_is_frac", "grad_cosine"):
     if k in ups[0]:
-      out[f"learn/{k}_by_update"] = [float(u[k]) for u in ups]
+      out[f"learn/{k}_by_update"] = [float(u[k]) if np.isfinite(u[k]) else None for u in ups]
   return out

@@ -18,8 +18,8 @@ Per run:
 
   ess_token / ess_seq / ess_seq_is / grad_cosine
                      the mean over the run's steps of the per-update effective sample size fractions and gradient
-                     cosine (`learn/ess/*`, `learn/grad_cosine`, logged since issue 57; `minpro_jax.rl.ess`); None for
-                     a run that predates them.
+                     cosine (`learn/ess/*`, `learn/grad_cosine`, logged since issue 57; `minpro_jax.rl.ess`); absent
+                     for a run that predates them.
 
 Per cell: the count of seeds that collapsed and the mean steps to collapse of those; the by-position profiles are
 averaged over the cell's seeds bin by bin, the per-update diagnostics over its seeds.
@@ -107,9 +107,10 @@ def run_dynamics(records: Sequence[Mapping[str, Any]], learning: Sequence[Sequen
   }
   for name, key in POSITION_KEYS.items():
     out[name] = position_profile(records, key)
-  for name, key in UPDATE_KEYS.items():
+  for name, key in UPDATE_KEYS.items():  # only where logged: a summary of older runs stays as it was written
     values = [float(r[key]) for r in records if r.get(key) is not None]
-    out[name] = float(np.mean(values)) if values else None
+    if values:
+      out[name] = float(np.mean(values))
   return out
 
 
@@ -126,7 +127,8 @@ def cell_dynamics(per_run: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out[name] = position_profile([{name: p} for p in profiles], name) if profiles else None
   for name in UPDATE_KEYS:
     values = [r[name] for r in per_run if r.get(name) is not None]
-    out[name] = float(np.mean(values)) if values else None
+    if values:
+      out[name] = float(np.mean(values))
   return out
 
 

@@ -73,6 +73,22 @@ ADDED_FIELDS = {
     "mipu.calibration_z": 2.0,
     "sampling.devices": 0,
     "sampling.overlap": True,
+    "num_epochs": 1,  # issue 57: one pass over each released batch, the VCPO step off, the new loss fields unset
+    "learner.ess_step": False,
+    **{
+        f"loss.{field}": None
+        for field in (
+            "tv_low",
+            "tv_high",
+            "ratio_cap",
+            "tv_delta",
+            "tv_position_weight_min",
+            "tv_prefix_budget",
+            "proximal",
+            "behavior_weight_cap",
+            "negative_veto",
+        )
+    },
 }
 # Defaults of the base config that changed after studies were run, each with its value before: a stored study.json
 # whose fixed fields lack one ran with that value, so a grid that now pins it there is the same study (its runs'
