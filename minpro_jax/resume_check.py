@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from minpro_jax.config_lib.defaults import ISSUE_57_LOSS_FIELDS
 from minpro_jax.data.tfds_source import parse_tfds_ref
 from minpro_jax.errors import ConfigError
 from minpro_jax.run_config import FP8_OPTIONS, eval_files
@@ -54,20 +55,7 @@ RESUME_DEFAULTS |= {"num_epochs": 1, "learner.ess_step": False}
 # Fields added later to a group that RESUME_KEYS compares whole (e.g. `reward`): a stored group without one ran with
 # this value.
 GROUP_DEFAULTS = {"reward.mask_truncated": False}
-GROUP_DEFAULTS |= {  # issue 57's loss fields: unset = the method's default
-    f"loss.{field}": None
-    for field in (
-        "tv_low",
-        "tv_high",
-        "ratio_cap",
-        "tv_delta",
-        "tv_position_weight_min",
-        "tv_prefix_budget",
-        "proximal",
-        "behavior_weight_cap",
-        "negative_veto",
-    )
-}
+GROUP_DEFAULTS |= {f"loss.{field}": None for field in ISSUE_57_LOSS_FIELDS}  # unset: the method's default
 # Keys added later whose value then is unknown: a stored fingerprint without one is not compared on them.
 UNRECORDED_KEYS = ("eval.n", "eval.reward_mode", "eval.temperature", "eval.top_p", "tfds")
 

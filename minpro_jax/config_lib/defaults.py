@@ -5,6 +5,20 @@ from ml_collections import ConfigDict, config_dict
 
 _unset = config_dict.placeholder  # a typed field that is None until set: "the method's default"
 
+# config.loss fields added by issue 57 (DPPO, CPPO, decoupled PPO, the negative veto), all unset by default: what the
+# resume check and the study runner take an older run's absent field for
+ISSUE_57_LOSS_FIELDS = (
+    "tv_low",
+    "tv_high",
+    "ratio_cap",
+    "tv_delta",
+    "tv_position_weight_min",
+    "tv_prefix_budget",
+    "proximal",
+    "behavior_weight_cap",
+    "negative_veto",
+)
+
 
 def base_config() -> ConfigDict:
   """Every field the trainer reads, with the defaults a new experiment starts from."""

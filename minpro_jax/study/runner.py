@@ -27,6 +27,7 @@ from typing import Any
 
 from minpro_jax import pidlock
 from minpro_jax.config_lib import files
+from minpro_jax.config_lib.defaults import ISSUE_57_LOSS_FIELDS
 from minpro_jax.errors import UserError
 from minpro_jax.study.grid import Grid, Run
 
@@ -75,20 +76,7 @@ ADDED_FIELDS = {
     "sampling.overlap": True,
     "num_epochs": 1,  # issue 57: one pass over each released batch, the VCPO step off, the new loss fields unset
     "learner.ess_step": False,
-    **{
-        f"loss.{field}": None
-        for field in (
-            "tv_low",
-            "tv_high",
-            "ratio_cap",
-            "tv_delta",
-            "tv_position_weight_min",
-            "tv_prefix_budget",
-            "proximal",
-            "behavior_weight_cap",
-            "negative_veto",
-        )
-    },
+    **{f"loss.{field}": None for field in ISSUE_57_LOSS_FIELDS},
 }
 # Defaults of the base config that changed after studies were run, each with its value before: a stored study.json
 # whose fixed fields lack one ran with that value, so a grid that now pins it there is the same study (its runs'
