@@ -11,6 +11,7 @@ from flax import nnx
 from test_learner import _batch, _model
 
 from minpro_jax.rl import packed_batch, process_batch
+from minpro_jax.rl.epochs import epoch_rows
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.rollout import RolloutBuffer
@@ -60,9 +61,10 @@ def test_learner_sharding_splits_the_rows_over_the_batch_axes():
 
 
 def test_staged_updates_equal_the_host_updates():
-  """Two updates from the staged global arrays (each mini-batch sliced on the devices) against the host path's
-  `RolloutBatch.split` + `Learner.update`: the same parameters (to float round-off), loss, staleness, tokens and
-  padding share (counted on the devices)."""
+  """Two passes of two updates (PPO epochs; the second pass's reordered groups gathered on the devices) from the
+  staged global arrays against the host path's `RolloutBatch.select` / `split` + `Learner.update_inputs`, with
+  decoupled PPO's proximal score pass (on the staged arrays, or `Learner.score` of the host rows): the same
+  parameters (to float round-off), losses, staleness, tokens and padding share (counted on the devices)."""
   mesh = make_mesh({"data": 2, "fsdp": 4})
   model = _model(mesh)
   batch = _batch(_model(), n=16)
@@ -70,7 +72,7 @@ def test_staged_updates_equal_the_host_updates():
   opt = OptimizerConfig(learning_rate=1e-2, max_grad_norm=1.0)
   got, want = [], []
   for staged in (True, False):
-    learner = Learner(model, LossConfig(method="minpro"), opt, micro_batch_size=4, mesh=mesh)
+    learner = Learner(model, LossConfig(method="decoupled_ppo"), opt, micro_batch_size=4, mesh=mesh)
     state = learner.init_state(jax.tree.map(lambda a: a.copy(), nnx.split(model)[1]))
     with use_mesh(mesh):
       if staged:
@@ -85,7 +87,7 @@ def test_staged_updates_equal_the_host_updates():
         assert minis[1].routes is None and minis[1].kept_logp_threshold is None
       else:
         src = batch
-      state, ups, stale, tokens = process_batch.updates(learner, state, src, 2, 1.0)
+      state, ups, stale, tokens = process_batch.updates(learner, state, src, 2, 1.0, num_epochs=2, group_size=2)
     (got if staged else want).append((jax.tree.map(np.asarray, state.params), ups, stale, tokens))
   (p_got, u_got, s_got, t_got), (p_want, u_want, s_want, t_want) = got[0], want[0]
   # the staged inputs arrive batch-sharded, the host ones whole: XLA partitions the sums differently (fp32
@@ -93,8 +95,11 @@ def test_staged_updates_equal_the_host_updates():
   # gradients (as tests/test_learner.py's mesh against one device); a wrong row or mini-batch moves them by ~1e-2
   assert _max_abs_diff(p_got, p_want) <= 1e-4
   np.testing.assert_array_equal(s_got, s_want)
-  assert s_got.tolist() == [0 - 3] * 8 + [1 - 4] * 8  # update j at version j: stale = j - policy_version
-  assert t_got == t_want == int(batch.segment_ids.sum())
+  # update j at version j: stale = j - policy_version; pass 1 (updates 2, 3) takes the rows in another order
+  assert s_got[:16].tolist() == [0 - 3] * 8 + [1 - 4] * 8
+  order = epoch_rows(16, 2, 1, seed=0, version=0)
+  np.testing.assert_array_equal(s_got[16:], np.repeat([2, 3], 8) - batch.policy_version[order])
+  assert t_got == t_want == 2 * int(batch.segment_ids.sum())
   for a, b in zip(u_got, u_want):
     assert a["pad_fraction"] == b["pad_fraction"] > 0  # counted on the devices == packing.pad_fraction on the host
     assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-6

@@ -12,8 +12,9 @@ from minpro_jax.rl.learner import staleness
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
 
 
-def simulate(delay: int, n: int, steps: int):
-  """Pure-python run of the trainer's loop: per global step, the staleness of every consumed sample."""
+def simulate(delay: int, n: int, steps: int, epochs: int = 1):
+  """Pure-python run of the trainer's loop: per global step, the staleness of every use of a sample (`epochs`
+  passes of n updates each, PPO epochs)."""
   buf = RolloutBuffer(delay)
   version = 0
   out = {}
@@ -41,9 +42,10 @@ def simulate(delay: int, n: int, steps: int):
     if rel is None:
       continue
     st = []
-    for mini in rel.split(n):
-      st.append(staleness(version, mini.policy_version))
-      version += 1
+    for _ in range(epochs):
+      for mini in rel.split(n):
+        st.append(staleness(version, mini.policy_version))
+        version += 1
     out[s] = np.concatenate(st)
   return out
 
@@ -62,6 +64,19 @@ def test_simulated_staleness(delay, n):
       np.testing.assert_array_equal(st, delay * n + j)
   steady = np.concatenate([st for s, st in out.items() if s >= 2 * delay])
   assert steady.min() == delay * n and steady.max() == delay * n + n - 1
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+@pytest.mark.parametrize("epochs", [2, 3])
+def test_simulated_staleness_with_epochs(delay, epochs):
+  """E passes of n updates: update j of pass e uses its sample at d E n + e n + j once the buffer is full, and at
+  k E n + e n + j for the k-th warm-up release (the README's formula with E)."""
+  n = 4
+  out = simulate(delay, n, steps=3 * delay + 4, epochs=epochs)
+  use = np.arange(epochs * n)  # e n + j in order of the updates
+  for s, st in out.items():
+    k = s - delay
+    np.testing.assert_array_equal(st, min(k, delay) * epochs * n + use)
 
 
 def test_paper_setting_bounds_simulated():

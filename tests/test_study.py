@@ -487,6 +487,17 @@ def test_training_dynamics_by_hand():
   lines = dynamics.dynamics_markdown([{"label": "m", "seeds": [0, 1], "metrics": {}, "dynamics": cell}], 95)
   assert "| m | - | 1/2 (3.0) | 0.300 | 0.300 | - | - |" in lines
   assert lines[-3:] == ["| cell | weight 0-7 |", "|---|---:|", "| m | 0.90 |"]  # only the bins with a weight
+  assert not any("Per-update diagnostics" in x for x in lines) and "grad_cosine" not in run  # predates them
+  # the per-update diagnostics: step means over the run (steps without one skipped), then over the cell's runs
+  recs[2].update({"learn/ess/seq_is_frac": 0.5, "learn/grad_cosine": 0.2})
+  recs[3].update({"learn/ess/seq_is_frac": 0.3, "learn/grad_cosine": None, "learn/ess/token_frac": 0.9})
+  run = dynamics.run_dynamics(recs, [(0, 0.2), (3, 0.1)], delay=2)
+  assert (run["ess_seq_is"], run["grad_cosine"], run["ess_token"], run.get("ess_seq")) == (0.4, 0.2, 0.9, None)
+  cell = dynamics.cell_dynamics([run, {**other, "ess_seq_is": 0.2, "grad_cosine": 0.6}])
+  assert cell["ess_seq_is"] == pytest.approx(0.3) and cell["grad_cosine"] == pytest.approx(0.4)
+  lines = dynamics.dynamics_markdown([{"label": "m", "seeds": [0, 1], "metrics": {}, "dynamics": cell}], 95)
+  at = next(i for i, x in enumerate(lines) if x.startswith("| cell | ESS tokens"))
+  assert lines[at + 2] == "| m | 0.900 | - | 0.300 | 0.400 |"
 
 
 def _fake_run(study_dir, run, curve, total):

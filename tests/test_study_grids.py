@@ -8,6 +8,7 @@ import os
 import pytest
 from train_helpers import REPO
 
+from minpro_jax.run import run_config
 from minpro_jax.config_lib.files import load_module
 from minpro_jax.study import grid, runner
 from minpro_jax.study.grid import Grid, GridError
@@ -266,3 +267,26 @@ def test_a_missing_grid_names_the_repository_root_once(monkeypatch):
   with pytest.raises(GridError) as e:
     grid.load_grid("configs/studies/nope.py")
   assert str(e.value).endswith(f"no such file 'configs/studies/nope.py' (from {grid.REPO}); pass a grid .py file")
+
+
+def test_the_toolbox_grid():
+  """Issue 57: five arms x delays 0 and 8 x 3 seeds on the long-response setting, each arm at its entry of
+  LEARNING_RATES (one constant), decoupled PPO scoring pi_prox, VCPO's arm GRPO with learner.ess_step; every value
+  reads back from the command line and passes the loss and step checks."""
+  path = os.path.join(REPO, "configs", "studies", "toolbox.py")
+  toolbox = load_module(path)
+  g = grid.load_grid(path)
+  runs = grid.expand(g)
+  assert len(runs) == 30 and {dict(r.cell)["delay"] for r in runs} == {0, 8}
+  learn = minpro_long.LEARN_STEPS
+  assert {dict(r.extra)["total_steps"] - dict(r.cell)["delay"] for r in runs} == {learn}
+  planned = dict((r.name, c) for r, _, c in grid.plan(g, "/tmp/study", validate=False))
+  dec, vcpo = planned["variant-decoupled-ppo_delay-8_seed-2"], planned["variant-grpo-vcpo_delay-0_seed-0"]
+  assert run_config.loss_config(dec).reads_proximal_logp and run_config.ess_step(vcpo)  # the loss and step checks
+  assert (dec.loss.method, dec.loss.proximal, dec.delay, dec.total_steps) == ("decoupled_ppo", "score", 8, learn + 8)
+  assert (vcpo.loss.method, vcpo.learner.ess_step) == ("grpo", True)
+  assert planned["variant-dppo_delay-0_seed-1"].optimizer.learning_rate == toolbox.LEARNING_RATES["dppo"]
+  assert dec.sft.target == "worked" and dec.sampling.max_new_tokens == minpro_long.MAX_NEW_TOKENS
+  assert len(grid.expand(grid.load_grid(path + ":2"))) == 20
+  with pytest.raises(GridError, match="pass the number of seeds"):
+    grid.load_grid(path + ":x")

@@ -13,8 +13,9 @@ each constant sourced in `minpro_jax.aot.efficiency`). Parts:
               continuous sampler's single `while_loop` (decode steps and refills), or the static prefill + decode
   transfer    `Sampler.prepare_params`: the learner's parameters into the sampler's layout and dtype, once a step
   score       `Learner.score` over the step's rollouts, on the steps the trainer runs it: every step when the loss
-              reads the learner's log-probs (TIS/MIS), else every log.mismatch_every steps (amortised)
-  update      `Learner.update` for one mini-batch, x num_updates_per_step
+              reads the learner's log-probs (TIS/MIS), else every log.mismatch_every steps (amortised); plus decoupled
+              PPO's proximal score pass (`loss.proximal=score`) over the released batch, every step
+  update      `Learner.update` for one mini-batch, x num_updates_per_step x num_epochs
   eval        the evaluation's sampling as the trainer runs it: calls of max(1, 256 // eval.n) prompts x eval.n
               samples with eval's temperature and top-p, ceil(eval.num_problems / prompts per call) calls, amortised
               over eval.every steps
@@ -322,13 +323,17 @@ class Budget:
     if "score" in self.parts:
       what = pk["score"].describe() if pk else f"{sh.rollouts}x{sh.seq_len}, micro-batch {mb}"
       every = score_every(c)  # the trainer scores only on some steps (`Trainer.scoring`)
-      part = self._compile("score", self.progs._lower_score, calls=1.0 / every, shapes=what)
+      proximal = int(run_config.loss_config(c).reads_proximal_logp)  # decoupled PPO scores its released batch too
+      part = self._compile("score", self.progs._lower_score, calls=1.0 / every + proximal, shapes=what)
       micro = -(-sh.rollouts // mb) if not pk else round(pk["score"].active_per_run)
       name = "score" if every == 1 else f"score (1/{every})"
-      rows.append(self._row(name, part, micro, fwd / peak_total / every if has_rates else None, "score"))
+      rows.append(
+          self._row(name, part, micro, fwd / peak_total * (1.0 / every + proximal) if has_rates else None, "score")
+      )
     if "update" in self.parts:
       what = pk["update"].describe() if pk else f"{sh.mini_batch}x{sh.seq_len}"
-      part = self._compile("update", self.progs._lower_update, calls=c.num_updates_per_step, shapes=what)
+      calls = c.num_updates_per_step * run_config.num_epochs(c)  # every pass over the batch
+      part = self._compile("update", self.progs._lower_update, calls=calls, shapes=what)
       micro = -(-sh.mini_batch // mb) if not pk else pk["update"].active_per_run
       rows.append(self._row("update", part, micro, 3 * fwd / peak_total if has_rates else None, "update"))
 

@@ -323,7 +323,9 @@ class RunPrograms:
     with use_mesh(self.mesh, self.rules):
       lr_scale = _replicated(self.mesh, (), jnp.float32)
       mb = min(self.shapes.micro_batch, self.update_rows)
-      return self.learner.jitted_update(shardings).lower(state, inputs, mb, lr_scale)
+      # the previous update's float32 gradient (the gradient-cosine metric), sharded like the parameters
+      grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding), state.params)
+      return self.learner.jitted_update(shardings).lower(state, inputs, mb, lr_scale, grads)
 
   def _lower_score(self):
     rows = self._rows(self.score_rows)

@@ -5,6 +5,20 @@ from ml_collections import ConfigDict, config_dict
 
 _unset = config_dict.placeholder  # a typed field that is None until set: "the method's default"
 
+# config.loss fields added by issue 57 (DPPO, CPPO, decoupled PPO, the negative veto), all unset by default: what the
+# resume check and the study runner take an older run's absent field for
+ISSUE_57_LOSS_FIELDS = (
+    "tv_low",
+    "tv_high",
+    "ratio_cap",
+    "tv_delta",
+    "tv_position_weight_min",
+    "tv_prefix_budget",
+    "proximal",
+    "behavior_weight_cap",
+    "negative_veto",
+)
+
 
 def base_config() -> ConfigDict:
   """Every field the trainer reads, with the defaults a new experiment starts from."""
@@ -14,7 +28,8 @@ def base_config() -> ConfigDict:
   c.total_steps = 40  # global steps (sample -> grade -> buffer -> updates)
   c.prompts_per_step = 64  # B: prompts sampled per global step
   c.group_size = 8  # G: responses per prompt
-  c.num_updates_per_step = 4  # n: optimizer updates (mini-batches) per global step
+  c.num_updates_per_step = 4  # n: optimizer updates (mini-batches) per pass over a released batch
+  c.num_epochs = 1  # E: PPO epochs, passes over each released batch (E x n updates a step; minpro_jax/rl/epochs.py)
   c.micro_batch_size = 128  # samples per micro-batch of gradient accumulation
   c.delay = 2  # d: global steps between sampling a batch and learning from it
 
@@ -22,6 +37,7 @@ def base_config() -> ConfigDict:
   # rows of N tokens (>= data.max_prompt_tokens + sampling.max_new_tokens), first-fit decreasing (docs/learner.md)
   c.learner = ConfigDict()
   c.learner.row_tokens = 0
+  c.learner.ess_step = False  # VCPO: each update's step x sqrt(ESS / B) of its sequence ratios (minpro_jax/rl/ess.py)
 
   c.model = ConfigDict()
   c.model.source = "scratch"  # scratch | hf | gguf
@@ -112,14 +128,24 @@ def base_config() -> ConfigDict:
   # Objective hyper-parameters: unset = the method's default (minpro_jax/rl/objectives.py); a field the method
   # does not take must stay unset.
   c.loss = ConfigDict()
-  c.loss.method = "minpro"  # any registered objective: minpro | grpo | gspo | gspo_token | cispo | m2po
+  # any registered objective: minpro | grpo | gspo | gspo_token | cispo | m2po | dppo | cppo | decoupled_ppo
+  c.loss.method = "minpro"
   c.loss.prefix_statistic = _unset(str)  # minpro: min | mean | geomean | prod | none (default min)
   c.loss.prefix_cap_at_one = _unset(bool)  # minpro: use min(f, 1) as the prefix factor
   c.loss.surrogate = _unset(str)  # minpro: reinforce (default) | ppo
-  c.loss.eps_low = _unset(float)  # minpro/cispo: no lower bound; grpo 0.2; gspo 3e-4
+  c.loss.eps_low = _unset(float)  # minpro/cispo: no lower bound; grpo, decoupled_ppo 0.2; gspo 3e-4
   c.loss.eps_high = _unset(float)  # 0.28; gspo 4e-4
   c.loss.dual_clip_c = _unset(float)  # grpo: dual clip c > 1 (default off)
   c.loss.m2_threshold = _unset(float)  # m2po: second-moment budget (default 0.04)
+  c.loss.tv_low = _unset(float)  # dppo: Binary-TV threshold where pi falls below mu (default 0.15)
+  c.loss.tv_high = _unset(float)  # dppo: Binary-TV threshold where pi rises above mu (default 0.15)
+  c.loss.ratio_cap = _unset(float)  # dppo: cap on the detached ratio (default 10)
+  c.loss.tv_delta = _unset(float)  # cppo: Binary-TV threshold delta (default 0.2)
+  c.loss.tv_position_weight_min = _unset(float)  # cppo: the last token's position weight w_min (default 0.8)
+  c.loss.tv_prefix_budget = _unset(float)  # cppo: per-token prefix budget delta_b (default 0.02)
+  c.loss.proximal = _unset(str)  # decoupled_ppo: pi_prox from score (default) | interpolate (A-3PO)
+  c.loss.behavior_weight_cap = _unset(float)  # decoupled_ppo: truncation of pi_prox / mu (default 2.0)
+  c.loss.negative_veto = _unset(float)  # any: mu-GRPO's veto, a ratio > 1 that ends a negative response's loss
   c.loss.loss_agg_mode = _unset(str)  # token-mean; gspo seq-mean-token-mean
   c.loss.rollout_is = _unset(str)  # token | sequence: TIS against the sampler (MIPU step 1: token, cap 2)
   c.loss.tis_cap = 2.0

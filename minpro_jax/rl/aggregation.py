@@ -12,8 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minpro_jax.rl.masks import check_bt, seq_sum, valid_and_starts
 from minpro_jax.rl.prefix import seq_first
+from minpro_jax.rl.segments import check_bt, seq_sum, valid_and_starts
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ROLLOUT_IS_LEVELS = (None, "token", "sequence")

@@ -14,12 +14,15 @@ Batches are `minpro_jax.rl.rollout.RolloutBatch` records; the jitted functions r
 read (`ScoreInputs`, `UpdateInputs`). With `row_tokens` the samples are packed into rows of that many tokens first
 (`minpro_jax.rl.packing`): per-token advantages ([R, W]) and segment ids then reach the loss, the micro-batches
 are `micro_batch_size` packed rows, and those that hold only padding are skipped.
+
+Every update also reports the effective sample size of its weights and the cosine of its gradient with the
+previous update's (`minpro_jax.rl.ess`), and with `ess_step` scales its step by VCPO's sqrt(ESS / B).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.struct
 import jax
@@ -32,6 +35,8 @@ from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.models.transformer import Transformer
 from minpro_jax.rl import packing
 from minpro_jax.rl.aggregation import k3
+from minpro_jax.rl.ess import ess_metrics, tree_cosine
+from minpro_jax.rl.learner_inputs import ScoreInputs, UpdateInputs, device, replayed_routes
 from minpro_jax.rl.learner_metrics import METRIC_INIT, NUM_POSITION_BINS, combine_metric, pad_counts, position_bins
 from minpro_jax.rl.objectives import get_objective, policy_loss, resolve_hparams
 from minpro_jax.rl.optimizer import OptimizerConfig, make_optimizer, make_schedule
@@ -39,66 +44,6 @@ from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime.multihost import settle, to_host
 from minpro_jax.runtime.sharding import check_global, replicate_local_leaves
 from minpro_jax.runtime.xla_options import learner_compiler_options
-
-
-class ScoreInputs(NamedTuple):
-  """What scoring reads of a `RolloutBatch`: [N, L] int32 tokens, segment_ids and positions (device arrays), the
-  [N, L, layers, k] routes to replay (or None) and the [N, L] float32 kept-set thresholds of truncated sampling
-  (or None: full-vocabulary log-probs)."""
-
-  tokens: jax.Array
-  segment_ids: jax.Array
-  positions: jax.Array
-  routes: jax.Array | None = None
-  kept_logp_threshold: jax.Array | None = None
-
-  @classmethod
-  def of(cls, batch: RolloutBatch, replay: bool = False) -> "ScoreInputs":
-    arrays = (jnp.asarray(getattr(batch, f)) for f in cls._fields[:-2])
-    return cls(*arrays, _replayed_routes(batch, replay), _kept_threshold(batch))
-
-
-def _kept_threshold(batch: RolloutBatch) -> jax.Array | None:
-  """The batch's kept-set thresholds as a device array, None when the sampling did not truncate."""
-  return None if batch.kept_logp_threshold is None else jnp.asarray(batch.kept_logp_threshold)
-
-
-def _replayed_routes(batch: RolloutBatch, replay: bool) -> jax.Array | None:
-  """The batch's routes as a device array when replaying them, else None.
-
-  Raises:
-    ValueError: replay without routes in the batch (the sampler records them with `record_routes=True`).
-  """
-  if not replay:
-    return None
-  if batch.routes is None:
-    raise ValueError(
-        "LossConfig.router_replay=True but the batch has no routes; sample it with Sampler(record_routes=True)"
-    )
-  return jnp.asarray(batch.routes)
-
-
-class UpdateInputs(NamedTuple):
-  """What an update reads of a `RolloutBatch` (device arrays, the shapes and dtypes of `RolloutBatch`); packed
-  (`minpro_jax.rl.packing`), the [R, W] rows with advantages per token ([R, W] float32) instead of per sample."""
-
-  tokens: jax.Array
-  segment_ids: jax.Array
-  positions: jax.Array
-  response_mask: jax.Array
-  behavior_logp: jax.Array
-  learner_logp: jax.Array
-  advantages: jax.Array
-  routes: jax.Array | None = None
-  kept_logp_threshold: jax.Array | None = None
-
-  @classmethod
-  def of(cls, batch: RolloutBatch, replay: bool = False) -> "UpdateInputs":
-    arrays = (jnp.asarray(getattr(batch, f)) for f in cls._fields[:-2])
-    return cls(*arrays, _replayed_routes(batch, replay), _kept_threshold(batch))
-
-  def score_inputs(self) -> ScoreInputs:
-    return ScoreInputs(self.tokens, self.segment_ids, self.positions, self.routes, self.kept_logp_threshold)
 
 
 @flax.struct.dataclass
@@ -152,11 +97,24 @@ class LossConfig:
     hp = self.hparam_dict
     return bool(hp.get("rollout_is") or hp.get("rollout_mis"))
 
+  @property
+  def proximal(self) -> str | None:
+    """Where decoupled PPO's pi_prox comes from (`minpro_jax.rl.proximal`): "score", "interpolate", or None for an
+    objective without one."""
+    return resolve_hparams(self.method, self.hparam_dict).get("proximal")
+
+  @property
+  def reads_proximal_logp(self) -> bool:
+    """Whether each learn step first scores its released batch at the parameters before its first update
+    (`RolloutBatch.proximal_logp`): only decoupled PPO with `proximal="score"`."""
+    return self.proximal == "score"
+
 
 def call_policy_loss(loss_cfg: LossConfig, logp, batch: UpdateInputs, prepared: dict[str, jax.Array]):
   """`policy_loss` on `batch` with the configured method and the rows of its prepared inputs. With rollout
   correction (TIS/MIS) on, the three-policy form is used: ratio against the learner at the sampling version
-  (`learner_logp`), correction factor against the sampler (`behavior_logp`)."""
+  (`learner_logp`), correction factor against the sampler (`behavior_logp`). Decoupled PPO gets its proximal
+  log-probs or interpolation weight when the batch carries them."""
   hp = loss_cfg.hparam_dict
   old = batch.behavior_logp
   if loss_cfg.reads_learner_logp:
@@ -164,6 +122,10 @@ def call_policy_loss(loss_cfg: LossConfig, logp, batch: UpdateInputs, prepared: 
     old = batch.learner_logp
   if _packed(batch):  # one segment per sample: the objectives reduce per segment
     hp = {**hp, "segment_ids": batch.segment_ids}
+  if batch.proximal_logp is not None:  # decoupled PPO's pi_prox, scored at the step's first update
+    hp = {**hp, "proximal_logp": batch.proximal_logp}
+  if batch.proximal_alpha is not None:  # or A-3PO's interpolation weight of this update
+    hp = {**hp, "proximal_alpha": batch.proximal_alpha}
   return policy_loss(loss_cfg.method, logp, old, batch.advantages, batch.response_mask, **{**hp, **prepared})
 
 
@@ -183,19 +145,16 @@ def _skip_padding(fn, out_shapes):
   return run
 
 
-def _skip_micro_padding(body, logp_shape: jax.ShapeDtypeStruct):
-  """The accumulation loop's `body(acc, (micro, prepared, bins))`, or `(acc, zero log-probs)` for a micro-batch of
-  padding rows (every segment id 0): `jax.lax.cond` runs one branch, so it costs no forward or backward."""
+def _skip_micro_padding(body, ys_shapes):
+  """The accumulation loop's `body(acc, (micro, prepared, bins))`, or `(acc, zeros of ys_shapes)` (its per-row
+  outputs: log-probs, token weights) for a micro-batch of padding rows (every segment id 0): `jax.lax.cond` runs one
+  branch, so it costs no forward or backward."""
 
   def skip(acc, xs):
     del xs
-    return acc, jnp.zeros(logp_shape.shape, logp_shape.dtype)
+    return acc, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), ys_shapes)
 
   return lambda acc, xs: jax.lax.cond(jnp.any(xs[0].segment_ids != 0), body, skip, acc, xs)
-
-
-def _device(x):
-  return None if x is None else jnp.asarray(x)
 
 
 class Learner:
@@ -209,6 +168,11 @@ class Learner:
     mesh: optional mesh; batches are placed along the "batch" logical axis.
     row_tokens: None / 0 (rows of one sample each), or the token budget of packed rows (`learner.row_tokens`,
       `minpro_jax.rl.packing`).
+    ess_step: VCPO's step (`learner.ess_step`, arXiv 2602.17616): each update's step is multiplied by
+      sqrt(ESS / B) of the mini-batch's sequence likelihood ratios (`minpro_jax.rl.ess`, `ess/seq_is_frac`).
+      VCPO's second part, its closed-form off-policy baseline, is not implemented: it weighs each sequence by
+      w_i^2 ||grad log pi(y_i)||^2, a gradient norm per sequence, i.e. one backward pass per sequence, where this
+      learner accumulates one gradient over micro-batches.
 
   Raises:
     ValueError: micro_batch_size <= 0; row_tokens < 0; `loss_cfg.method` not registered or hparams it does not
@@ -225,6 +189,7 @@ class Learner:
       micro_batch_size: int,
       mesh=None,
       row_tokens: int | None = None,
+      ess_step: bool = False,
   ):
     if micro_batch_size <= 0:
       raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
@@ -246,7 +211,9 @@ class Learner:
     self.schedule = make_schedule(opt_cfg)
     self.micro_batch_size = micro_batch_size
     self.mesh = mesh
+    self.ess_step = bool(ess_step)
     self._update = None  # jitted on first use, with the state's shardings as output shardings
+    self._zero_grads = None  # likewise
     # public for compile-only tools (`minpro_jax.aot` lowers it)
     self._options = learner_compiler_options(mesh)  # TPU: no windowed einsums (`runtime/xla_options.py`)
     self.jitted_score = jax.jit(self._score_impl, static_argnums=(2,), compiler_options=self._options)
@@ -312,13 +279,13 @@ class Learner:
       logp, routes = self.jitted_score(params, ScoreInputs.of(batch, replay), mb)
       logp, routes = to_host((logp, routes if return_routes else None))  # an MoE's [N, L, layers, k]: only if asked
       return (logp, routes) if return_routes else logp
-    _replayed_routes(batch, replay)  # the same error as unpacked
+    replayed_routes(batch, replay)  # the same error as unpacked
     plans = packing.plan_chunks(batch.segment_ids, chunk_rows or n, self.row_tokens, mb)
     rows = packing.pack_chunks(batch, plans, packing.SCORE_FIELDS, routes=replay)
     inputs = ScoreInputs(
         *(jnp.asarray(rows[f]) for f in packing.SCORE_FIELDS),
-        routes=_device(rows.get("routes")),
-        kept_logp_threshold=_device(rows.get("kept_logp_threshold")),
+        routes=device(rows.get("routes")),
+        kept_logp_threshold=device(rows.get("kept_logp_threshold")),
     )
     logp, routes = self.jitted_score(params, inputs, mb)
     logp, routes = to_host((logp, routes if return_routes else None))
@@ -352,13 +319,33 @@ class Learner:
     return merge(logp), None if routes is None else merge(routes)
 
   # ----- update -----
+  def micro_batch(self, rows: int) -> int:
+    """The micro-batch of an update of `rows` rows: `micro_batch_size`, or `rows` when smaller.
+
+    Raises:
+      ValueError: `rows` not divisible by it.
+    """
+    mb = min(self.micro_batch_size, rows)
+    if rows % mb:
+      raise ValueError(f"mini-batch of {rows} samples is not divisible by micro_batch_size {mb}")
+    return mb
+
+  def zero_grads(self, params) -> Any:
+    """A float32 zero of `params`' shapes, sharded like them: the `previous_grads` of a step's first update (no
+    cosine). Made by a program of its own so that every device holds its own buffer: the update donates it."""
+    if self._zero_grads is None:  # one program (a lambda made anew would trace and compile at every call)
+      shardings = jax.tree.map(lambda p: p.sharding, params)
+      zeros = lambda tree: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), tree)  # noqa: E731
+      self._zero_grads = jax.jit(zeros, out_shardings=shardings)
+    return self._zero_grads(params)
+
   def update(self, state: TrainState, batch: RolloutBatch, lr_scale: float = 1.0) -> tuple[TrainState, dict[str, Any]]:
     """One optimizer update on a mini-batch (donates `state`).
 
     Args:
       state: current `TrainState` (invalid after the call).
       batch: the mini-batch of M samples (reads tokens, segment_ids, positions, response_mask,
-        behavior_logp, learner_logp and advantages).
+        behavior_logp, learner_logp and advantages; proximal_logp when set).
       lr_scale: multiplies the scheduled learning rate of this update (a traced scalar: a new value does not
         recompile; `minpro_jax.rl.lr_decay`). AdamW's step, weight decay included, is linear in the rate and its
         moments do not depend on it, so scaling the update is the update at the scaled rate.
@@ -369,46 +356,56 @@ class Learner:
       "pad_fraction", the share of the token slots run that are padding (`packing.pad_fraction`); at the
       parameters before the update and token-means over the response tokens, `entropy_mean` (nats) of the
       learner's full tempered distribution, `learner_behavior/k3` the k3 estimate of KL(pi_theta || mu) against
-      the behavior log-probs (the `kl_coef` term's; 0 on-policy) and `learner_behavior/abs_log_ratio_mean`.
+      the behavior log-probs (the `kl_coef` term's; 0 on-policy) and `learner_behavior/abs_log_ratio_mean`; the
+      effective sample sizes `ess/token_frac`, `ess/seq_frac`, `ess/seq_is_frac` (`minpro_jax.rl.ess`) and
+      `ess_step_scale` (sqrt of `ess/seq_is_frac` with `ess_step`, else 1). `grad_cosine` is NaN here: a lone
+      update has no previous gradient (`update_arrays` takes one).
 
     Raises:
       ValueError: M not divisible by the micro-batch size; replay without routes in the batch.
     """
-    m = batch.size
-    mb = min(self.micro_batch_size, m)
-    if m % mb:
-      raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
-    arrays, pad = self.update_inputs(batch, mb)
-    return self.update_arrays(state, arrays, lr_scale, pad_fraction=pad)
+    arrays, pad = self.update_inputs(batch, self.micro_batch(batch.size))
+    state, metrics, _ = self.update_arrays(state, arrays, lr_scale, pad_fraction=pad)
+    return state, metrics
 
   def update_arrays(
-      self, state: TrainState, arrays: UpdateInputs, lr_scale: float = 1.0, *, pad_fraction: float | None = None
-  ) -> tuple[TrainState, dict[str, Any]]:
-    """`update` of a mini-batch given as its device arrays (donates `state`): in a multi-process run the global
-    [M, ...] arrays the processes assembled from their own rows (`minpro_jax.rl.process_batch`), laid out on the
-    learner's batch sharding. Unpacked rows only (per-sample `advantages` [M]).
+      self,
+      state: TrainState,
+      arrays: UpdateInputs,
+      lr_scale: float = 1.0,
+      *,
+      pad_fraction: float | None = None,
+      previous_grads: Any = None,
+  ) -> tuple[TrainState, dict[str, Any], Any]:
+    """`update` of a mini-batch given as its device arrays (donates `state` and `previous_grads`): the host rows of
+    `update_inputs`, or in a multi-process run the global [M, ...] arrays the processes assembled from their own
+    rows (`minpro_jax.rl.process_batch`), laid out on the learner's batch sharding.
 
     Args:
       pad_fraction: the padding share of the slots run, or None to count it on the devices (`pad_counts`: the same
         value `packing.pad_fraction` gives on the host).
+      previous_grads: the float32 gradient the previous update of the step returned (its cosine with this one is
+        the `grad_cosine` metric), or None (`zero_grads`: the metric is NaN).
 
-    Returns and skips as `update`.
+    Returns:
+      (new state, metrics, this update's float32 gradient: the next update's `previous_grads`; the previous one
+      again when this update is skipped). Skips as `update`.
 
     Raises:
       ValueError: M not divisible by the micro-batch size.
     """
     m = arrays.tokens.shape[0]
-    mb = min(self.micro_batch_size, m)
-    if m % mb:
-      raise ValueError(f"mini-batch of {m} samples is not divisible by micro_batch_size {mb}")
+    mb = self.micro_batch(m)
     if pad_fraction is None:
       real, active = (int(x) for x in to_host(pad_counts(arrays.segment_ids, mb)))
       pad_fraction = 1.0 - float(real) / max(active * mb * arrays.tokens.shape[1], 1)
+    if previous_grads is None:
+      previous_grads = self.zero_grads(state.params)
     if self._update is None:  # pin the output layout to the state's so donation works and nothing recompiles
       shardings = self._state_shardings(state)
       self._update = self.jitted_update(shardings)
-    state, metrics = self._update(state, arrays, mb, np.asarray(lr_scale, np.float32))
-    return state, {**to_host(metrics), "pad_fraction": np.float32(pad_fraction)}
+    state, metrics, grads = self._update(state, arrays, mb, np.asarray(lr_scale, np.float32), previous_grads)
+    return state, {**to_host(metrics), "pad_fraction": np.float32(pad_fraction)}, grads
 
   def update_inputs(self, batch: RolloutBatch, mb: int) -> tuple[UpdateInputs, float]:
     """(the device arrays an update of `batch` reads: its rows, or with `row_tokens` its packed rows, `mb` rows per
@@ -416,20 +413,24 @@ class Learner:
     replay = self.loss_cfg.router_replay
     if self.row_tokens is None:
       return UpdateInputs.of(batch, replay), packing.pad_fraction(batch.segment_ids, mb)
-    _replayed_routes(batch, replay)  # the same error as unpacked
+    replayed_routes(batch, replay)  # the same error as unpacked
     rows = packing.pack(batch, packing.plan(batch.segment_ids, self.row_tokens, mb), routes=replay)
     arrays = UpdateInputs(
         *(jnp.asarray(rows[f]) for f in packing.PACKED_FIELDS),
-        routes=_device(rows.get("routes")),
-        kept_logp_threshold=_device(rows.get("kept_logp_threshold")),
+        routes=device(rows.get("routes")),
+        kept_logp_threshold=device(rows.get("kept_logp_threshold")),
+        proximal_logp=device(rows.get("proximal_logp")),
     )
     return arrays, packing.pad_fraction(rows["segment_ids"], mb)
 
   def jitted_update(self, state_shardings):
-    """The jitted update `update` runs, `(state, UpdateInputs, micro_batch, lr_scale) -> (state, metrics)`: the state
-    donated and returned laid out as `state_shardings` (a `TrainState` of shardings). Compile-only tools lower it."""
-    return jax.jit(self._update_impl, donate_argnums=(0,), static_argnums=(2,),
-                   out_shardings=(state_shardings, None), compiler_options=self._options)  # fmt: skip
+    """The jitted update `update` runs, `(state, UpdateInputs, micro_batch, lr_scale, previous_grads) -> (state,
+    metrics, grads)`: the state and the previous float32 gradient donated, the state returned laid out as
+    `state_shardings` (a `TrainState` of shardings) and the gradient as its parameters. Compile-only tools lower
+    it."""
+    return jax.jit(self._update_impl, donate_argnums=(0, 4), static_argnums=(2,),
+                   out_shardings=(state_shardings, None, state_shardings.params),
+                   compiler_options=self._options)  # fmt: skip
 
   def _micro_objective(self, params, micro: UpdateInputs, denom, num_tokens, num_rows, prepared):
     lc = self.loss_cfg
@@ -458,7 +459,7 @@ class Learner:
       total = total + lc.router_aux_coef * lp.router_aux_loss * micro.tokens.shape[0] / num_rows
     return total, (out, lp)
 
-  def _update_impl(self, state: TrainState, arrays: UpdateInputs, mb, lr_scale):
+  def _update_impl(self, state: TrainState, arrays: UpdateInputs, mb, lr_scale, previous_grads):
     lc = self.loss_cfg
     m = arrays.tokens.shape[0]
     mask = arrays.response_mask
@@ -476,7 +477,8 @@ class Learner:
     # The policy-loss denominator does not depend on the parameters: get it for the whole mini-batch.
     denom = jnp.maximum(call_policy_loss(lc, jnp.zeros(mask.shape, jnp.float32), arrays, prepared).denominator, 1.0)
 
-    split = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), arrays)
+    alpha = arrays.proximal_alpha  # a scalar of the whole update (A-3PO), not split into micro-batches
+    split = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), arrays._replace(proximal_alpha=None))
     split_prepared = jax.tree.map(lambda a: a.reshape(m // mb, mb, *a.shape[1:]), prepared)
     grad_fn = jax.grad(self._micro_objective, has_aux=True)
     bins = position_bins(mask, arrays.segment_ids if _packed(arrays) else None)
@@ -487,6 +489,7 @@ class Learner:
 
     def body(acc, xs):
       micro, mprepared, mbins = xs
+      micro = micro._replace(proximal_alpha=alpha)
       grads, (out, lp) = grad_fn(state.params, micro, denom, num_tokens, rows, mprepared)
       g_acc, loss_acc, metric_acc, by_bin = acc
       g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, grads)
@@ -501,12 +504,14 @@ class Learner:
       by_bin = by_bin + jnp.einsum("nlb,knl->kb", onehot, jnp.where(valid > 0, per_token, 0.0))
       w = jnp.sum(valid) / num_tokens
       metric_acc = {k: combine_metric(k, metric_acc[k], v, w) for k, v in out.metrics.items()}
-      return (g_acc, loss_acc + out.loss_sum, metric_acc, by_bin), lp.logp
+      return (g_acc, loss_acc + out.loss_sum, metric_acc, by_bin), (lp.logp, tw)
 
     if _packed(arrays):  # a micro-batch of padding rows adds nothing: skip its forward and backward
-      body = _skip_micro_padding(body, jax.ShapeDtypeStruct((mb, *arrays.tokens.shape[1:]), jnp.float32))
+      per_row = jax.ShapeDtypeStruct((mb, *arrays.tokens.shape[1:]), jnp.float32)
+      body = _skip_micro_padding(body, (per_row, per_row))
     zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     first, first_prepared = jax.tree.map(lambda a: a[0], (split, split_prepared))
+    first = first._replace(proximal_alpha=alpha)
     metric_shape = jax.eval_shape(lambda: call_policy_loss(lc, first.behavior_logp, first, first_prepared).metrics)
     zero_metrics = {
         k: jnp.full(s.shape, METRIC_INIT.get(k.rsplit("_", 1)[-1], 0.0), jnp.float32) for k, s in metric_shape.items()
@@ -518,15 +523,21 @@ class Learner:
         # per bin: tokens, sums of w, w^2, |log ratio|, k3, entropy
         jnp.zeros((6, NUM_POSITION_BINS), jnp.float32),
     )
-    (grads, loss_sum, metrics, by_bin), logp = jax.lax.scan(body, init, (split, split_prepared, split_bins))
+    (grads, loss_sum, metrics, by_bin), (logp, token_weights) = jax.lax.scan(
+        body, init, (split, split_prepared, split_bins)
+    )
     wcnt, wsum, wsq, abs_lr, kl_k3, ent = by_bin
-    logp = logp.reshape(mask.shape)
+    logp, token_weights = logp.reshape(mask.shape), token_weights.reshape(mask.shape)
+    ess = ess_metrics(token_weights, logp, arrays.behavior_logp, mask, arrays.segment_ids if _packed(arrays) else None)
+    # VCPO (arXiv 2602.17616): the step times sqrt(ESS / B) of the sequence likelihood ratios (mit-han-lab/vcpo:
+    # lr x min(1, ess_ratio / base_ess_ratio) ** 0.5, base 1, unclipped ratios)
+    ess_scale = jnp.sqrt(ess["ess/seq_is_frac"]) if self.ess_step else jnp.ones((), jnp.float32)
     loss = loss_sum / denom
     grad_norm = optax.global_norm(grads)
     grads_finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     safe_grads = jax.tree.map(lambda g: jnp.where(grads_finite, g, 0.0), grads)
     updates, new_opt = self.optimizer.update(safe_grads, state.opt_state, state.params)
-    updates = jax.tree.map(lambda u: (u * lr_scale).astype(u.dtype), updates)
+    updates = jax.tree.map(lambda u: (u * (lr_scale * ess_scale)).astype(u.dtype), updates)
     new_params = optax.apply_updates(state.params, updates)
     # an update that makes the parameters or the optimizer state non-finite is skipped too
     finite = grads_finite & _all_finite(new_params) & _all_finite(new_opt)
@@ -544,7 +555,11 @@ class Learner:
         {
             "loss": loss,
             "grad_norm": grad_norm,
-            "lr": self.schedule(state.step) * lr_scale,
+            "lr": self.schedule(state.step) * lr_scale * ess_scale,
+            **ess,
+            "ess_step_scale": ess_scale,
+            # GAC (arXiv 2603.01501): the cosine with the previous update's gradient (NaN without one)
+            "grad_cosine": tree_cosine(previous_grads, grads),
             "update_skipped": ~finite,
             "learner_behavior/abs_log_ratio_mean": jnp.sum(jnp.abs(delta)) / num_tokens,
             "learner_behavior/k3": jnp.sum(kl_k3) / num_tokens,
@@ -555,7 +570,8 @@ class Learner:
             "tokens_by_position_bin": wcnt,
         }
     )
-    return new_state, out_metrics
+    next_grads = jax.tree.map(lambda g, p: jnp.where(finite, g, p), grads, previous_grads)
+    return new_state, out_metrics, next_grads
 
 
 def staleness(update_index: int, policy_version: np.ndarray) -> np.ndarray:

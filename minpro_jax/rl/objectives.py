@@ -1,4 +1,5 @@
-"""Policy objectives: MinPRO and the GRPO / GSPO / CISPO / M2PO baselines, as pure functions, and their registry.
+"""Policy objectives: MinPRO and the GRPO / GSPO / CISPO / M2PO / DPPO / CPPO / decoupled-PPO baselines, as pure
+functions, and their registry.
 
 Public surface::
 
@@ -48,8 +49,10 @@ from minpro_jax.rl.aggregation import (
     mismatch_metrics,
     rollout_correction,
 )
-from minpro_jax.rl.masks import check_bt, seq_sum, valid_and_starts
+from minpro_jax.rl.masks import binary_tv_mask, compute_m2po_mask, cppo_mask, negative_veto_mask, token_advantages
 from minpro_jax.rl.prefix import PREFIX_STATISTICS, prefix_log_factor
+from minpro_jax.rl.proximal import PROXIMAL_SOURCES
+from minpro_jax.rl.segments import check_bt, seq_sum, valid_and_starts
 
 __all__ = [
     "PolicyLossOutput",
@@ -80,6 +83,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "tis_cap": 2.0,
     "rollout_mis": None,
     "rollout_mis_bounds": (0.5, 2.0),
+    "negative_veto": None,
 }
 SURROGATES = ("reinforce", "ppo")
 
@@ -91,6 +95,7 @@ class TokenLossInputs(NamedTuple):
   method: the registered name being evaluated (for error messages).
   logp: f32 log-probs under pi_theta (carries the gradient).
   log_ratio: f32 l = logp - sg(behavior_logp), 0 at masked positions.
+  behavior_logp: f32 sg(behavior_logp), 0 at masked positions.
   adv: f32 per-token advantages (stop-gradient), 0 at masked positions.
   valid: bool, response tokens that enter the loss (response_mask, and segment id != 0 when packed).
   starts: bool segment-start flags, or None when every row is one sequence (``segment_ids=None``).
@@ -104,6 +109,7 @@ class TokenLossInputs(NamedTuple):
   valid: jax.Array
   starts: jax.Array | None
   segment_ids: jax.Array | None
+  behavior_logp: jax.Array
 
 
 TokenLoss = Callable[[TokenLossInputs, dict[str, Any]], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
@@ -187,8 +193,9 @@ class PolicyLossOutput:
       (seq-mean-token-sum-norm). Full-batch loss = sum(loss_sum) / sum(denominator).
     metrics: dict of f32 scalars (see :func:`policy_loss`).
     token_weights: [B, T] f32 detached per-token weight (0 at masked positions): minpro/cispo the
-      clipped weight w_t; grpo/m2po the ratio rho_t (m2po: times its keep-mask); gspo the sequence
-      ratio s_i. Rollout correction (TIS weight, MIS mask) is multiplied in.
+      clipped weight w_t; grpo/m2po the ratio rho_t (m2po, dppo, cppo: times the keep-mask; dppo: rho capped);
+      gspo the sequence ratio s_i; decoupled_ppo min(pi_prox/mu, C) x pi_theta/pi_prox. Rollout correction (TIS
+      weight, MIS mask) and the negative veto are multiplied in.
   """
 
   loss: jax.Array
@@ -232,63 +239,9 @@ def _ppo_token_loss(log_r, adv, log_lo, log_hi, dual_clip_c=None):
   return loss, clip_low, clip_high, dual
 
 
-def _token_advantages(advantages, valid):
-  if advantages.ndim == 1 and advantages.shape[0] == valid.shape[0]:
-    adv = advantages[:, None]
-  elif advantages.shape == valid.shape:
-    adv = advantages
-  else:
-    raise ValueError(
-        f"advantages must have shape [B]={(valid.shape[0],)} or [B, T]={tuple(valid.shape)}, "
-        f"got {tuple(advantages.shape)}."
-    )
-  return jnp.where(valid, adv.astype(jnp.float32), 0.0)
-
-
 def _seq_mean(x, valid, starts):
   count = seq_sum(valid.astype(jnp.float32), starts)
   return seq_sum(jnp.where(valid, x, 0.0), starts) / jnp.maximum(count, 1.0)
-
-
-def compute_m2po_mask(
-    log_ratio: jax.Array,
-    advantages: jax.Array,
-    response_mask: jax.Array,
-    m2_threshold: float = 0.04,
-) -> jax.Array:
-  """M2PO keep-mask over the WHOLE batch passed in (pass the full global mini-batch).
-
-  Variant implemented (M2PO, arXiv 2510.01161; Trinity-RFT-style, consistent with the authors' "harmful
-  tokens" rule): candidates are trust-region tokens (A > 0 and l > 0) or (A < 0 and l < 0); sort their l^2
-  ascending and keep the longest sorted prefix whose running mean of l^2 stays <= ``m2_threshold``; drop the
-  other candidates. Non-candidate valid tokens are always kept. (Not the authors' released variant that
-  turns the budget into global PPO clip bounds.)
-
-  Args:
-    log_ratio: [B, T] f32 l = logp - behavior_logp (garbage allowed at masked positions).
-    advantages: [B, T] (or [B]) advantages.
-    response_mask: [B, T] bool/0-1.
-    m2_threshold: tau_M2 > 0.
-
-  Returns: [B, T] bool, true at kept valid tokens. Raises ValueError on bad shapes or threshold.
-  """
-  check_bt("log_ratio", log_ratio)
-  check_bt("response_mask", response_mask, log_ratio.shape)
-  if not m2_threshold > 0:
-    raise ValueError(f"m2_threshold must be > 0, got {m2_threshold!r}.")
-  valid = response_mask.astype(bool)
-  lr = jnp.where(valid, log_ratio.astype(jnp.float32), 0.0)
-  adv = _token_advantages(advantages, valid)
-  cand = valid & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
-  sq = jnp.where(cand, lr * lr, jnp.inf).reshape(-1)
-  order = jnp.argsort(sq, stable=True)
-  sorted_sq = sq[order]
-  finite = jnp.isfinite(sorted_sq)
-  running = jnp.cumsum(jnp.where(finite, sorted_sq, 0.0)) / jnp.arange(1, sq.size + 1, dtype=jnp.float32)
-  num_keep = jnp.sum(finite & (running <= m2_threshold))
-  rank = jnp.zeros(sq.size, jnp.int32).at[order].set(jnp.arange(sq.size, dtype=jnp.int32))
-  keep_cand = cand & (rank.reshape(lr.shape) < num_keep)
-  return valid & (~cand | keep_cand)
 
 
 # ------------------------------------------------------------------------------------------------- methods
@@ -411,6 +364,100 @@ def _m2po(inp: TokenLossInputs, hp):
   return loss, jnp.where(mask, jax.lax.stop_gradient(rho), 0.0), metrics
 
 
+@register_objective("dppo", defaults={"tv_low": 0.15, "tv_high": 0.15, "ratio_cap": 10.0})
+def _dppo(inp: TokenLossInputs, hp):
+  """DPPO, Binary-TV (arXiv 2602.04879; sail-sg/Stable-RL `compute_policy_loss_with_mask`): -M sg(min(rho, cap)) A logp
+  with M the Binary-TV keep-mask (`masks.binary_tv_mask`) against mu. ``ratio_cap`` 10: the authors' code default
+  (`clip_ratio_c`); None = no cap (verl's recipe sets 10000)."""
+  valid, cap = inp.valid, hp["ratio_cap"]
+  if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+    raise ValueError(f"dppo: ratio_cap must be a number > 0 or None, got {cap!r}.")
+  keep = jax.lax.stop_gradient(
+      binary_tv_mask(jax.lax.stop_gradient(inp.logp), inp.behavior_logp, inp.adv, valid, hp["tv_low"], hp["tv_high"])
+  )
+  log_max = LOG_RATIO_CLAMP if cap is None else math.log(cap)
+  w = jax.lax.stop_gradient(jnp.exp(jnp.minimum(inp.log_ratio, log_max)))
+  loss = jnp.where(keep, -w * inp.adv * inp.logp, 0.0)
+  metrics = {"tv_masked_frac": masked_mean((valid & ~keep).astype(jnp.float32), valid)}
+  return loss, jnp.where(keep, w, 0.0), metrics
+
+
+@register_objective("cppo", defaults={"tv_delta": 0.2, "tv_position_weight_min": 0.8, "tv_prefix_budget": 0.02})
+def _cppo(inp: TokenLossInputs, hp):
+  """CPPO, Binary-TV (arXiv 2606.10968; Tencent-Hunyuan/UniRL `_cppo_loss`): -M rho A, the gradient through rho,
+  with M the position-weighted cumulative-prefix keep-mask (`masks.cppo_mask`) against mu."""
+  valid = inp.valid
+  keep = jax.lax.stop_gradient(
+      cppo_mask(
+          jax.lax.stop_gradient(inp.logp),
+          inp.behavior_logp,
+          inp.adv,
+          valid,
+          inp.starts,
+          hp["tv_delta"],
+          hp["tv_position_weight_min"],
+          hp["tv_prefix_budget"],
+      )
+  )
+  rho = jnp.exp(jnp.clip(inp.log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  loss = jnp.where(keep, -rho * inp.adv, 0.0)
+  metrics = {"tv_masked_frac": masked_mean((valid & ~keep).astype(jnp.float32), valid)}
+  return loss, jnp.where(keep, jax.lax.stop_gradient(rho), 0.0), metrics
+
+
+@register_objective(
+    "decoupled_ppo",
+    defaults={
+        "eps_low": 0.2,
+        "eps_high": 0.28,
+        "behavior_weight_cap": 2.0,
+        "proximal": "score",
+        "proximal_logp": None,
+        "proximal_alpha": None,
+    },
+)
+def _decoupled_ppo(inp: TokenLossInputs, hp):
+  """Decoupled PPO (module `minpro_jax.rl.proximal`): min(pi_prox / mu, C) x -min(r A, clip(r) A), r = pi_theta /
+  pi_prox, the behaviour weight detached and truncated as TIS is (C = ``behavior_weight_cap``, 2.0 as verl's
+  `rollout_is_threshold`; None = untruncated). pi_prox: ``proximal_logp`` [B, T] (``proximal="score"``) or A-3PO's
+  interpolation with the scalar ``proximal_alpha``. Eps defaults are GRPO's, so with pi_prox = mu it is ``grpo``."""
+  check_choice("proximal", hp["proximal"], PROXIMAL_SOURCES)
+  if hp["rollout_is"] is not None or hp["rollout_mis"] is not None:
+    raise ValueError(
+        "decoupled_ppo weights each token by its truncated behaviour ratio pi_prox / mu already; rollout_is / "
+        "rollout_mis would correct a second time: unset them"
+    )
+  cap = hp["behavior_weight_cap"]
+  if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+    raise ValueError(f"decoupled_ppo: behavior_weight_cap must be a number > 0 or None, got {cap!r}.")
+  log_lo, log_hi = _bounds(hp["eps_low"], hp["eps_high"], inp.method)
+  valid, lr = inp.valid, inp.log_ratio
+  if hp["proximal"] == "score":
+    if hp["proximal_logp"] is None:
+      raise ValueError("decoupled_ppo with proximal='score' needs proximal_logp ([B, T] log-probs of pi_prox).")
+    check_bt("proximal_logp", hp["proximal_logp"], valid.shape)
+    prox = jax.lax.stop_gradient(jnp.where(valid, hp["proximal_logp"], 0.0).astype(jnp.float32))
+    log_w, log_r = prox - inp.behavior_logp, inp.logp - prox
+  else:
+    if hp["proximal_alpha"] is None:
+      raise ValueError("decoupled_ppo with proximal='interpolate' needs proximal_alpha (A-3PO's scalar weight).")
+    alpha = jax.lax.stop_gradient(jnp.asarray(hp["proximal_alpha"], jnp.float32))
+    log_w, log_r = alpha * jax.lax.stop_gradient(lr), lr - alpha * jax.lax.stop_gradient(lr)
+  log_w = jnp.where(valid, jnp.clip(log_w, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
+  log_r = jnp.where(valid, jnp.clip(log_r, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
+  log_cap = LOG_RATIO_CLAMP if cap is None else math.log(cap)
+  w = jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_w, log_cap)))
+  loss, clip_low, clip_high, _ = _ppo_token_loss(log_r, inp.adv, log_lo, log_hi)
+  metrics = {
+      "clip_frac_low": masked_mean(clip_low.astype(jnp.float32), valid),
+      "clip_frac_high": masked_mean(clip_high.astype(jnp.float32), valid),
+      "behavior_weight_mean": masked_mean(w, valid),
+      "behavior_weight_clip_frac": masked_mean((log_w > log_cap).astype(jnp.float32), valid),
+      "proximal_log_ratio_mean": masked_mean(log_w, valid),
+  }
+  return w * loss, w * jnp.exp(jax.lax.stop_gradient(log_r)), metrics
+
+
 # ------------------------------------------------------------------------------------------------- entry point
 def policy_loss(
     method: str,
@@ -438,10 +485,16 @@ def policy_loss(
     * ``m2po``: -M rho A with the mask of :func:`compute_m2po_mask`, denominator = all valid tokens.
       The mask needs the whole mini-batch: call with the full mini-batch, or compute ``m2po_mask`` once
       on it (the objective's ``prepare``) and pass the slice to each micro-batch call.
+    * ``dppo`` (arXiv 2602.04879): -M sg(min(rho, ratio_cap)) A logp, M the Binary-TV mask (``tv_low``/``tv_high``).
+    * ``cppo`` (arXiv 2606.10968): -M rho A, M the position-weighted cumulative-prefix Binary-TV mask.
+    * ``decoupled_ppo``: min(pi_prox/mu, behavior_weight_cap) x -min(r A, clip(r) A), r = pi_theta/pi_prox, pi_prox
+      from ``proximal_logp`` (``proximal="score"``) or A-3PO's interpolation (``proximal_alpha``).
   Common hparams: ``loss_agg_mode`` (``LOSS_AGG_MODES``), ``max_response_length``; rollout correction
   ``rollout_logp`` [B, T], ``rollout_is`` None|token|sequence, ``tis_cap`` (2.0), ``rollout_mis``
   None|token|sequence|geometric, ``rollout_mis_bounds`` ((0.5, 2.0)); see
-  ``minpro_jax.rl.aggregation.rollout_correction`` (MIS-rejected tokens still count in the denominator).
+  ``minpro_jax.rl.aggregation.rollout_correction`` (MIS-rejected tokens still count in the denominator);
+  ``negative_veto`` None | c > 1: mu-GRPO's negative-advantage veto (`masks.negative_veto_mask`: a response with
+  A < 0 loses its loss from the first token with rho > c on; vetoed tokens still count in the denominator).
 
   Args:
     method: a name in ``OBJECTIVES``.
@@ -456,7 +509,8 @@ def policy_loss(
     ``log_ratio_mean``, ``weight_mean`` (mean of token_weights), ``num_tokens`` (valid tokens),
     method-specific ``clip_frac_low/high``, ``dual_clip_frac``, ``prefix_factor_mean``,
     ``prefix_log_factor_mean``, ``m2po_kept_frac``, ``m2po_second_moment``, ``tis_weight_mean``,
-    ``tis_clip_frac``, ``mis_kept_frac``.
+    ``tis_clip_frac``, ``mis_kept_frac``, ``negative_veto_frac``, ``tv_masked_frac`` (dppo, cppo),
+    ``behavior_weight_mean``, ``behavior_weight_clip_frac``, ``proximal_log_ratio_mean`` (decoupled_ppo).
 
   Raises:
     ValueError: unknown method / hparam / statistic / agg mode (listing the valid choices), bad shapes
@@ -474,7 +528,7 @@ def policy_loss(
   logp_s = jnp.where(valid, logp, 0.0).astype(jnp.float32)
   blogp_s = jax.lax.stop_gradient(jnp.where(valid, behavior_logp, 0.0).astype(jnp.float32))
   log_ratio = jnp.where(valid, logp_s - blogp_s, 0.0)
-  adv = jax.lax.stop_gradient(_token_advantages(advantages, valid))
+  adv = jax.lax.stop_gradient(token_advantages(advantages, valid))
   inputs = TokenLossInputs(
       method=method,
       logp=logp_s,
@@ -483,6 +537,7 @@ def policy_loss(
       valid=valid,
       starts=starts,
       segment_ids=segment_ids,
+      behavior_logp=blogp_s,
   )
 
   loss_bt, weights, metrics = objective.token_loss(inputs, hp)
@@ -496,6 +551,10 @@ def policy_loss(
       rollout_mis=hp["rollout_mis"],
       rollout_mis_bounds=hp["rollout_mis_bounds"],
   )
+  if hp["negative_veto"] is not None:  # mu-GRPO: a negative response loses its suffix from the trigger on
+    kept = jax.lax.stop_gradient(negative_veto_mask(log_ratio, adv, valid, starts, hp["negative_veto"]))
+    metrics = {**metrics, "negative_veto_frac": masked_mean((valid & ~kept).astype(jnp.float32), valid)}
+    rc_keep = rc_keep & kept
   loss_bt = jnp.where(rc_keep, loss_bt * rc_weight, 0.0)
   weights = jnp.where(rc_keep, jax.lax.stop_gradient(weights) * rc_weight, 0.0)
   loss_sum, denominator = aggregate_loss(

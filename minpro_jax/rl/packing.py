@@ -181,7 +181,8 @@ def pack(batch: RolloutBatch, p: PackPlan, fields=PACKED_FIELDS, routes: bool = 
   """The per-token `fields` of `batch` in the packed rows of `p` (host arrays, the batch's dtypes).
 
   `segment_ids` are the plan's; `advantages` ([N] per sample) become [R, W] per token; padding is 0 (False), and
-  NO_ROUTE in `routes` ([R, W, layers, k], with `routes=True`); `kept_logp_threshold` too when the batch has it.
+  NO_ROUTE in `routes` ([R, W, layers, k], with `routes=True`); `kept_logp_threshold` and `proximal_logp` too when
+  the batch has them.
   """
   out = {}
   for f in fields:
@@ -196,6 +197,8 @@ def pack(batch: RolloutBatch, p: PackPlan, fields=PACKED_FIELDS, routes: bool = 
     out["routes"] = pack_tokens(batch.routes, p, fill=NO_ROUTE)
   if batch.kept_logp_threshold is not None:  # the sampler's kept set (truncated sampling, docs/truncation.md)
     out["kept_logp_threshold"] = pack_tokens(batch.kept_logp_threshold, p)
+  if batch.proximal_logp is not None:  # decoupled PPO's pi_prox (`minpro_jax.rl.proximal`)
+    out["proximal_logp"] = pack_tokens(batch.proximal_logp, p)
   return out
 
 

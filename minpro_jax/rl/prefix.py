@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from minpro_jax.rl.masks import check_bt, valid_and_starts
+from minpro_jax.rl.segments import check_bt, valid_and_starts
 
 PREFIX_STATISTICS = ("min", "mean", "geomean", "prod", "none")
 
@@ -35,6 +35,20 @@ def seq_first(starts: jax.Array | None, valid: jax.Array) -> jax.Array:
   else:
     before = _segmented_inclusive(jnp.add, v, starts) - v
   return valid & (before == 0)
+
+
+def seq_cumsum(x_bt: jax.Array, starts: jax.Array | None, *, exclusive: bool = False) -> jax.Array:
+  """[B, T] cumulative sum of ``x_bt`` along each sequence (restarting at every segment start; ``starts=None``: a
+  row is one sequence), inclusive of the position itself or, with ``exclusive``, over the positions before it (0 at
+  a sequence's first position). ``x_bt`` must already be 0 at masked positions; an integer input sums exactly."""
+  zero = jnp.zeros((), x_bt.dtype)
+  if starts is None:
+    inclusive = jnp.cumsum(x_bt, axis=1)
+    return _shift_right(inclusive, zero) if exclusive else inclusive
+  inclusive = _segmented_inclusive(jnp.add, x_bt, starts)
+  if not exclusive:
+    return inclusive
+  return jnp.where(starts, zero, _shift_right(inclusive, zero))
 
 
 def _shift_right(x: jax.Array, fill) -> jax.Array:

@@ -31,15 +31,21 @@ programs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from minpro_jax.errors import ConfigError
 from minpro_jax.rl import packed_batch
-from minpro_jax.rl.learner import Learner, ScoreInputs, UpdateInputs, staleness
+from minpro_jax.rl.epochs import epoch_rows
+from minpro_jax.rl.learner import Learner, staleness
+from minpro_jax.rl.learner_inputs import SCORE_ROW_FIELDS, UPDATE_ROW_FIELDS, ScoreInputs, UpdateInputs
+from minpro_jax.rl.proximal import interpolation_alpha
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.runtime import host_batch, multihost
 from minpro_jax.runtime.sharding import DEFAULT_RULES, active_rules, batch_split
@@ -115,7 +121,7 @@ def stage(local: RolloutBatch, mesh: jax.sharding.Mesh, num_rows: int, replay: b
     ValueError: replay without routes in the batch; `local` is not this process's share of `num_rows`; the mesh's
       devices are not in process order with equal shares (`host_batch.staging_sharding`).
   """
-  fields = _input_fields(local, UpdateInputs._fields[:-2], replay)
+  fields = _input_fields(local, UPDATE_ROW_FIELDS, replay)
   placed = host_batch.global_rows(fields, host_batch.staging_sharding(mesh.devices, num_rows), num_rows)
   every = _per_row(local, num_rows)
   return StagedBatch(UpdateInputs(**placed), every[:, 0], int(every[:, 1].sum()))
@@ -136,20 +142,35 @@ def learner_sharding(mesh: jax.sharding.Mesh, rows: int) -> jax.sharding.NamedSh
   return host_batch.batch_sharding(mesh, axes)
 
 
-def mini_batches(staged: StagedBatch, num: int, mesh: jax.sharding.Mesh) -> Iterator[UpdateInputs]:
-  """`num` equal consecutive mini-batches of `staged`, each sliced on the devices and laid out on the learner's
-  batch sharding (`learner_sharding`), one at a time (a mini-batch is made when the loop asks for it).
+def mini_batches(
+    staged: StagedBatch, num: int, mesh: jax.sharding.Mesh, rows: np.ndarray | None = None
+) -> Iterator[UpdateInputs]:
+  """`num` equal consecutive mini-batches of `staged` (of its rows in the order `rows`, a permutation of them, when
+  given: `minpro_jax.rl.epochs`), each taken on the devices and laid out on the learner's batch sharding
+  (`learner_sharding`), one at a time (a mini-batch is made when the loop asks for it).
 
   Raises:
-    ValueError: the batch size is not divisible by `num` (`RolloutBatch.split`'s message).
+    ValueError: the batch size is not divisible by `num` (`RolloutBatch.split`'s message); `rows` with packed
+      arrays (their rows are the packed rows of each mini-batch).
   """
   n = staged.size
   if num <= 0 or n % num:
     raise ValueError(f"cannot split a batch of {n} samples into {num} equal mini-batches")
   m = staged.arrays.tokens.shape[0] // num  # packed (`packed_batch.stage`): each mini-batch's R packed rows
   sharding = learner_sharding(mesh, m)
+  if rows is not None and staged.arrays.tokens.shape[0] != n:
+    raise ValueError("mini_batches: a row order needs unpacked arrays (one sample per row)")
   for j in range(num):
-    yield multihost.settle(host_batch.take_rows(sharding, j * m, m)(staged.arrays))
+    if rows is None:
+      yield multihost.settle(host_batch.take_rows(sharding, j * m, m)(staged.arrays))
+    else:  # the same program for every order: the rows are an argument (replicated int32, the same on every process)
+      yield multihost.settle(_take_at(sharding)(staged.arrays, np.asarray(rows[j * m : (j + 1) * m], np.int32)))
+
+
+@functools.lru_cache(maxsize=8)
+def _take_at(sharding: jax.sharding.Sharding):
+  """A jitted `(tree, rows) -> the rows [rows] of every leaf`, laid out as `sharding` (the devices move them)."""
+  return jax.jit(lambda tree, rows: jax.tree.map(lambda a: jnp.take(a, rows, axis=0), tree), out_shardings=sharding)
 
 
 def for_learner(
@@ -229,7 +250,7 @@ def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, 
   mb = min(learner.micro_batch_size, num_rows)
   if num_rows % mb:
     raise ValueError(f"batch of {num_rows} rows is not divisible by micro_batch_size {mb}")
-  fields = _input_fields(local, ScoreInputs._fields[:-2], learner.loss_cfg.router_replay)
+  fields = _input_fields(local, SCORE_ROW_FIELDS, learner.loss_cfg.router_replay)
   placed = multihost.settle(host_batch.global_rows(fields, staging, num_rows))
   placed = multihost.settle(host_batch.take_rows(learner_sharding(mesh, num_rows), 0, num_rows)(placed))
   logp, routes = multihost.settle(learner.jitted_score(params, ScoreInputs(**placed), mb))
@@ -238,33 +259,72 @@ def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, 
 
 
 def updates(
-    learner: Learner, state: Any, batch: RolloutBatch | StagedBatch, num: int, lr_scale: float = 1.0
+    learner: Learner,
+    state: Any,
+    batch: RolloutBatch | StagedBatch,
+    num: int,
+    lr_scale: float = 1.0,
+    *,
+    num_epochs: int = 1,
+    group_size: int = 1,
+    seed: int = 0,
 ) -> tuple[Any, list[dict[str, Any]], np.ndarray, int]:
-  """`num` optimizer updates, one per equal consecutive mini-batch of `batch` (host rows: `Learner.update`; staged:
-  `mini_batches` and `Learner.update_arrays`), inside the caller's `use_mesh`.
+  """`num_epochs` passes over `batch`, each `num` optimizer updates, one per equal consecutive mini-batch of the
+  pass's row order (`minpro_jax.rl.epochs.epoch_rows` of `group_size`, `seed`; host rows: `RolloutBatch.select` /
+  `split` and `Learner.update_inputs`; staged: `mini_batches`), inside the caller's `use_mesh`. Every update after
+  the first gets the previous update's gradient (the `grad_cosine` metric). With decoupled PPO it first scores the
+  batch at the parameters before the first update (`LossConfig.reads_proximal_logp`, pi_prox) or gives each update
+  A-3PO's interpolation weight (`minpro_jax.rl.proximal`).
 
   Returns:
-    (the state after them, each update's metrics, the [N] int64 staleness of every row at its update, the batch's
-    real tokens).
+    (the state after them, each update's metrics, the [num_epochs x N] int64 staleness of every row at each of its
+    updates, the real tokens the updates ran: the batch's times num_epochs).
 
   Raises:
-    ValueError: the batch size is not divisible by `num`; as the learner's update.
+    ValueError: the batch size is not divisible by `num`, or a mini-batch by `group_size`; as the learner's update.
+    ConfigError: num_epochs > 1 with packed staged arrays (`packed_batch.stage`: each process packed its own
+      mini-batches, which a reordered pass cannot reuse).
   """
-  ups, stale = [], []
-  if isinstance(batch, StagedBatch):
-    if num <= 0 or batch.size % num:
-      raise ValueError(f"cannot split a batch of {batch.size} samples into {num} equal mini-batches")
-    minis = mini_batches(batch, num, learner.mesh)
-    for arrays, version in zip(minis, np.split(batch.policy_version, num)):
-      stale.append(staleness(int(state.step), version))
-      state, m = learner.update_arrays(state, arrays, lr_scale)
+  n = batch.size
+  if num <= 0 or n % num:
+    raise ValueError(f"cannot split a batch of {n} samples into {num} equal mini-batches")
+  if num_epochs < 1 or (n // num) % group_size:
+    raise ValueError(
+        f"num_epochs must be >= 1 and each mini-batch of {n // num} rows hold whole groups of {group_size}"
+    )
+  loss_cfg, first = learner.loss_cfg, int(state.step)
+  staged = isinstance(batch, StagedBatch)
+  if staged and num_epochs > 1 and batch.arrays.tokens.shape[0] != n:
+    raise ConfigError(
+        "config.num_epochs: passes after the first reorder the batch's groups, but in this multi-process run each "
+        "process packed its own mini-batches (learner.row_tokens); set num_epochs=1 or learner.row_tokens=0"
+    )
+  if loss_cfg.reads_proximal_logp:  # decoupled PPO's pi_prox: the parameters before the step's first update
+    if staged:
+      logp, _ = learner.jitted_score(state.params, batch.arrays.score_inputs(), learner.micro_batch(n // num))
+      batch = dataclasses.replace(batch, arrays=batch.arrays._replace(proximal_logp=logp))
+    else:
+      logp = learner.score(state.params, batch, chunk_rows=n // num)
+      batch = batch.replace(proximal_logp=np.where(batch.response_mask, logp, 0.0).astype(np.float32))
+  versions, interpolate = batch.policy_version, loss_cfg.proximal == "interpolate"
+  ups, stale, grads = [], [], None
+  for epoch in range(num_epochs):
+    rows = epoch_rows(n, group_size, epoch, seed, first)
+    if staged:
+      minis = ((arrays, None) for arrays in mini_batches(batch, num, learner.mesh, rows if epoch else None))
+    else:  # each mini-batch's device arrays made when the loop asks for them
+      host = batch.split(num) if not epoch else batch.select(rows).split(num)
+      minis = (learner.update_inputs(mini, learner.micro_batch(mini.size)) for mini in host)
+    for j, (arrays, pad) in enumerate(minis):
+      version = versions[rows[j * (n // num) : (j + 1) * (n // num)]]
+      current = int(state.step)
+      stale.append(staleness(current, version))
+      if interpolate:
+        arrays = arrays._replace(proximal_alpha=interpolation_alpha(version, first, current))
+      state, m, grads = learner.update_arrays(state, arrays, lr_scale, pad_fraction=pad, previous_grads=grads)
       ups.append(m)
-    return state, ups, np.concatenate(stale), batch.real_tokens
-  for mini in batch.split(num):
-    stale.append(staleness(int(state.step), mini.policy_version))
-    state, m = learner.update(state, mini, lr_scale)
-    ups.append(m)
-  return state, ups, np.concatenate(stale), int(batch.segment_ids.sum())
+  tokens = batch.real_tokens if staged else int(batch.segment_ids.sum())
+  return state, ups, np.concatenate(stale), tokens * num_epochs
 
 
 # ---------------------------------------------------------------------------------------------- the delay buffer

@@ -7,15 +7,18 @@ by the sampler at generation time together with the `policy_version` of the para
 them; nothing here ever recomputes them (case B15, tests/CASES.md).
 
 Staleness. `RolloutBuffer` is a FIFO of depth d = `delay`: the batch pushed at global step s is released
-at step s + d. Each global step runs n = `num_updates_per_step` optimizer updates on the batch released
-in it (none while the buffer fills, steps 0..d-1), and the sampler always uses the newest parameters, so
-the parameters at the start of step t are version max(0, t - d) * n. The batch released at step s >= d was
-sampled at step s - d by version max(0, s - 2d) * n, and update j (0-based) of step s runs at version
-(s - d) * n + j. Its staleness (`minpro_jax.rl.learner.staleness`, updates between sampling and use) is
-therefore:
-  * d * n + j once the buffer has been full for d steps (s >= 2d);
-  * (s - d) * n + j for the first d released batches (d <= s < 2d), which the initial parameters sampled.
-The paper's d = 2, n = 16 gives 32..47 in the steady state (tests/test_staleness.py).
+at step s + d. Each global step passes E = `num_epochs` times over the batch released in it, each pass n =
+`num_updates_per_step` optimizer updates (`minpro_jax.rl.epochs`; none while the buffer fills, steps 0..d-1), and
+the sampler always uses the newest parameters, so the parameters at the start of step t are version
+max(0, t - d) * E * n. The batch released at step s >= d was sampled at step s - d by version
+max(0, s - 2d) * E * n, and update j (0-based) of pass e (0-based) of step s runs at version
+(s - d) * E * n + e * n + j. The staleness of that use of a sample (`minpro_jax.rl.learner.staleness`, updates
+between sampling and use) is therefore:
+  * d * E * n + e * n + j once the buffer has been full for d steps (s >= 2d);
+  * (s - d) * E * n + e * n + j for the first d released batches (d <= s < 2d), which the initial parameters
+    sampled.
+Each sample is used E times, so the `staleness/*` metrics and histogram count E uses per sample. The paper's d = 2,
+E = 1, n = 16 gives 32..47 in the steady state (tests/test_staleness.py).
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class RolloutBatch:
     kept_logp_threshold: None when the sampling did not truncate, else [N, L] float32 threshold of each response
       token's top-k / top-p set (`GenerationBatch.kept_logp_threshold`), -inf elsewhere; the learner renormalises
       its log-probs over the same sets (`minpro_jax.models.logprobs`).
+    proximal_logp: None, or [N, L] float32 log-probs of the same tokens under decoupled PPO's proximal policy (the
+      parameters before the first update of the step that learns from the batch; `minpro_jax.rl.proximal`), set by
+      the learn step when the loss reads them; 0 off `response_mask`. Never part of a checkpointed buffer.
 
   Raises (on construction, when every field is an array):
     ValueError: a field whose shape is not [N, L] / [N] (names the field).
@@ -83,6 +89,7 @@ class RolloutBatch:
   truncated: np.ndarray
   routes: np.ndarray | None = None
   kept_logp_threshold: np.ndarray | None = None
+  proximal_logp: np.ndarray | None = None
 
   def __post_init__(self):
     # pytree transforms rebuild the batch with placeholder leaves (None, sentinels): only arrays are checked
@@ -100,6 +107,9 @@ class RolloutBatch:
     thr = self.kept_logp_threshold
     if hasattr(thr, "shape") and thr.shape != (n, length):
       raise ValueError(f"RolloutBatch.kept_logp_threshold has shape {thr.shape}, expected {(n, length)}")
+    prox = self.proximal_logp
+    if hasattr(prox, "shape") and prox.shape != (n, length):
+      raise ValueError(f"RolloutBatch.proximal_logp has shape {prox.shape}, expected {(n, length)}")
 
   @classmethod
   def from_generation(

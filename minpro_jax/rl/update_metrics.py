@@ -13,7 +13,9 @@ def combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
   By response-position bin (None for bins no response reached), token-weighted over the updates: the mean weight,
   the mean learner-behaviour |log ratio|, and the weights' effective sample size as a fraction of the bin's tokens,
   ESS / n = (sum w)^2 / (n sum w^2) (Kish's effective sample size;
-  1: equal weights). The learner's entropy and K3 are also listed update by update (`*_by_update`)."""
+  1: equal weights). The learner's entropy, K3, token and sequence-ratio ESS and gradient cosine are also listed
+  update by update (`*_by_update`; None for a non-finite value: the step's first cosine); `learn/grad_cosine` is the mean
+  over the step's other updates (None with one update)."""
   out: dict[str, Any] = {}
   per_bin = {}
   if "tokens_by_position_bin" in ups[0]:
@@ -41,9 +43,13 @@ def combine_update_metrics(ups: list[dict[str, Any]]) -> dict[str, Any]:
     elif k == "update_skipped":
       out["learn/skipped_updates"] = int(vals.sum())
       out["learn/updates"] = len(ups)
+    elif k == "grad_cosine":  # NaN for the step's first update (no previous gradient): the mean of the others
+      seen = vals[np.isfinite(vals)]
+      out[f"learn/{k}"] = float(seen.mean()) if seen.size else None
     else:
       out[f"learn/{k}"] = float(vals.mean())
-  for k in ("entropy_mean", "learner_behavior/k3"):  # how they move over the step's updates (staleness grows)
+  # how they move over the step's updates (staleness grows)
+  for k in ("entropy_mean", "learner_behavior/k3", "ess/token_frac", "ess/seq_is_frac", "grad_cosine"):
     if k in ups[0]:
-      out[f"learn/{k}_by_update"] = [float(u[k]) for u in ups]
+      out[f"learn/{k}_by_update"] = [float(u[k]) if np.isfinite(u[k]) else None for u in ups]
   return out

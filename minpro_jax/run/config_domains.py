@@ -65,6 +65,7 @@ DOMAINS: tuple[Domain, ...] = (
     Domain("sft.boxed_fraction", "float", 0.0, 1.0, when=_SFT, why="a fraction of the SFT targets"),
     Domain("sft.row_tokens", "int", 0, when=_SFT, why="0 = one example per row; else the packed rows' token budget"),
     Domain("learner.row_tokens", "int", 0, why="0 = one sample per row; else the packed rows' token budget"),
+    Domain("num_epochs", "int", 1, why="passes over each released batch (PPO epochs; 1 = one pass)"),
     Domain("log.mismatch_every", "int", 1, why="global steps between the sampler-learner mismatch metrics (1 = every)"),
     Domain("sampling.max_sampling_rounds", "int", 1, why="rounds of prompts_per_step prompts a step may sample"),
 )

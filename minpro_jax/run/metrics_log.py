@@ -150,7 +150,8 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
 
 
 def plot_run(workdir: str) -> list[str]:
-  """Writes PNG plots (reward/accuracy, staleness, weight by position, eval) from metrics.jsonl; returns paths."""
+  """Writes PNG plots (reward/accuracy, staleness, ESS and gradient cosine, weight by position, eval) from
+  metrics.jsonl; returns paths."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -188,6 +189,24 @@ def plot_run(workdir: str) -> list[str]:
   ax.set_ylabel("updates between sampling and use")
   ax.legend()
   out.append(_save(fig, workdir, "staleness.png"))
+
+  diagnostics = (
+      ("learn/ess/token_frac", "ESS / n, token weights"),
+      ("learn/ess/seq_frac", "ESS / B, sequence weights"),
+      ("learn/ess/seq_is_frac", "ESS / B, sequence ratios (VCPO)"),
+      ("learn/grad_cosine", "cosine of consecutive gradients"),
+  )
+  drawn = [(series(key), label) for key, label in diagnostics]
+  if any(s for s, _ in drawn):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s, label in drawn:
+      if s:
+        ax.plot(*s, label=label)
+    ax.set_xlabel("global step")
+    ax.set_ylabel("mean over the step's updates")
+    ax.legend()
+    ax.set_title("effective sample size and gradient alignment")
+    out.append(_save(fig, workdir, "ess.png"))
 
   bins = [r["learn/weight_by_position_bin"] for r in recs if r.get("learn/weight_by_position_bin")]
   if bins:

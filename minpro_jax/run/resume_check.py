@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from minpro_jax.config_lib.defaults import ISSUE_57_LOSS_FIELDS
 from minpro_jax.data.tfds_source import parse_tfds_ref
 from minpro_jax.errors import ConfigError
 from minpro_jax.run.run_config import eval_files
@@ -21,6 +22,7 @@ RESUME_KEYS = (
     "prompts_per_step",
     "group_size",
     "num_updates_per_step",
+    "num_epochs",
     "delay",
     "loss",
     "model",
@@ -44,14 +46,17 @@ RESUME_KEYS = (
     "eval.temperature",
     "eval.top_p",
     "sft.target",  # the warm start's targets are also the trained tokenizer's corpus
+    "learner.ess_step",
 )
 
 # Keys added to RESUME_KEYS after checkpoints existed: a stored fingerprint without one ran with this value.
 RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS} | {"sft.target": "answer"}
 RESUME_DEFAULTS |= {"sampling.drop_equal_reward_groups": False, "sampling.max_sampling_rounds": 4}
+RESUME_DEFAULTS |= {"num_epochs": 1, "learner.ess_step": False}
 # Fields added later to a group that RESUME_KEYS compares whole (e.g. `reward`): a stored group without one ran with
 # this value.
 GROUP_DEFAULTS = {"reward.mask_truncated": False}
+GROUP_DEFAULTS |= {f"loss.{field}": None for field in ISSUE_57_LOSS_FIELDS}  # unset: the method's default
 # Keys added later whose value then is unknown: a stored fingerprint without one is not compared on them.
 UNRECORDED_KEYS = ("eval.n", "eval.reward_mode", "eval.temperature", "eval.top_p", "tfds")
 

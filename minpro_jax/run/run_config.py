@@ -25,7 +25,7 @@ from minpro_jax.rl import mipu
 from minpro_jax.rl.advantages import ADVANTAGE_MODES
 from minpro_jax.rl.learner import LossConfig
 from minpro_jax.rl.lr_decay import LrDecayConfig
-from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss
+from minpro_jax.rl.objectives import OBJECTIVES, get_objective, policy_loss, resolve_hparams
 from minpro_jax.rl.optimizer import OptimizerConfig
 from minpro_jax.rl.packing import check_row_tokens
 from minpro_jax.run import config_checks, sampler_setup
@@ -114,6 +114,13 @@ def validate_config(c, num_devices: int | None = None) -> None:
         f"{4 * c.sft.max_len}: several examples per row), or 0 to turn packing off",
     )
   check_domains(c)  # the fields no part checks itself, and settings under which nothing is learnt
+  _need(
+      num_epochs(c) == 1 or not c.learner.row_tokens or jax.process_count() == 1,
+      "num_epochs",
+      f"{num_epochs(c)} passes reorder the batch's groups after the first, but with learner.row_tokens each of the "
+      f"{jax.process_count()} processes packs its own mini-batches, which a reordered pass cannot reuse; set "
+      "num_epochs=1 or learner.row_tokens=0",
+  )
   check_sft_target(c.sft.target, c.data)  # also shapes the tokenizer corpus, so checked without SFT
   config_checks.check_mesh(c, num_devices or len(jax.devices()))
 
@@ -133,6 +140,7 @@ def validate_shapes_config(c) -> None:
   loss_config(c)
   _check_optimizer(c)
   check_row_tokens(c)
+  ess_step(c)
 
 
 def learner_rules(c):
@@ -152,13 +160,13 @@ def _check_optimizer(c) -> None:
   _need(o.schedule in SCHEDULES, "optimizer.schedule", f"{o.schedule!r}; choose one of {SCHEDULES}")
   optimizer_config(c)
   lr_decay_config(c)
-  updates = max(c.total_steps - c.delay, 1) * c.num_updates_per_step
+  updates = max(c.total_steps - c.delay, 1) * c.num_updates_per_step * num_epochs(c)
   _need(
       o.schedule == "constant" or o.decay_steps >= 1,
       "optimizer.decay_steps",
       f"schedule={o.schedule!r} decays the rate to final_lr_ratio={o.final_lr_ratio} x it over decay_steps optimizer "
       f"updates, and 0 would do it at the first update (nothing learnt after it); set decay_steps, e.g. to this "
-      f"run's {updates} updates ((total_steps - delay) x num_updates_per_step), or schedule=constant",
+      f"run's {updates} updates ((total_steps - delay) x num_updates_per_step x num_epochs), or schedule=constant",
   )
   _need(
       o.learning_rate <= MAX_LEARNING_RATE,
@@ -166,6 +174,22 @@ def _check_optimizer(c) -> None:
       f"{o.learning_rate} is above {MAX_LEARNING_RATE}: AdamW moves every parameter by about the learning rate per "
       "update, which destroys the policy; RL fine-tuning uses 1e-7 .. 1e-3",
   )
+
+
+def num_epochs(c) -> int:
+  """`config.num_epochs`, the passes over each released batch (`minpro_jax.rl.epochs`)."""
+  return int(c.num_epochs)
+
+
+def ess_step(c) -> bool:
+  """`config.learner.ess_step` (VCPO's step scaled by sqrt(ESS / B), `minpro_jax.rl.learner.Learner`).
+
+  Raises:
+    ConfigError: not a bool.
+  """
+  value = c.learner.ess_step
+  _need(isinstance(value, bool), "learner.ess_step", f"must be True or False, got {value!r}")
+  return value
 
 
 def random_rollback_rate(c) -> float:
@@ -192,7 +216,7 @@ def random_rollback_rate(c) -> float:
 # ---------------------------------------------------------------------------------------------- typed configs
 # config.loss fields that are not objective hyper-parameters
 _LOSS_TERMS = ("method", "entropy_coef", "kl_coef", "router_aux_coef", "logprob_chunk_size", "router_replay")
-_COMMON_HPARAMS = ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis", "rollout_mis_bounds")
+_COMMON_HPARAMS = ("loss_agg_mode", "rollout_is", "tis_cap", "rollout_mis", "rollout_mis_bounds", "negative_veto")
 
 
 def loss_config(c) -> LossConfig:
@@ -219,7 +243,7 @@ def loss_config(c) -> LossConfig:
       "is set but loss.rollout_mis is not; set loss.rollout_mis=token|sequence|geometric or unset the bounds",
   )
   for name in (*_COMMON_HPARAMS, *method_fields):
-    value = l[name]
+    value = l.get(name)  # a config from before a common field lacks it
     if value is None or (name == "tis_cap" and l.rollout_is is None):
       continue
     if name == "rollout_mis_bounds":
@@ -258,6 +282,11 @@ def _mis_bounds(value) -> tuple[float, float]:
 def _probe_policy_loss(method: str, hparams: dict[str, Any]) -> None:
   x = jax.ShapeDtypeStruct((1, 2), jnp.float32)
   extra = {"rollout_logp": x} if hparams.get("rollout_is") or hparams.get("rollout_mis") else {}
+  proximal = resolve_hparams(method, hparams).get("proximal")  # decoupled PPO: the inputs the learner gives it
+  if proximal == "score":
+    extra["proximal_logp"] = x
+  elif proximal == "interpolate":
+    extra["proximal_alpha"] = jax.ShapeDtypeStruct((), jnp.float32)
   adv = jax.ShapeDtypeStruct((1,), jnp.float32)
   mask = jax.ShapeDtypeStruct((1, 2), jnp.bool_)
   jax.eval_shape(lambda lp, b, a, m, **kw: policy_loss(method, lp, b, a, m, **hparams, **kw), x, x, adv, mask, **extra)

@@ -8,9 +8,10 @@ One global step s:
      multi-process run each process gets back, grades and scores only its rows (whole groups:
      `Sampler.generate(own_rows=True)`, `process_batch.score`);
   3. grade the responses and compute group advantages (by explicit group ids);
-  4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), split
-     it into `num_updates_per_step` mini-batches and take one optimizer update on each (at the learning rate times
-     the LR-decay multiplier, `minpro_jax.rl.lr_decay`); the staleness this gives is derived in
+  4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), pass
+     over it `num_epochs` times (`minpro_jax.rl.epochs`), split each pass into `num_updates_per_step` mini-batches
+     and take one optimizer update on each (at the learning rate times the LR-decay multiplier,
+     `minpro_jax.rl.lr_decay`); the staleness this gives is derived in
      `minpro_jax.rl.rollout`; in a multi-process run each process pushes, holds and checkpoints only its rows, and
      the learner's global arrays are assembled from them (`minpro_jax.rl.process_batch`);
   5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.run.mipu_step`): sample validation prompts with the updated
@@ -103,6 +104,7 @@ class Trainer:
         micro_batch_size=run_config.learner_micro_batch(c),
         mesh=self.mesh,
         row_tokens=row_tokens(c),
+        ess_step=run_config.ess_step(c),
     )
     if warning := micro_batch_warning(c):
       logger.warning(warning)
@@ -326,19 +328,28 @@ class Trainer:
   def learn_step(
       self, state, batch: RolloutBatch | process_batch.StagedBatch, lr_scale: float = 1.0
   ) -> tuple[Any, dict[str, Any]]:
-    """Step 4: one optimizer update per mini-batch of a released batch (`learner_batch`), at `lr_scale` x the
-    scheduled rate (`process_batch.updates`)."""
+    """Step 4: `num_epochs` passes over a released batch (`learner_batch`), one optimizer update per mini-batch of
+    each, at `lr_scale` x the scheduled rate (`process_batch.updates`, `minpro_jax.rl.epochs`)."""
+    c = self.c
     t0 = time.time()
     with use_mesh(self.mesh, self.rules):
       state, ups, stale, tokens = process_batch.updates(
-          self.learner, state, batch, self.c.num_updates_per_step, lr_scale
+          self.learner,
+          state,
+          batch,
+          c.num_updates_per_step,
+          lr_scale,
+          num_epochs=run_config.num_epochs(c),
+          group_size=c.group_size,
+          seed=c.seed,
       )
     dt = time.time() - t0
     metrics: dict[str, Any] = {
         "staleness/min": int(stale.min()),
         "staleness/mean": float(stale.mean()),
         "staleness/max": int(stale.max()),
-        "staleness/histogram": np.bincount(stale).tolist(),  # [k]: samples used k updates after they were drawn
+        # [k]: uses of a sample k updates after it was drawn (a sample is used once per pass, num_epochs)
+        "staleness/histogram": np.bincount(stale).tolist(),
         "time/learn": dt,
         "throughput/learn_tokens_per_s": float(tokens) / max(dt, 1e-9),
     }

@@ -16,8 +16,13 @@ Per run:
                      trainer since 2026-12-03); None for a bin no response reached or a run that predates them.
                      The ESS fraction is scale-free; the mean weight shows how much of a token's gradient is left.
 
+  ess_token / ess_seq / ess_seq_is / grad_cosine
+                     the mean over the run's steps of the per-update effective sample size fractions and gradient
+                     cosine (`learn/ess/*`, `learn/grad_cosine`, logged since issue 57; `minpro_jax.rl.ess`); absent
+                     for a run that predates them.
+
 Per cell: the count of seeds that collapsed and the mean steps to collapse of those; the by-position profiles are
-averaged over the cell's seeds bin by bin.
+averaged over the cell's seeds bin by bin, the per-update diagnostics over its seeds.
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ POSITION_KEYS = {
     "weight_by_position": "learn/weight_by_position_bin",
 }
 POSITION_LABELS = ("0-7", "8-15", "16-31", "32-63", "64-127", "128-255", "256-511", "512+")
+# per-update diagnostics (issue 57; `minpro_jax.rl.ess`), each the mean over a run's steps of the step mean
+UPDATE_KEYS = {
+    "ess_token": "learn/ess/token_frac",
+    "ess_seq": "learn/ess/seq_frac",
+    "ess_seq_is": "learn/ess/seq_is_frac",
+    "grad_cosine": "learn/grad_cosine",
+}
 
 
 def curve_auc(curve: Sequence[tuple[int, float]]) -> float:
@@ -95,6 +107,10 @@ def run_dynamics(records: Sequence[Mapping[str, Any]], learning: Sequence[Sequen
   }
   for name, key in POSITION_KEYS.items():
     out[name] = position_profile(records, key)
+  for name, key in UPDATE_KEYS.items():  # only where logged: a summary of older runs stays as it was written
+    values = [float(r[key]) for r in records if r.get(key) is not None]
+    if values:
+      out[name] = float(np.mean(values))
   return out
 
 
@@ -109,6 +125,10 @@ def cell_dynamics(per_run: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   for name in POSITION_KEYS:
     profiles = [r.get(name) for r in per_run if r.get(name)]
     out[name] = position_profile([{name: p} for p in profiles], name) if profiles else None
+  for name in UPDATE_KEYS:
+    values = [r[name] for r in per_run if r.get(name) is not None]
+    if values:
+      out[name] = float(np.mean(values))
   return out
 
 
@@ -146,6 +166,19 @@ def dynamics_markdown(cells: Sequence[Mapping[str, Any]], level: int) -> list[st
     for name, fmt in (("abs_log_ratio_by_position", "{:.3f}"), ("ess_frac_by_position", "{:.2f}")):
       cols += _profile_cells(d.get(name), used, fmt)
     lines.append("| " + " | ".join(cols) + " |")
+  diagnosed = [c for c in rows if any(c["dynamics"].get(n) is not None for n in UPDATE_KEYS)]
+  if diagnosed:
+    lines += _table_head(
+        "Per-update diagnostics (mean over steps and seeds): the effective sample size fraction (sum w)^2 / (n sum "
+        "w^2) of the objective's token weights, of its sequence weights (each response's mean weight), and of the "
+        "sequence likelihood ratios exp(sum_t log pi_theta - log mu) (VCPO's), and the cosine between consecutive "
+        "updates' gradients (GAC's collapse signature: high under staleness).",
+        ["cell", "ESS tokens", "ESS sequences", "ESS sequence ratios", "gradient cosine"],
+    )
+    for c in diagnosed:
+      d = c["dynamics"]
+      cols = ["-" if d.get(n) is None else f"{d[n]:.3f}" for n in UPDATE_KEYS]
+      lines.append("| " + " | ".join([c["label"], *cols]) + " |")
   weighted = [c for c in rows if c["dynamics"].get("weight_by_position")]
   if weighted:
     used = _used_bins(weighted, ("weight_by_position",))
