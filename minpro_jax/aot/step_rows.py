@@ -15,7 +15,7 @@ import numpy as np
 from minpro_jax.aot.forecast import record
 from minpro_jax.aot.programs import STOP_ID
 from minpro_jax.aot.schedule import Schedule
-from minpro_jax.run import run_config
+from minpro_jax.run import run_config, sampler_setup
 
 
 def mean_schedule(scheds: list[Schedule]) -> Schedule:
@@ -96,5 +96,5 @@ def eval_sampling(c):
   """The evaluation's `SamplingParams` (`Trainer.generate_texts`): eval's temperature and top-p, the training's
   response budget and stop ids."""
   e = c.eval
-  return dataclasses.replace(run_config.sampling_params(c, (STOP_ID,)), temperature=e.temperature,
+  return dataclasses.replace(sampler_setup.sampling_params(c, (STOP_ID,)), temperature=e.temperature,
                              top_k=None, top_p=e.top_p if e.top_p < 1.0 else None)  # fmt: skip

@@ -21,7 +21,7 @@ from minpro_jax.aot.programs import (
     run_shapes,
 )
 from minpro_jax.aot.topologies import GIB, Slice
-from minpro_jax.config_lib.defaults import base_config
+from minpro_jax.config_lib import defaults
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_dispatch import resolve_attention_impl
 from minpro_jax.run import run_config
@@ -55,7 +55,7 @@ def fingerprint(c) -> str:
     return key in _SHAPE_FIELDS or (top != "data" and top not in _BOOKKEEPING)
 
   now = flat(json.loads(c.to_json_best_effort()))
-  default = flat(json.loads(base_config().to_json_best_effort()))
+  default = flat(json.loads(defaults.base_config().to_json_best_effort()))
   kept = {k: v for k, v in now.items() if shapes_programs(k) and (k not in default or default[k] != v)}
   return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:12]
 
