@@ -56,7 +56,7 @@ def get_grid(arg=None) -> Grid:
     raise ValueError(f"toolbox.LEARNING_RATES must give a rate to every arm of {sorted(ARMS)}")
   return Grid(
       base="configs/default.py",
-      fixed=long.NEW_FIXED,
+      fixed=long.FIXED,
       variants={name: {**overrides, LR: LEARNING_RATES[name]} for name, overrides in ARMS.items()},
       axes={"delay": list(DELAYS)},
       seeds=tuple(range(int(arg))) if arg else SEEDS,
