@@ -271,6 +271,24 @@ def test_the_command_line_reports_and_resumes(tmp_path, capsys):
   assert out.stat().st_mtime_ns == mtime and "| fsdp=8 | none | score |" in capsys.readouterr().out
 
 
+def test_the_command_line_sweeps_rule_sets(tmp_path, capsys):
+  """`--rules` (repeated) compiles each rule set on each mesh: with the weights whole on every device (their
+  fsdp split ruled out) a chip holds more of the score program's arguments than with the default split (issue 56)."""
+  from minpro_jax.aot.__main__ import main
+
+  out = tmp_path / "r.json"
+  args = ["--topology=cpu:8", "--mesh=fsdp=8", "--programs=score", "--config.prompts_per_step=4", f"--out={out}"]
+  args += ["--config.group_size=2", "--config.num_updates_per_step=1", "--config.sampling.max_new_tokens=8"]
+  whole = "default:embed=,mlp=,vocab=,q_heads=,kv_heads="
+  assert main([*args, "--rules=default", f"--rules={whole}"]) == 0
+  table = capsys.readouterr().out
+  assert "| fsdp=8 | none | score |" in table and f"| fsdp=8 [{whole}] | none | score |" in table
+  rows = {r["rules"]: r for r in json.loads(out.read_text())["rows"]}
+  assert rows[whole]["argument_bytes"] > 2 * rows["default"]["argument_bytes"]
+  assert main([*args, "--rules=default:mlps=fsdp"]) == 2
+  assert "config.mesh.rules: 'mlps' is no logical axis" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

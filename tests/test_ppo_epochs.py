@@ -17,7 +17,6 @@ from flax import nnx
 from test_learner import _batch, _model
 from train_helpers import make_config, tiny_overrides
 
-from minpro_jax.run import run_config
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl import process_batch
@@ -25,6 +24,7 @@ from minpro_jax.rl.epochs import epoch_rows
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.learner_inputs import UpdateInputs
 from minpro_jax.rl.optimizer import OptimizerConfig
+from minpro_jax.run import run_config
 
 
 def _sgd_learner(model, method="grpo", hparams=(), **kw):

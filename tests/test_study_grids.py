@@ -8,8 +8,8 @@ import os
 import pytest
 from train_helpers import REPO
 
-from minpro_jax.run import run_config
 from minpro_jax.config_lib.files import load_module
+from minpro_jax.run import run_config
 from minpro_jax.study import grid, runner
 from minpro_jax.study.grid import Grid, GridError
 
