@@ -273,3 +273,20 @@ for hd in (16, 128):
       {"hd": "16", "kernel": "xla", "kernel_used": "xla", "fits": "True", "error": "", "shapes": shapes},
       {"hd": "128", "kernel": "auto", "kernel_used": "pallas", "fits": "True", "error": "", "shapes": shapes},
   ]
+
+
+def test_the_sampler_rules_of_the_config(tmp_path):
+  """`sampling.rules`: empty follows the sampler's layout (the learner's `mesh.rules` on the learner's mesh, the
+  inference rules on its own); overrides apply on that layout's rules; a rule set's name replaces them."""
+  from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
+  from minpro_jax.runtime.sharding import DEFAULT_RULES
+
+  def rules(layout, **fields):
+    return dict(sampler_setup.sampler_rules_of(make_config(tiny_overrides(tmp_path, **fields)), layout))
+
+  assert rules(None) == dict(DEFAULT_RULES) and rules(INFERENCE_RULES) == dict(INFERENCE_RULES)
+  assert rules(None, **{"mesh.rules": "mlp=fsdp"})["mlp"] == "fsdp"  # the learner's rules, on its mesh
+  assert rules(None, **{"sampling.rules": "vocab="})["vocab"] is None
+  own = rules(INFERENCE_RULES, **{"sampling.rules": "vocab=", "mesh.rules": "mlp=fsdp"})
+  assert own["vocab"] is None and own["mlp"] == "tensor" and own["batch"] == "data"  # on the inference rules
+  assert rules(INFERENCE_RULES, **{"sampling.rules": "default"}) == dict(DEFAULT_RULES)
