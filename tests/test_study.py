@@ -19,7 +19,7 @@ from train_helpers import REPO, cli_env
 from minpro_jax.config_lib import files
 from minpro_jax.config_lib.files import load_module
 from minpro_jax.study import __main__ as study_cli
-from minpro_jax.study import aggregate, grid, runner
+from minpro_jax.study import aggregate, commands, grid, runner
 from minpro_jax.study.aggregate import Interval, curve_auc, eval_curve, falls_below, largest_drop, mean_ci
 from minpro_jax.study.grid import Grid, Run
 
@@ -349,7 +349,7 @@ def test_a_study_is_a_record_of_its_commit(tmp_path):
   commit (naming the worktree command) unless continued at head, which is recorded; a finished study is not."""
   g = grid.load_grid(SMOKE)
   runs = grid.expand(g)
-  base = grid.resolved_base(g)
+  base = commands.resolved_base(g)
   assert base["loss"]["method"] == "minpro" and "sampling" in base  # every field of the base config, resolved
   rec = runner.study_record(SMOKE, g, runs, "a" * 40, base)
   assert (rec["commit"], rec["base_config"]["seed"]) == ("a" * 40, base["seed"])

@@ -10,7 +10,7 @@ from train_helpers import REPO
 
 from minpro_jax.config_lib.files import load_module
 from minpro_jax.run import run_config
-from minpro_jax.study import grid, runner
+from minpro_jax.study import commands, grid, runner
 from minpro_jax.study.grid import Grid, GridError
 
 STALENESS = os.path.join(REPO, "configs", "studies", "minpro_staleness.py")
@@ -29,7 +29,7 @@ def test_the_staleness_grid():
   learn = minpro_staleness.LEARN_STEPS
   assert {dict(r.extra)["total_steps"] - dict(r.cell)["delay"] for r in runs} == {learn}  # equal updates per delay
   assert len(grid.expand(grid.load_grid(STALENESS + ":5"))) == 120
-  planned = grid.plan(g, "/tmp/study", validate=False)  # every value reads back from the command line
+  planned = commands.plan(g, "/tmp/study", validate=False)  # every value reads back from the command line
   cfg = dict((r.name, c) for r, _, c in planned)["method-minpro_delay-16_prefix_statistic-prod_seed-2"]
   assert (cfg.loss.prefix_statistic, cfg.delay, cfg.total_steps, cfg.seed) == ("prod", 16, learn + 16, 2)
   assert cfg.num_updates_per_step == minpro_staleness.UPDATES_PER_STEP and cfg.data.task_config.min_terms == 3
@@ -68,7 +68,7 @@ def test_grid_mistakes_name_the_field(change, match):
   g = Grid(**{"base": "configs/default.py", "axes": {"delay": [0, 2]}, **change})
   with pytest.raises(GridError, match=match):
     grid.check_grid(g)
-    grid.plan(g, "/tmp/study", validate=False)
+    commands.plan(g, "/tmp/study", validate=False)
 
 
 def test_variants_are_a_named_first_axis_whose_overrides_reach_the_command():
@@ -91,10 +91,10 @@ def test_variants_are_a_named_first_axis_whose_overrides_reach_the_command():
       "variant-tis_delay-2_seed-3",
       "variant-tis_delay-8_seed-3",
   ]
-  cfg = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
+  cfg = {r.name: c for r, _, c in commands.plan(g, "/tmp/study", validate=False)}
   assert (cfg["variant-tis_delay-8_seed-3"].loss.rollout_is, cfg["variant-tis_delay-8_seed-3"].delay) == ("token", 8)
   assert cfg["variant-plain_delay-2_seed-3"].loss.rollout_is is None
-  argv = grid.train_argv(g, runs[2], "/tmp/w")
+  argv = commands.train_argv(g, runs[2], "/tmp/w")
   assert "--config.loss.rollout_is=token" in argv and not any("variant" in a for a in argv)
   # study.json records the variants: changing one is another study
   rec = runner.study_record("g.py", g, runs)
@@ -108,7 +108,7 @@ def test_variants_are_a_named_first_axis_whose_overrides_reach_the_command():
 
 def test_the_mipu_grid():
   g = grid.load_grid(MIPU_GRID)
-  planned = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
+  planned = {r.name: c for r, _, c in commands.plan(g, "/tmp/study", validate=False)}
   assert len(planned) == 24 and list(planned)[:2] == ["variant-fp32_seed-1", "variant-grpo_seed-1"]
   fp32, tis, rnd = (planned[f"variant-{v}_seed-2"] for v in ("fp32", "tis", "random"))
   assert fp32.sampling.precision == "fp32" and fp32.loss.rollout_is is None and not fp32.mipu.rollback
@@ -121,7 +121,7 @@ def test_the_mipu_grid():
 
 def test_the_mipu_delta_j_grid():
   g = grid.load_grid(os.path.join(REPO, "configs", "studies", "mipu_delta_j.py"))
-  planned = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}
+  planned = {r.name: c for r, _, c in commands.plan(g, "/tmp/study", validate=False)}
   assert list(planned)[:3] == ["variant-grpo_seed-1", "variant-mipu-dj_seed-1", "variant-random_seed-1"]
   assert len(planned) == 15 and list(planned)[-1] == "variant-random_seed-5"
   base, dj, rnd = (planned[f"variant-{v}_seed-4"] for v in ("grpo", "mipu-dj", "random"))
@@ -140,7 +140,7 @@ def test_the_mipu_delta_j_grid():
 
 
 def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
-  planned = {r.name: c for r, _, c in grid.plan(grid.load_grid(LONG + ":stage0"), "/tmp/study", validate=False)}
+  planned = {r.name: c for r, _, c in commands.plan(grid.load_grid(LONG + ":stage0"), "/tmp/study", validate=False)}
   assert list(planned) == ["learning_rate-0.0001_seed-0", "learning_rate-3e-05_seed-0", "learning_rate-1e-05_seed-0"]
   c = planned["learning_rate-3e-05_seed-0"]
   assert (c.loss.method, c.delay, c.total_steps, c.optimizer.learning_rate) == ("grpo", 0, 32, 3e-5)
@@ -172,9 +172,9 @@ def test_the_long_staleness_grid_stage0_and_its_placeholder_rate(monkeypatch):
   assert cells[12:] == [f"method-minpro_delay-8_prefix_statistic-{s}" for s in ("prod", "geomean", "mean")]
   assert {dict(r.extra)["total_steps"] - dict(r.cell)["delay"] for r in runs} == {32}  # equal updates per delay
   assert len(grid.expand(minpro_long.get_grid("stage1:2"))) == 30
-  cfg = {r.name: c for r, _, c in grid.plan(g, "/tmp/study", validate=False)}["method-m2po_delay-8_seed-4"]
+  cfg = {r.name: c for r, _, c in commands.plan(g, "/tmp/study", validate=False)}["method-m2po_delay-8_seed-4"]
   assert (cfg.loss.method, cfg.delay, cfg.total_steps, cfg.optimizer.learning_rate) == ("m2po", 8, 40, 3e-5)
-  rate = {r.name: c for r, _, c in grid.plan(grid.load_grid(LONG + ":rate"), "/tmp/study", validate=False)}
+  rate = {r.name: c for r, _, c in commands.plan(grid.load_grid(LONG + ":rate"), "/tmp/study", validate=False)}
   assert len(rate) == 12 and {c.optimizer.learning_rate for c in rate.values()} == {1e-5}
   cfg = rate["method-minpro_delay-8_seed-2"]  # stage 1's run of that name but for the rate: paired by warm start
   assert (cfg.loss.method, cfg.delay, cfg.total_steps, cfg.seed, cfg.sft.target) == ("minpro", 8, 40, 2, "worked")
@@ -185,7 +185,7 @@ def test_the_long_mipu_grid(monkeypatch):
   with pytest.raises(GridError, match="LEARNING_RATE is still the placeholder"):
     grid.load_grid(MIPU_LONG + ":pilot")
   monkeypatch.setattr(minpro_long, "LEARNING_RATE", 3e-5)  # the grid file reads minpro_long's rate
-  pilot = {r.name: c for r, _, c in grid.plan(grid.load_grid(MIPU_LONG + ":pilot"), "/tmp/study", validate=False)}
+  pilot = {r.name: c for r, _, c in commands.plan(grid.load_grid(MIPU_LONG + ":pilot"), "/tmp/study", validate=False)}
   assert list(pilot) == ["variant-fp32_seed-0", "variant-grpo_seed-0"]
   fp32, fp8 = pilot.values()
   assert (fp32.sampling.precision, fp8.sampling.precision, fp8.sampling.fp8_format) == ("fp32", "fp8", "e5m2")
@@ -194,7 +194,7 @@ def test_the_long_mipu_grid(monkeypatch):
   with pytest.raises(ValueError, match="FP8_CONFIRMED is still the placeholder False"):
     mipu_long.get_grid("main")
   monkeypatch.setattr(mipu_long, "FP8_CONFIRMED", True)
-  planned = {r.name: c for r, _, c in grid.plan(mipu_long.get_grid("main"), "/tmp/study", validate=False)}
+  planned = {r.name: c for r, _, c in commands.plan(mipu_long.get_grid("main"), "/tmp/study", validate=False)}
   assert len(planned) == 30 and list(planned)[:6] == [
       f"variant-{v}_seed-0" for v in ("fp32", "grpo", "tis", "mipu", "random", "mipu-dj")
   ]
@@ -220,9 +220,9 @@ def test_the_random_rollback_at_delta_js_rate_reads_the_committed_mipu_dj_runs(m
   from minpro_jax.run.run_config import random_rollback_rate
 
   monkeypatch.chdir(REPO)  # the rate's path is from the repository root, where study commands run
-  planned = grid.plan(grid.load_grid(MIPU_LONG + ":random-dj"), "/tmp/study", validate=False)
+  planned = commands.plan(grid.load_grid(MIPU_LONG + ":random-dj"), "/tmp/study", validate=False)
   assert [r.name for r, _, _ in planned] == [f"variant-random-dj_seed-{s}" for s in range(5)]
-  main = {r.name: c for r, _, c in grid.plan(grid.load_grid(MIPU_LONG + ":main"), "/tmp/study", validate=False)}
+  main = {r.name: c for r, _, c in commands.plan(grid.load_grid(MIPU_LONG + ":main"), "/tmp/study", validate=False)}
   for run, _, c in planned:
     dj = main[f"variant-mipu-dj_seed-{run.seed}"]
     assert c.mipu.match_rate_of == f"results/mipu_long/variant-mipu-dj_seed-{run.seed}"
@@ -250,7 +250,7 @@ def test_variant_mistakes_name_the_variant(change, match):
   g = Grid(**{"base": "configs/default.py", "axes": {"delay": [0, 2]}, **change})
   with pytest.raises(GridError, match=match):
     grid.check_grid(g)
-    grid.plan(g, "/tmp/study", validate=False)
+    commands.plan(g, "/tmp/study", validate=False)
 
 
 def test_a_grid_file_that_returns_no_grid(tmp_path):
@@ -280,7 +280,7 @@ def test_the_toolbox_grid():
   assert len(runs) == 30 and {dict(r.cell)["delay"] for r in runs} == {0, 8}
   learn = minpro_long.LEARN_STEPS
   assert {dict(r.extra)["total_steps"] - dict(r.cell)["delay"] for r in runs} == {learn}
-  planned = dict((r.name, c) for r, _, c in grid.plan(g, "/tmp/study", validate=False))
+  planned = dict((r.name, c) for r, _, c in commands.plan(g, "/tmp/study", validate=False))
   dec, vcpo = planned["variant-decoupled-ppo_delay-8_seed-2"], planned["variant-grpo-vcpo_delay-0_seed-0"]
   assert run_config.loss_config(dec).reads_proximal_logp and run_config.ess_step(vcpo)  # the loss and step checks
   assert (dec.loss.method, dec.loss.proximal, dec.delay, dec.total_steps) == ("decoupled_ppo", "score", 8, learn + 8)

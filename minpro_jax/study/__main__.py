@@ -32,7 +32,7 @@ import sys
 os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".cache", "minpro_jax_mpl"))
 
 from minpro_jax.errors import UserError  # noqa: E402
-from minpro_jax.study import aggregate, grid, results, runner  # noqa: E402
+from minpro_jax.study import aggregate, commands, grid, results, runner  # noqa: E402
 from minpro_jax.study import plots as study_plots  # noqa: E402
 
 EXIT_USER_ERROR = 2
@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
       runner.read_study(study_dir)  # a damaged study.json is named before the runs' configs are validated
     g = grid.load_grid(args.grid)
     try:
-      planned = grid.plan(g, study_dir, validate=not args.aggregate_only)
+      planned = commands.plan(g, study_dir, validate=not args.aggregate_only)
     except grid.GridError as e:  # name the grid file as well as its field
       raise grid.GridError(f"--grid={args.grid}: {e}") from e
     commit = runner.code_commit()
-    base_config = None if args.aggregate_only else grid.resolved_base(g)
+    base_config = None if args.aggregate_only else commands.resolved_base(g)
     record = runner.study_record(args.grid, g, [r for r, _, _ in planned], commit, base_config)
     try:
       runner.check_study(study_dir, record, force=args.force)
