@@ -173,9 +173,9 @@ def main(argv=None) -> int:
   compiled, info = budget.compiled["update"]
   u_args = list(fill(info[0], compiled.input_shardings[0], vocab=vocab, prompt=args.prompt, rng=rng))
 
-  def update():  # the state is donated: feed each update the state the last one returned
+  def update():  # the state and the previous gradient are donated: feed each update the ones the last returned
     out = compiled(*u_args)
-    u_args[0] = out[0]
+    u_args[0], u_args[-1] = out[0], out[-1]  # (state, inputs, lr_scale, previous_grads) -> (state, metrics, grads)
     return out
 
   t_update, _ = timed(update, args.repeats)

@@ -112,7 +112,7 @@ class _FakeTrainer:
   def __init__(self, tmp_path, delay=1, fail=False):
     self.c = make_config(tiny_overrides(tmp_path, delay=delay))
     self.parts = types.SimpleNamespace(device_split=split_devices(4, jax.devices()))
-    self.mesh = None
+    self.mesh, self.rules = None, ()
     self.sampler = types.SimpleNamespace(prepare_params=lambda p: ("prepared", p))
     self.learning, self.learnt, self.fail, self.seen = threading.Event(), threading.Event(), fail, {}
 

@@ -11,6 +11,7 @@ from minpro_jax.config_lib.defaults import get_config
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.attention_core import live_length_attention, live_length_buckets, masked_attention
 from minpro_jax.models.transformer import KVCache
+from minpro_jax.run.sampler_setup import engine_name
 from minpro_jax.sampling import Sampler, SamplingParams, engines
 
 CFG = get_preset("tiny")
@@ -71,9 +72,9 @@ def test_continuous_equals_static_row_by_row(state, static, cont, name):
     assert (got.finish_reason == "stop").any() and len(set(got.lengths.tolist())) > 3
 
 
-def test_in_loop_refill_equals_static(state, static, loop):
+def test_in_loop_refill_equals_static(state, static, cont, loop):
   sp, kw = CASES["t1"], dict(seed=11, group_size=2)
-  assert loop.in_loop_refill
+  assert loop.engine.name == "continuous" and cont.engine.name == "host_refill"
   _assert_same(loop.generate(state, PROMPTS, sp, **kw), static.generate(state, PROMPTS, sp, **kw))
 
 
@@ -92,8 +93,11 @@ def test_rows_stopping_at_step_zero_and_more_rows_than_prompts(state, static, co
 
 
 def test_static_is_selectable_and_continuous_is_the_trainer_default(cont, static):
-  assert cont.continuous and not static.continuous and Sampler(CFG).continuous and Sampler(CFG).in_loop_refill
-  assert get_config().sampling.continuous is True  # sampling.continuous=False keeps the static sampler (A/B)
+  assert static.engine.name == "static" and Sampler(CFG).engine.name == "continuous"  # the front's default
+  assert engine_name(get_config()) == "paged"  # the trainer's default: continuous on the paged cache
+  c = get_config()
+  c.sampling.continuous = False  # keeps the static sampler (A/B)
+  assert engine_name(c) == "static"
   with pytest.raises(ValueError, match="decode_rows"):
     Sampler(CFG, engine=engines.Continuous(decode_rows=0))
 

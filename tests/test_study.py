@@ -572,7 +572,7 @@ def test_smoke_grid_end_to_end_stopped_and_restarted(tmp_path):
   kw = dict(cwd=tmp_path, env=cli_env(), text=True)  # the runs' SFT, tokenizer and compilation caches: tmp_path/cache
   dry = subprocess.run(_study([f"--workdir={wd}", "--dry-run"]), capture_output=True, timeout=120, **kw)
   assert dry.returncode == 0, dry.stderr[-2000:]
-  assert "4 new, 0 stale" in dry.stdout and not wd.exists()
+  assert "0 partial (resumed), 4 new" in dry.stdout and not wd.exists()
 
   proc = subprocess.Popen(_study([f"--workdir={wd}"]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
   try:
