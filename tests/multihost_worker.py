@@ -3,10 +3,10 @@
     python -m tests.multihost_worker MODE OUT_DIR
 
 MODE "primitives": initializes jax.distributed through `maybe_initialize_distributed` (the trainer's path), runs
-the host-side primitives of `minpro_jax.runtime.multihost`, the per-process batches of `.host_batch` and the
+the host-side primitives of `minpro_jax.runtime.multihost`, the per-process batches of `.row_layout` and the
 trainer's data order on a 2 x 2 mesh, and writes what this process saw to OUT_DIR/process_<i>.json. MODE "layout": places a tree with a one-device scalar on the
 mesh of every device (`sharding.replicate_local_leaves`), checks and saves it with orbax, and records what
-`sharding.check_global` says of leaves that are not global. MODE "process_batch": the per-process learner inputs and delay buffer of `rl.process_batch`. MODE
+`sharding.check_global` says of leaves that are not global. MODE "process_inputs": the per-process learner inputs and delay buffer of `rl.process_inputs`. MODE
 "sampled_rows": the sampler's outputs and the score pass per process. MODE "fail": process 1 exits with status 3, the others wait.
 MODE "sleep": every process waits for SIGTERM, records it in OUT_DIR/process_<i>.signal and exits 143. MODE
 "stubborn": every process ignores SIGTERM and waits.
@@ -76,7 +76,7 @@ def primitives(out_dir: str) -> dict:
 
 
 def _host_batch(mesh) -> dict:
-  """Per-process batches (`runtime.host_batch`): 4 prompts x 2 samples; each process makes only its groups' rows,
+  """Per-process batches (`runtime.row_layout`): 4 prompts x 2 samples; each process makes only its groups' rows,
   computes their advantages and places them; the global values and statistics come back on both."""
   import jax
   import jax.numpy as jnp
@@ -84,21 +84,21 @@ def _host_batch(mesh) -> dict:
 
   from minpro_jax.errors import ConfigError
   from minpro_jax.rl.advantages import group_advantages
-  from minpro_jax.runtime import host_batch, multihost
+  from minpro_jax.runtime import multihost, row_layout
   from minpro_jax.runtime.sharding import make_mesh
 
   prompts, group, n = 4, 2, 8
-  rows = host_batch.process_group_rows(prompts, group)
+  rows = row_layout.process_group_rows(prompts, group)
   rewards = np.asarray([1.0, 0.0, 0.5, 0.5, 0.25, 1.0, 0.0, 0.0], np.float32)[rows]  # only this process's rows
   group_ids = np.arange(prompts).repeat(group)[rows]
   adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(group_ids)))
-  sharding = host_batch.batch_sharding(mesh, ("data", "fsdp"))
-  host_batch.check_layout(sharding, prompts, group)
-  placed = host_batch.global_rows({"rewards": rewards, "advantages": adv}, sharding, n)
+  sharding = row_layout.batch_sharding(mesh, ("data", "fsdp"))
+  row_layout.check_layout(sharding, prompts, group)
+  placed = row_layout.global_rows({"rewards": rewards, "advantages": adv}, sharding, n)
   doubled = jax.jit(lambda x: 2 * x, out_shardings=sharding)(placed["rewards"])  # a program on the global array
   reversed_mesh = make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[::-1])  # process 1's devices first
   try:
-    host_batch.check_layout(host_batch.batch_sharding(reversed_mesh, ("data", "fsdp")), prompts, group)
+    row_layout.check_layout(row_layout.batch_sharding(reversed_mesh, ("data", "fsdp")), prompts, group)
     layout_error = None
   except ConfigError as e:
     layout_error = str(e)
@@ -108,8 +108,8 @@ def _host_batch(mesh) -> dict:
       "hb_rewards": multihost.to_host(placed["rewards"]).tolist(),
       "hb_advantages": multihost.to_host(placed["advantages"]).tolist(),
       "hb_doubled": multihost.to_host(doubled).tolist(),
-      "hb_local_doubled": host_batch.local_rows(doubled).tolist(),  # no collective: this process's shards
-      "hb_stats": host_batch.batch_stats({"reward": rewards, "length": np.asarray([3, 5])[: jax.process_index()]}),
+      "hb_local_doubled": row_layout.local_rows(doubled).tolist(),  # no collective: this process's shards
+      "hb_stats": row_layout.batch_stats({"reward": rewards, "length": np.asarray([3, 5])[: jax.process_index()]}),
       "hb_layout_error": layout_error,
   }
 
@@ -186,10 +186,10 @@ def layout(out_dir: str) -> dict:
 
 
 def _dynamic_rounds(np, jax) -> dict:
-  """Dynamic sampling's filled batch from per-process rounds (`dynamic_rows.take_own_groups`) against this
+  """Dynamic sampling's filled batch from per-process rounds (`process_dynamic.take_own_groups`) against this
   process's rows of `take_groups` over the whole rounds: two rounds of 4 groups of 2, prompts 3 and 5 wide."""
-  from minpro_jax.rl.dynamic_rows import take_own_groups
   from minpro_jax.rl.dynamic_sampling import take_groups
+  from minpro_jax.rl.process_dynamic import take_own_groups
   from minpro_jax.sampling.batch import GenerationBatch
 
   rng = np.random.default_rng(3)
@@ -222,7 +222,7 @@ def _dynamic_rounds(np, jax) -> dict:
 
 
 def per_process_batch(out_dir: str) -> dict:
-  """`rl.process_batch` in two processes: each keeps its rows of a step's batch, the learner's global arrays are
+  """`rl.process_inputs` in two processes: each keeps its rows of a step's batch, the learner's global arrays are
   staged from them, mini-batch j is sliced on the devices (its 4 rows are one process's), and the delay buffer is
   checkpointed and restored per process."""
   from minpro_jax.runtime.distributed import maybe_initialize_distributed
@@ -234,10 +234,10 @@ def per_process_batch(out_dir: str) -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from minpro_jax.rl import process_batch
+  from minpro_jax.rl import process_inputs
   from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer
   from minpro_jax.run.checkpoint import RunCheckpointer, buffer_state_from_restored
-  from minpro_jax.runtime import host_batch, multihost
+  from minpro_jax.runtime import multihost, row_layout
   from minpro_jax.runtime.sharding import make_mesh
 
   mesh = make_mesh({"data": 2, "fsdp": 2})
@@ -257,12 +257,12 @@ def per_process_batch(out_dir: str) -> dict:
       response_lengths=np.full(n, 3, np.int32),
       truncated=np.zeros(n, bool),
   )
-  mine = process_batch.own_rows(whole, 4, 2)
-  staged = process_batch.stage(mine, mesh, n)
-  minis = list(process_batch.mini_batches(staged, 2, mesh))
+  mine = process_inputs.own_rows(whole, 4, 2)
+  staged = process_inputs.stage(mine, mesh, n)
+  minis = list(process_inputs.mini_batches(staged, 2, mesh))
   sums = [jax.jit(lambda x: jnp.sum(x.advantages))(m) for m in minis]  # a program on each mini-batch
   try:
-    host_batch.staging_sharding(jax.devices()[::-1])
+    row_layout.staging_sharding(jax.devices()[::-1])
     order_error = None
   except ValueError as e:
     order_error = str(e)
@@ -270,13 +270,13 @@ def per_process_batch(out_dir: str) -> dict:
   buffer = RolloutBuffer(1)
   buffer.push(0, mine)
   state = buffer.state_dict()
-  meta = {"global_step": 0, "buffer": process_batch.buffer_layout(state, n)}
+  meta = {"global_step": 0, "buffer": process_inputs.buffer_layout(state, n)}
   ckpt = RunCheckpointer(os.path.join(out_dir, "run"))
   params = {"w": jax.make_array_from_process_local_data(NamedSharding(mesh, P()), np.arange(4.0, dtype=np.float32))}
-  ckpt.save(0, params, process_batch.buffer_to_global(state, n), meta)
+  ckpt.save(0, params, process_inputs.buffer_to_global(state, n), meta)
   multihost.barrier("saved")
   files = sorted(os.listdir(os.path.join(out_dir, "run", "checkpoints", "0", "buffer")))
-  _, _, buf_state, _ = ckpt.restore_latest(params, buffer_template=process_batch.buffer_template)
+  _, _, buf_state, _ = ckpt.restore_latest(params, buffer_template=process_inputs.buffer_template)
   restored = RolloutBuffer(1)
   restored.load_state_dict(buffer_state_from_restored(buf_state))
   back = restored.pop(1)
@@ -286,14 +286,14 @@ def per_process_batch(out_dir: str) -> dict:
       "dynamic": dynamic,
       "own_first_tokens": mine.tokens[:, 0].tolist(),
       "staged_shards": [int(s.data.shape[0]) for s in staged.arrays.tokens.addressable_shards],
-      "staged_local_rows": host_batch.local_rows(staged.arrays.tokens)[:, 0].tolist(),
+      "staged_local_rows": row_layout.local_rows(staged.arrays.tokens)[:, 0].tolist(),
       "policy_version": staged.policy_version.tolist(),
       "real_tokens": staged.real_tokens,
       "mini_tokens": [multihost.to_host(m.tokens).tolist() for m in minis],
-      "mini_local_rows": [host_batch.local_rows(m.tokens)[:, 0].tolist() for m in minis],
-      "mini_sharded": [m.tokens.sharding == process_batch.learner_sharding(mesh, 4) for m in minis],
+      "mini_local_rows": [row_layout.local_rows(m.tokens)[:, 0].tolist() for m in minis],
+      "mini_sharded": [m.tokens.sharding == process_inputs.learner_sharding(mesh, 4) for m in minis],
       "mini_sums": [float(multihost.to_host(x)) for x in sums],
-      "gathered_equal": bool(np.array_equal(process_batch.gather_batch(mine, n).tokens, tokens)),
+      "gathered_equal": bool(np.array_equal(process_inputs.gather_batch(mine, n).tokens, tokens)),
       "order_error": order_error,
       "buffer_files": files,
       "restored_first_tokens": back.tokens[:, 0].tolist(),
@@ -303,7 +303,7 @@ def per_process_batch(out_dir: str) -> dict:
 
 def sampled_rows(out_dir: str) -> dict:
   """Per-process sampler outputs and score pass: each process gets back only its rows of `Sampler.generate`
-  (`own_rows=True`, continuous and static samplers) and of `process_batch.score`, equal to its rows of the global
+  (`own_rows=True`, continuous and static samplers) and of `process_inputs.score`, equal to its rows of the global
   ones; the router-mismatch fraction reduced over the processes equals the whole batch's."""
   from minpro_jax.runtime.distributed import maybe_initialize_distributed
 
@@ -314,11 +314,11 @@ def sampled_rows(out_dir: str) -> dict:
 
   from minpro_jax.models import get_preset, init_model
   from minpro_jax.models.moe import route_mismatch
-  from minpro_jax.rl import process_batch, rollout_metrics
+  from minpro_jax.rl import process_inputs, rollout_metrics
   from minpro_jax.rl.learner import Learner, LossConfig
   from minpro_jax.rl.optimizer import OptimizerConfig
   from minpro_jax.rl.rollout import RolloutBatch
-  from minpro_jax.runtime import host_batch, multihost
+  from minpro_jax.runtime import multihost, row_layout
   from minpro_jax.runtime.sharding import make_mesh, use_mesh
   from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, engines
 
@@ -328,7 +328,7 @@ def sampled_rows(out_dir: str) -> dict:
   params = nnx.split(model)[1]
   prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
   sp = SamplingParams(temperature=1.0, max_new_tokens=6)
-  rows = host_batch.process_group_rows(4, 2)
+  rows = row_layout.process_group_rows(4, 2)
   out: dict = {"rows": [rows.start, rows.stop]}
   for name, engine in (
       ("continuous", engines.Continuous(decode_rows=4)),
@@ -357,17 +357,17 @@ def sampled_rows(out_dir: str) -> dict:
   learner = Learner(model, LossConfig(), OptimizerConfig(), micro_batch_size=4, mesh=mesh)
   with use_mesh(mesh):
     global_logp = learner.score(params, batch)
-    local_logp = process_batch.score(learner, params, batch.select(rows), n)
-  # packing from per-process rows (`packed_batch`): each process packs its mini-batch (4 rows, 2 updates)
+    local_logp = process_inputs.score(learner, params, batch.select(rows), n)
+  # packing from per-process rows (`process_packing`): each process packs its mini-batch (4 rows, 2 updates)
   packed = Learner(model, LossConfig(), OptimizerConfig(), micro_batch_size=2, mesh=mesh, row_tokens=70)
   with use_mesh(mesh):
     packed_whole = packed.score(params, batch, chunk_rows=4)
-    packed_mine = process_batch.score(packed, params, batch.select(rows), n, chunk_rows=4)
-    staged = process_batch.for_learner(batch.select(rows), packed, n, 2)
-    minis = [jax.tree.map(multihost.to_host, m) for m in process_batch.mini_batches(staged, 2, mesh)]
+    packed_mine = process_inputs.score(packed, params, batch.select(rows), n, chunk_rows=4)
+    staged = process_inputs.for_learner(batch.select(rows), packed, n, 2)
+    minis = [jax.tree.map(multihost.to_host, m) for m in process_inputs.mini_batches(staged, 2, mesh)]
     # one mini-batch of 8 rows spans both processes: the rows are gathered and packed whole (the former path)
-    spanning = process_batch.for_learner(batch.select(rows), packed, n, 1)
-    spanning_score = process_batch.score(packed, params, batch.select(rows), n, chunk_rows=8)
+    spanning = process_inputs.for_learner(batch.select(rows), packed, n, 1)
+    spanning_score = process_inputs.score(packed, params, batch.select(rows), n, chunk_rows=8)
     whole_score = packed.score(params, batch, chunk_rows=8)
   host_minis = [packed.update_inputs(mini, 2)[0] for mini in batch.split(2)]
   fields = ("tokens", "segment_ids", "positions", "response_mask", "behavior_logp", "advantages")
@@ -400,7 +400,7 @@ def main() -> None:
   if mode == "primitives":
     with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
       json.dump(primitives(out_dir), f)
-  elif mode == "process_batch":
+  elif mode == "process_inputs":
     with open(os.path.join(out_dir, f"process_{index}.json"), "w") as f:
       json.dump(per_process_batch(out_dir), f)
   elif mode == "sampled_rows":

@@ -57,8 +57,8 @@ def _overrides(tmp, name):
       total_steps=STEPS,
       micro_batch_size=4,  # splits over data x fsdp = 4 (run_config.check_micro_batch_split)
       **{"mesh.shape": "data=2,fsdp=2", "eval.every": 2, "checkpoint.every": 1, "checkpoint.keep": 2},
-      # each process packs its own mini-batch (rl/packed_batch.py), holds its rows of dynamic sampling's rounds
-      # (rl/dynamic_rows.py) and samples and scores its rows of MIPU's validation draw; the one-process run packs,
+      # each process packs its own mini-batch (rl/process_packing.py), holds its rows of dynamic sampling's rounds
+      # (rl/process_dynamic.py) and samples and scores its rows of MIPU's validation draw; the one-process run packs,
       # fills and checks the same rows (the soft overlong penalty makes some groups' rewards unequal: a filled
       # batch that takes groups across rounds and processes, a T_post that is not 0)
       **{"learner.row_tokens": 38, "mipu.rollback": True, "sampling.drop_equal_reward_groups": True},
@@ -312,7 +312,7 @@ def test_per_process_learner_inputs_and_buffer_in_two_processes(tmp_path):
   (4 rows, all owned by process j) is sliced on the devices and split over all four, so process 1 holds rows of
   process 0's mini-batch; the delay buffer is written and read back per process; dynamic sampling's filled batch
   is assembled from each process's rows of its rounds."""
-  p = _worker("process_batch", tmp_path)
+  p = _worker("process_inputs", tmp_path)
   out = _finish(p, 300)
   assert p.returncode == 0, out[-3000:]
   tokens = np.arange(40).reshape(8, 5)
@@ -335,7 +335,7 @@ def test_per_process_learner_inputs_and_buffer_in_two_processes(tmp_path):
 
 @LAUNCH_GROUP
 def test_sampler_outputs_and_score_pass_per_process_in_two_processes(tmp_path):
-  """`Sampler.generate(own_rows=True)` (continuous dense and paged, static) and `process_batch.score` give each process only its
+  """`Sampler.generate(own_rows=True)` (continuous dense and paged, static) and `process_inputs.score` give each process only its
   4 rows (whole groups), equal to its rows of the all-gathered outputs; the log-probs to float round-off (another
   sharding of the same program). Packed, each process packs its own mini-batch: the staged packed rows equal
   `Learner.update_inputs` of each mini-batch, the score pass the chunked `Learner.score`."""

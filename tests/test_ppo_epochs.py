@@ -1,5 +1,5 @@
 """PPO epochs, the proximal score pass, ESS metrics, VCPO's step and the gradient cosine in the learner's loop
-(`minpro_jax.rl.process_batch.updates`): num_epochs = 2 is two explicit passes over the same mini-batches; the score
+(`minpro_jax.rl.process_inputs.updates`): num_epochs = 2 is two explicit passes over the same mini-batches; the score
 pass runs only where the objective reads pi_prox; the metrics match numpy on the update's own log-probs; and one
 short trainer run wires them into metrics.jsonl and the plots."""
 
@@ -19,7 +19,7 @@ from train_helpers import make_config, tiny_overrides
 
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.logprobs import token_logprobs
-from minpro_jax.rl import process_batch
+from minpro_jax.rl import process_inputs
 from minpro_jax.rl.epochs import epoch_rows
 from minpro_jax.rl.learner import Learner, LossConfig
 from minpro_jax.rl.learner_inputs import UpdateInputs
@@ -51,14 +51,14 @@ def model_and_batch():
 
 
 def test_two_epochs_equal_two_explicit_passes(model_and_batch):
-  """process_batch.updates(num_epochs=2) against `Learner.update` on pass 0's mini-batches then pass 1's
+  """process_inputs.updates(num_epochs=2) against `Learner.update` on pass 0's mini-batches then pass 1's
   (`epoch_rows`): the same parameters after the step, staleness 0..3 (one more per update), twice the tokens, and
   each update's gradient cosine the cosine of the consecutive SGD steps (NaN for the first)."""
   model, batch = model_and_batch
   learner = _sgd_learner(model)
   order = epoch_rows(8, 2, 1, seed=5, version=0)
   assert not np.array_equal(order, np.arange(8))  # pass 1 really reorders the groups
-  state, ups, stale, tokens = process_batch.updates(
+  state, ups, stale, tokens = process_inputs.updates(
       learner, learner.init_state(_params(model)), batch, 2, num_epochs=2, group_size=2, seed=5
   )
   explicit = learner.init_state(_params(model))
@@ -114,7 +114,7 @@ def test_decoupled_ppo_scores_pi_prox_before_the_first_update(model_and_batch):
   at_first = first.response_mask & (np.cumsum(first.response_mask, axis=1) == 1)  # each response's first token
   first = first.replace(behavior_logp=np.where(at_first, first.behavior_logp - 1.5, first.behavior_logp))  # rho x e^1.5
   learner = _sgd_learner(model, "decoupled_ppo")
-  state, ups, _, _ = process_batch.updates(learner, learner.init_state(_params(model)), first, 1)
+  state, ups, _, _ = process_inputs.updates(learner, learner.init_state(_params(model)), first, 1)
   cispo = _sgd_learner(model, "cispo", (("eps_high", 1.0),))
   want, m = cispo.update(cispo.init_state(_params(model)), first)
   np.testing.assert_allclose(_flat(state.params), _flat(want.params), rtol=1e-4, atol=1e-6)
@@ -123,7 +123,7 @@ def test_decoupled_ppo_scores_pi_prox_before_the_first_update(model_and_batch):
 
 
 class _FakeLearner:
-  """What `process_batch.updates` uses of a learner, recording the score calls and each update's arrays."""
+  """What `process_inputs.updates` uses of a learner, recording the score calls and each update's arrays."""
 
   def __init__(self, method, hparams=()):
     self.loss_cfg = LossConfig(method=method, hparams=hparams)
@@ -162,7 +162,7 @@ def test_the_proximal_score_pass_runs_only_where_the_objective_reads_it(model_an
   batch = batch.replace(policy_version=np.full(8, 2, np.int64))
   fake = _FakeLearner(method, hparams)
   state = types.SimpleNamespace(params="params@10", step=10)
-  state, _, stale, _ = process_batch.updates(fake, state, batch, 2, num_epochs=2, group_size=2, seed=0)
+  state, _, stale, _ = process_inputs.updates(fake, state, batch, 2, num_epochs=2, group_size=2, seed=0)
   assert fake.scored == [("params@10", 4)] * scores
   assert stale.tolist() == [8] * 4 + [9] * 4 + [10] * 4 + [11] * 4
   assert [g for _, g in fake.updated] == [None, "g1", "g2", "g3"]

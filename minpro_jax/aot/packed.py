@@ -7,7 +7,7 @@ the rows first fit uses, K. The compile-only tool compiles those static shapes (
 from the seeded length draw, each mini-batch's samples through the learner's own packer (`packing.plan_shape`), and
 runs the micro-batch loop's forward-and-backward branch for ceil(K / mb) of its R / mb iterations (`weight_active`).
 The update packs each consecutive mini-batch of M (`RolloutBatch.split`); scoring packs the step's N samples in the
-same chunks of M, side by side in one run (`Learner.score(chunk_rows=M)`, `minpro_jax.rl.packed_batch`).
+same chunks of M, side by side in one run (`Learner.score(chunk_rows=M)`, `minpro_jax.rl.process_packing`).
 """
 
 from __future__ import annotations

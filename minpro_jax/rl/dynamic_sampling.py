@@ -9,7 +9,7 @@ kept or after `sampling.max_sampling_rounds` rounds; a batch still short is fill
 (zero advantage; counted in the metrics), so the step's shapes never change.
 
 Pure numpy on host arrays; the trainer runs the rounds (`Trainer.sample_step`). In a multi-process run each
-process holds its rows of every round and `minpro_jax.rl.dynamic_rows` assembles its rows of the filled batch.
+process holds its rows of every round and `minpro_jax.rl.process_dynamic` assembles its rows of the filled batch.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def fill_informative(
   The returned round's rows are the chosen groups (`choose_groups`), its group ids those of `first` (a step's
   groups keep their ids whichever round sampled them), its stats the numeric grading stats summed over every round.
   `take(gens, groups)` makes the filled `GenerationBatch` of the rounds' generations (default `take_groups`; in a
-  multi-process run each round holds this process's rows and `dynamic_rows.take_own_groups` returns its rows of
+  multi-process run each round holds this process's rows and `process_dynamic.take_own_groups` returns its rows of
   the filled batch: the rewards and texts are those of every row, as `Trainer.grade` gives them). Metrics:
   `dynamic/rounds`, `dynamic/equal_frac` (share of the sampled groups with equal rewards),
   `dynamic/filler_groups` (equal-reward groups kept because the rounds ran out), `dynamic/out_of_data` (1 when a

@@ -265,7 +265,7 @@ class Learner:
       return_routes: also return the [N, L, layers, k] int16 experts the learner's router chose (MoE; None for a
         dense model), for the routing-mismatch metric.
       chunk_rows: with `row_tokens`, pack each consecutive chunk of this many samples on its own (the step's
-        mini-batches, as the per-process score pass does: `minpro_jax.rl.packed_batch`); None: the whole batch.
+        mini-batches, as the per-process score pass does: `minpro_jax.rl.process_packing`); None: the whole batch.
 
     Raises:
       ValueError: N not divisible by the micro-batch size or `chunk_rows`; replay without routes in the batch.
@@ -379,7 +379,7 @@ class Learner:
   ) -> tuple[TrainState, dict[str, Any], Any]:
     """`update` of a mini-batch given as its device arrays (donates `state` and `previous_grads`): the host rows of
     `update_inputs`, or in a multi-process run the global [M, ...] arrays the processes assembled from their own
-    rows (`minpro_jax.rl.process_batch`), laid out on the learner's batch sharding.
+    rows (`minpro_jax.rl.process_inputs`), laid out on the learner's batch sharding.
 
     Args:
       pad_fraction: the padding share of the slots run, or None to count it on the devices (`pad_counts`: the same

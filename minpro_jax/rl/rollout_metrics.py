@@ -20,7 +20,7 @@ import numpy as np
 from minpro_jax.models.moe import route_mismatch
 from minpro_jax.rl.aggregation import LOG_RATIO_CLAMP, k3
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.runtime import host_batch, multihost
+from minpro_jax.runtime import multihost, row_layout
 from minpro_jax.sampling.batch import GenerationBatch
 
 # the per-row columns gathered from every process
@@ -35,7 +35,7 @@ def sample_metrics(gen: GenerationBatch, batch: RolloutBatch, rows: slice, num_r
   Args:
     gen, batch: the step's sampler output and rollout batch, of every row or of this process's rows only; this
       process reads only their rows `rows`.
-    rows: this process's rows of `gen` and `batch` (its `host_batch.process_group_rows`, or
+    rows: this process's rows of `gen` and `batch` (its `row_layout.process_group_rows`, or
       `multihost.process_rows(num_rows)`: the same contiguous even split; slice(None) when they hold only those).
     num_rows: the global row count N.
 
@@ -103,11 +103,11 @@ def mismatch_metrics(batch: RolloutBatch, rows: slice, num_rows: int) -> dict[st
 def route_mismatch_frac(own_routes, recorded_routes, per_process: bool) -> float:
   """`moe.route_mismatch`'s fraction of the recorded routes the learner's router picks other experts for: over
   these rows, or with `per_process` over every process's rows (each passes its own; their counts are summed with
-  `host_batch.batch_stats`, so the fraction equals one process's). Collective with `per_process` in a
+  `row_layout.batch_stats`, so the fraction equals one process's). Collective with `per_process` in a
   multi-process run."""
   frac, count = route_mismatch(own_routes, recorded_routes)
   if not per_process:
     return frac
-  stats = host_batch.batch_stats({"differ": np.asarray([round(frac * count)]), "recorded": np.asarray([count])})
+  stats = row_layout.batch_stats({"differ": np.asarray([round(frac * count)]), "recorded": np.asarray([count])})
   total = stats["recorded"]["sum"]
   return stats["differ"]["sum"] / total if total else 0.0

@@ -4,7 +4,7 @@ A run checkpoint at global step s holds
   * "state": the learner `TrainState` (parameters, optax state incl. its step count, update counter),
   * "buffer": the rollout batches waiting in the delay buffer (without them a resumed run would change
     its staleness); in a multi-process run each process writes and reads back its own rows of them (global arrays,
-    `minpro_jax.rl.process_batch`),
+    `minpro_jax.rl.process_inputs`),
   * "meta": JSON with the global step, the data iterator state, the best evaluation score so far and
     counters.
 PRNG keys are derived from (seed, global step), so they need no storage beyond the step.
@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from minpro_jax.errors import CheckpointError, DiskFullError
-from minpro_jax.runtime import host_batch, multihost
+from minpro_jax.runtime import multihost, row_layout
 from minpro_jax.runtime.param_files import abstract_like
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class RunCheckpointer:
 
   def _restore_arrays(self, step: int, state_template: Any, batches_template: Any = None) -> tuple[Any, dict[str, Any]]:
     """(state, buffer tree); with `batches_template` (the waiting batches as abstract global arrays, a per-process
-    buffer: `process_batch.buffer_template`) each process reads back only its rows of them."""
+    buffer: `process_inputs.buffer_template`) each process reads back only its rows of them."""
     buffer_args = ocp.args.StandardRestore()
     if batches_template is not None:
       count = len(batches_template)
@@ -148,7 +148,7 @@ class RunCheckpointer:
       state_template: pytree giving the state's structure, dtypes and shardings.
       check_meta: called with each checkpoint's meta before its arrays are read; exceptions it raises propagate.
       buffer_template: called with the meta: the abstract waiting batches of a buffer written per process
-        (`process_batch.buffer_template`; each process then gets back its own rows), or None for one written whole.
+        (`process_inputs.buffer_template`; each process then gets back its own rows), or None for one written whole.
 
     Returns:
       (step, state, buffer_state, meta), or None when there is no run checkpoint.
@@ -275,7 +275,7 @@ def _tree_bytes(tree: Any) -> int:
 def _host_rows(x):
   """A restored buffer leaf on the host: this process's rows of a global array written per process, else numpy."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return host_batch.local_rows(x)
+    return row_layout.local_rows(x)
   return np.asarray(x)
 
 

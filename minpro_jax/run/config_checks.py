@@ -23,7 +23,7 @@ from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
 from minpro_jax.models.hf_io import config_from_hf
 from minpro_jax.rl import mipu
-from minpro_jax.runtime import host_batch
+from minpro_jax.runtime import row_layout
 from minpro_jax.runtime.device_split import sampler_device_count
 from minpro_jax.runtime.inference_mesh import parse_sampling_mesh
 from minpro_jax.runtime.rules import parse_rules
@@ -351,7 +351,7 @@ def resolve_mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int
 def check_mesh(c, num_devices: int) -> None:
   sampler_devices = sampler_device_count(c.sampling.devices, num_devices, jax.process_count())
   num_devices -= sampler_devices  # the learner's mesh spans the rest (runtime/device_split.py)
-  host_batch.process_prompts(c.prompts_per_step, 0, jax.process_count())  # each process owns whole groups
+  row_layout.process_prompts(c.prompts_per_step, 0, jax.process_count())  # each process owns whole groups
   shape = parse_mesh_shape(c.mesh.shape)
   need(
       bool(shape) or jax.process_count() == 1,

@@ -6,14 +6,14 @@ One global step s:
      sampler's behavior log-probs and v per sample; score the same tokens with the learner at v (training-precision
      log-probs, for TIS/MIS every step, else only for the mismatch metrics every `log.mismatch_every` steps); in a
      multi-process run each process gets back, grades and scores only its rows (whole groups:
-     `Sampler.generate(own_rows=True)`, `process_batch.score`);
+     `Sampler.generate(own_rows=True)`, `process_inputs.score`);
   3. grade the responses and compute group advantages (by explicit group ids);
   4. push the batch into the `RolloutBuffer` and pop the one pushed at step s - delay (none while it fills), pass
      over it `num_epochs` times (`minpro_jax.rl.epochs`), split each pass into `num_updates_per_step` mini-batches
      and take one optimizer update on each (at the learning rate times the LR-decay multiplier,
      `minpro_jax.rl.lr_decay`); the staleness this gives is derived in
      `minpro_jax.rl.rollout`; in a multi-process run each process pushes, holds and checkpoints only its rows, and
-     the learner's global arrays are assembled from them (`minpro_jax.rl.process_batch`);
+     the learner's global arrays are assembled from them (`minpro_jax.rl.process_inputs`);
   5. with `config.mipu.rollback` (MIPU Step 2, `minpro_jax.run.mipu_step`): sample validation prompts with the updated
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
@@ -43,12 +43,12 @@ from tqdm import tqdm
 from minpro_jax.data import ProblemLoader, format_prompt
 from minpro_jax.data.rewards import overlong_penalty
 from minpro_jax.errors import CheckpointError, ConfigError, TrainingError
-from minpro_jax.rl import lr_decay, process_batch, rollout_metrics
+from minpro_jax.rl import lr_decay, process_inputs, rollout_metrics
 from minpro_jax.rl.advantages import group_advantages
-from minpro_jax.rl.dynamic_rows import take_own_groups
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
 from minpro_jax.rl.learner import Learner
 from minpro_jax.rl.packing import micro_batch_warning, row_tokens
+from minpro_jax.rl.process_dynamic import take_own_groups
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.rl.update_metrics import combine_update_metrics
 from minpro_jax.run import resume_check, run_config, run_load, sampler_setup
@@ -165,11 +165,11 @@ class Trainer:
     if not score:
       return batch, texts, gstats
     recorded = batch.routes is not None  # the learner's own routes ([N, L, layers, k]) only to compare with them
-    num = self.c.num_updates_per_step  # packed: each mini-batch on its own (`packed_batch`)
+    num = self.c.num_updates_per_step  # packed: each mini-batch on its own (`process_packing`)
     chunk = num_rows // num if num_rows % num == 0 else None
     with use_mesh(self.mesh, self.rules):
-      if own:  # its rows in, its rows of the log-probs out (collective; `process_batch.score`)
-        scored = process_batch.score(
+      if own:  # its rows in, its rows of the log-probs out (collective; `process_inputs.score`)
+        scored = process_inputs.score(
             self.learner, state.params, batch, num_rows, return_routes=recorded, chunk_rows=chunk
         )
       else:
@@ -318,22 +318,22 @@ class Trainer:
     take = functools.partial(take_own_groups, group_size=c.group_size, pad_id=pad_id)  # collective
     return fill_informative(first, sample_round, group_size=c.group_size, max_rounds=rounds, pad_id=pad_id, take=take)
 
-  def learner_batch(self, released: RolloutBatch | None) -> RolloutBatch | process_batch.StagedBatch | None:
-    """What `learn_step` takes of the batch the delay buffer released (`process_batch.for_learner`: in several
+  def learner_batch(self, released: RolloutBatch | None) -> RolloutBatch | process_inputs.StagedBatch | None:
+    """What `learn_step` takes of the batch the delay buffer released (`process_inputs.for_learner`: in several
     processes, the global arrays made from each process's rows). Every process calls it at the same point, from the
     main thread (it makes collective host calls)."""
     c = self.c
-    return process_batch.for_learner(released, self.learner, c.prompts_per_step * c.group_size, c.num_updates_per_step)
+    return process_inputs.for_learner(released, self.learner, c.prompts_per_step * c.group_size, c.num_updates_per_step)
 
   def learn_step(
-      self, state, batch: RolloutBatch | process_batch.StagedBatch, lr_scale: float = 1.0
+      self, state, batch: RolloutBatch | process_inputs.StagedBatch, lr_scale: float = 1.0
   ) -> tuple[Any, dict[str, Any]]:
     """Step 4: `num_epochs` passes over a released batch (`learner_batch`), one optimizer update per mini-batch of
-    each, at `lr_scale` x the scheduled rate (`process_batch.updates`, `minpro_jax.rl.epochs`)."""
+    each, at `lr_scale` x the scheduled rate (`process_inputs.updates`, `minpro_jax.rl.epochs`)."""
     c = self.c
     t0 = time.time()
     with use_mesh(self.mesh, self.rules):
-      state, ups, stale, tokens = process_batch.updates(
+      state, ups, stale, tokens = process_inputs.updates(
           self.learner,
           state,
           batch,
@@ -376,8 +376,8 @@ class Trainer:
     buf = buffer.state_dict()
     if multihost.process_count() > 1:  # each process writes its own rows of the waiting batches
       n = self.c.prompts_per_step * self.c.group_size
-      meta["buffer"] = process_batch.buffer_layout(buf, n)
-      buf = process_batch.buffer_to_global(buf, n)
+      meta["buffer"] = process_inputs.buffer_layout(buf, n)
+      buf = process_inputs.buffer_to_global(buf, n)
     self.ckpt.save(step, state, buf, meta)
 
   def _restore(self, state, buffer: RolloutBuffer, progress: RunProgress) -> tuple[Any, RunProgress, int]:
@@ -394,7 +394,7 @@ class Trainer:
             "command), or start a new run in another --config.workdir"
         )
 
-    restored = self.ckpt.restore_latest(state, check_meta=check, buffer_template=process_batch.buffer_template)
+    restored = self.ckpt.restore_latest(state, check_meta=check, buffer_template=process_inputs.buffer_template)
     if restored is None:
       return state, progress, 0
     latest, state, buf_state, meta = restored
@@ -406,7 +406,7 @@ class Trainer:
       )
     buffer.load_state_dict(buffer_state_from_restored(buf_state))
     if "buffer" not in meta:  # written whole by process 0 (one process, or before per-process buffers)
-      buffer.map_batches(lambda b: process_batch.own_rows(b, self.c.prompts_per_step, self.c.group_size))
+      buffer.map_batches(lambda b: process_inputs.own_rows(b, self.c.prompts_per_step, self.c.group_size))
     self.loader.set_state(meta["data"])
     if start == self.c.total_steps:
       logger.warning(

@@ -5,7 +5,7 @@ The trainer's data flow across processes (docs/multihost.md):
     builds the same host arrays and passes them to jit, which takes a host value as the *global* value;
   * device outputs that span other processes' devices come back with :func:`to_host` (an all-gather), so every
     process holds the same global rollout batch until the step's metrics are taken (then only its rows:
-    `minpro_jax.rl.process_batch`);
+    `minpro_jax.rl.process_inputs`);
   * the costly host work, grading, is split: process i grades the rows :func:`process_rows` gives it and
     :func:`gather_rows` puts the results together on every process.
 So a run's samples, rewards and updates do not depend on the process count. Every function here is the identity

@@ -47,9 +47,9 @@ from minpro_jax.models.quant import (
     prepare_inference_params,
 )
 from minpro_jax.models.transformer import Transformer
-from minpro_jax.runtime.host_batch import process_prompts, rows_to_host
 from minpro_jax.runtime.inference_mesh import layout_name, param_shardings, reshard
 from minpro_jax.runtime.multihost import settle
+from minpro_jax.runtime.row_layout import process_prompts, rows_to_host
 from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.engines import Requests, SamplerCore, engine_options
@@ -271,7 +271,7 @@ class Sampler:
       policy_version: optional int, the version (number of optimizer updates) of the params, stamped on
         the batch (None: -1 = unversioned).
       own_rows: in a multi-process run, return only this process's rows (whole groups, prompts
-        `host_batch.process_prompts(N0)`), read from its own devices (`host_batch.rows_to_host`) instead of
+        `row_layout.process_prompts(N0)`), read from its own devices (`row_layout.rows_to_host`) instead of
         all-gathered; every process passes the same prompts. The same batch as False in one process.
 
     Returns:

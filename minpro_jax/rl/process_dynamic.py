@@ -1,4 +1,4 @@
-"""Dynamic sampling's filled batch from per-process rounds (issue 37 item 4): no host holds a round or the batch.
+"""Dynamic sampling's filled batch from per-process rounds: no host holds a round or the batch.
 
 In a multi-process run every round of `dynamic_sampling.fill_informative` is sampled with
 `Sampler.generate(own_rows=True)`, so process i holds its rows (whole groups) of each round; the rewards are those
@@ -8,10 +8,10 @@ another process sampled, so the rows move on the devices:
 
   1. each process pads its rows of every round to the widest round (`dynamic_sampling.padded_rounds`) and places
      them, round after round, as its block of one global [K x N, ...] array per field on the staging sharding
-     (`host_batch.global_rows`: process i's K x N / n rows on its own devices);
+     (`row_layout.global_rows`: process i's K x N / n rows on its own devices);
   2. one jitted gather takes the filled batch's N rows of it (indices computed on the host, a traced [N] int32
      array, so a new choice does not recompile) laid out on the staging sharding of N rows, and each process
-     reads back its rows (`host_batch.local_rows`).
+     reads back its rows (`row_layout.local_rows`).
 
 The per-row [N] fields (lengths, finish reasons as a bool, sample indices) take the same gather.
 A process's rows of the filled batch equal the rows a single process's `take_groups` gives it, bit for bit. The
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from minpro_jax.rl.dynamic_sampling import padded_rounds, take_groups
-from minpro_jax.runtime import host_batch, multihost
+from minpro_jax.runtime import multihost, row_layout
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 
 
@@ -75,10 +75,10 @@ def take_own_groups(
   fields = [f for f, v in rounds[0].items() if f != "group_ids" and v is not None]
   local = {f: np.concatenate([r[f] for r in rounds]) for f in fields}
   devices = jax.devices()
-  placed = host_batch.global_rows(local, host_batch.staging_sharding(devices, k * num_rows), k * num_rows)
+  placed = row_layout.global_rows(local, row_layout.staging_sharding(devices, k * num_rows), k * num_rows)
   idx = source_rows(groups, group_size, k, num_rows)
-  out = _gather(host_batch.staging_sharding(devices, num_rows))(placed, idx.astype(np.int32))
-  taken = {f: host_batch.local_rows(multihost.settle(v)) for f, v in out.items()}
+  out = _gather(row_layout.staging_sharding(devices, num_rows))(placed, idx.astype(np.int32))
+  taken = {f: row_layout.local_rows(multihost.settle(v)) for f, v in out.items()}
   stop = taken["finish_reason"]
   taken["finish_reason"] = np.where(stop, FINISH_STOP, FINISH_LENGTH).astype(gens[0].finish_reason.dtype)
   nones = {f: None for f, v in rounds[0].items() if v is None}

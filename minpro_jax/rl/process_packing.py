@@ -1,4 +1,4 @@
-"""Packed learner inputs from per-process rows (issue 37 item 4): packing (`learner.row_tokens`) with no host
+"""Packed learner inputs from per-process rows: packing (`learner.row_tokens`) with no host
 holding the step's batch.
 
 A packing plan spans the samples it packs, so each mini-batch is packed where its samples are. When every
@@ -7,9 +7,9 @@ divides a process's share N / n, i.e. `num_updates_per_step` is a multiple of th
 configs' 16 on 4 or 8 hosts), each process packs its own mini-batches with the plans a one-process run makes of
 them (`packing.plan_chunks`: one plan per mini-batch, all of one shape R x W), and the packed rows of every
 mini-batch sit side by side in one global [num x R, W] array on the staging sharding, each process's on its own
-devices (`host_batch.staging_sharding`).
+devices (`row_layout.staging_sharding`).
 
-- `stage`: the update's inputs. `process_batch.mini_batches` then slices mini-batch j's R rows on the devices and
+- `stage`: the update's inputs. `process_inputs.mini_batches` then slices mini-batch j's R rows on the devices and
   lays them out on the learner's batch sharding, as unpacked.
 - `score`: the score pass packs the step's batch in the same mini-batch chunks (`Learner.score(chunk_rows=M)` in
   one process), scores every packed row in one program, and each process reads back its packed rows of the
@@ -17,7 +17,7 @@ devices (`host_batch.staging_sharding`).
 
 The plans, hence the packed rows, are those of a one-process run for any process count that divides
 `num_updates_per_step`; W is the longest sample of the whole batch or `row_tokens` (all-gathered [N] lengths).
-Otherwise `process_batch` all-gathers the rows and packs them on every host. Collective: every process calls
+Otherwise `process_inputs` all-gathers the rows and packs them on every host. Collective: every process calls
 these at the same point, from the main thread.
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 from minpro_jax.rl import packing
 from minpro_jax.rl.learner import Learner, ScoreInputs, UpdateInputs
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.runtime import host_batch, multihost
+from minpro_jax.runtime import multihost, row_layout
 
 
 def fits(num_rows: int, chunk_rows: int) -> bool:
@@ -59,7 +59,7 @@ def _pack(local: RolloutBatch, chunk_rows: int, row_tokens: int, mb: int, fields
   plans = packing.plan_chunks(local.segment_ids, chunk_rows, row_tokens, mb, width=longest)
   static = packing.packed_rows(chunk_rows, local.tokens.shape[1], plans[0].width, mb)
   if plans[0].num_rows != static:  # every process must place chunks of the same shape
-    raise ValueError(f"packed_batch: a chunk needs {plans[0].num_rows} packed rows, the static count is {static}")
+    raise ValueError(f"process_packing: a chunk needs {plans[0].num_rows} packed rows, the static count is {static}")
   return plans, packing.pack_chunks(local, plans, fields, routes=replay)
 
 
@@ -72,16 +72,16 @@ def stage(local: RolloutBatch, learner: Learner, num_rows: int, num: int, all_le
     all_lengths: [N] real tokens of every sample (`lengths`).
 
   Raises:
-    ValueError: a mini-batch spans processes (`fits`); replay without routes; as `host_batch.global_rows`.
+    ValueError: a mini-batch spans processes (`fits`); replay without routes; as `row_layout.global_rows`.
   """
   m = num_rows // num
   if num_rows % num or not fits(num_rows, m):
-    raise ValueError(f"packed_batch.stage: mini-batches of {m} rows do not lie within the processes' rows")
+    raise ValueError(f"process_packing.stage: mini-batches of {m} rows do not lie within the processes' rows")
   mb = min(learner.micro_batch_size, m)
   longest = int(all_lengths.max(initial=0))
   _, fields = _pack(local, m, learner.row_tokens, mb, packing.PACKED_FIELDS, learner.loss_cfg.router_replay, longest)
   total = fields["tokens"].shape[0] * jax.process_count()
-  placed = host_batch.global_rows(fields, host_batch.staging_sharding(learner.mesh.devices, total), total)
+  placed = row_layout.global_rows(fields, row_layout.staging_sharding(learner.mesh.devices, total), total)
   return UpdateInputs(**placed)
 
 
@@ -96,7 +96,7 @@ def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, chu
     ValueError: the chunks span processes; N not divisible by the micro-batch size; replay without routes.
   """
   if not fits(num_rows, chunk_rows):
-    raise ValueError(f"packed_batch.score: chunks of {chunk_rows} rows do not lie within the processes' rows")
+    raise ValueError(f"process_packing.score: chunks of {chunk_rows} rows do not lie within the processes' rows")
   mb = min(learner.micro_batch_size, num_rows)
   if num_rows % mb:
     raise ValueError(f"batch of {num_rows} rows is not divisible by micro_batch_size {mb}")
@@ -105,10 +105,10 @@ def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, chu
   plans, fields = _pack(local, chunk_rows, learner.row_tokens, mb, packing.SCORE_FIELDS, replay, longest)
   total = fields["tokens"].shape[0] * jax.process_count()
   devices = learner.mesh.devices
-  placed = multihost.settle(host_batch.global_rows(fields, host_batch.staging_sharding(devices, total), total))
-  placed = multihost.settle(host_batch.take_rows(sharding_of(total), 0, total)(placed))
+  placed = multihost.settle(row_layout.global_rows(fields, row_layout.staging_sharding(devices, total), total))
+  placed = multihost.settle(row_layout.take_rows(sharding_of(total), 0, total)(placed))
   logp, routes = multihost.settle(learner.jitted_score(params, ScoreInputs(**placed), mb))
-  (logp, routes), _ = host_batch.rows_to_host((logp, routes if return_routes else None), total, devices, True)
+  (logp, routes), _ = row_layout.rows_to_host((logp, routes if return_routes else None), total, devices, True)
   shape = local.tokens.shape
   logp = packing.unpack_chunks(logp, plans, shape)
   if not return_routes:

@@ -1,4 +1,4 @@
-"""Per-process batches (`minpro_jax.runtime.host_batch`) and the step metrics from per-process rows
+"""Per-process batches (`minpro_jax.runtime.row_layout`) and the step metrics from per-process rows
 (`minpro_jax.rl.rollout_metrics`) in one process; tests/test_multihost.py runs them in two."""
 
 from __future__ import annotations
@@ -12,55 +12,55 @@ import pytest
 from minpro_jax.errors import ConfigError
 from minpro_jax.rl import aggregation, rollout_metrics
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.runtime import host_batch
+from minpro_jax.runtime import row_layout
 from minpro_jax.runtime.sharding import make_mesh
 from minpro_jax.sampling.batch import GenerationBatch
 
 
 def test_each_process_owns_whole_groups_in_order_by_hand():
   # 6 prompts x 4 samples over 3 processes: 2 prompts, 8 rows each
-  assert [host_batch.process_prompts(6, i, 3) for i in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 6)]
-  assert [host_batch.process_group_rows(6, 4, i, 3) for i in range(3)] == [slice(0, 8), slice(8, 16), slice(16, 24)]
+  assert [row_layout.process_prompts(6, i, 3) for i in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 6)]
+  assert [row_layout.process_group_rows(6, 4, i, 3) for i in range(3)] == [slice(0, 8), slice(8, 16), slice(16, 24)]
   group_of_row = np.arange(6).repeat(4)  # prompt-major rows
   for i in range(3):
-    owned = group_of_row[host_batch.process_group_rows(6, 4, i, 3)]
-    assert set(owned) == set(range(6)[host_batch.process_prompts(6, i, 3)])  # whole groups, nobody else's
-  assert host_batch.process_group_rows(5, 3, 0, 1) == slice(0, 15)  # one process owns everything
-  assert host_batch.process_group_rows(5, 3) == slice(0, 15)  # this (single) process
+    owned = group_of_row[row_layout.process_group_rows(6, 4, i, 3)]
+    assert set(owned) == set(range(6)[row_layout.process_prompts(6, i, 3)])  # whole groups, nobody else's
+  assert row_layout.process_group_rows(5, 3, 0, 1) == slice(0, 15)  # one process owns everything
+  assert row_layout.process_group_rows(5, 3) == slice(0, 15)  # this (single) process
 
 
 def test_prompts_that_do_not_split_over_the_processes_name_both():
   with pytest.raises(ConfigError, match=r"config.prompts_per_step: 6 prompts .* over the run's 4 processes") as e:
-    host_batch.process_group_rows(6, 2, 1, 4)
+    row_layout.process_group_rows(6, 2, 1, 4)
   assert "use a multiple of 4, e.g. 4 or 8" in str(e.value)
   with pytest.raises(ValueError, match="process index 2 not in"):
-    host_batch.process_prompts(4, 2, 2)
+    row_layout.process_prompts(4, 2, 2)
 
 
 def test_global_rows_places_the_rows_sharded_over_the_batch_axes():
   mesh = make_mesh({"data": 2, "fsdp": 4})
-  sharding = host_batch.batch_sharding(mesh, ("data", "fsdp"))
-  assert host_batch.process_blocks(sharding, 16) == [(0, 16)]
-  host_batch.check_layout(sharding, 4, 4)
+  sharding = row_layout.batch_sharding(mesh, ("data", "fsdp"))
+  assert row_layout.process_blocks(sharding, 16) == [(0, 16)]
+  row_layout.check_layout(sharding, 4, 4)
   tokens = np.arange(48, dtype=np.int32).reshape(16, 3)
-  placed = host_batch.global_rows({"tokens": tokens, "rewards": tokens[:, 0] / 2.0}, sharding, 16)
+  placed = row_layout.global_rows({"tokens": tokens, "rewards": tokens[:, 0] / 2.0}, sharding, 16)
   assert placed["tokens"].sharding == sharding and len(placed["tokens"].addressable_shards) == 8
   assert [s.data.shape for s in placed["tokens"].addressable_shards] == [(2, 3)] * 8
   np.testing.assert_array_equal(np.asarray(placed["tokens"]), tokens)
   np.testing.assert_array_equal(np.asarray(placed["rewards"]), tokens[:, 0] / 2.0)
-  np.testing.assert_array_equal(host_batch.local_rows(placed["tokens"]), tokens)  # one process: every row
-  replicated = jax.device_put(tokens, host_batch.batch_sharding(mesh, ("data",)))  # each row on 4 devices
-  np.testing.assert_array_equal(host_batch.local_rows(replicated), tokens)
+  np.testing.assert_array_equal(row_layout.local_rows(placed["tokens"]), tokens)  # one process: every row
+  replicated = jax.device_put(tokens, row_layout.batch_sharding(mesh, ("data",)))  # each row on 4 devices
+  np.testing.assert_array_equal(row_layout.local_rows(replicated), tokens)
   by_column = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
   with pytest.raises(ValueError, match="splits the array along an axis other than its rows"):
-    host_batch.local_rows(jax.device_put(np.zeros((16, 4)), by_column))
+    row_layout.local_rows(jax.device_put(np.zeros((16, 4)), by_column))
   with pytest.raises(ValueError, match="passed 15 rows, its devices hold rows"):
-    host_batch.global_rows(tokens[:15], sharding, 16)
+    row_layout.global_rows(tokens[:15], sharding, 16)
 
 
 def test_batch_stats_are_the_global_statistics():
   rewards = np.asarray([1.0, 0.0, 0.5, 0.25], np.float32)
-  got = host_batch.batch_stats({"reward": rewards, "none": np.zeros(0)})
+  got = row_layout.batch_stats({"reward": rewards, "none": np.zeros(0)})
   assert got["reward"] == {"sum": 1.75, "count": 4, "min": 0.0, "max": 1.0, "mean": 0.4375}
   assert got["none"]["count"] == 0 and all(math.isnan(got["none"][k]) for k in ("min", "max", "mean"))
   assert jax.process_count() == 1  # no collective was needed
@@ -123,7 +123,7 @@ def test_rows_to_host_in_one_process_is_every_row_without_the_padding():
   )
   tree = (sharded, None, np.arange(12))
   for own in (False, True):  # one process owns every row: the same arrays either way
-    (x, none, y), rows = host_batch.rows_to_host(tree, 10, mesh.devices, own)
+    (x, none, y), rows = row_layout.rows_to_host(tree, 10, mesh.devices, own)
     assert rows == slice(0, 10) and none is None
     assert isinstance(x, np.ndarray) and x.tolist() == np.arange(20.0).reshape(10, 2).tolist()
     assert y.tolist() == list(range(10))

@@ -1,4 +1,4 @@
-"""Per-process rollout batches: each process holds, grades and places only its rows (issue 37 item 4).
+"""Per-process rollout batches: each process holds, grades and places only its rows.
 
 A step's global batch is B = `prompts_per_step` prompts × G = `group_size` samples, prompt-major (the G rows of
 prompt p are rows [p G, (p + 1) G)). With n processes, process i owns the whole groups of prompts
@@ -69,7 +69,7 @@ def staging_sharding(devices, num_rows: int | None = None) -> NamedSharding:
   exactly its rows (`process_group_rows`, for a row count that divides by the process count): over every device
   (process-major) when `num_rows` divides by the device count, else over the processes alone (each process's rows
   replicated on its devices). Each process places its rows on it with `global_rows` and no row crosses a process;
-  a jitted program then reshards them to the learner's batch sharding (`minpro_jax.rl.process_batch`), or orbax
+  a jitted program then reshards them to the learner's batch sharding (`minpro_jax.rl.process_inputs`), or orbax
   writes each process's rows.
 
   Args:

@@ -1,14 +1,14 @@
-"""The learner's inputs from per-process rows (issue 37 item 4): each process holds only its rows of a step's batch.
+"""The learner's inputs from per-process rows: each process holds only its rows of a step's batch.
 
 In a run of n processes, with N = `prompts_per_step` x `group_size` rows a step:
   1. The sampler returns each process its rows (`Sampler.generate(own_rows=True)`: the whole groups of
-     `host_batch.process_group_rows`), and `score` runs the learner's score pass on them: the score inputs are
+     `row_layout.process_group_rows`), and `score` runs the learner's score pass on them: the score inputs are
      staged from each process's rows and each process reads back its rows of the log-probs. The step's batch is
      then this process's rows; `own_rows` keeps them of a global batch (dynamic sampling's rounds, a checkpoint
      written whole). The buffer, and its checkpoint, therefore hold N/n rows per process.
   2. `stage` (when the buffer releases the batch): the learner's [N, ...] global arrays (`UpdateInputs`) are made
      from every process's rows with `jax.make_array_from_process_local_data` on the staging sharding
-     (`host_batch.staging_sharding`: rows split over the processes in order, and over each process's devices when
+     (`row_layout.staging_sharding`: rows split over the processes in order, and over each process's devices when
      they divide, so no row leaves its host); the [N] per-sample
      vectors the step's metrics read (`policy_version`, real tokens) are all-gathered (16 bytes a row).
   3. `mini_batches`: mini-batch j (rows [j M, (j + 1) M)) is sliced on the devices and resharded to the learner's
@@ -17,7 +17,7 @@ In a run of n processes, with N = `prompts_per_step` x `group_size` rows a step:
   4. `Learner.update_arrays` takes those global arrays.
   5. `buffer_to_global` / `buffer_layout` / `buffer_template`: each process writes its own rows of the waiting
      batches to the orbax checkpoint (global arrays on the staging sharding of every device) and reads back only
-     them on resume (`checkpoint.RunCheckpointer.restore_latest`, `host_batch.local_rows`).
+     them on resume (`checkpoint.RunCheckpointer.restore_latest`, `row_layout.local_rows`).
 
 In a one-process run `own_rows`, `gather_batch` and `buffer_to_global` return their input, `score` is
 `Learner.score`, and the trainer keeps its host path (`RolloutBatch.split`, `Learner.update`), so a one-process run
@@ -41,13 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from minpro_jax.errors import ConfigError
-from minpro_jax.rl import packed_batch
+from minpro_jax.rl import process_packing
 from minpro_jax.rl.epochs import epoch_rows
 from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.learner_inputs import SCORE_ROW_FIELDS, UPDATE_ROW_FIELDS, ScoreInputs, UpdateInputs
 from minpro_jax.rl.proximal import interpolation_alpha
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.runtime import host_batch, multihost
+from minpro_jax.runtime import multihost, row_layout
 from minpro_jax.runtime.sharding import DEFAULT_RULES, active_rules, batch_split
 
 
@@ -67,7 +67,7 @@ def _input_fields(local, names, replay: bool) -> dict:
 
 
 def own_rows(batch: RolloutBatch, prompts_per_step: int, group_size: int) -> RolloutBatch:
-  """This process's rows of the step's global batch (`host_batch.process_group_rows`), copied so the global arrays
+  """This process's rows of the step's global batch (`row_layout.process_group_rows`), copied so the global arrays
   can be freed; `batch` itself in a one-process run.
 
   Raises:
@@ -77,7 +77,7 @@ def own_rows(batch: RolloutBatch, prompts_per_step: int, group_size: int) -> Rol
     return batch
   if batch.size != prompts_per_step * group_size:
     raise ValueError(f"own_rows: a batch of {batch.size} rows, the step has {prompts_per_step * group_size}")
-  rows = host_batch.process_group_rows(prompts_per_step, group_size)
+  rows = row_layout.process_group_rows(prompts_per_step, group_size)
   return jax.tree.map(np.array, batch.select(rows))
 
 
@@ -119,10 +119,10 @@ def stage(local: RolloutBatch, mesh: jax.sharding.Mesh, num_rows: int, replay: b
 
   Raises:
     ValueError: replay without routes in the batch; `local` is not this process's share of `num_rows`; the mesh's
-      devices are not in process order with equal shares (`host_batch.staging_sharding`).
+      devices are not in process order with equal shares (`row_layout.staging_sharding`).
   """
   fields = _input_fields(local, UPDATE_ROW_FIELDS, replay)
-  placed = host_batch.global_rows(fields, host_batch.staging_sharding(mesh.devices, num_rows), num_rows)
+  placed = row_layout.global_rows(fields, row_layout.staging_sharding(mesh.devices, num_rows), num_rows)
   every = _per_row(local, num_rows)
   return StagedBatch(UpdateInputs(**placed), every[:, 0], int(every[:, 1].sum()))
 
@@ -139,7 +139,7 @@ def learner_sharding(mesh: jax.sharding.Mesh, rows: int) -> jax.sharding.NamedSh
   axes = tuple(a for a in batch_split(dict(mesh.shape), active_rules() or DEFAULT_RULES)[0] if mesh.shape.get(a, 1) > 1)
   if rows % math.prod(mesh.shape[a] for a in axes):
     axes = ()
-  return host_batch.batch_sharding(mesh, axes)
+  return row_layout.batch_sharding(mesh, axes)
 
 
 def mini_batches(
@@ -156,13 +156,13 @@ def mini_batches(
   n = staged.size
   if num <= 0 or n % num:
     raise ValueError(f"cannot split a batch of {n} samples into {num} equal mini-batches")
-  m = staged.arrays.tokens.shape[0] // num  # packed (`packed_batch.stage`): each mini-batch's R packed rows
+  m = staged.arrays.tokens.shape[0] // num  # packed (`process_packing.stage`): each mini-batch's R packed rows
   sharding = learner_sharding(mesh, m)
   if rows is not None and staged.arrays.tokens.shape[0] != n:
     raise ValueError("mini_batches: a row order needs unpacked arrays (one sample per row)")
   for j in range(num):
     if rows is None:
-      yield multihost.settle(host_batch.take_rows(sharding, j * m, m)(staged.arrays))
+      yield multihost.settle(row_layout.take_rows(sharding, j * m, m)(staged.arrays))
     else:  # the same program for every order: the rows are an argument (replicated int32, the same on every process)
       yield multihost.settle(_take_at(sharding)(staged.arrays, np.asarray(rows[j * m : (j + 1) * m], np.int32)))
 
@@ -179,23 +179,23 @@ def for_learner(
   """What `updates` takes of the batch of `num_rows` rows the delay buffer released for `num` updates (None passes
   through): in one process the batch itself; in several, where each holds its own rows, their global arrays on the
   learner's devices (`stage`; with packing, `learner.row_tokens`, each process's mini-batches packed on it:
-  `packed_batch.stage`), or the rows all-gathered to every host (`gather_batch`) when the learner's mesh cannot
+  `process_packing.stage`), or the rows all-gathered to every host (`gather_batch`) when the learner's mesh cannot
   take per-process rows (devices not in process order with equal shares) or, packed, a mini-batch spans processes
   (`num` not a multiple of the process count; logged). Collective (module docstring)."""
   if released is None or jax.process_count() == 1:
     return released
   mesh, replay = learner.mesh, learner.loss_cfg.router_replay
   try:
-    host_batch.staging_sharding(mesh.devices)
+    row_layout.staging_sharding(mesh.devices)
   except ValueError:
     return gather_batch(released, num_rows)  # this mesh cannot take per-process rows: the host path
   if learner.row_tokens is None:
     return stage(released, mesh, num_rows, replay)
-  if num <= 0 or num_rows % num or not packed_batch.fits(num_rows, num_rows // num):
+  if num <= 0 or num_rows % num or not process_packing.fits(num_rows, num_rows // num):
     _warn_gathered(num, num_rows)
     return gather_batch(released, num_rows)
   every = _per_row(released, num_rows)
-  arrays = packed_batch.stage(released, learner, num_rows, num, every[:, 1])
+  arrays = process_packing.stage(released, learner, num_rows, num, every[:, 1])
   return StagedBatch(arrays, every[:, 0], int(every[:, 1].sum()))
 
 
@@ -215,14 +215,14 @@ def _warn_gathered(num: int, num_rows: int) -> None:
 def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, return_routes: bool = False,
           chunk_rows: int | None = None):  # fmt: skip
   """`Learner.score(chunk_rows=...)` of a batch of `num_rows` rows of which this process holds its own (`local`:
-  whole groups, `host_batch.process_group_rows`), returning this process's rows of the [N, L] log-probs (and with
+  whole groups, `row_layout.process_group_rows`), returning this process's rows of the [N, L] log-probs (and with
   `return_routes` of the learner's [N, L, layers, k] routes); `learner.score(params, local, ...)` in one process.
 
-  The score inputs are staged from each process's rows (`host_batch.global_rows` on the staging sharding of the
+  The score inputs are staged from each process's rows (`row_layout.global_rows` on the staging sharding of the
   learner's devices), resharded to the learner's batch sharding on the devices, scored by the learner's program,
-  and each process reads its rows of the outputs back from its own devices (`host_batch.rows_to_host`): no host
+  and each process reads its rows of the outputs back from its own devices (`row_layout.rows_to_host`): no host
   holds the batch. Packed (`learner.row_tokens`), each process packs its own chunks of `chunk_rows` samples
-  (`packed_batch.score`). With a mesh whose devices cannot hold each process's rows, or packed chunks that span
+  (`process_packing.score`). With a mesh whose devices cannot hold each process's rows, or packed chunks that span
   processes, the rows are all-gathered and scored whole (`gather_batch`), and each process keeps its rows of the
   result. Collective: every process calls it at the same point, in the caller's `use_mesh`.
 
@@ -234,13 +234,13 @@ def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, 
     return learner.score(params, local, return_routes=return_routes, chunk_rows=chunk_rows)
   mesh = learner.mesh
   try:
-    staging = None if mesh is None else host_batch.staging_sharding(mesh.devices, num_rows)
+    staging = None if mesh is None else row_layout.staging_sharding(mesh.devices, num_rows)
   except ValueError:
     staging = None
   packed = learner.row_tokens is not None
-  if staging is not None and packed and packed_batch.fits(num_rows, chunk_rows or num_rows):
+  if staging is not None and packed and process_packing.fits(num_rows, chunk_rows or num_rows):
     sharding_of = lambda rows: learner_sharding(mesh, rows)  # noqa: E731
-    return packed_batch.score(
+    return process_packing.score(
         learner, params, local, num_rows, chunk_rows or num_rows, sharding_of, return_routes=return_routes
     )
   if staging is None or packed:
@@ -251,10 +251,10 @@ def score(learner: Learner, params: Any, local: RolloutBatch, num_rows: int, *, 
   if num_rows % mb:
     raise ValueError(f"batch of {num_rows} rows is not divisible by micro_batch_size {mb}")
   fields = _input_fields(local, SCORE_ROW_FIELDS, learner.loss_cfg.router_replay)
-  placed = multihost.settle(host_batch.global_rows(fields, staging, num_rows))
-  placed = multihost.settle(host_batch.take_rows(learner_sharding(mesh, num_rows), 0, num_rows)(placed))
+  placed = multihost.settle(row_layout.global_rows(fields, staging, num_rows))
+  placed = multihost.settle(row_layout.take_rows(learner_sharding(mesh, num_rows), 0, num_rows)(placed))
   logp, routes = multihost.settle(learner.jitted_score(params, ScoreInputs(**placed), mb))
-  (logp, routes), _ = host_batch.rows_to_host((logp, routes if return_routes else None), num_rows, mesh.devices, True)
+  (logp, routes), _ = row_layout.rows_to_host((logp, routes if return_routes else None), num_rows, mesh.devices, True)
   return (logp, routes) if return_routes else logp
 
 
@@ -282,7 +282,7 @@ def updates(
 
   Raises:
     ValueError: the batch size is not divisible by `num`, or a mini-batch by `group_size`; as the learner's update.
-    ConfigError: num_epochs > 1 with packed staged arrays (`packed_batch.stage`: each process packed its own
+    ConfigError: num_epochs > 1 with packed staged arrays (`process_packing.stage`: each process packed its own
       mini-batches, which a reordered pass cannot reuse).
   """
   n = batch.size
@@ -343,12 +343,12 @@ def buffer_to_global(state: dict[str, Any], num_rows: int) -> dict[str, Any]:
   one-process run.
 
   Raises:
-    ValueError: as `host_batch.global_rows` / `staging_sharding`.
+    ValueError: as `row_layout.global_rows` / `staging_sharding`.
   """
   if jax.process_count() == 1:
     return state
-  sharding = host_batch.staging_sharding(jax.devices(), num_rows)
-  batches = {k: host_batch.global_rows(dict(b), sharding, num_rows) for k, b in state["batches"].items()}
+  sharding = row_layout.staging_sharding(jax.devices(), num_rows)
+  batches = {k: row_layout.global_rows(dict(b), sharding, num_rows) for k, b in state["batches"].items()}
   return {"steps": state["steps"], "batches": batches}
 
 
@@ -359,7 +359,7 @@ def buffer_template(meta: dict[str, Any]) -> dict[str, Any] | None:
   layout = meta.get("buffer")
   if layout is None:
     return None
-  sharding = host_batch.staging_sharding(jax.devices(), layout["rows"])
+  sharding = row_layout.staging_sharding(jax.devices(), layout["rows"])
   return {
       name: {
           f: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=sharding) for f, (shape, dtype) in b.items()
