@@ -6,10 +6,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from train_helpers import make_config, metrics_records, tiny_overrides
 
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl.rollout import RolloutBatch
+from minpro_jax.rl.token_staleness import token_staleness_metrics
+from minpro_jax.run.trainer import Trainer
 from minpro_jax.sampling import Sampler, SamplingParams, engines
 from minpro_jax.sampling.streaming import StreamPool
 
@@ -103,3 +106,78 @@ def test_swap_mid_response_logp_per_token_version(sampler, versions, kv):
     assert diff.max() < 1e-4
   else:
     assert diff.max() > 1e-3  # the stale-KV effect: measured, reported above
+
+
+# ------------------------------------------------------------------------------------------------ staleness metrics
+def _batch(token_version, mask, row_version):
+  n, length = mask.shape
+  z = np.zeros((n, length))
+  return RolloutBatch(
+      tokens=z.astype(np.int32),
+      segment_ids=np.ones((n, length), np.int32),
+      positions=z.astype(np.int32),
+      response_mask=mask,
+      behavior_logp=z.astype(np.float32),
+      learner_logp=z.astype(np.float32),
+      advantages=np.zeros(n, np.float32),
+      rewards=np.zeros(n, np.float32),
+      group_ids=np.arange(n),
+      policy_version=np.asarray(row_version, np.int64),
+      response_lengths=mask.sum(1).astype(np.int32),
+      truncated=np.zeros(n, bool),
+      token_version=None if token_version is None else np.asarray(token_version, np.int32),
+  )
+
+
+def test_token_staleness_metrics_of_a_hand_built_schedule():
+  # 3 responses learnt at version 5: one drawn by 2, 2, 3, 4 (swaps after its 2nd and 3rd token), one by 4, 4, one
+  # by 5 alone; the 4th row has no response token (its -1 versions must not count)
+  tv = [[-1, 2, 2, 3, 4], [-1, 4, 4, -1, -1], [-1, 5, -1, -1, -1], [-1, -1, -1, -1, -1]]
+  mask = np.asarray(tv) >= 0
+  m = token_staleness_metrics(_batch(tv, mask, [2, 4, 5, 0]), learn_version=5)
+  # token staleness: 3, 3, 2, 1 | 1, 1 | 0
+  assert m["staleness/token_histogram"] == [1, 3, 1, 2]
+  assert m["staleness/token_mean"] == pytest.approx(11 / 7) and m["staleness/token_max"] == 3
+  assert m["staleness/spread_mean"] == pytest.approx(2 / 3) and m["staleness/spread_max"] == 2
+  assert m["staleness/mixed_frac"] == pytest.approx(1 / 3)
+  # delay mode (no token versions): every token has its row's version
+  m = token_staleness_metrics(_batch(None, mask, [2, 4, 5, 0]), learn_version=5)
+  assert m["staleness/token_histogram"] == [1, 2, 0, 4] and m["staleness/spread_max"] == 0
+  with pytest.raises(ValueError, match="newer than the learner's 4"):
+    token_staleness_metrics(_batch(tv, mask, [2, 4, 5, 0]), learn_version=4)
+
+
+# ------------------------------------------------------------------------------------------------ the trainer mode
+SAMPLE_PREFIXES = ("reward/", "response/", "advantage/", "sampler_learner/", "sample/")
+
+
+def _train(tmp_path, name, **extra):
+  """A tiny run (`train_helpers.tiny_overrides`, delay 1, 4 steps) in workdir `name`: (final params, metrics)."""
+  ov = tiny_overrides(tmp_path / name, **{"sampling.kv_cache": "dense", **extra})  # the streaming pool's cache
+  tr = Trainer.from_config(make_config(ov))
+  tr.run()
+  return tr.final_state.params, metrics_records(ov["workdir"])
+
+
+@pytest.fixture(scope="module")
+def delay_run(tmp_path_factory):
+  return _train(tmp_path_factory.mktemp("delay"), "run")
+
+
+def test_inflight_with_draining_segments_equals_delay_mode_bit_for_bit(delay_run, tmp_path):
+  # max_new_tokens 6 <= inflight_every and 8 decode rows hold a whole batch: every segment drains the pool, so no
+  # response sees a swap and batch b is sampled whole by the version after step b - 1, as in delay mode
+  params, got = _train(tmp_path, "inflight", **{"staleness.mode": "inflight", "staleness.inflight_every": 6})
+  want_params, want = delay_run
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  d = 1
+  for step, rec in want.items():
+    if step < 0 or step >= 4:  # the evaluations
+      continue
+    learn = {k: v for k, v in rec.items() if k.startswith(("learn/", "staleness/", "policy_version"))}
+    assert learn and {k: got[step][k] for k in learn} == learn, step
+    if step + d < 4:  # batch `step`'s sample metrics: delay mode reports them at `step`, in-flight at `step + d`
+      sample = {k: v for k, v in rec.items() if k.startswith(SAMPLE_PREFIXES)}
+      assert sample and {k: got[step + d][k] for k in sample} == sample, step
+  assert got[3]["staleness/spread_max"] == 0 and got[3]["inflight/occupancy"] > 0

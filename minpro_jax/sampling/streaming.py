@@ -36,6 +36,7 @@ import numpy as np
 from minpro_jax.models.transformer import KVCache, keys_head_dim_major
 from minpro_jax.sampling import continuous as cb
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
+from minpro_jax.sampling.engines.base import bucket
 from minpro_jax.sampling.engines.continuous import ContinuousEngine
 from minpro_jax.sampling.methods import SamplingParams
 
@@ -145,13 +146,23 @@ class StreamPool:
     capacity: C ring slots (>= N; the caller collects a slot's request before its next one is admitted).
     every: k, decode steps per segment (>= 1).
     kv: "keep" or "recompute" (module docstring).
+    prompt_len: P, the prompt slots of every row: a prompt bucket of the sampler (default its largest) that holds
+      every prompt the pool will be given.
 
   Raises:
     ValueError: another engine, routes recorded, bad capacity / every / kv.
   """
 
   def __init__(
-      self, sampler, sampling: SamplingParams, *, batch_rows: int, capacity: int, every: int, kv: str = "keep"
+      self,
+      sampler,
+      sampling: SamplingParams,
+      *,
+      batch_rows: int,
+      capacity: int,
+      every: int,
+      kv: str = "keep",
+      prompt_len: int | None = None,
   ):
     engine = sampler.engine
     if type(engine) is not ContinuousEngine or sampler.record_routes:
@@ -165,7 +176,7 @@ class StreamPool:
     self.sampler, self.sampling, self.kv, self.every = sampler, sampling, kv, int(every)
     self.capacity, self.rows_per_batch = int(capacity), int(batch_rows)
     self.rows, self.refill = engine.rows_and_refill(batch_rows)
-    self.p_len = sampler.prompt_buckets[-1]
+    self.p_len = int(prompt_len or sampler.prompt_buckets[-1])
     r = sampling.max_new_tokens
     with sampler.mesh_context():
       pool = cb.init_state(core.config, self.rows, capacity, self.p_len + r, r, core.pad_id, False, sampling.truncates)
@@ -268,8 +279,9 @@ class StreamPool:
     return all(g < self.nxt and g not in self._live for g in ids)
 
   def collect(self, ids: Sequence[int], temperature: float) -> GenerationBatch:
-    """The finished requests `ids` as a `GenerationBatch` (prompt-major as admitted; `token_version` [N, R] the
-    version that drew each token, `policy_version` the smallest) and their slots freed.
+    """The finished requests `ids` as a `GenerationBatch` (prompt-major as admitted, prompts left-padded to the
+    smallest prompt bucket that holds them; `token_version` [N, R] the version that drew each token,
+    `policy_version` the smallest) and their slots freed.
 
     Raises:
       ValueError: a request of `ids` not finished or not in the ring.
@@ -285,9 +297,11 @@ class StreamPool:
       self.pool, self.version_map = self._clear(self.pool, self.version_map, jnp.asarray(slots), self.core.pad_id)
     self.owner[slots] = -1
     drawn = np.where(mask, ver, np.iinfo(np.int32).max)
+    # the prompts left-padded to their own bucket, as `Sampler.generate` returns a call of these prompts
+    p = bucket(int(self.segs[slots].sum(1).max()), self.sampler.prompt_buckets) or self.p_len
     return GenerationBatch(
-        prompt_tokens=self.tokens[slots].copy(),
-        prompt_mask=self.segs[slots].astype(bool),
+        prompt_tokens=self.tokens[slots, self.p_len - p :].copy(),
+        prompt_mask=self.segs[slots, self.p_len - p :].astype(bool),
         response_tokens=tok,
         response_mask=mask,
         behavior_logp=logp,
