@@ -2,16 +2,22 @@
 (`minpro_jax.sampling.streaming`), the per-token version and staleness metrics (`minpro_jax.rl.token_staleness`), and
 the streaming trainer mode (`minpro_jax.run.inflight_runner`) against delay mode."""
 
+import signal
+import subprocess
+import time
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from train_helpers import make_config, metrics_records, tiny_overrides
+from train_helpers import checkpoint_steps, cli_args, cli_env, make_config, metrics_records, tiny_overrides
 
+from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl.rollout import RolloutBatch
 from minpro_jax.rl.token_staleness import token_staleness_metrics
+from minpro_jax.run.run_config import validate_config
 from minpro_jax.run.trainer import Trainer
 from minpro_jax.sampling import Sampler, SamplingParams, engines
 from minpro_jax.sampling.streaming import StreamPool
@@ -181,3 +187,73 @@ def test_inflight_with_draining_segments_equals_delay_mode_bit_for_bit(delay_run
       sample = {k: v for k, v in rec.items() if k.startswith(SAMPLE_PREFIXES)}
       assert sample and {k: got[step + d][k] for k in sample} == sample, step
   assert got[3]["staleness/spread_max"] == 0 and got[3]["inflight/occupancy"] > 0
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("loss.method", "gspo", r"config\.loss\.method: 'gspo' takes a sequence-level ratio"),
+        ("loss.rollout_is", "sequence", r"config\.loss\.rollout_is: 'sequence' corrects with a sequence-level ratio"),
+        ("loss.rollout_mis", "geometric", r"config\.loss\.rollout_mis: 'geometric'"),
+        ("mipu.rollback", True, r"config\.mipu\.rollback: is not supported with staleness\.mode='inflight'"),
+        ("staleness.inflight_kv", "drop", r"config\.staleness\.inflight_kv: 'drop'; choose one of"),
+        ("staleness.inflight_every", 0, r"config\.staleness\.inflight_every: must be an int >= 1"),
+    ],
+)
+def test_inflight_refuses_what_it_cannot_run_naming_the_field(tmp_path, field, value, match):
+  c = make_config(tiny_overrides(tmp_path, **{"staleness.mode": "inflight", field: value}))
+  with pytest.raises(ConfigError, match=match):
+    validate_config(c)
+
+
+def test_staleness_mode_is_checked(tmp_path):
+  with pytest.raises(ConfigError, match=r"config\.staleness\.mode: 'async'; choose one of \('delay', 'inflight'\)"):
+    validate_config(make_config(tiny_overrides(tmp_path, **{"staleness.mode": "async"})))
+
+
+# ------------------------------------------------------------------------------------------------ resume (slow)
+def _resume_overrides(tmp_path, name):
+  return tiny_overrides(
+      tmp_path,
+      workdir=str(tmp_path / name),
+      total_steps=5,
+      **{
+          "staleness.mode": "inflight",
+          "staleness.inflight_every": 2,  # swaps in the middle of responses
+          "staleness.inflight_kv": "recompute",
+          "checkpoint.every": 1,
+          "checkpoint.keep": 2,
+          "optimizer.learning_rate": 1e-2,
+      },
+  )
+
+
+@pytest.mark.slow
+def test_inflight_sigkill_then_resume_is_bitwise_equal(tmp_path):
+  ref_ov = _resume_overrides(tmp_path, "A")
+  r = subprocess.run(cli_args(ref_ov), capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  ref = metrics_records(ref_ov["workdir"])
+  assert max(ref[s]["staleness/spread_max"] for s in range(1, 5)) >= 1  # responses drawn by several versions
+  ov = _resume_overrides(tmp_path, "B")
+  p = subprocess.Popen(cli_args(ov), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=cli_env())
+  t0 = time.time()
+  try:
+    while not any(s >= 2 for s in checkpoint_steps(ov["workdir"])):
+      assert p.poll() is None, "run finished before it could be interrupted"
+      assert time.time() - t0 < 600
+      time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=300)
+  finally:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+  restored = max(checkpoint_steps(ov["workdir"]))
+  assert restored < 4
+  r = subprocess.run(cli_args(ov), capture_output=True, text=True, env=cli_env(), timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = metrics_records(ov["workdir"])
+  assert sorted(got) == sorted(ref)
+  for s in [s for s in ref if s > restored]:
+    assert got[s] == ref[s], f"step {s} differs after resuming from {restored}"
