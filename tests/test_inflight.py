@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from train_helpers import checkpoint_steps, cli_args, cli_env, make_config, metrics_records, tiny_overrides
 
+from minpro_jax.aot.stream_schedule import streaming_schedule
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
@@ -257,3 +258,42 @@ def test_inflight_sigkill_then_resume_is_bitwise_equal(tmp_path):
   assert sorted(got) == sorted(ref)
   for s in [s for s in ref if s > restored]:
     assert got[s] == ref[s], f"step {s} differs after resuming from {restored}"
+
+
+# ------------------------------------------------------------------------------------------------ the schedule replay
+def test_streaming_schedule_of_a_hand_built_draw():
+  # 2 rows, refills of 1, segments of 3 decode steps, one batch ahead; batch 0 = lengths 3, 1; batch 1 = 2, 2
+  s0, s1 = streaming_schedule([[3, 1], [2, 2]], rows=2, refill_rows=1, every=3, ahead=1)
+  # step 0: row 0 takes the 3-token response (2 decode steps), row 1 the 1-token one (ends at its prefill)
+  assert (s0.decode_steps, s0.segments, s0.mean_live_rows, s0.live_rows_at_swap, s0.refills) == (2, 1, 1.0, 0, 2)
+  # step 1: both rows take batch 1's 2-token responses: 1 decode step of 2 live rows
+  assert (s1.decode_steps, s1.segments, s1.mean_live_rows, s1.live_rows_at_swap, s1.refills) == (1, 1, 2.0, 0, 2)
+
+
+def test_streaming_schedule_replays_the_pool(sampler, versions):
+  """The replay on the lengths the pool drew gives the pool's own decode steps, segments, live rows and refills."""
+  pool = StreamPool(sampler, SAMPLING, batch_rows=len(PROMPTS) * G, capacity=3 * len(PROMPTS) * G, every=3, kv="keep")
+  prepared, ids, steps = sampler.prepare_params(versions[0]).state, [], []
+  for s in range(3):
+    ids.append(list(pool.admit(PROMPTS, seed=s, group_size=G, group_ids=np.arange(4) + 4 * s)))
+    decode = segments = busy = refills = 0
+    while True:
+      st = pool.segment(prepared, 0)
+      decode, segments, busy, refills = (
+          decode + st.decode_steps,
+          segments + 1,
+          busy + st.busy_row_steps,
+          refills + st.refills,
+      )
+      if s < 1 or pool.finished(ids[s - 1]):
+        break
+    steps.append((decode, segments, busy, pool.live, refills))
+  while not pool.finished(ids[2]):
+    pool.segment(prepared, 0)
+  lengths = [pool.collect(x, 1.0).lengths for x in ids]
+  replay = streaming_schedule(lengths, rows=pool.rows, refill_rows=pool.refill, every=3, ahead=1)
+  got = [
+      (r.decode_steps, r.segments, round(r.mean_live_rows * r.decode_steps), r.live_rows_at_swap, r.refills)
+      for r in replay
+  ]
+  assert got == steps and sum(s[0] for s in steps) > 6  # several segments of real decoding
