@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 from train_helpers import checkpoint_steps, cli_args, cli_env, make_config, metrics_records, tiny_overrides
 
-from minpro_jax.aot.stream_schedule import streaming_schedule
+from minpro_jax.aot.schedule import continuous_schedule
+from minpro_jax.aot.stream_schedule import steady_schedule, streaming_schedule
 from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
@@ -297,3 +298,18 @@ def test_streaming_schedule_replays_the_pool(sampler, versions):
       for r in replay
   ]
   assert got == steps and sum(s[0] for s in steps) > 6  # several segments of real decoding
+
+
+def test_streaming_schedule_without_overlap_is_the_continuous_schedule():
+  """ahead 0 and segments longer than any batch: each step is one delay-mode call of its batch, iteration for
+  iteration (decode steps, refills, live rows and the live-length buckets)."""
+  rng = np.random.default_rng(0)
+  batches = [rng.integers(1, 200, size=64) for _ in range(3)]
+  buckets = (64, 128, 256, 264)
+  steps = streaming_schedule(batches, rows=16, refill_rows=4, every=10**6, ahead=0, prompt_len=64, buckets=buckets)
+  for b, st in zip(batches, steps):
+    want = continuous_schedule(b, 16, 4, 64, buckets)
+    assert (st.decode_steps, st.refills, st.bucket_steps) == (want.decode_steps, want.refills, want.bucket_steps)
+    assert st.mean_live_rows == pytest.approx(want.mean_live_rows) and st.segments == 1
+  mean = steady_schedule(steps, 1, buckets)
+  assert mean.decode_steps == np.mean([s.decode_steps for s in steps[1:]])
