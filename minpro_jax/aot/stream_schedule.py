@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from minpro_jax.aot.schedule import Schedule, _bucket_counts
+from minpro_jax.aot.schedule import Schedule, bucket_counts
 from minpro_jax.sampling.continuous import refill_rule
 
 
@@ -91,7 +91,7 @@ def streaming_schedule(
         k = min(int(left[live].min()), every - seg)  # no refill before the next row ends
         if buckets:
           top = int(step[live].max())
-          hist += _bucket_counts(prompt_len + top, prompt_len + top + k - 1, buckets)
+          hist += bucket_counts(prompt_len + top, prompt_len + top + k - 1, buckets)
         busy += int(live.sum()) * k
         left[live] -= k
         step[live] += k
