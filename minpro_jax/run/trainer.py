@@ -18,7 +18,8 @@ One global step s:
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
 With `config.sampling.devices` and delay >= 1, steps 2-3 and 4 run at the same time on disjoint devices, with the
-same samples and updates (`minpro_jax.run.step_runner`).
+same samples and updates (`minpro_jax.run.step_runner`). With `config.staleness.mode="inflight"` the sampler instead
+streams one pool of rows across steps and the weights move mid-response (`minpro_jax.run.inflight_runner`).
 
 Randomness is a pure function of (seed, global step), and checkpoints hold parameters, optimizer state, the data
 iterator state, the waiting rollout batches and the `RunProgress`, so a run killed at any point and re-run with the
