@@ -172,6 +172,7 @@ def delay_run(tmp_path_factory):
   return _train(tmp_path_factory.mktemp("delay"), "run")
 
 
+@pytest.mark.slow  # two tiny runs, ~50 s on 2 shared cores
 def test_inflight_with_draining_segments_equals_delay_mode_bit_for_bit(delay_run, tmp_path):
   # max_new_tokens 6 <= inflight_every and 8 decode rows hold a whole batch: every segment drains the pool, so no
   # response sees a swap and batch b is sampled whole by the version after step b - 1, as in delay mode
