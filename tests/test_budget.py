@@ -321,6 +321,23 @@ def test_paged_sampler_budget_replays_the_pool_and_adds_the_attention_reads():
   assert kv["bytes_per_device"] == sched.kv_pages_read * page and kv["seconds"] is None  # cpu: no bandwidth
 
 
+def test_inflight_sampler_budget_replays_the_streaming_pool():
+  """`staleness.mode=inflight`: the sampling part's trip counts are the streaming pool's steady state, replayed over
+  the step's draw and 7 more (issue 59), on the dense continuous sampler the mode runs."""
+  from minpro_jax.aot.lengths import draw_lengths
+  from minpro_jax.aot.stream_schedule import steady_schedule, streaming_schedule
+
+  b, rows = _budget_rows("fsdp=8", **{"staleness.mode": "inflight", "staleness.inflight_every": 3, "delay": 1})
+  assert b.progs.trainer_sampler.engine.name == "continuous"  # "auto" is the dense cache in this mode
+  rows_count, refill = b.progs.trainer_sampler.engine.rows_and_refill(16)
+  draws = [b.lengths] + [draw_lengths("gamma:mean=5", 16, 8, 1000 + i)[0] for i in range(7)]
+  want = steady_schedule(streaming_schedule(draws, rows_count, refill, 3, 1, 16, b.buckets), 2, b.buckets)
+  assert rows["sampling: decode step"]["iterations"] == pytest.approx(want.decode_steps)
+  assert rows["sampling: refill"]["iterations"] == pytest.approx(want.refills)
+  delay = continuous_schedule(b.lengths, rows_count, refill, 16, b.buckets)
+  assert want.decode_steps != delay.decode_steps  # the replay, not one delay-mode call
+
+
 def test_static_sampler_budget_runs_prefill_then_decode_to_the_longest_row():
   b, rows = _budget_rows("fsdp=8", **{"sampling.continuous": False})
   assert rows["sampling: prefill"]["iterations"] == 1

@@ -94,6 +94,7 @@ BAD: dict[str, tuple[tuple, dict]] = {
     "log.mismatch_every": ((0, -1), {}),
     "learner.row_tokens": ((-1, 37), {}),  # below data.max_prompt_tokens + sampling.max_new_tokens = 38
     "sampling.max_sampling_rounds": ((0, -1), {}),
+    "staleness.inflight_every": ((0, -4), {}),
     "mipu.calibration_draws": ((1, 0), {"mipu.rollback": True, "mipu.tolerance": "calibrated"}),
     "mipu.calibration_z": ((NAN, INF), {"mipu.rollback": True, "mipu.tolerance": "calibrated"}),
 }

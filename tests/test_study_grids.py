@@ -9,7 +9,7 @@ import pytest
 from train_helpers import REPO
 
 from minpro_jax.config_lib.files import load_module
-from minpro_jax.run import run_config
+from minpro_jax.run import config_checks, run_config
 from minpro_jax.study import commands, grid, runner
 from minpro_jax.study.grid import Grid, GridError
 
@@ -289,4 +289,30 @@ def test_the_toolbox_grid():
   assert dec.sft.target == "worked" and dec.sampling.max_new_tokens == minpro_long.MAX_NEW_TOKENS
   assert len(grid.expand(grid.load_grid(path + ":2"))) == 20
   with pytest.raises(GridError, match="pass the number of seeds"):
+    grid.load_grid(path + ":x")
+
+
+def test_the_inflight_grid():
+  """Issue 59: four token-level objectives x in-flight updates at two cadences and delay mode at the two delays that
+  bracket their token staleness x 3 seeds; every value reads back from the command line and passes the staleness
+  checks (GSPO would be refused)."""
+  path = os.path.join(REPO, "configs", "studies", "inflight.py")
+  g = grid.load_grid(path)
+  runs = grid.expand(g)
+  assert len(runs) == 48 and {dict(r.cell)["variant"] for r in runs} == {
+      "inflight-k8",
+      "inflight-k32",
+      "delay-0",
+      "delay-1",
+  }
+  planned = dict((r.name, c) for r, _, c in commands.plan(g, "/tmp/study", validate=False))
+  fast = planned["variant-inflight-k8_method-m2po_seed-2"]
+  assert (fast.staleness.mode, fast.staleness.inflight_every, fast.delay) == ("inflight", 8, 1)
+  assert fast.total_steps == minpro_long.LEARN_STEPS + 1 and fast.sampling.kv_cache == "dense"
+  on_policy = planned["variant-delay-0_method-grpo_seed-0"]
+  assert (on_policy.staleness.mode, on_policy.delay, on_policy.total_steps) == ("delay", 0, minpro_long.LEARN_STEPS)
+  for cfg in planned.values():
+    config_checks.check_staleness(cfg)
+  assert len(grid.expand(grid.load_grid(path + ":2"))) == 32
+  with pytest.raises(GridError, match="pass a seed count"):
     grid.load_grid(path + ":x")

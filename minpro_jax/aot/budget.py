@@ -10,7 +10,9 @@ FLOPs at peak, communication overlapped), the **bound** for the same work (the p
 each constant sourced in `minpro_jax.aot.efficiency`). Parts:
 
   sampling    the sampler call the trainer makes for one step's N = prompts_per_step x group_size rollouts: the
-              continuous sampler's single `while_loop` (decode steps and refills), or the static prefill + decode
+              continuous sampler's single `while_loop` (decode steps and refills), or the static prefill + decode;
+              in the in-flight mode (`staleness.mode`), one step's share of the streaming pool's loop, its
+              iterations from the pool's replay in the steady state (`minpro_jax.aot.stream_schedule`)
   transfer    `Sampler.prepare_params`: the learner's parameters into the sampler's layout and dtype, once a step
   score       `Learner.score` over the step's rollouts, on the steps the trainer runs it: every step when the loss
               reads the learner's log-probs (TIS/MIS), else every log.mismatch_every steps (amortised); plus decoupled
@@ -66,16 +68,19 @@ from minpro_jax.aot.step_rows import (
     step_row,
     sum_forecasts,
 )
+from minpro_jax.aot.stream_schedule import steady_schedule, streaming_schedule
 from minpro_jax.aot.sweep import canonical_mesh, fingerprint, parse_mesh
 from minpro_jax.aot.topologies import GIB, Slice
 from minpro_jax.errors import ConfigError
 from minpro_jax.models.attention_core import live_length_buckets
 from minpro_jax.run import run_config
+from minpro_jax.run.inflight_runner import inflight_mode
 from minpro_jax.runtime.inference_mesh import layout_name
 from minpro_jax.runtime.sharding import make_mesh
 from minpro_jax.sampling.sampler import DEFAULT_BATCH_BUCKETS
 
 PARTS = ("sampling", "transfer", "score", "update", "eval")
+STREAM_STEPS = 8  # global steps of length draws the in-flight mode's schedule is replayed over
 
 
 def param_bytes(tree) -> float:
@@ -247,6 +252,8 @@ class Budget:
       if s.engine.name == "paged":  # the pool's own admission, and the pages its ragged attention reads
         scheds = [sampler_paged_schedule(s, x, num_requests, self.prompt_len, p, self.shapes.response_len,
                                          self._group(name)) for x in chunks]  # fmt: skip
+      elif name == "sampling" and inflight_mode(self.c):  # the streaming pool's steady state (docs/inflight.md)
+        scheds = [self._streaming_schedule(lengths, num_requests, rows, refill, p)]
       else:
         scheds = [continuous_schedule(x, rows, refill, p, self.buckets) for x in chunks]
       sched = mean_schedule(scheds)
@@ -281,6 +288,18 @@ class Budget:
     dec = self._compile(f"{name}.decode", progs._lower_decode, _sampler_resolvers(sched, continuous=False), calls,
                         mesh=smesh)  # fmt: skip
     return (pre, dec), sched, progs.shapes.sampler_rows
+
+  def _streaming_schedule(self, lengths, n: int, rows: int, refill: int, p: int) -> Schedule:
+    """The in-flight mode's sampler iterations per global step (`config.staleness.mode="inflight"`): the streaming
+    pool replayed (`stream_schedule.streaming_schedule`) over `lengths` then `STREAM_STEPS` - 1 more draws of n
+    (seeds seed + 1000 + i), its mean over the steps after the pool fills (delay + 1)."""
+    c = self.c
+    draws = [lengths[:n]] + [
+        draw_lengths(self.lengths_spec, n, self.shapes.response_len, self.seed + 1000 + i)[0]
+        for i in range(STREAM_STEPS - 1)
+    ]
+    steps = streaming_schedule(draws, rows, refill, c.staleness.inflight_every, c.delay, p, self.buckets)
+    return steady_schedule(steps, min(c.delay + 1, STREAM_STEPS - 1), self.buckets)
 
   def _group(self, name: str) -> int:
     """Samples per prompt of a sampler part: the step's group_size, or the evaluation's n."""

@@ -41,7 +41,7 @@ class Schedule:
     return self.decode_steps + self.refills
 
 
-def _bucket_counts(lo: int, hi: int, buckets: tuple[int, ...]) -> np.ndarray:
+def bucket_counts(lo: int, hi: int, buckets: tuple[int, ...]) -> np.ndarray:
   """How many integers in [lo, hi] fall in each bucket (the smallest bucket >= the value; above the last: last)."""
   edges = np.asarray(buckets)
   counts = np.zeros(len(buckets), np.int64)
@@ -84,7 +84,7 @@ def continuous_schedule(lengths, rows: int, refill_rows: int, prompt_len: int, b
     live = ~done
     k = int(left[live].min())  # decode steps until the next row ends (no refill can come before)
     top = int(step[live].max())
-    hist += _bucket_counts(prompt_len + top, prompt_len + top + k - 1, buckets)
+    hist += bucket_counts(prompt_len + top, prompt_len + top + k - 1, buckets)
     live_steps += int(live.sum()) * k
     step[live] += k
     left[live] -= k

@@ -33,6 +33,15 @@ def base_config() -> ConfigDict:
   c.micro_batch_size = 128  # samples per micro-batch of gradient accumulation
   c.delay = 2  # d: global steps between sampling a batch and learning from it
 
+  # How staleness arises (docs/inflight.md). "delay": every batch is sampled whole by one version and learnt from
+  # `delay` steps later (the delay buffer). "inflight": the sampler's pool runs on in segments of `inflight_every`
+  # decode steps, the parameters move while responses are being generated (PipelineRL-style in-flight updates),
+  # each token records the version that drew it; `delay` is then how many batches the sampler runs ahead.
+  c.staleness = ConfigDict()
+  c.staleness.mode = "delay"  # delay | inflight
+  c.staleness.inflight_every = 16  # inflight: decode steps per segment (between parameter swaps)
+  c.staleness.inflight_kv = "keep"  # inflight: keep the live rows' KV from older versions | recompute it
+
   # learner rows: 0 = one sample per row (prompt bucket + max_new_tokens); N = pack each mini-batch's samples into
   # rows of N tokens (>= data.max_prompt_tokens + sampling.max_new_tokens), first-fit decreasing (docs/learner.md)
   c.learner = ConfigDict()

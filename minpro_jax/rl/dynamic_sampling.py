@@ -87,6 +87,7 @@ def padded_rounds(gens: list[GenerationBatch], pad_id: int, no_route: int = -1) 
       "entropy": (_pad_right, r, 0.0),
       "routes": (_pad_right, r, no_route),
       "kept_logp_threshold": (_pad_right, r, -np.inf),
+      "token_version": (_pad_right, r, -1),
       "lengths": None,
       "finish_reason": None,
       "group_ids": None,

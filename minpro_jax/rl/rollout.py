@@ -70,6 +70,9 @@ class RolloutBatch:
     proximal_logp: None, or [N, L] float32 log-probs of the same tokens under decoupled PPO's proximal policy (the
       parameters before the first update of the step that learns from the batch; `minpro_jax.rl.proximal`), set by
       the learn step when the loss reads them; 0 off `response_mask`. Never part of a checkpointed buffer.
+    token_version: None when one version sampled each row (`policy_version`, delay mode), else [N, L] int32 the
+      version that drew each response token, -1 elsewhere (in-flight updates, `minpro_jax.run.inflight_runner`:
+      one response's tokens come from several versions; `policy_version` is then each row's smallest).
 
   Raises (on construction, when every field is an array):
     ValueError: a field whose shape is not [N, L] / [N] (names the field).
@@ -90,6 +93,7 @@ class RolloutBatch:
   routes: np.ndarray | None = None
   kept_logp_threshold: np.ndarray | None = None
   proximal_logp: np.ndarray | None = None
+  token_version: np.ndarray | None = None
 
   def __post_init__(self):
     # pytree transforms rebuild the batch with placeholder leaves (None, sentinels): only arrays are checked
@@ -107,9 +111,10 @@ class RolloutBatch:
     thr = self.kept_logp_threshold
     if hasattr(thr, "shape") and thr.shape != (n, length):
       raise ValueError(f"RolloutBatch.kept_logp_threshold has shape {thr.shape}, expected {(n, length)}")
-    prox = self.proximal_logp
-    if hasattr(prox, "shape") and prox.shape != (n, length):
-      raise ValueError(f"RolloutBatch.proximal_logp has shape {prox.shape}, expected {(n, length)}")
+    for name in ("proximal_logp", "token_version"):
+      a = getattr(self, name)
+      if hasattr(a, "shape") and a.shape != (n, length):
+        raise ValueError(f"RolloutBatch.{name} has shape {a.shape}, expected {(n, length)}")
 
   @classmethod
   def from_generation(
@@ -136,7 +141,8 @@ class RolloutBatch:
         stores zeros (fill it later with `.replace(learner_logp=...)`).
 
     Returns:
-      A `RolloutBatch` with `policy_version` = gen.policy_version on every row, `group_ids` int64,
+      A `RolloutBatch` with `policy_version` = gen.policy_version on every row (with `gen.token_version`: each
+      row's smallest token version, and `token_version` in the learner layout), `group_ids` int64,
       `response_lengths` = gen.lengths and `truncated` = gen.truncated.
 
     Raises:
@@ -157,6 +163,11 @@ class RolloutBatch:
     if gen.kept_logp_threshold is not None:
       kept = np.concatenate([np.full((n, p), -np.inf, np.float32), gen.kept_logp_threshold], axis=1)
       kept = kept.astype(np.float32)
+    version, token_version = np.full(n, gen.policy_version, np.int64), None
+    if gen.token_version is not None:
+      token_version = np.concatenate([np.full((n, p), -1, np.int32), gen.token_version], axis=1).astype(np.int32)
+      drawn = np.where(gen.response_mask, gen.token_version, np.iinfo(np.int32).max).min(axis=1)
+      version = np.where(gen.response_mask.any(axis=1), drawn, gen.policy_version).astype(np.int64)
     return cls(
         tokens=tokens,
         segment_ids=real.astype(np.int32),
@@ -167,11 +178,12 @@ class RolloutBatch:
         advantages=np.asarray(advantages, np.float32),
         rewards=np.asarray(rewards, np.float32),
         group_ids=np.asarray(gen.group_ids).astype(np.int64),
-        policy_version=np.full(n, gen.policy_version, np.int64),
+        policy_version=version,
         response_lengths=gen.lengths,
         truncated=gen.truncated,
         routes=routes,
         kept_logp_threshold=kept,
+        token_version=token_version,
     )
 
   @property

@@ -290,6 +290,8 @@ def _numpy_tree(tree):
       if batches
       else {"_": np.zeros(())}
   )
+  if "inflight" in tree:  # the streaming mode's pool and graded batches (`InflightRunner.state_dict`)
+    out["inflight"] = jax.tree.map(np.asarray, tree["inflight"])
   return out
 
 

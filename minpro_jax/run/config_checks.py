@@ -105,6 +105,72 @@ def check_run(c) -> None:
     need(c.checkpoint[field] >= low, f"checkpoint.{field}", f"must be >= {low}, got {c.checkpoint[field]}")
 
 
+STALENESS_MODES = ("delay", "inflight")  # config.staleness.mode (docs/inflight.md)
+INFLIGHT_KV = ("keep", "recompute")  # config.staleness.inflight_kv: `minpro_jax.sampling.streaming.KV_MODES`
+SEQUENCE_METHODS = ("gspo", "gspo_token")  # objectives whose ratio is a sequence's: one version per response
+
+
+def check_staleness(c) -> None:
+  """`config.staleness` (absent in configs from before it: delay mode), and what in-flight updates cannot run with:
+  sequence-level ratios (GSPO, sequence IS / MIS: a response drawn by several versions has no one behaviour
+  sequence probability they are defined for), A-3PO's interpolation (one version per mini-batch), MIPU's rollback
+  (it would move the version counter back under tokens already drawn), dynamic sampling, router replay, a sampler
+  on its own devices and engines other than the continuous one."""
+  st = c.get("staleness")
+  if st is None:
+    return
+  need(st.mode in STALENESS_MODES, "staleness.mode", f"{st.mode!r}; choose one of {STALENESS_MODES}")
+  need(st.inflight_kv in INFLIGHT_KV, "staleness.inflight_kv", f"{st.inflight_kv!r}; choose one of {INFLIGHT_KV}")
+  if st.mode != "inflight":
+    return
+  why = "with staleness.mode='inflight' one response's tokens come from several versions"
+  l = c.loss
+  need(
+      l.method not in SEQUENCE_METHODS,
+      "loss.method",
+      f"{l.method!r} takes a sequence-level ratio, which is not defined {why}; use a token-level objective "
+      "(minpro, grpo, cispo, m2po, ...) or staleness.mode='delay'",
+  )
+  for field in ("rollout_is", "rollout_mis"):
+    value = l.get(field)
+    need(
+        value in (None, "token"),
+        f"loss.{field}",
+        f"{value!r} corrects with a sequence-level ratio, which is not defined {why}; use 'token' or "
+        "staleness.mode='delay'",
+    )
+  need(
+      l.get("proximal") != "interpolate",
+      "loss.proximal",
+      f"'interpolate' (A-3PO) needs one version per mini-batch, not so {why}; unset it or use staleness.mode='delay'",
+  )
+  for field, off in (
+      ("mipu.rollback", False),
+      ("sampling.drop_equal_reward_groups", False),
+      ("loss.router_replay", False),
+      ("sampling.record_routes", False),
+  ):
+    group, name = field.split(".")
+    need(
+        c[group].get(name, off) == off,
+        field,
+        f"is not supported with staleness.mode='inflight' yet; set {field}={off} or staleness.mode='delay'",
+    )
+  need(
+      c.sampling.get("devices", 0) in (0, 0.0),
+      "sampling.devices",
+      "staleness.mode='inflight' runs the sampler on the learner's devices; set sampling.devices=0",
+  )
+  need(
+      c.sampling.get("engine", "") in ("", "continuous")
+      and c.sampling.get("continuous", True)
+      and c.sampling.get("kv_cache", "auto") in ("auto", "dense"),
+      "sampling.engine",
+      "staleness.mode='inflight' streams the continuous engine's pool; unset sampling.engine and use "
+      "sampling.kv_cache='dense' (or 'auto')",
+  )
+
+
 _MODEL_FIELD = re.compile(r"ModelConfig\.(\w+)")
 
 

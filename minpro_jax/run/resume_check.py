@@ -47,12 +47,14 @@ RESUME_KEYS = (
     "eval.top_p",
     "sft.target",  # the warm start's targets are also the trained tokenizer's corpus
     "learner.ess_step",
+    "staleness",
 )
 
 # Keys added to RESUME_KEYS after checkpoints existed: a stored fingerprint without one ran with this value.
 RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS} | {"sft.target": "answer"}
 RESUME_DEFAULTS |= {"sampling.drop_equal_reward_groups": False, "sampling.max_sampling_rounds": 4}
 RESUME_DEFAULTS |= {"num_epochs": 1, "learner.ess_step": False}
+RESUME_DEFAULTS |= {"staleness": {"mode": "delay", "inflight_every": 16, "inflight_kv": "keep"}}
 # Fields added later to a group that RESUME_KEYS compares whole (e.g. `reward`): a stored group without one ran with
 # this value.
 GROUP_DEFAULTS = {"reward.mask_truncated": False}

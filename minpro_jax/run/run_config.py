@@ -84,6 +84,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
     ConfigError: naming `config.<field>` and the fix.
   """
   config_checks.check_run(c)
+  config_checks.check_staleness(c)
   validate_shapes_config(c)
   config_checks.check_model(c)
   config_checks.check_data(c)

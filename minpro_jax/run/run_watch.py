@@ -27,6 +27,8 @@ class RunWatch:
     updates = m.get("learn/skipped_updates")
     if updates is not None:
       self.all_skipped = self.all_skipped + 1 if updates >= m.get("learn/updates", 1) else 0
+    if "reward/mean" not in m:  # the in-flight mode's first `delay` steps learn no batch and report none
+      return self.all_skipped >= MAX_ALL_SKIPPED_STEPS
     self.zero_reward = self.zero_reward + 1 if m["reward/mean"] == 0 else 0
     if self.zero_reward == COLLAPSE_ZERO_REWARD_STEPS:
       logger.warning(

@@ -90,7 +90,8 @@ def resolve_kv_cache(kv_cache: str, continuous: bool) -> str:
 
 def sampler_kv_cache(c) -> str:
   """`config.sampling.kv_cache` resolved (`resolve_kv_cache`): "dense" or "paged"; with `sampling.engine` set,
-  "paged" where that engine's options take a cache (`kv`), else "dense".
+  "paged" where that engine's options take a cache (`kv`), else "dense"; "auto" is "dense" in the in-flight mode
+  (`config.staleness.mode`).
 
   Raises:
     ConfigError: an unknown kv_cache.
@@ -99,6 +100,8 @@ def sampler_kv_cache(c) -> str:
   _need(kind in KV_CACHES, "sampling.kv_cache", f"{kind!r}; choose one of {KV_CACHES}")
   if c.sampling.engine in ENGINES:  # the named engine decides: a paged cache where its options take one
     return "paged" if "kv" in {f.name for f in dataclasses.fields(ENGINES[c.sampling.engine])} else "dense"
+  if c.get("staleness") is not None and c.staleness.mode == "inflight" and kind == "auto":
+    return "dense"  # the streaming pool (minpro_jax/sampling/streaming.py) runs the continuous engine's dense cache
   return resolve_kv_cache(kind, bool(c.sampling.continuous))
 
 

@@ -18,7 +18,8 @@ One global step s:
      parameters at the sampler's precision and roll the step's updates back (parameters, optimizer state,
      counters) when T_post < -gap_tolerance (or at random, `mipu.mode="random"`, the paper's ablation).
 With `config.sampling.devices` and delay >= 1, steps 2-3 and 4 run at the same time on disjoint devices, with the
-same samples and updates (`minpro_jax.run.step_runner`).
+same samples and updates (`minpro_jax.run.step_runner`). With `config.staleness.mode="inflight"` the sampler instead
+streams one pool of rows across steps and the weights move mid-response (`minpro_jax.run.inflight_runner`).
 
 Randomness is a pure function of (seed, global step), and checkpoints hold parameters, optimizer state, the data
 iterator state, the waiting rollout batches and the `RunProgress`, so a run killed at any point and re-run with the
@@ -50,10 +51,12 @@ from minpro_jax.rl.learner import Learner
 from minpro_jax.rl.packing import micro_batch_warning, row_tokens
 from minpro_jax.rl.process_dynamic import take_own_groups
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
+from minpro_jax.rl.token_staleness import token_staleness_metrics
 from minpro_jax.rl.update_metrics import combine_update_metrics
 from minpro_jax.run import resume_check, run_config, run_load, sampler_setup
 from minpro_jax.run.checkpoint import buffer_state_from_restored
 from minpro_jax.run.heldout import evaluate, grade_split
+from minpro_jax.run.inflight_runner import InflightRunner, inflight_mode
 from minpro_jax.run.metrics_log import MetricsWriter, plot_run, write_summary
 from minpro_jax.run.mipu_step import MipuStep
 from minpro_jax.run.mipu_step import summary as mipu_summary
@@ -109,9 +112,9 @@ class Trainer:
     if warning := micro_batch_warning(c):
       logger.warning(warning)
     self.mipu_step = MipuStep(self) if c.mipu.rollback else None
-    self.steps = StepRunner(
-        self
-    )  # a step's sampling and learning: in sequence, or overlapped (minpro_jax/run/step_runner.py)
+    # a step's sampling and learning: in sequence, or overlapped (minpro_jax/run/step_runner.py); or streamed with
+    # in-flight parameter updates (config.staleness.mode="inflight", minpro_jax/run/inflight_runner.py)
+    self.steps = InflightRunner(self) if inflight_mode(c) else StepRunner(self)
     self.lr_decay = run_config.lr_decay_config(c)  # None when off
     self._stop_signal: int | None = None
     self._final_eval = False  # set once the last step is checkpointed: a signal then exits at once
@@ -270,6 +273,18 @@ class Trainer:
     if c.sampling.drop_equal_reward_groups:  # DAPO's: rl/dynamic_sampling.py, each process its rows of each round
       filled, dynamic = self._fill_informative(params, step, gen, problems, group_ids, version)
       gen, graded = filled.gen, (filled.texts, filled.rewards, filled.stats)
+    batch, metrics = self.graded_batch(state, step, gen, problems, time.time() - t0, graded)
+    return batch, {**metrics, **dynamic}  # several processes: its rows
+
+  def graded_batch(
+      self, state, step: int, gen, problems, sample_seconds: float, graded=None
+  ) -> tuple[RolloutBatch, dict[str, Any]]:
+    """Step 3 of the module docstring for the batch `gen` of global step `step`'s `problems`, sampled in
+    `sample_seconds`: grades it, scores it at `state.params` when `scoring(step)` says so, and returns the rollout
+    batch and its sample metrics (`graded`: as `rollout`). The delay mode's `sample_step` and the in-flight mode's
+    runner (`minpro_jax.run.inflight_runner`, for each batch as it completes) call it."""
+    c = self.c
+    version = gen.policy_version
     t1 = time.time()
     score, logs_mismatch = self.scoring(step)
     batch, texts, gstats = self.rollout(state, gen, problems, c.group_size, score=score, graded=graded)
@@ -282,18 +297,17 @@ class Trainer:
         "reward/no_answer_frac": gstats["no_answer"] / len(texts),
         "reward/timeouts": gstats["timeout"],
         "sample/policy_version": version,
-        "time/sample": t1 - t0,
+        "time/sample": sample_seconds,
         "time/grade": t_grade,
         "time/score": t2 - t1 - t_grade,
-        "throughput/sample_tokens_per_s": n_tok / max(t1 - t0, 1e-9),
-        **dynamic,
+        "throughput/sample_tokens_per_s": n_tok / max(sample_seconds, 1e-9),
     }
     if logs_mismatch:  # the same steps whether or not the loss scored every step: runs stay comparable
       mm = rollout_metrics.mismatch_metrics(batch, slice(None), n)
       metrics.update({f"sampler_learner/{k}": v for k, v in mm.items()})
       if "router_mismatch" in gstats:
         metrics["sampler_learner/router_mismatch_frac"] = gstats["router_mismatch"]
-    return batch, metrics  # several processes: its rows
+    return batch, metrics
 
   def _fill_informative(self, params, step: int, gen, problems, group_ids, version: int):
     """`dynamic_sampling.fill_informative` for global step `step`: round k > 0 draws the next `prompts_per_step`
@@ -332,6 +346,7 @@ class Trainer:
     each, at `lr_scale` x the scheduled rate (`process_inputs.updates`, `minpro_jax.rl.epochs`)."""
     c = self.c
     t0 = time.time()
+    first = int(state.step)  # the version the step's first update runs at (the per-token staleness' reference)
     with use_mesh(self.mesh, self.rules):
       state, ups, stale, tokens = process_inputs.updates(
           self.learner,
@@ -353,6 +368,8 @@ class Trainer:
         "time/learn": dt,
         "throughput/learn_tokens_per_s": float(tokens) / max(dt, 1e-9),
     }
+    if isinstance(batch, RolloutBatch):  # one process: per token (several: the staged rows' versions only)
+      metrics.update(token_staleness_metrics(batch, first))
     return state, {**metrics, **combine_update_metrics(ups)}
 
   # ------------------------------------------------------------------ evaluation and checkpoints
@@ -374,6 +391,8 @@ class Trainer:
         "process_count": multihost.process_count(),
     }
     buf = buffer.state_dict()
+    if isinstance(self.steps, InflightRunner):  # the streaming pool and its batches (one process)
+      buf["inflight"], meta["inflight"] = self.steps.state_dict()
     if multihost.process_count() > 1:  # each process writes its own rows of the waiting batches
       n = self.c.prompts_per_step * self.c.group_size
       meta["buffer"] = process_inputs.buffer_layout(buf, n)
@@ -405,6 +424,8 @@ class Trainer:
           f"total_steps={self.c.total_steps}; raise total_steps to continue it, or use another --config.workdir"
       )
     buffer.load_state_dict(buffer_state_from_restored(buf_state))
+    if isinstance(self.steps, InflightRunner):
+      self.steps.load_state_dict(buf_state["inflight"], meta["inflight"])
     if "buffer" not in meta:  # written whole by process 0 (one process, or before per-process buffers)
       buffer.map_batches(lambda b: process_inputs.own_rows(b, self.c.prompts_per_step, self.c.group_size))
     self.loader.set_state(meta["data"])
@@ -498,7 +519,7 @@ class Trainer:
       if before is not None:  # MIPU Step 2: after the updates
         state, mipu_metrics = self.mipu_step(state, before, step, progress)
         metrics.update(mipu_metrics)
-      if self.lr_decay:  # this step's length moves the trigger for the next steps
+      if self.lr_decay and "response/length_mean" in metrics:  # this step's length moves the trigger
         surge, lr_metrics = lr_decay.observe(surge, metrics["response/length_mean"], lr_scale, self.lr_decay)
         progress.lr_decay = surge.to_json()
         metrics.update(lr_metrics)
@@ -521,7 +542,9 @@ class Trainer:
         )
       bar.update(1)
       bar.set_postfix(
-          reward=f"{metrics['reward/mean']:.3f}", sec=f"{metrics['time/step']:.1f}", v=metrics["policy_version"]
+          reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+          sec=f"{metrics['time/step']:.1f}",
+          v=metrics["policy_version"],
       )
       stop = self._agreed_stop_signal()
       if stop is not None or (c.checkpoint.every and (step + 1) % c.checkpoint.every == 0):

@@ -39,6 +39,9 @@ class GenerationBatch:
     kept_logp_threshold: None when the sampling does not truncate, else [N, R] float32: token v was in the
       top-k / top-p set of a position iff log_softmax(logits / T)[v] > the threshold (-inf where masked).
       The learner renormalises over it (`minpro_jax.models.logprobs`; docs/truncation.md).
+    token_version: None when one version drew every row (`policy_version`), else [N, R] int32 the version that
+      drew each response token, -1 where masked (the streaming sampler, `minpro_jax.sampling.streaming`: a
+      response continues under newer parameters; `policy_version` is then the smallest).
   """
 
   prompt_tokens: np.ndarray
@@ -55,6 +58,7 @@ class GenerationBatch:
   temperature: float = 1.0
   routes: np.ndarray | None = None
   kept_logp_threshold: np.ndarray | None = None
+  token_version: np.ndarray | None = None
 
   def __len__(self) -> int:
     return int(self.response_tokens.shape[0])

@@ -21,6 +21,12 @@ Per run:
                      cosine (`learn/ess/*`, `learn/grad_cosine`, logged since issue 57; `minpro_jax.rl.ess`); absent
                      for a run that predates them.
 
+  token_staleness / version_spread / mixed_frac
+                     the mean over the run's steps of the per-token staleness, the per-response version spread
+                     (max - min version over its tokens) and the share of responses drawn by several versions
+                     (`staleness/token_mean`, `staleness/spread_mean`, `staleness/mixed_frac`,
+                     `minpro_jax.rl.token_staleness`): in-flight updates against delay mode on one scale.
+
 Per cell: the count of seeds that collapsed and the mean steps to collapse of those; the by-position profiles are
 averaged over the cell's seeds bin by bin, the per-update diagnostics over its seeds.
 """
@@ -46,6 +52,12 @@ UPDATE_KEYS = {
     "ess_seq": "learn/ess/seq_frac",
     "ess_seq_is": "learn/ess/seq_is_frac",
     "grad_cosine": "learn/grad_cosine",
+}
+# per-token staleness (issue 59; `minpro_jax.rl.token_staleness`), each the mean over a run's steps of the step's
+STALENESS_KEYS = {
+    "token_staleness": "staleness/token_mean",
+    "version_spread": "staleness/spread_mean",
+    "mixed_frac": "staleness/mixed_frac",
 }
 
 
@@ -107,7 +119,7 @@ def run_dynamics(records: Sequence[Mapping[str, Any]], learning: Sequence[Sequen
   }
   for name, key in POSITION_KEYS.items():
     out[name] = position_profile(records, key)
-  for name, key in UPDATE_KEYS.items():  # only where logged: a summary of older runs stays as it was written
+  for name, key in {**UPDATE_KEYS, **STALENESS_KEYS}.items():  # only where logged: older runs' summaries stay
     values = [float(r[key]) for r in records if r.get(key) is not None]
     if values:
       out[name] = float(np.mean(values))
@@ -125,7 +137,7 @@ def cell_dynamics(per_run: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
   for name in POSITION_KEYS:
     profiles = [r.get(name) for r in per_run if r.get(name)]
     out[name] = position_profile([{name: p} for p in profiles], name) if profiles else None
-  for name in UPDATE_KEYS:
+  for name in (*UPDATE_KEYS, *STALENESS_KEYS):
     values = [r[name] for r in per_run if r.get(name) is not None]
     if values:
       out[name] = float(np.mean(values))
@@ -178,6 +190,18 @@ def dynamics_markdown(cells: Sequence[Mapping[str, Any]], level: int) -> list[st
     for c in diagnosed:
       d = c["dynamics"]
       cols = ["-" if d.get(n) is None else f"{d[n]:.3f}" for n in UPDATE_KEYS]
+      lines.append("| " + " | ".join([c["label"], *cols]) + " |")
+  versioned = [c for c in rows if any(c["dynamics"].get(n) is not None for n in STALENESS_KEYS)]
+  if versioned:
+    lines += _table_head(
+        "Per-token staleness (mean over steps and seeds): updates between the version that drew a response token "
+        "and the step's first update, the spread of versions within a response (max - min; 0 in delay mode) and "
+        "the share of responses drawn by more than one version (in-flight updates).",
+        ["cell", "token staleness", "version spread", "mixed responses"],
+    )
+    for c in versioned:
+      d = c["dynamics"]
+      cols = ["-" if d.get(n) is None else f"{d[n]:.3f}" for n in STALENESS_KEYS]
       lines.append("| " + " | ".join([c["label"], *cols]) + " |")
   weighted = [c for c in rows if c["dynamics"].get("weight_by_position")]
   if weighted:

@@ -1,0 +1,85 @@
+# Issue 59: the objectives under in-flight weight updates (staleness.mode=inflight, docs/inflight.md) on the worked
+# task of the long study (eight-term chain_sum, worked-step warm start, ~60-token responses), beside delay mode:
+#
+#   .venv/bin/python -m minpro_jax.study --grid=configs/studies/inflight.py --workdir=results/inflight
+#   (inflight.py:N = N seeds, default 3; add --dry-run to see the commands)
+#
+# Cells: MinPRO, GRPO, CISPO and M2PO (token-level objectives: GSPO's sequence ratio is not defined on a response drawn
+# by several versions, and the config check refuses it) under four staleness regimes (the grid's variants):
+#   inflight-k8, inflight-k32  in-flight updates, the sampler one batch ahead of the learner (delay 1), its pool
+#                              checked every 8 or 32 decode steps: a response started under version v continues under
+#                              v + 8 once the learner has taken its 8 updates, keeping its KV (PipelineRL's choice);
+#   delay-0, delay-1           delay mode at delays 0 and 1: per-token staleness 0 and 8 updates at a step's first
+#                              update, which bracket the in-flight regimes' mean token staleness (each token is 0 or 8
+#                              updates stale there: drawn before or after the swap). The dynamics table reports every
+#                              cell's measured mean token staleness and version spread, so the reading can say where
+#                              each in-flight cell sits between the two delay cells.
+# The contrast (X - GRPO in regime r) - (X - GRPO at delay 0) is what each regime's staleness adds to an objective's
+# gap to GRPO. Its reading says only what its intervals say (3 seeds).
+#
+# Cost (estimate, not measured: the study has not run yet): like the long study's runs, 7-8 min each on a shared
+# 2-core AMD EPYC plus the shared warm start: 16 cells x 3 seeds = 48 runs, about 6 h.
+"""The in-flight updates grid of issue 59 (the constants below are the design; the long study's setting is reused)."""
+
+from minpro_jax.config_lib.files import load_module
+from minpro_jax.study.grid import Grid
+
+long = load_module("minpro_long.py", relative_to=__file__)  # the worked task, its rates and lengths
+
+METHODS = ("minpro", "grpo", "cispo", "m2po")  # token-level objectives (GSPO refuses in-flight mode)
+CADENCES = (8, 32)  # staleness.inflight_every: decode steps per segment
+INFLIGHT_AHEAD = 1  # delay in in-flight mode: batches the sampler runs ahead of the learner
+BRACKET_DELAYS = (0, 1)  # delay mode at per-token staleness 0 and UPDATES_PER_STEP updates
+SEEDS = (0, 1, 2)
+REFERENCE = "grpo"
+INFLIGHT_KV = "keep"  # the stale-KV effect the asynchronous systems live with (docs/inflight.md measures it)
+
+REGIMES = {
+    **{
+        f"inflight-k{k}": {
+            "staleness.mode": "inflight",
+            "staleness.inflight_every": k,
+            "staleness.inflight_kv": INFLIGHT_KV,
+            "delay": INFLIGHT_AHEAD,
+        }
+        for k in CADENCES
+    },
+    **{f"delay-{d}": {"staleness.mode": "delay", "delay": d} for d in BRACKET_DELAYS},
+}
+
+FIXED = {
+    **long.FIXED,
+    "optimizer.learning_rate": long.chosen_rate(),
+    "sampling.kv_cache": "dense",  # the streaming pool's cache, for every regime: one sampler program throughout
+}
+
+
+def total_steps(cell) -> dict:
+  """Every regime gets `long.LEARN_STEPS` global steps with updates (the first `delay` steps learn nothing)."""
+  return {"total_steps": long.LEARN_STEPS + int(REGIMES[cell["variant"]]["delay"])}
+
+
+def get_grid(arg=None) -> Grid:
+  """arg: optional seed count N (seeds 0..N-1; default SEEDS).
+
+  Raises:
+    ValueError: an arg that is not a positive integer.
+  """
+  if arg is not None and (not str(arg).isdigit() or int(arg) < 1):
+    raise ValueError(f"pass a seed count: --grid=<file>:N with N >= 1, got {arg!r}")
+  return Grid(
+      base="configs/default.py",
+      fixed=FIXED,
+      variants=REGIMES,
+      axes={"loss.method": list(METHODS)},
+      seeds=tuple(range(int(arg))) if arg else SEEDS,
+      derived=total_steps,
+      comparisons=(("loss.method", REFERENCE),),
+      contrasts=(("loss.method", REFERENCE, "variant", f"delay-{BRACKET_DELAYS[0]}"),),
+      panel="variant",
+      description=(
+          f"in-flight updates (cadences {CADENCES} decode steps, sampler {INFLIGHT_AHEAD} batch ahead, KV "
+          f"{INFLIGHT_KV}) vs delay mode at delays {BRACKET_DELAYS}, {'/'.join(METHODS)}; long responses: eight-term "
+          f"chain_sum, worked-step warm start, {long.MAX_NEW_TOKENS} new tokens"
+      ),
+  )

@@ -1,0 +1,173 @@
+"""The streaming trainer mode (`config.staleness.mode = "inflight"`): in-flight weight updates, as PipelineRL and
+AReaL's interruptible generation make staleness, with the version that drew every token recorded.
+
+The sampler is one `minpro_jax.sampling.streaming.StreamPool` that lives for the whole run: the continuous engine's
+decode rows, refilled from a stream of requests, run in segments of k = `staleness.inflight_every` decode steps.
+Global step s (d = `delay`, the batches the sampler may run ahead of the learner):
+
+  1. admit batch s: the loader's next `prompts_per_step` prompts, `group_size` requests each, with the delay mode's
+     row keys (`Trainer.step_seed(s, 1)`) and group ids (s * prompts_per_step + i);
+  2. run segments at the current version v: at least one, and until batch s - d has finished (s >= d); the refill
+     rule keeps the rows full from the admitted batches s - d .. s;
+  3. collect every batch that has finished, grade it and score it with the learner at v (`Trainer.graded_batch`:
+     the learner's log-probs are those of the version current when the batch finished);
+  4. learn from batch s - d (`num_epochs` x `num_updates_per_step` updates, `Trainer.learn_step`), the version moves
+     to v + E n, and the pool's parameters with it at the next step (`StreamPool.swap`: with
+     `staleness.inflight_kv = "recompute"` the live rows' caches are recomputed under the new version first).
+
+Rows of batches s - d + 1 .. s that are still being generated continue under the new version: one response's
+tokens come from several versions (`RolloutBatch.token_version`, each token's behaviour log-prob is the version's
+that drew it). With d = 0 no row outlives its batch, so nothing is mixed. When every segment drains the pool
+(k >= max_new_tokens with decode rows >= a batch's rows, or k >= the decode steps of every admitted batch), no
+response sees a swap and the run is the delay-mode run of the same `delay`, bit for bit: batch b is sampled whole by
+the version after step b - 1 and learnt from at step b + d (tests/test_inflight.py). The step's metrics are the
+sample metrics of the batch it learns (those of batch s - d, reported at step s: delay mode reports them at step
+s - d), the learning metrics with the per-token staleness (`minpro_jax.rl.token_staleness`), and `inflight/*`: the
+segments, decode steps and row occupancy of the step.
+
+Checkpoints hold the pool (its cache, outputs and ring), the admitted batches' prompts and the graded batches
+waiting to be learnt (`state_dict`), so a run killed at any point resumes exactly. One process only, for now.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from minpro_jax.errors import ConfigError
+from minpro_jax.rl.rollout import RolloutBatch
+from minpro_jax.runtime import multihost
+from minpro_jax.runtime.sharding import use_mesh
+from minpro_jax.sampling.engines.base import bucket
+from minpro_jax.sampling.streaming import StreamPool
+
+
+def inflight_mode(c) -> bool:
+  """Whether config `c` runs the streaming mode (`staleness.mode = "inflight"`; absent in older configs: delay)."""
+  st = c.get("staleness")
+  return st is not None and st.mode == "inflight"
+
+
+class InflightRunner:
+  """Runs global steps of a `minpro_jax.run.trainer.Trainer` in the streaming mode (module docstring); the same
+  interface as `minpro_jax.run.step_runner.StepRunner`.
+
+  Raises:
+    ConfigError: a multi-process run, or a sampler the streaming pool cannot run (naming the field).
+  """
+
+  def __init__(self, trainer):
+    self.tr = tr = trainer
+    c = tr.c
+    if multihost.process_count() > 1:
+      raise ConfigError(
+          f"config.staleness.mode: 'inflight' runs in one process for now, this run has "
+          f"{multihost.process_count()}; use staleness.mode='delay' or one process"
+      )
+    n = c.prompts_per_step * c.group_size
+    longest = max(len(tr.prompt_ids[p.id]) for p in tr.train_problems)  # the pool's prompt slots hold every prompt
+    try:
+      self.pool = StreamPool(
+          tr.sampler,
+          tr.sampling,
+          batch_rows=n,
+          capacity=(c.delay + 1) * n,
+          every=c.staleness.inflight_every,
+          kv=c.staleness.inflight_kv,
+          prompt_len=bucket(longest, tr.sampler.prompt_buckets),
+      )
+    except ValueError as e:
+      raise ConfigError(f"config.staleness.mode: {e}") from e
+    self.problem_index = {p.id: i for i, p in enumerate(tr.train_problems)}
+    self.waiting: dict[int, dict[str, Any]] = {}  # batch -> {"ids", "problems", "admitted"} (not finished)
+    self.ready: dict[int, tuple[RolloutBatch, dict[str, Any]]] = {}  # finished, graded, not yet learnt
+    self._prepared, self._version = None, None  # the sampler's parameters and their version (`_params`)
+
+  def close(self) -> None:
+    """Nothing runs in the background."""
+
+  def _params(self, state):
+    """The pool's parameters at `state`'s version: prepared once per version, swapped into the live rows."""
+    version = int(state.step)
+    if self._prepared is None or version != self._version:
+      with use_mesh(self.tr.mesh, self.tr.rules):
+        self._prepared = self.tr.sampler.prepare_params(state.params).state
+        if self._version is not None and version != self._version:
+          self.pool.swap(self._prepared)
+      self._version = version
+    return self._prepared
+
+  def run(self, state, step: int, buffer, lr_scale: float) -> tuple[Any, Any, dict[str, Any]]:
+    """Global step `step` (module docstring; `buffer`, the delay buffer, stays empty in this mode).
+
+    Returns:
+      (the state after the step's updates, None (no MIPU rollback in this mode), the step's metrics).
+    """
+    del buffer
+    tr, c = self.tr, self.tr.c
+    problems = next(tr.loader)
+    group_ids = step * c.prompts_per_step + np.arange(len(problems))
+    ids = self.pool.admit([tr.prompt_ids[p.id] for p in problems], tr.step_seed(step, 1), c.group_size, group_ids)
+    self.waiting[step] = {"ids": list(ids), "problems": problems, "admitted": time.time()}
+    target = step - c.delay
+    params, version = self._params(state), int(state.step)
+    t0 = time.time()
+    segments = decode = busy = 0
+    while True:
+      with use_mesh(tr.mesh, tr.rules):  # as `Trainer.generate` calls the sampler
+        stats = self.pool.segment(params, version)
+      segments, decode, busy = segments + 1, decode + stats.decode_steps, busy + stats.busy_row_steps
+      if target < 0 or target in self.ready or self.pool.finished(self.waiting[target]["ids"]):
+        break
+    metrics: dict[str, Any] = {
+        "inflight/segments": segments,
+        "inflight/decode_steps": decode,
+        "inflight/occupancy": busy / max(decode * self.pool.rows, 1),  # live rows per decode step / decode rows
+        "inflight/live_rows": self.pool.live,
+        "time/segments": time.time() - t0,
+    }
+    for b in sorted(self.waiting):  # grade and score what finished, at this version
+      w = self.waiting[b]
+      if self.pool.finished(w["ids"]):
+        gen = self.pool.collect(w["ids"], tr.sampling.logprob_temperature)
+        self.ready[b] = tr.graded_batch(state, b, gen, w["problems"], time.time() - w["admitted"])
+        del self.waiting[b]
+    if target < 0:
+      return state, None, metrics
+    batch, sample_metrics = self.ready.pop(target)
+    state, learn_metrics = tr.learn_step(state, batch, lr_scale)
+    return state, None, {**sample_metrics, **metrics, **learn_metrics}
+
+  # ------------------------------------------------------------------------------------------------ checkpoints
+  def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(arrays, meta): the pool's arrays and the graded batches waiting to be learnt (for the checkpoint's buffer),
+    and as JSON the admitted batches' problems (indices into the training problems) and the waiting batches'
+    sample metrics."""
+    ready = {str(b): x.to_dict() for b, (x, _) in self.ready.items()}
+    arrays = {"pool": self.pool.state_dict(), "ready": ready or {"_": np.zeros(())}}  # orbax: no empty container
+    meta = {
+        "version": self._version,
+        "waiting": {str(b): [self.problem_index[p.id] for p in w["problems"]] for b, w in self.waiting.items()},
+        "waiting_ids": {str(b): [w["ids"][0], len(w["ids"])] for b, w in self.waiting.items()},
+        "ready_metrics": {str(b): m for b, (_, m) in self.ready.items()},
+    }
+    return arrays, json.loads(json.dumps(meta, default=float))
+
+  def load_state_dict(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Restores `state_dict`'s pool, waiting batches and graded batches (their sample time restarts at 0)."""
+    self.pool.load_state_dict(arrays["pool"])
+    probs = self.tr.train_problems
+    self.waiting = {}
+    for b, idx in meta["waiting"].items():
+      first, count = meta["waiting_ids"][b]
+      self.waiting[int(b)] = {
+          "ids": list(range(first, first + count)),
+          "problems": [probs[i] for i in idx],
+          "admitted": time.time(),
+      }
+    ready = arrays.get("ready", {})
+    self.ready = {int(b): (RolloutBatch.from_dict(ready[b]), m) for b, m in meta["ready_metrics"].items() if b in ready}
+    self._prepared, self._version = None, meta["version"]  # the next step swaps when its version is newer
