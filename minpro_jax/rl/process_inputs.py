@@ -47,6 +47,7 @@ from minpro_jax.rl.learner import Learner, staleness
 from minpro_jax.rl.learner_inputs import SCORE_ROW_FIELDS, UPDATE_ROW_FIELDS, ScoreInputs, UpdateInputs
 from minpro_jax.rl.proximal import interpolation_alpha
 from minpro_jax.rl.rollout import RolloutBatch
+from minpro_jax.rl.token_staleness import VersionCounts, gather_version_counts, version_counts
 from minpro_jax.runtime import multihost, row_layout
 from minpro_jax.runtime.sharding import DEFAULT_RULES, active_rules, batch_split
 
@@ -98,11 +99,14 @@ class StagedBatch:
     arrays: `UpdateInputs` of global [N, ...] arrays on the staging sharding (rows split over the processes).
     policy_version: [N] int64 version that sampled each row, of every process's rows.
     real_tokens: the batch's real (segment id != 0) tokens over every process.
+    versions: the per-token versions of every process's rows (`token_staleness.gather_version_counts`), for the
+      step's per-token staleness metrics; None when not gathered.
   """
 
   arrays: UpdateInputs
   policy_version: np.ndarray
   real_tokens: int
+  versions: VersionCounts | None = None
 
   @property
   def size(self) -> int:
@@ -189,14 +193,15 @@ def for_learner(
     row_layout.staging_sharding(mesh.devices)
   except ValueError:
     return gather_batch(released, num_rows)  # this mesh cannot take per-process rows: the host path
+  versions = gather_version_counts(version_counts(released), num_rows)  # the per-token staleness metrics
   if learner.row_tokens is None:
-    return stage(released, mesh, num_rows, replay)
+    return dataclasses.replace(stage(released, mesh, num_rows, replay), versions=versions)
   if num <= 0 or num_rows % num or not process_packing.fits(num_rows, num_rows // num):
     _warn_gathered(num, num_rows)
     return gather_batch(released, num_rows)
   every = _per_row(released, num_rows)
   arrays = process_packing.stage(released, learner, num_rows, num, every[:, 1])
-  return StagedBatch(arrays, every[:, 0], int(every[:, 1].sum()))
+  return StagedBatch(arrays, every[:, 0], int(every[:, 1].sum()), versions)
 
 
 _warned = []

@@ -51,7 +51,7 @@ from minpro_jax.rl.learner import Learner
 from minpro_jax.rl.packing import micro_batch_warning, row_tokens
 from minpro_jax.rl.process_dynamic import take_own_groups
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
-from minpro_jax.rl.token_staleness import token_staleness_metrics
+from minpro_jax.rl.token_staleness import staleness_from_counts, token_staleness_metrics
 from minpro_jax.rl.update_metrics import combine_update_metrics
 from minpro_jax.run import resume_check, run_config, run_load, sampler_setup
 from minpro_jax.run.checkpoint import buffer_state_from_restored
@@ -368,8 +368,10 @@ class Trainer:
         "time/learn": dt,
         "throughput/learn_tokens_per_s": float(tokens) / max(dt, 1e-9),
     }
-    if isinstance(batch, RolloutBatch):  # one process: per token (several: the staged rows' versions only)
+    if isinstance(batch, RolloutBatch):  # one process (or gathered): per token
       metrics.update(token_staleness_metrics(batch, first))
+    elif batch.versions is not None:  # several processes: from every process's per-token versions
+      metrics.update(staleness_from_counts(batch.versions, first))
     return state, {**metrics, **combine_update_metrics(ups)}
 
   # ------------------------------------------------------------------ evaluation and checkpoints
