@@ -26,7 +26,15 @@ s - d), the learning metrics with the per-token staleness (`minpro_jax.rl.token_
 segments, decode steps and row occupancy of the step.
 
 Checkpoints hold the pool (its cache, outputs and ring), the admitted batches' prompts and the graded batches
-waiting to be learnt (`state_dict`), so a run killed at any point resumes exactly. One process only, for now.
+waiting to be learnt (`state_dict`), so a run killed at any point resumes exactly.
+
+Several JAX processes (docs/multihost.md) run the same pool: every process admits the same prompts with the same
+keys and runs the same segments on the global mesh, so the host-side decisions (which batches finished, the refill,
+the segments of a step) are the same on every process; a finished batch comes back to each process as its rows only
+(`StreamPool.collect(own_rows=True)`: whole groups), which it grades, scores and keeps, and the learner's global
+arrays are made from every process's rows (`Trainer.learner_batch`), as in delay mode. The checkpoint holds the pool
+whole (the same on every process: written once) and the graded batches gathered whole (each process keeps its rows
+on resume).
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ from typing import Any
 import numpy as np
 
 from minpro_jax.errors import ConfigError
+from minpro_jax.rl import process_inputs
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling.engines.base import bucket
 from minpro_jax.sampling.streaming import StreamPool
@@ -56,18 +64,13 @@ class InflightRunner:
   interface as `minpro_jax.run.step_runner.StepRunner`.
 
   Raises:
-    ConfigError: a multi-process run, or a sampler the streaming pool cannot run (naming the field).
+    ConfigError: a sampler the streaming pool cannot run (naming the field).
   """
 
   def __init__(self, trainer):
     self.tr = tr = trainer
     c = tr.c
-    if multihost.process_count() > 1:
-      raise ConfigError(
-          f"config.staleness.mode: 'inflight' runs in one process for now, this run has "
-          f"{multihost.process_count()}; use staleness.mode='delay' or one process"
-      )
-    n = c.prompts_per_step * c.group_size
+    self.rows_per_batch = n = c.prompts_per_step * c.group_size
     longest = max(len(tr.prompt_ids[p.id]) for p in tr.train_problems)  # the pool's prompt slots hold every prompt
     try:
       self.pool = StreamPool(
@@ -132,21 +135,23 @@ class InflightRunner:
     for b in sorted(self.waiting):  # grade and score what finished, at this version
       w = self.waiting[b]
       if self.pool.finished(w["ids"]):
-        gen = self.pool.collect(w["ids"], tr.sampling.logprob_temperature)
+        gen = self.pool.collect(w["ids"], tr.sampling.logprob_temperature, own_rows=True)  # several: its rows
         self.ready[b] = tr.graded_batch(state, b, gen, w["problems"], time.time() - w["admitted"])
         del self.waiting[b]
     if target < 0:
       return state, None, metrics
     batch, sample_metrics = self.ready.pop(target)
-    state, learn_metrics = tr.learn_step(state, batch, lr_scale)
+    state, learn_metrics = tr.learn_step(state, tr.learner_batch(batch), lr_scale)  # several: staged (collective)
     return state, None, {**sample_metrics, **metrics, **learn_metrics}
 
   # ------------------------------------------------------------------------------------------------ checkpoints
   def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
     """(arrays, meta): the pool's arrays and the graded batches waiting to be learnt (for the checkpoint's buffer),
     and as JSON the admitted batches' problems (indices into the training problems) and the waiting batches'
-    sample metrics."""
-    ready = {str(b): x.to_dict() for b, (x, _) in self.ready.items()}
+    sample metrics. Whole and the same on every process (collective in a multi-process run: the pool's device
+    arrays and each process's rows of the graded batches are all-gathered)."""
+    n = self.rows_per_batch
+    ready = {str(b): process_inputs.gather_batch(x, n).to_dict() for b, (x, _) in self.ready.items()}
     arrays = {"pool": self.pool.state_dict(), "ready": ready or {"_": np.zeros(())}}  # orbax: no empty container
     meta = {
         "version": self._version,
@@ -168,6 +173,10 @@ class InflightRunner:
           "problems": [probs[i] for i in idx],
           "admitted": time.time(),
       }
-    ready = arrays.get("ready", {})
-    self.ready = {int(b): (RolloutBatch.from_dict(ready[b]), m) for b, m in meta["ready_metrics"].items() if b in ready}
+    ready, c = arrays.get("ready", {}), self.tr.c
+    self.ready = {
+        int(b): (process_inputs.own_rows(RolloutBatch.from_dict(ready[b]), c.prompts_per_step, c.group_size), m)
+        for b, m in meta["ready_metrics"].items()
+        if b in ready
+    }
     self._prepared, self._version = None, meta["version"]  # the next step swaps when its version is newer

@@ -393,9 +393,9 @@ class Trainer:
         "process_count": multihost.process_count(),
     }
     buf = buffer.state_dict()
-    if isinstance(self.steps, InflightRunner):  # the streaming pool and its batches (one process)
+    if isinstance(self.steps, InflightRunner):  # the streaming pool and its batches, whole (the delay buffer is empty)
       buf["inflight"], meta["inflight"] = self.steps.state_dict()
-    if multihost.process_count() > 1:  # each process writes its own rows of the waiting batches
+    elif multihost.process_count() > 1:  # each process writes its own rows of the waiting batches
       n = self.c.prompts_per_step * self.c.group_size
       meta["buffer"] = process_inputs.buffer_layout(buf, n)
       buf = process_inputs.buffer_to_global(buf, n)

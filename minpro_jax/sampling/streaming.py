@@ -18,6 +18,13 @@ its own response index; the in-loop refill rule (`continuous.refill_rule`) keeps
   and the response tokens fed so far), so each later token's log-prob is exactly the new version's teacher-forced
   log-prob (up to fp32 rounding of the two programs' summation orders).
 
+Several JAX processes (docs/multihost.md) run one pool together: every process admits the same requests and runs
+the same segments on the global mesh, so the pool's host-side state (the ring, the started count, which requests
+are live or finished) is the same on every process; only the small [B] row flags are read back whole
+(`multihost.to_host`), and `collect(own_rows=True)` gives each process only its rows of a finished batch (whole
+groups, `row_layout.rows_to_host`), as `Sampler.generate(own_rows=True)` does. The first segment of a fresh or
+restored pool takes its state as host values (the same on every process: jit takes them as the global value).
+
 What a request samples depends only on its prompt, its row key (`Sampler.generate`'s: fold_in(fold_in(key(seed),
 group), sample)) and the parameters each of its tokens was drawn under, never on the ring slot or decode row it ran
 in. With segments longer than every admitted request's decode (no swap while a request is live), every request is
@@ -34,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from minpro_jax.models.transformer import KVCache, keys_head_dim_major
+from minpro_jax.runtime import multihost
+from minpro_jax.runtime.row_layout import rows_to_host
 from minpro_jax.sampling import continuous as cb
 from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
 from minpro_jax.sampling.engines.base import bucket
@@ -135,6 +144,24 @@ def _clear(pool, version_map, slots, pad_id):
   return pool, put(version_map, -1)
 
 
+def _take(outputs, version_map, slots):
+  """The outputs and versions of ring slots `slots`, and the smallest version that drew one of their tokens
+  (int32 max when none: a replicated scalar, the same on every process)."""
+  taken = tuple(None if a is None else a[slots] for a in outputs)
+  ver = version_map[slots]
+  mask = taken[3]
+  return (*taken, ver), jnp.min(jnp.where(mask, ver, jnp.iinfo(jnp.int32).max))
+
+
+def _placed(tree):
+  """`tree`'s arrays as the pool keeps them between segments: device arrays of their own (the segments donate
+  them) in one process; in several, host values, the same on every process (a process-local device array is not
+  a global value: the next jitted segment takes the host value as one)."""
+  if multihost.process_count() > 1:
+    return jax.tree.map(np.asarray, tree)
+  return jax.tree.map(jnp.copy, tree)
+
+
 class StreamPool:
   """The streaming sampler of a `Sampler` with the continuous engine (module docstring).
 
@@ -180,8 +207,8 @@ class StreamPool:
     r = sampling.max_new_tokens
     with sampler.mesh_context():
       pool = cb.init_state(core.config, self.rows, capacity, self.p_len + r, r, core.pad_id, False, sampling.truncates)
-      self.pool = jax.tree.map(jnp.copy, pool)  # distinct buffers: the segments donate them
-      self.version_map = jnp.full((capacity, r), -1, jnp.int32)
+      self.pool = _placed(pool)  # distinct buffers: the segments donate them
+      self.version_map = _placed(jnp.full((capacity, r), -1, jnp.int32))
     self.tokens = np.full((capacity, self.p_len), core.pad_id, np.int32)
     self.segs = np.zeros((capacity, self.p_len), np.int32)
     self.groups = np.zeros(capacity, np.int32)
@@ -199,6 +226,7 @@ class StreamPool:
     )
     self._recompute = jax.jit(functools.partial(_recompute, core), static_argnames=("p_len",), donate_argnums=(1,))
     self._clear = jax.jit(_clear, static_argnames=("pad_id",), donate_argnums=(0, 1))
+    self._take = jax.jit(_take)
     self.core = core
 
   # ------------------------------------------------------------------------------------------------ requests
@@ -249,18 +277,22 @@ class StreamPool:
           self.pool,
           self.version_map,
           requests,
-          jnp.int32(self.nxt),
-          jnp.int32(self.avail),
-          jnp.int32(version),
+          np.int32(self.nxt),  # host values: the same global value on every process
+          np.int32(self.avail),
+          np.int32(version),
           sampling=self.sampling,
           p_len=self.p_len,
           refill=self.refill,
           every=self.every,
       )
     self.nxt = int(nxt)
-    done, req = np.asarray(self.pool.done), np.asarray(self.pool.req)
-    self._live = {int(self.owner[s]) for s in req[~done]}
+    self._update_live()
     return SegmentStats(*(int(x) for x in np.asarray(stats)))
+
+  def _update_live(self) -> None:
+    """The live requests from the decode rows' [B] flags (whole on every process: collective when several)."""
+    done, req = multihost.to_host((self.pool.done, self.pool.req))
+    self._live = {int(self.owner[s]) for s in np.asarray(req)[~np.asarray(done)]}
 
   def swap(self, state) -> None:
     """The rows that continue run on the prepared parameters `state` from the next segment on; with
@@ -278,10 +310,12 @@ class StreamPool:
     """Whether every request of `ids` has been started and has stopped."""
     return all(g < self.nxt and g not in self._live for g in ids)
 
-  def collect(self, ids: Sequence[int], temperature: float) -> GenerationBatch:
+  def collect(self, ids: Sequence[int], temperature: float, own_rows: bool = False) -> GenerationBatch:
     """The finished requests `ids` as a `GenerationBatch` (prompt-major as admitted, prompts left-padded to the
     smallest prompt bucket that holds them; `token_version` [N, R] the version that drew each token,
-    `policy_version` the smallest) and their slots freed.
+    `policy_version` the smallest over all of them) and their slots freed. With `own_rows` in a multi-process run,
+    only this process's rows (`multihost.process_rows(N)`: whole groups when the batch's prompts split over the
+    processes), read from its own devices (`Sampler.generate(own_rows=True)`). Collective in a multi-process run.
 
     Raises:
       ValueError: a request of `ids` not finished or not in the ring.
@@ -291,14 +325,17 @@ class StreamPool:
     if not self.finished(ids.tolist()) or (self.owner[slots] != ids).any():
       raise ValueError(f"StreamPool.collect: requests {ids.tolist()} are not all finished and uncollected")
     p = self.pool
-    out = (p.tokens, p.logp, p.entropy, p.mask, p.stopped, self.version_map, p.kept_logp_threshold)
-    tok, logp, ent, mask, stopped, ver, kept = (None if a is None else np.asarray(a[slots]) for a in out)
+    out = (p.tokens, p.logp, p.entropy, p.mask, p.stopped, p.kept_logp_threshold)
+    devices = None if self.sampler.mesh is None else self.sampler.mesh.devices
     with self.sampler.mesh_context():
-      self.pool, self.version_map = self._clear(self.pool, self.version_map, jnp.asarray(slots), self.core.pad_id)
+      taken, first = self._take(out, self.version_map, slots)
+      (tok, logp, ent, mask, stopped, kept, ver), mine = rows_to_host(taken, len(ids), devices, own_rows)
+      first = int(first)
+      self.pool, self.version_map = self._clear(self.pool, self.version_map, slots, self.core.pad_id)
     self.owner[slots] = -1
-    drawn = np.where(mask, ver, np.iinfo(np.int32).max)
+    slots = slots[mine]
     # the prompts left-padded to their own bucket, as `Sampler.generate` returns a call of these prompts
-    p = bucket(int(self.segs[slots].sum(1).max()), self.sampler.prompt_buckets) or self.p_len
+    p = bucket(int(self.segs[ids % self.capacity].sum(1).max()), self.sampler.prompt_buckets) or self.p_len
     return GenerationBatch(
         prompt_tokens=self.tokens[slots, self.p_len - p :].copy(),
         prompt_mask=self.segs[slots, self.p_len - p :].astype(bool),
@@ -310,7 +347,7 @@ class StreamPool:
         finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH),
         group_ids=self.group_ids[slots].copy(),
         sample_index=self.sample_index[slots].copy(),
-        policy_version=int(drawn.min()) if mask.any() else -1,
+        policy_version=first if first != np.iinfo(np.int32).max else -1,
         temperature=self.sampling.logprob_temperature,
         kept_logp_threshold=kept,
         token_version=np.where(mask, ver, -1).astype(np.int32),
@@ -318,8 +355,9 @@ class StreamPool:
 
   # ------------------------------------------------------------------------------------------------ checkpoints
   def state_dict(self) -> dict[str, np.ndarray]:
-    """Everything the pool holds, as host arrays (a checkpoint's; `load_state_dict` restores it exactly)."""
-    leaves = jax.tree.leaves((self.pool, self.version_map))
+    """Everything the pool holds, as host arrays (a checkpoint's; `load_state_dict` restores it exactly): whole, the
+    same on every process (collective in a multi-process run: the device arrays are all-gathered)."""
+    leaves = multihost.to_host(jax.tree.leaves((self.pool, self.version_map)))
     out = {f"device_{i}": np.asarray(a) for i, a in enumerate(leaves)}
     host = {"tokens": self.tokens, "segs": self.segs, "groups": self.groups, "keys": self.keys}
     host.update(group_ids=self.group_ids, sample_index=self.sample_index, owner=self.owner)
@@ -329,9 +367,9 @@ class StreamPool:
     treedef = jax.tree.structure((self.pool, self.version_map))
     n = treedef.num_leaves
     with self.sampler.mesh_context():
-      self.pool, self.version_map = jax.tree.unflatten(treedef, [jnp.asarray(d[f"device_{i}"]) for i in range(n)])
+      leaves = _placed([np.asarray(d[f"device_{i}"]) for i in range(n)])
+      self.pool, self.version_map = jax.tree.unflatten(treedef, leaves)
     for k in ("tokens", "segs", "groups", "keys", "group_ids", "sample_index", "owner"):
       setattr(self, k, np.asarray(d[f"host_{k}"]).astype(getattr(self, k).dtype))
     self.nxt, self.avail = (int(x) for x in np.asarray(d["counts"]))
-    done, req = np.asarray(self.pool.done), np.asarray(self.pool.req)
-    self._live = {int(self.owner[s]) for s in req[~done]}
+    self._update_live()
