@@ -22,8 +22,8 @@ Several JAX processes (docs/multihost.md) run one pool together: every process a
 the same segments on the global mesh, so the pool's host-side state (the ring, the started count, which requests
 are live or finished) is the same on every process; only the small [B] row flags are read back whole
 (`multihost.to_host`), and `collect(own_rows=True)` gives each process only its rows of a finished batch (whole
-groups, `row_layout.rows_to_host`), as `Sampler.generate(own_rows=True)` does. The first segment of a fresh or
-restored pool takes its state as host values (the same on every process: jit takes them as the global value).
+groups, `row_layout.rows_to_host`), as `Sampler.generate(own_rows=True)` does. A restored pool's first segment takes
+its state as host values (the same on every process: jit takes them as the global value).
 
 What a request samples depends only on its prompt, its row key (`Sampler.generate`'s: fold_in(fold_in(key(seed),
 group), sample)) and the parameters each of its tokens was drawn under, never on the ring slot or decode row it ran
@@ -154,12 +154,12 @@ def _take(outputs, version_map, slots):
 
 
 def _placed(tree):
-  """`tree`'s arrays as the pool keeps them between segments: device arrays of their own (the segments donate
-  them) in one process; in several, host values, the same on every process (a process-local device array is not
-  a global value: the next jitted segment takes the host value as one)."""
-  if multihost.process_count() > 1:
-    return jax.tree.map(np.asarray, tree)
-  return jax.tree.map(jnp.copy, tree)
+  """`tree`'s arrays as the pool keeps them between segments, in buffers of their own (the segments donate them):
+  device arrays copied (made under the sampler's mesh: global arrays in a multi-process run); host arrays as device
+  arrays in one process, kept as host values in several (the same on every process: the next jitted segment takes
+  them as the global value, where a process-local device array is not one)."""
+  several = multihost.process_count() > 1
+  return jax.tree.map(lambda a: np.asarray(a) if several and not isinstance(a, jax.Array) else jnp.copy(a), tree)
 
 
 class StreamPool:
