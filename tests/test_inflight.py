@@ -18,7 +18,12 @@ from minpro_jax.errors import ConfigError
 from minpro_jax.models import get_preset, init_model
 from minpro_jax.models.logprobs import token_logprobs
 from minpro_jax.rl.rollout import RolloutBatch
-from minpro_jax.rl.token_staleness import token_staleness_metrics
+from minpro_jax.rl.token_staleness import (
+    VersionCounts,
+    staleness_from_counts,
+    token_staleness_metrics,
+    version_counts,
+)
 from minpro_jax.run.run_config import validate_config
 from minpro_jax.run.trainer import Trainer
 from minpro_jax.sampling import Sampler, SamplingParams, engines
@@ -153,6 +158,22 @@ def test_token_staleness_metrics_of_a_hand_built_schedule():
   assert m["staleness/token_histogram"] == [1, 2, 0, 4] and m["staleness/spread_max"] == 0
   with pytest.raises(ValueError, match="newer than the learner's 4"):
     token_staleness_metrics(_batch(tv, mask, [2, 4, 5, 0]), learn_version=4)
+
+
+def test_token_staleness_from_per_process_counts_equals_the_whole_batch():
+  """What `gather_version_counts` makes of two processes' rows (the token counts summed, padded to the longer; the
+  spreads in row order) gives the whole batch's metrics, exactly (rows 0-1 and 2-3 of the hand-built schedule)."""
+  tv = np.asarray([[-1, 2, 2, 3, 4], [-1, 4, 4, -1, -1], [-1, 5, -1, -1, -1], [-1, -1, -1, -1, -1]])
+  mask = tv >= 0
+  whole = token_staleness_metrics(_batch(tv, mask, [2, 4, 5, 0]), learn_version=5)
+  parts = [version_counts(_batch(tv[r], mask[r], [2, 4, 5, 0][r])) for r in (slice(0, 2), slice(2, 4))]
+  assert [p.tokens.tolist() for p in parts] == [[0, 0, 0, 2, 1, 3], [0, 0, 0, 0, 0, 0, 1]]  # index = version + 1
+  assert [p.spreads.tolist() for p in parts] == [[2, 0], [0, -1]]
+  tokens = np.zeros(7, np.int64)
+  for p in parts:
+    tokens[: p.tokens.size] += p.tokens
+  summed = VersionCounts(tokens, np.concatenate([p.spreads for p in parts]))
+  assert staleness_from_counts(summed, 5) == whole
 
 
 # ------------------------------------------------------------------------------------------------ the trainer mode
