@@ -47,6 +47,7 @@ SLOWEST_FIRST = (
     "test_multihost",
     "test_train_resume",
     "test_overlap",  # two CLI runs on 8 devices and a SIGKILL + resume (~150 s)
+    "test_inflight_multihost",  # two 2-process in-flight runs and a 1-process one (~140 s)
     "test_fidelity_model",  # SFT warm start, a trajectory and four drifts at a toy size
     "test_mipu_power",  # SFT warm start and three runs of the power study at a toy size
     "test_paged_sampler",  # a TPU compile of the paged decode loop (~95 s)
