@@ -125,7 +125,7 @@ def test_each_user_mistake_prints_one_message_naming_the_field_and_no_traceback(
 
 def test_a_study_grid_given_as_the_config_says_how_to_run_it():
   r = _cli([sys.executable, "-m", "minpro_jax.train", "--config=configs/studies/smoke.py"])
-  want = "error: --config=configs/studies/smoke.py: the file has no get_config(); it is a study grid: run python -m "
+  want = "error: --config=configs/studies/smoke.py: the file has no get_config(); it is a study grid: run .venv/bin/python -m "
   assert r.returncode == 2 and want + "minpro_jax.study --grid=configs/studies/smoke.py" in r.stderr, r.stderr[-800:]
 
 
