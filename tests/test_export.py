@@ -106,6 +106,11 @@ def test_export_loads_in_transformers_with_the_runs_logits(run_dir, which, tmp_p
   assert gen["eos_token_id"] == [tokenizer.eos_id] and gen["temperature"] == 1.0 and gen["max_new_tokens"] == 6
   hf_cfg = json.load(open(os.path.join(out, "config.json")))
   assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (2, 3, 0)
+  # every file readable by others, as a plain write gives it (safetensors alone writes 0600)
+  umask = os.umask(0)
+  os.umask(umask)
+  modes = {f: os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)}
+  assert modes["model.safetensors"] == 0o666 & ~umask and all(m == 0o666 & ~umask for m in modes.values()), modes
 
 
 def test_partial_restore_reads_only_the_parameters(run_dir):
