@@ -3,6 +3,7 @@ a naive log-softmax over hand-listed response positions (prompt and padding add 
 against unpacked ones."""
 
 import hashlib
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +149,28 @@ def test_targets_longer_than_the_response_budget_are_named():
       "1 of 2 warm-start targets (with their eos) are longer than sampling.max_new_tokens=11 (longest 12 tokens): "
       "the sampler cuts such responses before their answer; raise sampling.max_new_tokens to at least 12"
   )
+
+
+def test_sft_is_off_by_default_for_a_pretrained_source(caplog):
+  """A run from an export (model.source=hf) or a GGUF starts RL from the loaded policy: no SFT unless asked for."""
+  from train_helpers import load_default_config
+
+  from minpro_jax.run.run_config import sft_enabled
+  from minpro_jax.run.run_setup import warm_start
+
+  c = load_default_config()
+  assert c.sft.enabled is None and sft_enabled(c)  # scratch: on
+  for source in ("hf", "gguf"):
+    c.model.source = source
+    assert not sft_enabled(c)
+    with caplog.at_level(logging.INFO, logger="minpro_jax"):
+      assert warm_start(c, None, None, []) == {"enabled": False}  # nothing is built or trained
+    assert f"sft: off for model.source={source} (a pretrained model starts RL as it is)" in caplog.text
+    caplog.clear()
+  c.sft.enabled = True
+  assert sft_enabled(c)  # asked for: on
+  c.model.source, c.sft.enabled = "scratch", False
+  assert not sft_enabled(c)
+  with caplog.at_level(logging.INFO, logger="minpro_jax"):
+    assert warm_start(c, None, None, []) == {"enabled": False}
+  assert "sft: off" not in caplog.text  # turned off by hand: nothing to explain

@@ -124,8 +124,8 @@ def setup_run(c) -> RunParts:
     run_config.check_routes_fit(c, model.config)  # a GGUF's architecture is known only now
     check_disk_space(c, checkpointer, model)  # before the SFT warm start
     check_state_layout(c, model, mesh)  # before the SFT warm start: a state orbax cannot write crashes at its save
-    sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": bool(c.sft.enabled)}
-    if resuming and c.sft.enabled:
+    sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": run_config.sft_enabled(c)}
+    if resuming and run_config.sft_enabled(c):
       sft_info["skipped"] = "resumed from a run checkpoint"
     enc = encode_fitting(c, tokenizer, problems, "training set")
     if len(enc.problems) < c.prompts_per_step:
@@ -543,7 +543,13 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
   Returns:
     What was done, JSON-able: `{"enabled": False}`, or the SFT info (loss, cache path, whether it was cached).
   """
-  if not c.sft.enabled:
+  if not run_config.sft_enabled(c):
+    if c.sft.enabled is None:
+      logger.info(
+          "sft: off for model.source=%s (a pretrained model starts RL as it is); --config.sft.enabled=True "
+          "warm-starts it anyway",
+          c.model.source,
+      )
     return {"enabled": False}
   n = min(c.sft.num_examples, len(problems))
   sft_problems = problems[-n:]
