@@ -289,6 +289,37 @@ def check_tokenizer_matches(c, tokenizer, model_vocab: int, eos_ids: tuple[int, 
         f"config.{field}: the model ends a response with eos_token_id {list(eos_ids)} (config.json), but the "
         f"tokenizer stops at ids {sorted(stops)}; {fix}"
     )
+  if c.tokenizer.kind == "path" and c.model.source == "hf":
+    _check_same_vocabulary(tokenizer, _own_tokenizer(c.model.path), field, fix)
+
+
+def _own_tokenizer(model_path: str):
+  """The tokenizer an hf model folder ships (tokenizer.json, or a sentencepiece tokenizer.model), or None."""
+  for name in ("tokenizer.json", "tokenizer.model"):
+    if os.path.isfile(os.path.join(model_path, name)):
+      try:
+        return load_tokenizer(os.path.join(model_path, name))
+      except (OSError, ValueError, RuntimeError, json.JSONDecodeError):
+        return None  # a damaged file: the size and eos checks are all there is to go on
+  return None
+
+
+def _check_same_vocabulary(tokenizer, own, field: str, fix: str) -> None:
+  """Raises ConfigError when `tokenizer` maps an id to another token string than the model's `own` tokenizer (a
+  same-size tokenizer trained on other text: ids that mean other words to the model). Nothing to compare without
+  `own` or when either cannot list its vocabulary."""
+  mine, theirs = tokenizer.vocabulary(), own.vocabulary() if own is not None else None
+  if mine is None or theirs is None:
+    return
+  differ = [i for i in range(max(len(mine), len(theirs))) if mine[i : i + 1] != theirs[i : i + 1]]
+  if differ:
+    shown = ", ".join(
+        f"id {i}: {(mine[i : i + 1] or ['-'])[0]!r} vs {(theirs[i : i + 1] or ['-'])[0]!r}" for i in differ[:3]
+    )
+    raise ConfigError(
+        f"config.{field}: {len(differ)} of {max(len(mine), len(theirs))} token ids are other token strings than "
+        f"in the model's own tokenizer ({shown}{', ...' if len(differ) > 3 else ''}); {fix}"
+    )
 
 
 def check_disk_space(c, checkpointer: RunCheckpointer, model: Transformer) -> None:
