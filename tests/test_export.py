@@ -180,6 +180,18 @@ def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):
   (tmp_path / "model" / "config.json").write_text("{}")  # somebody's model folder, not an export
   with pytest.raises(ConfigError, match=r"--out: .*model is a non-empty folder that holds no export"):
     export.export(workdir, str(tmp_path / "model"))
+  # an export of another checkpoint is replaced only with overwrite; the same checkpoint's is rewritten
+  export.export(workdir, str(tmp_path / "hf"), "best")
+  export.export(workdir, str(tmp_path / "hf"), "best")
+  with pytest.raises(ConfigError, match=r"--out: .*hf holds the best checkpoint \(step 4\) of .*; this is the final "):
+    export.export(workdir, str(tmp_path / "hf"), "final")
+  assert json.load(open(tmp_path / "hf" / export.MARKER))["which"] == "best"  # untouched
+  assert export.export(workdir, str(tmp_path / "hf"), "final", overwrite=True)["step"] == 6
+  # an --out that cannot be created: one line naming the flag
+  for bad, why in ((tmp_path / "afile" / "sub", "is a file"), ("/proc/minpro_export", "")):
+    assert export.main(["--workdir", workdir, "--out", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out: {bad} cannot be created (") and why in err and err.count("\n") == 1, err
   # a damaged config.json names the file
   bad = tmp_path / "bad"
   bad.mkdir()
