@@ -72,6 +72,24 @@ def _interrupted_during_setup(signum, frame):
   os._exit(128 + signum)
 
 
+def exit_quietly_on_signal(status: int) -> None:
+  """After `main` returned `status`: a SIGTERM / SIGINT during the interpreter's teardown (orbax's and JAX's exit
+  handlers, which can take seconds) ends the process at once with `status` and one line, instead of 143 / 130 and
+  no word: the run's work is already written."""
+
+  def finished(signum, frame):
+    del frame
+    sys.stderr.write(
+        f"stopped by signal {signum} while exiting: the command had already finished (exit status {status}) and "
+        "written its results; nothing is lost\n"
+    )
+    sys.stderr.flush()
+    os._exit(status)
+
+  for s in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, finished)
+
+
 def _chain(e: BaseException | None):
   while e is not None:
     yield e
@@ -176,4 +194,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  exit_status = main()
+  exit_quietly_on_signal(exit_status)  # the command line's own process only: a test calling main keeps its handlers
+  sys.exit(exit_status)

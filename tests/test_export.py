@@ -205,6 +205,38 @@ def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):
   assert err.startswith("error: --which=3: no run checkpoint") and err.count("\n") == 1
 
 
+def test_a_config_of_another_model_size_is_one_line(run_dir, tmp_path, capsys):
+  """evaluate / export of a workdir whose config.json describes another model size: one error line naming the
+  parameter and both shapes, before orbax restores (whose failed restore left asyncio tracebacks at exit, and whose
+  partial restore of a run checkpoint read the stored shapes into the wrong model)."""
+  import subprocess
+  import sys
+
+  from minpro_jax import evaluate
+
+  workdir = str(tmp_path / "run")
+  shutil.copytree(run_dir[0], workdir)
+  cfg = json.load(open(os.path.join(workdir, "config.json")))
+  cfg["model"]["overrides"]["hidden_size"] *= 2
+  json.dump(cfg, open(os.path.join(workdir, "config.json"), "w"))
+  want = "the run's config.json describes a model with"
+  r = subprocess.run(
+      [sys.executable, "-m", "minpro_jax.export", f"--workdir={workdir}", f"--out={tmp_path / 'hf'}"],
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert (
+      r.returncode == 2 and r.stderr.startswith("error: --which=best: the checkpoint ") and want in r.stderr
+  ), r.stderr
+  assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+  for which in ("final", "5"):
+    assert evaluate.main(["--workdir", workdir, "--which", which, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --which={which}: the checkpoint ") and " holds embed of shape (" in err, err
+    assert want in err and err.count("\n") == 1, err
+
+
 def test_summary_config_of_an_older_run(run_dir, tmp_path):
   """A run from before config.json existed is read from its summary.json's config."""
   workdir, _, _ = run_dir
