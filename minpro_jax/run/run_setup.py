@@ -46,7 +46,9 @@ from minpro_jax.rl.optimizer import make_optimizer
 from minpro_jax.rl.sft import SFTConfig, build_examples, long_target_warning, run_sft, sft_target
 from minpro_jax.run import run_config
 from minpro_jax.run.checkpoint import RunCheckpointer
+from minpro_jax.run.memory_check import check_sizes_fit
 from minpro_jax.runtime import multihost, pidlock
+from minpro_jax.runtime.host_memory import run_memory_bytes
 from minpro_jax.runtime.device_split import DeviceSplit, sampler_device_count, split_devices
 from minpro_jax.runtime.sharding import make_mesh
 
@@ -122,6 +124,7 @@ def setup_run(c) -> RunParts:
       check_tokenizer_matches(c, tokenizer, model.config.vocab_size, ())
     check_vocab_fits(c, tokenizer, model)
     run_config.check_routes_fit(c, model.config)  # a GGUF's architecture is known only now
+    check_sizes_fit(c, model.config, *run_memory_bytes(mesh.devices.flat if mesh is not None else jax.devices()[:1]))
     check_disk_space(c, checkpointer, model)  # before the SFT warm start
     check_state_layout(c, model, mesh)  # before the SFT warm start: a state orbax cannot write crashes at its save
     sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": run_config.sft_enabled(c)}
