@@ -3,6 +3,7 @@ the fix, or does what its message says. Most cases stop before any training (doc
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -317,3 +318,30 @@ def test_sigterm_stops_a_process_waiting_for_the_others_of_its_run(tmp_path):
   out, _ = proc.communicate(timeout=30)
   assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + out
   assert "error: stopped by signal 15 during setup" in out
+
+
+def test_metrics_rows_kept_with_the_checkpoint_are_put_back_on_resume(tmp_path, caplog):
+  """metrics.jsonl deleted or cut between a checkpoint and its resume: the rows the checkpoint holds come back."""
+  w = MetricsWriter(str(tmp_path), tensorboard=False)
+  for step in (-1, 0, 1, 2, 3):
+    w.write(step, {"eval/avg_score": 0.25} if step == -1 else {"reward/mean": step / 10})
+  kept = w.rows_upto(2)  # what the checkpoint of step 2 holds
+  assert [r["step"] for r in kept] == [-1, 0, 1, 2] and kept[0] == {"step": -1, "eval/avg_score": 0.25}
+  want = read_metrics(str(tmp_path))[:4]
+  (tmp_path / "metrics.jsonl").unlink()
+  with caplog.at_level(logging.WARNING, logger="minpro_jax"):
+    w2 = MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False, restored_rows=kept)
+  assert read_metrics(str(tmp_path)) == want and w2.rows_upto(2) == want
+  assert "lacked the rows of 4 step(s) up to the checkpoint of step 2" in caplog.text
+  # cut: only the after-SFT row is left; the others come back in step order, the row of step 3 is dropped
+  (tmp_path / "metrics.jsonl").write_text(json.dumps(want[0]) + "\n")
+  MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False, restored_rows=kept)
+  assert read_metrics(str(tmp_path)) == want
+  # a file that has them all is left as it is, and a checkpoint without rows (older) with no file says so
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="minpro_jax"):
+    MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False, restored_rows=kept)
+    assert "lacked" not in caplog.text
+    (tmp_path / "metrics.jsonl").unlink()
+    MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False, restored_rows=None)
+  assert "holds no metrics rows" in caplog.text
