@@ -56,6 +56,4 @@ def check_sizes_fit(c, model_config, memory: int | None, where: str) -> None:
     return
   for field, nbytes, what, fix in sampler_buffers(c, model_config):
     if nbytes > memory:
-      raise ConfigError(
-          f"config.{field}: {what} needs {_gb(nbytes)}, more than the {_gb(memory)} of {where}; {fix}"
-      )
+      raise ConfigError(f"config.{field}: {what} needs {_gb(nbytes)}, more than the {_gb(memory)} of {where}; {fix}")

@@ -48,8 +48,8 @@ from minpro_jax.run import run_config
 from minpro_jax.run.checkpoint import RunCheckpointer
 from minpro_jax.run.memory_check import check_sizes_fit
 from minpro_jax.runtime import multihost, pidlock
-from minpro_jax.runtime.host_memory import run_memory_bytes
 from minpro_jax.runtime.device_split import DeviceSplit, sampler_device_count, split_devices
+from minpro_jax.runtime.host_memory import run_memory_bytes
 from minpro_jax.runtime.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
