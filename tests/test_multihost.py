@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import os
-import pathlib
 import random
 import re
 import shutil
@@ -453,7 +452,7 @@ def test_a_peer_that_dies_ends_the_survivor_within_seconds_with_one_line(tmp_pat
     took = time.time() - t0
     time.sleep(0.5)  # the streams' last lines
   out = "".join(lines)
-  pathlib.Path(os.environ.get("PEER_OUT", os.devnull)).write_text(f"took {took:.1f} s\n{out}")
+  print(f"process {survivor} ended {took:.1f} s after process {dead} was killed")  # the bound docs/multihost.md gives
   mine = [ln for ln in out.splitlines() if ln.startswith(f"[{survivor}] ")]
   errors = [ln for ln in mine if ln.startswith(f"[{survivor}] error: ")]
   assert code == 1 and took < 30, (code, took, out[-3000:])

@@ -317,10 +317,30 @@ def _watch_peers(interval_s: float = 0.5) -> None:
 _shutting_down = False
 
 
-def _stop_watching() -> None:
-  """At exit: a finished run's shutdown is not a lost peer."""
+def _stop_watching(timeout_s: float = 60.0) -> None:
+  """At exit, before JAX's own shutdown (atexit runs it after this): a finished run's shutdown is not a lost peer,
+  and the processes leave together. In recoverable mode JAX's shutdown barrier blocks no task, so the coordinator
+  (process 0) could end the service while another process still disconnects from it, which aborts that one: every
+  process meets at a barrier, the others disconnect, and process 0 waits (at most `timeout_s`) until they have."""
   global _shutting_down
   _shutting_down = True
+  # private JAX state: the distributed client jax.distributed.initialize made (jax/_src/distributed.py)
+  from jax._src import distributed as jax_distributed
+
+  client = jax_distributed.global_state.client
+  if client is None:
+    return
+  n, me = jax.process_count(), jax.process_index()
+  try:
+    client.wait_at_barrier("minpro_exit", int(timeout_s * 1000))
+    if me != 0:
+      jax.distributed.shutdown()  # disconnects while the coordinator still serves
+      return
+    deadline = time.monotonic() + timeout_s
+    while len(client.get_live_nodes(list(range(n)))) > 1 and time.monotonic() < deadline:
+      time.sleep(0.05)
+  except Exception:  # noqa: BLE001 - a process is gone or stopped without reaching the barrier: JAX's shutdown
+    return
 
 
 def _recoverable() -> None:
