@@ -458,7 +458,7 @@ def test_a_peer_that_dies_ends_the_survivor_within_seconds_with_one_line(tmp_pat
   assert code == 1 and took < 30, (code, took, out[-3000:])
   assert len(errors) == 1 and not any("Traceback" in ln for ln in mine), out[-3000:]
   assert re.search(
-      rf"error: process {dead} of the 2-process run ended \(.*\); process {survivor} stops too\. "
+      rf"error: process {dead}( \(the coordinator\))? of the 2-process run ended \(.*\); process {survivor} stops too\. "
       r"the newest run checkpoint is .*/checkpoints/\d+; re-running the same command resumes from it with the same "
       "launch command on every host",
       errors[0],

@@ -299,8 +299,7 @@ def _watch_peers(interval_s: float = 0.5) -> None:
   client, n, me = jax_distributed.global_state.client, jax.process_count(), jax.process_index()
 
   def watch():
-    while True:
-      time.sleep(interval_s)
+    while not _stop.wait(interval_s):
       try:
         live = set(client.get_live_nodes(list(range(n))))
       except Exception as e:  # noqa: BLE001 - the coordinator is gone (or this process is shutting down)
@@ -311,10 +310,13 @@ def _watch_peers(interval_s: float = 0.5) -> None:
       if dead and not _shutting_down:
         report_peer_loss("process " + ", ".join(map(str, dead)), f"no heartbeat for {DEFAULT_HEARTBEAT_TIMEOUT_S}+ s")
 
-  threading.Thread(target=watch, name="peer-watch", daemon=True).start()
+  _watcher.append(threading.Thread(target=watch, name="peer-watch", daemon=True))
+  _watcher[-1].start()
 
 
 _shutting_down = False
+_stop = threading.Event()  # set at exit: the peer watch ends before JAX's client does
+_watcher: list[threading.Thread] = []
 
 
 def _stop_watching(timeout_s: float = 60.0) -> None:
@@ -324,6 +326,9 @@ def _stop_watching(timeout_s: float = 60.0) -> None:
   process meets at a barrier, the others disconnect, and process 0 waits (at most `timeout_s`) until they have."""
   global _shutting_down
   _shutting_down = True
+  _stop.set()
+  for t in _watcher:  # not inside a call to the client while JAX shuts it down
+    t.join(timeout=5)
   # private JAX state: the distributed client jax.distributed.initialize made (jax/_src/distributed.py)
   from jax._src import distributed as jax_distributed
 
