@@ -160,10 +160,10 @@ def _peer_ended(e: BaseException) -> bool:
 
 def _exit_peer_ended(config, e: BaseException) -> None:
   """A collective failed because another process ended: one line and the process ends (`report_peer_loss`)."""
-  # JAX is loaded by now (the run started)
+  # JAX is loaded by now (the run started); the module-level imports stay JAX-free for --help and flag errors
   import jax
 
-  from minpro_jax.runtime.distributed import report_peer_loss
+  from minpro_jax.runtime.distributed import report_peer_loss  # the same: imports JAX
 
   first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
   who = f"process {1 - jax.process_index()}" if jax.process_count() == 2 else "another process"
