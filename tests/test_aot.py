@@ -212,7 +212,7 @@ def test_slice_names():
 
 @pytest.mark.parametrize(
     "name, message",
-    [("v7x-8", "not a slice name"), ("v5p-12", "no standard v5p slice"), ("cpu:0", "not a slice name"), ("tpu", "")],
+    [("v7x-8", "not a slice name"), ("v5p-12", "no standard v5p slice"), ("cpu:0", "cpu:N takes N >= 1"), ("tpu", "")],
 )
 def test_unknown_slices_name_the_flag(name, message):
   with pytest.raises(ConfigError, match=f"--topology={name!r}|--topology={name}") as e:
