@@ -1,6 +1,6 @@
 """Command line: a run's checkpoint as a Hugging Face folder that `transformers` and vLLM load.
 
-  python -m minpro_jax.export --workdir=runs/NAME [--which=best|final|STEP] --out=DIR
+  python -m minpro_jax.export --workdir=runs/NAME [--which=best|final|STEP] --out=DIR [--overwrite]
 
 writes to DIR: the weights (`model.safetensors`, split above 5 GB with an index), `config.json` (with the tokenizer's
 bos/eos/pad ids), `generation_config.json` (the run's sampling temperature, top-k/top-p and stop ids) and the
@@ -118,21 +118,49 @@ def check_tokenizer(tokenizer, out: str, texts=CHECK_TEXTS) -> None:
 
 
 def check_out(out: str, workdir: str) -> None:
-  """Raises ConfigError unless `out` is new, an empty folder, or an earlier export (it holds `MARKER`)."""
+  """Raises ConfigError unless `out` is new and can be created, an empty folder, or an earlier export (it holds
+  `MARKER`)."""
   if os.path.exists(out) and not os.path.isdir(out):
     raise ConfigError(f"--out: {out} is a file; give a folder (new or empty)")
+  parent = os.path.abspath(out)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    what = "is a file" if not os.path.isdir(parent) else "is not writable"
+    raise ConfigError(f"--out: {out} cannot be created ({parent} {what}); give a folder in a writable place")
   if os.path.abspath(out) == os.path.abspath(workdir):
     raise ConfigError(f"--out: {out} is the run's workdir; give another folder (e.g. {os.path.join(out, 'hf')})")
   if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, MARKER)):
     raise ConfigError(f"--out: {out} is a non-empty folder that holds no export; give a new or empty folder")
 
 
-def export(workdir: str, out: str, which: str = "best") -> dict:
+def check_replaces(out: str, workdir: str, which: str, step: int, overwrite: bool) -> None:
+  """Raises ConfigError when `out` holds an export of another checkpoint (another run, `which` or step) and not
+  `overwrite`: e.g. `--which=final` into the folder of the best export would replace it."""
+  marker = os.path.join(out, MARKER)
+  if overwrite or not os.path.isfile(marker):
+    return
+  try:
+    with open(marker) as f:
+      old = json.load(f)
+    same = (old["workdir"], old["which"], int(old["step"])) == (os.path.abspath(workdir), which, int(step))
+  except (OSError, ValueError, KeyError, TypeError):
+    old, same = {}, False
+  if not same:
+    held = f"the {old.get('which')} checkpoint (step {old.get('step')}) of {old.get('workdir')}" if old else "an export"
+    raise ConfigError(
+        f"--out: {out} holds {held}; this is the {which} checkpoint (step {step}) of {os.path.abspath(workdir)}: "
+        "give another --out (e.g. runs/NAME/hf_final), or --overwrite to replace it"
+    )
+
+
+def export(workdir: str, out: str, which: str = "best", overwrite: bool = False) -> dict:
   """Exports checkpoint `which` of the run in `workdir` to the Hugging Face folder `out`; returns what it wrote.
 
   Raises:
-    ConfigError / CheckpointError: as `run_load.load_run`; `out` is a file, the workdir, or a non-empty folder
-      holding no export (`check_out`).
+    ConfigError / CheckpointError: as `run_load.load_run`; `out` is a file, the workdir, a folder that cannot be
+      created, a non-empty folder holding no export (`check_out`), or one holding an export of another checkpoint
+      without `overwrite` (`check_replaces`).
     ValueError: the exported tokenizer does not reproduce the run's ids (`check_tokenizer`).
   """
   # heavy imports (JAX, the model), after the flags are parsed: --help and a flag's error stay instant
@@ -141,7 +169,11 @@ def export(workdir: str, out: str, which: str = "best") -> dict:
 
   check_out(out, workdir)
   run = load_run(workdir, which)
-  os.makedirs(out, exist_ok=True)
+  check_replaces(out, workdir, run.which, run.step, overwrite)
+  try:
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:  # a race, or a place os.access does not see through (/proc, a read-only mount)
+    raise ConfigError(f"--out: {out} cannot be created ({e.strerror}); give a folder in a writable place") from e
   with open(os.path.join(out, MARKER), "w") as f:  # first: a half-written export is still known as one
     json.dump({"workdir": os.path.abspath(workdir), "which": run.which, "step": run.step}, f)
   files = save_hf_checkpoint(run.model, out, extra_config=special_ids(run.tokenizer))
@@ -157,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--workdir", required=True, help="the run's workdir (runs/NAME)")
   ap.add_argument("--which", default="best", help="best (default) | final | a kept run checkpoint's global step")
   ap.add_argument("--out", required=True, help="the folder to write (new or empty)")
+  ap.add_argument("--overwrite", action="store_true", help="replace an export of another checkpoint that --out holds")
   ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
   args = ap.parse_args(argv)
   try:
-    info = export(args.workdir, args.out, args.which)
+    info = export(args.workdir, args.out, args.which, overwrite=args.overwrite)
   except UserError as e:
     if args.debug:
       raise

@@ -72,6 +72,24 @@ def _interrupted_during_setup(signum, frame):
   os._exit(128 + signum)
 
 
+def exit_quietly_on_signal(status: int) -> None:
+  """After `main` returned `status`: a SIGTERM / SIGINT during the interpreter's teardown (orbax's and JAX's exit
+  handlers, which can take seconds) ends the process at once with `status` and one line, instead of 143 / 130 and
+  no word: the run's work is already written."""
+
+  def finished(signum, frame):
+    del frame
+    sys.stderr.write(
+        f"stopped by signal {signum} while exiting: the command had already finished (exit status {status}) and "
+        "written its results; nothing is lost\n"
+    )
+    sys.stderr.flush()
+    os._exit(status)
+
+  for s in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(s, finished)
+
+
 def _chain(e: BaseException | None):
   while e is not None:
     yield e
@@ -125,6 +143,33 @@ def _watch_signals():
   return stop
 
 
+def _on_peer_loss(config) -> None:
+  """In a multi-process run, the line a lost peer ends every other process with names the newest checkpoint."""
+  from minpro_jax.runtime.distributed import on_peer_loss  # JAX-free until the run starts
+
+  on_peer_loss(lambda: f"{_newest_checkpoint(config)} with the same launch command on every host")
+
+
+def _peer_ended(e: BaseException) -> bool:
+  """Whether this process is one of several and `e` says another one ended (killed, crashed, its host lost)."""
+  # JAX is loaded by now (the run started): the process count is known without starting anything
+  from minpro_jax.runtime.distributed import peer_gone
+
+  return "jax" in sys.modules and sys.modules["jax"].process_count() > 1 and peer_gone(e)
+
+
+def _exit_peer_ended(config, e: BaseException) -> None:
+  """A collective failed because another process ended: one line and the process ends (`report_peer_loss`)."""
+  # JAX is loaded by now (the run started); the module-level imports stay JAX-free for --help and flag errors
+  import jax
+
+  from minpro_jax.runtime.distributed import report_peer_loss  # the same: imports JAX
+
+  first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+  who = f"process {1 - jax.process_index()}" if jax.process_count() == 2 else "another process"
+  report_peer_loss(who, f"{type(e).__name__}: {first}")
+
+
 def _newest_checkpoint(config) -> str:
   """Where a crashed run's work is: its newest run checkpoint (the step folders orbax wrote) or that it has none."""
   if config is None:
@@ -147,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
   stop_watch = _watch_signals()
   try:
     config = parse_config(argv)
+    _on_peer_loss(config)
     summary = _run(config)
   except UserError as e:
     if debug:
@@ -154,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USER_ERROR
   except Exception as e:  # a bug, not a user mistake: the traceback, then where the work is
+    if not debug and config is not None and _peer_ended(e):  # one line, and no wait in the shutdown barrier
+      _exit_peer_ended(config, e)
     if _disk_full(e) and not debug:  # ENOSPC outside a checkpoint write (metrics, tables, plots, caches)
       where = next((f" writing {x.filename}" for x in _chain(e) if getattr(x, "filename", None)), "")
       print(
@@ -176,4 +224,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  exit_status = main()
+  exit_quietly_on_signal(exit_status)  # the command line's own process only: a test calling main keeps its handlers
+  sys.exit(exit_status)

@@ -212,7 +212,7 @@ def test_slice_names():
 
 @pytest.mark.parametrize(
     "name, message",
-    [("v7x-8", "not a slice name"), ("v5p-12", "no standard v5p slice"), ("cpu:0", "not a slice name"), ("tpu", "")],
+    [("v7x-8", "not a slice name"), ("v5p-12", "no standard v5p slice"), ("cpu:0", "cpu:N takes N >= 1"), ("tpu", "")],
 )
 def test_unknown_slices_name_the_flag(name, message):
   with pytest.raises(ConfigError, match=f"--topology={name!r}|--topology={name}") as e:
@@ -293,6 +293,7 @@ def test_the_command_line_sweeps_rule_sets(tmp_path, capsys):
     "args, message",
     [
         (["--topology=v9-8"], "--topology='v9-8': not a slice name"),
+        (["--topology=cpu:0"], "--topology=cpu:0: cpu:N takes N >= 1"),
         (["--topology=cpu:8", "--mesh=data=3"], "--mesh=data=3"),
         (["--topology=cpu:8", "--programs=train"], "--programs=train: choose from update,score,prefill,decode,sample"),
         (["--topology=cpu:8", "--config.num_updates_per_step=3"], "config.num_updates_per_step"),
@@ -308,6 +309,15 @@ def test_command_line_mistakes_exit_2_naming_the_field(args, message, capsys, mo
     monkeypatch.delenv(k)  # subprocesses (which load libtpu) do not inherit e.g. TPU_ACCELERATOR_TYPE=v9-8
   assert main(args) == 2
   assert message in capsys.readouterr().err
+
+
+def test_help_lists_budget_and_config(capsys):
+  from minpro_jax.aot.__main__ import main
+
+  with pytest.raises(SystemExit) as e:
+    main(["--help"])
+  out = capsys.readouterr().out
+  assert e.value.code == 0 and "--budget" in out and "--config FILE[:ARG]" in out, out
 
 
 def test_an_absent_checkpoint_falls_back_on_the_named_preset():

@@ -116,3 +116,13 @@ def test_flag_forces_and_forbids():
 def test_bad_values_name_the_variable(env, name):
   with pytest.raises(ValueError, match=name):
     maybe_initialize_distributed(env=env, initialize_fn=Recorder())
+
+
+def test_the_heartbeat_timeout_comes_from_its_variable():
+  from minpro_jax.errors import LaunchEnvironmentError
+  from minpro_jax.runtime.distributed import heartbeat_timeout_s
+
+  assert heartbeat_timeout_s({}) == 10 and heartbeat_timeout_s({"MINPRO_HEARTBEAT_TIMEOUT_S": "45"}) == 45
+  for bad in ("0", "ten", "-3"):
+    with pytest.raises(LaunchEnvironmentError, match="MINPRO_HEARTBEAT_TIMEOUT_S"):
+      heartbeat_timeout_s({"MINPRO_HEARTBEAT_TIMEOUT_S": bad})

@@ -2,6 +2,7 @@
 and overlong filtering (`reward.mask_truncated`)."""
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -91,6 +92,26 @@ def test_fill_informative_samples_rounds_until_full_then_fills():
   filled, metrics = fill_informative(round_(0), lambda k: None, group_size=g, max_rounds=5, pad_id=0)
   assert metrics["dynamic/rounds"] == 1 and metrics["dynamic/out_of_data"] == 1
   assert metrics["dynamic/filler_groups"] == 2 and filled.texts == ["r0s2", "r0s3", "r0s0", "r0s1", "r0s4", "r0s5"]
+
+
+def test_a_step_with_no_informative_group_warns_once(caplog):
+  """Every round's groups have equal rewards: the batch is all filler (no gradient) and the log says so, once."""
+  g = 2
+
+  def flat(k, rewards=(1, 1, 0, 0, 1, 1)):
+    return Round(_gen(2, 3, 3, g, tag=k + 1), [f"r{k}s{i}" for i in range(6)], np.asarray(rewards, np.float32), {})
+
+  with caplog.at_level(logging.WARNING, logger="minpro_jax"):
+    _, metrics = fill_informative(flat(0), flat, group_size=g, max_rounds=4, pad_id=0)
+  assert metrics["dynamic/rounds"] == 4 and metrics["dynamic/filler_groups"] == 3
+  warned = [r for r in caplog.records if "drop_equal_reward_groups" in r.getMessage()]
+  assert (
+      len(warned) == 1 and "none of the 12 groups sampled in 4 round(s) has unequal rewards" in warned[0].getMessage()
+  )
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="minpro_jax"):  # one informative group: no warning
+    fill_informative(flat(0, (1, 0, 0, 0, 1, 1)), lambda k: None, group_size=g, max_rounds=5, pad_id=0)
+  assert "drop_equal_reward_groups" not in caplog.text
 
 
 def test_trainer_drops_equal_groups_and_masks_truncated(tmp_path, monkeypatch):

@@ -106,6 +106,11 @@ def test_export_loads_in_transformers_with_the_runs_logits(run_dir, which, tmp_p
   assert gen["eos_token_id"] == [tokenizer.eos_id] and gen["temperature"] == 1.0 and gen["max_new_tokens"] == 6
   hf_cfg = json.load(open(os.path.join(out, "config.json")))
   assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (2, 3, 0)
+  # every file readable by others, as a plain write gives it (safetensors alone writes 0600)
+  umask = os.umask(0)
+  os.umask(umask)
+  modes = {f: os.stat(os.path.join(out, f)).st_mode & 0o777 for f in os.listdir(out)}
+  assert modes["model.safetensors"] == 0o666 & ~umask and all(m == 0o666 & ~umask for m in modes.values()), modes
 
 
 def test_partial_restore_reads_only_the_parameters(run_dir):
@@ -175,6 +180,18 @@ def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):
   (tmp_path / "model" / "config.json").write_text("{}")  # somebody's model folder, not an export
   with pytest.raises(ConfigError, match=r"--out: .*model is a non-empty folder that holds no export"):
     export.export(workdir, str(tmp_path / "model"))
+  # an export of another checkpoint is replaced only with overwrite; the same checkpoint's is rewritten
+  export.export(workdir, str(tmp_path / "hf"), "best")
+  export.export(workdir, str(tmp_path / "hf"), "best")
+  with pytest.raises(ConfigError, match=r"--out: .*hf holds the best checkpoint \(step 4\) of .*; this is the final "):
+    export.export(workdir, str(tmp_path / "hf"), "final")
+  assert json.load(open(tmp_path / "hf" / export.MARKER))["which"] == "best"  # untouched
+  assert export.export(workdir, str(tmp_path / "hf"), "final", overwrite=True)["step"] == 6
+  # an --out that cannot be created: one line naming the flag
+  for bad, why in ((tmp_path / "afile" / "sub", "is a file"), ("/proc/minpro_export", "")):
+    assert export.main(["--workdir", workdir, "--out", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out: {bad} cannot be created (") and why in err and err.count("\n") == 1, err
   # a damaged config.json names the file
   bad = tmp_path / "bad"
   bad.mkdir()
@@ -186,6 +203,38 @@ def test_bad_input_names_the_flag(run_dir, tmp_path, capsys):
   assert export.main(["--workdir", workdir, "--which", "3", "--out", str(tmp_path / "o")]) == 2
   err = capsys.readouterr().err
   assert err.startswith("error: --which=3: no run checkpoint") and err.count("\n") == 1
+
+
+def test_a_config_of_another_model_size_is_one_line(run_dir, tmp_path, capsys):
+  """evaluate / export of a workdir whose config.json describes another model size: one error line naming the
+  parameter and both shapes, before orbax restores (whose failed restore left asyncio tracebacks at exit, and whose
+  partial restore of a run checkpoint read the stored shapes into the wrong model)."""
+  import subprocess
+  import sys
+
+  from minpro_jax import evaluate
+
+  workdir = str(tmp_path / "run")
+  shutil.copytree(run_dir[0], workdir)
+  cfg = json.load(open(os.path.join(workdir, "config.json")))
+  cfg["model"]["overrides"]["hidden_size"] *= 2
+  json.dump(cfg, open(os.path.join(workdir, "config.json"), "w"))
+  want = "the run's config.json describes a model with"
+  r = subprocess.run(
+      [sys.executable, "-m", "minpro_jax.export", f"--workdir={workdir}", f"--out={tmp_path / 'hf'}"],
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert (
+      r.returncode == 2 and r.stderr.startswith("error: --which=best: the checkpoint ") and want in r.stderr
+  ), r.stderr
+  assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+  for which in ("final", "5"):
+    assert evaluate.main(["--workdir", workdir, "--which", which, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --which={which}: the checkpoint ") and " holds embed of shape (" in err, err
+    assert want in err and err.count("\n") == 1, err
 
 
 def test_summary_config_of_an_older_run(run_dir, tmp_path):

@@ -435,3 +435,31 @@ def test_process_rows_split_evenly_and_cover_in_order():
       assert max(map(len, parts)) - min(map(len, parts)) <= 1
   with pytest.raises(ValueError, match="process index 2 not in"):
     process_rows(4, 2, 2)
+
+
+@LAUNCH_GROUP
+@pytest.mark.parametrize("dead", [1, 0])
+def test_a_peer_that_dies_ends_the_survivor_within_seconds_with_one_line(tmp_path, dead):
+  """SIGKILL of one process (the coordinator, process 0, too): the other ends within seconds with one line naming
+  the process that ended, the newest checkpoint and the command that resumes, not after JAX's shutdown barrier
+  (about 90 s, then a native stack dump)."""
+  ov = _overrides(tmp_path, "peer") | {"total_steps": 40, "eval.every": 0}
+  survivor = 1 - dead
+  with _two_processes_past_their_first_checkpoint(ov) as (procs, lines):
+    procs[dead].kill()
+    t0 = time.time()
+    code = procs[survivor].wait(timeout=300)
+    took = time.time() - t0
+    time.sleep(0.5)  # the streams' last lines
+  out = "".join(lines)
+  print(f"process {survivor} ended {took:.1f} s after process {dead} was killed")  # the bound docs/multihost.md gives
+  mine = [ln for ln in out.splitlines() if ln.startswith(f"[{survivor}] ")]
+  errors = [ln for ln in mine if ln.startswith(f"[{survivor}] error: ")]
+  assert code == 1 and took < 30, (code, took, out[-3000:])
+  assert len(errors) == 1 and not any("Traceback" in ln for ln in mine), out[-3000:]
+  assert re.search(
+      rf"error: process {dead}( \(the coordinator\))? of the 2-process run ended \(.*\); process {survivor} stops too\. "
+      r"the newest run checkpoint is .*/checkpoints/\d+; re-running the same command resumes from it with the same "
+      "launch command on every host",
+      errors[0],
+  ), errors[0]

@@ -290,3 +290,40 @@ def test_the_sampler_rules_of_the_config(tmp_path):
   own = rules(INFERENCE_RULES, **{"sampling.rules": "vocab=", "mesh.rules": "mlp=fsdp"})
   assert own["vocab"] is None and own["mlp"] == "tensor" and own["batch"] == "data"  # on the inference rules
   assert rules(INFERENCE_RULES, **{"sampling.rules": "default"}) == dict(DEFAULT_RULES)
+
+
+@pytest.mark.parametrize(
+    "overrides, field, gb",
+    [
+        ({"sampling.kv_cache": "paged", "sampling.num_pages": 10**9}, "sampling.num_pages", "8.2 TB"),
+        ({"sampling.kv_cache": "paged", "sampling.page_size": 10**9}, "sampling.page_size", "32.8 TB"),
+        ({"sampling.kv_cache": "dense", "sampling.decode_rows": 10**8}, "sampling.decode_rows", "1.9 TB"),
+        ({"sampling.kv_cache": "dense", "sampling.decode_rows": 1, "sampling.max_new_tokens": 10**9}, None, None),
+    ],
+)
+def test_sizes_known_at_config_time_are_checked_against_the_runs_memory(tmp_path, overrides, field, gb):
+  """A sampling size whose KV buffer alone exceeds the run's memory is one error naming the field, at setup. The
+  tiny model: 2 layers x K and V x 2 heads x 16 x 4 bytes = 512 bytes per token; rows 64, 32 + 6 tokens."""
+  from minpro_jax.run.memory_check import check_sizes_fit, kv_bytes_per_token
+
+  c = make_config(tiny_overrides(tmp_path, **overrides))
+  cfg = types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+  assert kv_bytes_per_token(cfg) == 2 * 2 * 2 * 16 * 4 == 512
+  if field is None:  # one row of 1e9 + 32 tokens: the dense cache's length names sampling.max_new_tokens
+    field, gb = "sampling.max_new_tokens", "512.0 GB"
+  with pytest.raises(ConfigError, match=rf"^config\.{field}: .* needs {gb}, more than the 8\.0 GB of X; "):
+    check_sizes_fit(c, cfg, 8 * 10**9, "X")
+  check_sizes_fit(make_config(tiny_overrides(tmp_path)), cfg, 8 * 10**9, "X")  # the defaults: nothing near
+  check_sizes_fit(c, cfg, None, "")  # memory unknown: nothing checked
+
+
+def test_a_page_pool_larger_than_the_machine_stops_before_sft(tmp_path):
+  from minpro_jax.run.run_setup import setup_run
+  from minpro_jax.runtime.host_memory import run_memory_bytes
+
+  memory, where = run_memory_bytes(jax.devices())
+  assert memory > 2**30 and where == "this machine's memory"
+  ov = tiny_overrides(tmp_path, **{"sampling.kv_cache": "paged", "sampling.num_pages": 10**12})
+  with pytest.raises(ConfigError, match=r"^config\.sampling\.num_pages: the KV page pool of 1000000000000 pages"):
+    setup_run(make_config(ov))
+  assert not list((tmp_path / "cache").glob("sft-*"))  # the warm start never ran

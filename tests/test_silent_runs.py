@@ -3,6 +3,7 @@ the fix, or does what its message says. Most cases stop before any training (doc
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -173,10 +174,13 @@ def test_a_damaged_metrics_line_is_set_aside_and_named(tmp_path, caplog):
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
-def _unrelated_tokenizer(folder, words: int = 40):
+def _unrelated_tokenizer(folder, words: int = 40, swap: tuple[int, int] | None = None):
   from tokenizers import Tokenizer, models, pre_tokenizers
 
   vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(words)}}
+  if swap:  # the same words, two of them at each other's ids (as two tokenizers trained on other text)
+    a, b = (f"w{i}" for i in swap)
+    vocab[a], vocab[b] = vocab[b], vocab[a]
   tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
   tok.save(str(folder / "tokenizer.json"))
@@ -203,6 +207,28 @@ def test_an_unrelated_tokenizer_in_an_hf_folder_is_refused_before_the_weights_lo
   with pytest.raises(ConfigError, match=r"eos_token_id \[7\] \(config.json\), but the tokenizer stops at ids \[1\]"):
     run_setup.check_tokenizer_matches(c, tok, cfg["vocab_size"], (7,))
   run_setup.check_tokenizer_matches(c, tok, cfg["vocab_size"], (1,))
+
+
+def test_a_same_size_tokenizer_that_is_not_the_models_own_is_refused(tmp_path):
+  """tokenizer.kind=path next to an hf model folder with its own tokenizer: equal size and eos are not enough, every
+  id must be the same token string."""
+  from minpro_jax.data.tokenizers import load_hf_tokenizer
+
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "other").mkdir()
+  _unrelated_tokenizer(tmp_path / "hf")
+  _unrelated_tokenizer(tmp_path / "other", swap=(1, 2))
+  ov = {"model.source": "hf", "model.path": str(tmp_path / "hf"), "tokenizer.kind": "path"}
+  c = make_config(tiny_overrides(tmp_path, **{**ov, "tokenizer.path": str(tmp_path / "other")}))
+  other = load_hf_tokenizer(str(tmp_path / "other"))
+  assert other.vocab_size == 42 and other.stop_ids == (1,)  # passes the size and eos checks
+  with pytest.raises(
+      ConfigError,
+      match=r"config\.tokenizer\.path: 2 of 42 token ids are other token strings than in the model's own tokenizer "
+      r"\(id 3: 'w2' vs 'w1', id 4: 'w1' vs 'w2'\); the tokenizer at .*other is not the one of the model",
+  ):
+    run_setup.check_tokenizer_matches(c, other, 42, (1,))
+  run_setup.check_tokenizer_matches(c, load_hf_tokenizer(str(tmp_path / "hf")), 42, (1,))  # its own: accepted
 
 
 def test_sft_that_fits_nothing_blames_the_tokenizer_only_when_it_is_at_fault(tmp_path):
@@ -292,3 +318,30 @@ def test_sigterm_stops_a_process_waiting_for_the_others_of_its_run(tmp_path):
   out, _ = proc.communicate(timeout=30)
   assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + out
   assert "error: stopped by signal 15 during setup" in out
+
+
+def test_metrics_rows_kept_with_the_checkpoint_are_put_back_on_resume(tmp_path, caplog):
+  """metrics.jsonl deleted or cut between a checkpoint and its resume: the rows the checkpoint holds come back."""
+  w = MetricsWriter(str(tmp_path), tensorboard=False)
+  for step in (-1, 0, 1, 2, 3):
+    w.write(step, {"eval/avg_score": 0.25} if step == -1 else {"reward/mean": step / 10})
+  kept = w.rows_upto(2)  # what the checkpoint of step 2 holds
+  assert [r["step"] for r in kept] == [-1, 0, 1, 2] and kept[0] == {"step": -1, "eval/avg_score": 0.25}
+  want = read_metrics(str(tmp_path))[:4]
+  (tmp_path / "metrics.jsonl").unlink()
+  with caplog.at_level(logging.WARNING, logger="minpro_jax"):
+    w2 = MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False, restored_rows=kept)
+  assert read_metrics(str(tmp_path)) == want and w2.rows_upto(2) == want
+  assert "lacked the rows of 4 step(s) up to the checkpoint of step 2" in caplog.text
+  # cut: only the after-SFT row is left; the others come back in step order, the row of step 3 is dropped
+  (tmp_path / "metrics.jsonl").write_text(json.dumps(want[0]) + "\n")
+  MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False, restored_rows=kept)
+  assert read_metrics(str(tmp_path)) == want
+  # a file that has them all is left as it is, and a checkpoint without rows (older) with no file says so
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="minpro_jax"):
+    MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False, restored_rows=kept)
+    assert "lacked" not in caplog.text
+    (tmp_path / "metrics.jsonl").unlink()
+    MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False, restored_rows=None)
+  assert "holds no metrics rows" in caplog.text

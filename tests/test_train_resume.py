@@ -93,3 +93,20 @@ def test_sigterm_checkpoints_exits_143_and_resumes(reference):
   assert max(recs) == stopped  # the checkpoint covers every logged step: nothing is lost
   _run(cli_args(ov))
   _assert_equal_after(ref, metrics_records(ov["workdir"]), stopped)
+
+
+def test_metrics_deleted_before_the_resume_come_back_from_the_checkpoint(reference):
+  """metrics.jsonl deleted between a stop and its resume: the rows up to the checkpoint (the after-SFT evaluation
+  included) come back from it, the later ones are recomputed, and the run ends with the reference's records."""
+  tmp, ref = reference
+  ov = _overrides(tmp, "D")
+  rc, err = _start_and_signal(cli_args(ov), ov["workdir"], signal.SIGTERM, when_step=1)
+  assert rc == 128 + signal.SIGTERM, err[-2000:]
+  stopped = max(checkpoint_steps(ov["workdir"]))
+  before = metrics_records(ov["workdir"], ignored=())
+  (tmp / "D" / "metrics.jsonl").unlink()
+  r = _run(cli_args(ov))
+  assert f"lacked the rows of {stopped + 2} step(s) up to the checkpoint of step {stopped}" in r.stderr
+  got = metrics_records(ov["workdir"], ignored=())
+  assert sorted(got) == sorted(ref) and all(got[s] == before[s] for s in range(-1, stopped + 1))
+  _assert_equal_after(ref, metrics_records(ov["workdir"]), stopped)

@@ -125,7 +125,7 @@ def test_each_user_mistake_prints_one_message_naming_the_field_and_no_traceback(
 
 def test_a_study_grid_given_as_the_config_says_how_to_run_it():
   r = _cli([sys.executable, "-m", "minpro_jax.train", "--config=configs/studies/smoke.py"])
-  want = "error: --config=configs/studies/smoke.py: the file has no get_config(); it is a study grid: run python -m "
+  want = "error: --config=configs/studies/smoke.py: the file has no get_config(); it is a study grid: run .venv/bin/python -m "
   assert r.returncode == 2 and want + "minpro_jax.study --grid=configs/studies/smoke.py" in r.stderr, r.stderr[-800:]
 
 
@@ -269,3 +269,26 @@ def test_evaluate_names_a_value_of_the_wrong_type_with_its_type():
     apply_overrides(get_config(), {"eval.n": "abc"})
   with pytest.raises(ConfigError, match=r"^--eval\.top_p='x': not a float \("):
     apply_overrides(get_config(), {"eval.top_p": "x"})
+
+
+def test_a_signal_during_the_exit_of_a_finished_run_keeps_its_status():
+  """After main returned, a SIGTERM in the interpreter's teardown (orbax / JAX exit handlers) exits with the run's
+  status and one line, not 143 and silence."""
+  code = (
+      "import atexit, os, signal, time\n"
+      "from minpro_jax import train\n"
+      "train.exit_quietly_on_signal(0)\n"
+      "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))  # a slow exit handler\n"
+  )
+  r = subprocess.run(
+      [sys.executable, "-c", code],
+      capture_output=True,
+      text=True,
+      timeout=60,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
+  assert r.returncode == 0, (r.returncode, r.stderr[-800:])
+  assert r.stderr == (
+      "stopped by signal 15 while exiting: the command had already finished (exit status 0) and written its results; "
+      "nothing is lost\n"
+  )

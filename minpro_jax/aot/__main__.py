@@ -28,6 +28,16 @@ from minpro_jax.errors import UserError
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m minpro_jax.aot", description=__doc__.split("\n")[0])
+  p.add_argument(
+      "--config",
+      metavar="FILE[:ARG]",
+      help="the run config (default: configs/default.py); --config.<field>=<value> overrides a field as for train",
+  )
+  p.add_argument(
+      "--budget",
+      action="store_true",
+      help="cost one global step instead (roofline, bound, forecast); its own flags: --budget --help (docs/aot.md)",
+  )
   p.add_argument("--topology", required=True, help="v4-8.., v5e-1..256, v5p-8.., v6e-1..256, or cpu:N")
   p.add_argument("--mesh", action="append", default=[], help="mesh shape, e.g. fsdp=-1 or data=2,fsdp=-1 (repeat)")
   p.add_argument(

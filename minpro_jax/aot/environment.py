@@ -21,7 +21,7 @@ def prepare_environment(topology: str, quiet: bool = True) -> None:
   if topology.startswith("cpu:"):
     n = topology.split(":", 1)[1]
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags and n.isdigit():
+    if "xla_force_host_platform_device_count" not in flags and n.isdigit() and int(n) > 0:
       os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     return
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip is claimed

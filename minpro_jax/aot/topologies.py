@@ -170,12 +170,15 @@ def parse_slice(name: str) -> Slice:
   """`v5p-64` -> the 32-chip v5p slice (topology v5p:2x4x4, 8 hosts); `cpu:8` -> 8 virtual CPU devices.
 
   Raises:
-    ConfigError: an unknown generation or a size without a standard shape, naming `--topology` and the choices.
+    ConfigError: an unknown generation or a size without a standard shape, naming `--topology` and the choices;
+      `cpu:N` with N < 1.
   """
-  m = re.fullmatch(r"cpu:(\d+)", name)
+  m = re.fullmatch(r"cpu:(-?\d+)", name)
   if m and int(m.group(1)) > 0:
     n = int(m.group(1))
     return Slice(name, _CPU, n, f"cpu:{n}", (n, 1, 1))
+  if m:
+    raise ConfigError(f"--topology={name}: cpu:N takes N >= 1 virtual CPU devices (e.g. cpu:8)")
   m = re.fullmatch(r"(v4|v5e|v5p|v6e|v5litepod)-(\d+)", name)
   if not m:
     raise ConfigError(

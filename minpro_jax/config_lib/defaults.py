@@ -186,7 +186,9 @@ def base_config() -> ConfigDict:
   c.optimizer.lr_decay_min_ratio = 0.1
 
   c.sft = ConfigDict()
-  c.sft.enabled = True
+  # None: on for a scratch model (it cannot answer in format without it), off for a pretrained one
+  # (model.source=hf|gguf: SFT on it would overwrite what it already knows); True / False force it
+  c.sft.enabled = _unset(bool)
   c.sft.steps = 600
   c.sft.batch_size = 64
   c.sft.learning_rate = 2e-3

@@ -93,7 +93,11 @@ def _flag_message(argv: list[str], e: BaseException) -> str:
         is_grid = "def get_grid" in f.read()
     except OSError:
       is_grid = False
-    what = f"it is a study grid: run python -m minpro_jax.study --grid={path}" if is_grid else "pass a config file"
+    what = (
+        f"it is a study grid: run .venv/bin/python -m minpro_jax.study --grid={path}"
+        if is_grid
+        else "pass a config file"
+    )
     return f"--config={path}: the file has no get_config(); {what}"
   if m := re.match(r"Found (\S+) in argv before a value for --config was specified", text):
     return f"{m.group(1)}: comes before --config=FILE; put --config=FILE first (the overrides apply to that file)"

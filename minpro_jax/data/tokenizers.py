@@ -133,6 +133,11 @@ class Tokenizer(abc.ABC):
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     """Ids -> text; ``skip_special`` drops special/control tokens."""
 
+  def vocabulary(self) -> list[str] | None:
+    """The token string of each id (`vocab_size` of them), as the tokenizer's files spell it, or None when the
+    tokenizer cannot list them. Two tokenizers with equal vocabularies map every id to the same piece."""
+    return None
+
   def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any) -> str:
     """Render ``messages`` with this tokenizer's chat format (string; encode it with ``encode``)."""
     return CHAT_TEMPLATES[self.chat_format](messages, add_generation_prompt, **kwargs)
@@ -200,6 +205,9 @@ class HFTokenizer(Tokenizer):
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
+  def vocabulary(self) -> list[str]:
+    return [self.tok.id_to_token(i) or "" for i in range(self.vocab_size)]
+
   def save(self, folder: str) -> None:
     """Write ``tokenizer.json`` + ``tokenizer_config.json`` (loadable by ``load_hf_tokenizer`` and transformers)."""
     os.makedirs(folder, exist_ok=True)
@@ -230,6 +238,9 @@ class SentencePieceTokenizer(Tokenizer):
       raise TypeError(f"text must be str, got {type(text).__name__}")
     ids = self.sp.encode(text)
     return ([self.bos_id] + ids) if add_bos and self.bos_id >= 0 else ids
+
+  def vocabulary(self) -> list[str]:
+    return [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
 
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     ids = [int(i) for i in ids]

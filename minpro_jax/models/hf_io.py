@@ -507,6 +507,14 @@ def hf_state_dict(model: Transformer) -> Iterable[tuple[str, np.ndarray]]:
       yield name, _to_hf(np.asarray(jax.device_get(arr[idx] if idx else arr)), spec)
 
 
+def _plain_mode(path: str) -> None:
+  """Gives `path` the mode `open(path, "w")` would (0644 under the usual umask 022): safetensors writes 0600, which
+  another user (a serving job, a shared model folder) cannot read."""
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
+
+
 def save_hf_checkpoint(
     model: Transformer, path: str, *, max_shard_bytes: int = 5 * 2**30, extra_config: Mapping[str, Any] | None = None
 ) -> list[str]:
@@ -548,6 +556,7 @@ def save_hf_checkpoint(
       assert got == name, (got, name)
       shard[name] = np.ascontiguousarray(arr)
     save_file(shard, os.path.join(path, fn), metadata={"format": "pt"})
+    _plain_mode(os.path.join(path, fn))
   if n > 1:
     index = {"metadata": {"total_size": sum(b for _, b in sizes)}, "weight_map": file_of}
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:

@@ -15,11 +15,14 @@ process holds its rows of every round and `minpro_jax.rl.process_dynamic` assemb
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import numpy as np
 
 from minpro_jax.sampling.batch import GenerationBatch
+
+logger = logging.getLogger(__name__)
 
 
 def unequal_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
@@ -162,6 +165,9 @@ def fill_informative(
   `dynamic/rounds`, `dynamic/equal_frac` (share of the sampled groups with equal rewards),
   `dynamic/filler_groups` (equal-reward groups kept because the rounds ran out), `dynamic/out_of_data` (1 when a
   round was refused for lack of data).
+
+  Logs a warning naming the field (once per call: once per step) when no round held an informative group: the step
+  then sampled up to `max_rounds` times the prompts for a batch of equal-reward filler that gives no gradient.
   """
   num_groups = len(first.rewards) // group_size
   rounds, masks, out_of_data = [first], [unequal_groups(first.rewards, group_size)], 0
@@ -173,6 +179,15 @@ def fill_informative(
     rounds.append(more)
     masks.append(unequal_groups(rounds[-1].rewards, group_size))
   groups, fillers = choose_groups(masks, num_groups)
+  if fillers == num_groups:
+    logger.warning(
+        "sampling.drop_equal_reward_groups: none of the %d groups sampled in %d round(s) has unequal rewards, so this "
+        "step's batch is equal-reward filler (zero advantage, no gradient)%s; the policy solves every problem or "
+        "none: check the held-out pass@1, raise group_size or sampling.temperature, or unset drop_equal_reward_groups",
+        num_groups * len(rounds),
+        len(rounds),
+        " and the data has no prompts to spare" if out_of_data else "",
+    )
   gens = [r.gen for r in rounds]
   gen = take(gens, groups) if take is not None else take_groups(gens, groups, group_size, pad_id)
   gen = dataclasses.replace(gen, group_ids=first.gen.group_ids.copy())  # this process's rows: its group ids

@@ -38,7 +38,13 @@ class Domain(NamedTuple):
   why: str = ""
 
 
-_SFT = lambda c: bool(c.sft.enabled)  # noqa: E731
+def sft_enabled(c) -> bool:
+  """Whether the run warm-starts with SFT: `config.sft.enabled`, or when unset (None, the default) on for a scratch
+  model and off for a pretrained one (`model.source` hf or gguf, e.g. a run started from an export)."""
+  return bool(c.sft.enabled) if c.sft.enabled is not None else c.model.source == "scratch"
+
+
+_SFT = sft_enabled
 
 DOMAINS: tuple[Domain, ...] = (
     Domain("seed", "int", 0, why="numpy's generators refuse negative seeds"),

@@ -2,7 +2,9 @@
 
 TensorBoard files are written with `tensorboardX` (no TensorFlow needed) when it is importable.
 On resume, lines of `metrics.jsonl` after the restored step are dropped first, so the file always
-describes one consistent run.
+describes one consistent run. Every run checkpoint also holds the rows up to its step (`MetricsWriter.rows_upto`,
+in its meta), and a resume puts back those the file lost (deleted, or truncated, between a stop and its resume or
+while the run went on), so the after-SFT evaluation and every step's row survive with the checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class MetricsWriter:
       into the record of global step resume_step, where a periodic evaluation of that policy goes.
     tensorboard: write TensorBoard event files to `workdir/tb` when tensorboardX is installed.
     enabled: False makes every call a no-op (the processes of a multi-process run other than process 0).
+    restored_rows: the rows the resumed checkpoint holds (`rows_upto` of its step); those of a step <= resume_step
+      the file lacks are put back, with a warning.
   """
 
   def __init__(
@@ -54,13 +58,17 @@ class MetricsWriter:
       tensorboard: bool = True,
       enabled: bool = True,
       keep_final_eval: bool = False,
+      restored_rows: list[dict[str, Any]] | None = None,
   ):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb = None
+    self.rows: list[dict[str, Any]] = []  # every record of the file, as written: what a checkpoint keeps
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
+    if resume_step is not None and (restored_rows or not os.path.exists(self.path)):
+      self._put_back(restored_rows or [], resume_step)
     if os.path.exists(self.path):
       records, bad = _read_lines(self.path)
       if bad:  # a line cut by a kill, or a damaged byte: kept aside, named, and the run goes on
@@ -77,6 +85,7 @@ class MetricsWriter:
       kept = [r for r in records if resume_step is not None and r["step"] <= resume_step]
       if keep_final_eval and resume_step is not None:
         _move_final_eval(kept, records, resume_step)
+      self.rows = kept
       keep = [json.dumps(r) + "\n" for r in kept]
       tmp = self.path + ".tmp"
       with open(tmp, "w") as f:
@@ -90,10 +99,46 @@ class MetricsWriter:
       except ImportError:
         self._tb = None
 
+  def _put_back(self, restored: list[dict[str, Any]], resume_step: int) -> None:
+    """Appends to the file the rows of `restored` (step <= resume_step) whose step it has no record of."""
+    have = {r["step"] for r in (_read_lines(self.path)[0] if os.path.exists(self.path) else [])}
+    lost = [r for r in restored if isinstance(r, dict) and r.get("step", resume_step + 1) <= resume_step]
+    lost = [r for r in lost if r["step"] not in have]
+    if not restored:
+      logger.warning(
+          "%s is missing and the checkpoint of step %d holds no metrics rows (written before they were kept): "
+          "the rows up to that step are lost",
+          self.path,
+          resume_step,
+      )
+      return
+    if not lost:
+      return
+    logger.warning(
+        "%s lacked the rows of %d step(s) up to the checkpoint of step %d (deleted or cut); put back from the "
+        "checkpoint",
+        self.path,
+        len(lost),
+        resume_step,
+    )
+    records = sorted(
+        [*(_read_lines(self.path)[0] if os.path.exists(self.path) else []), *lost], key=lambda r: r["step"]
+    )
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(tmp, self.path)
+
+  def rows_upto(self, step: int) -> list[dict[str, Any]]:
+    """The rows of global steps <= `step` (the after-SFT evaluation is step -1): what the checkpoint of `step`
+    keeps, so that a resume can put back rows the file lost."""
+    return [r for r in self.rows if r["step"] <= step]
+
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.enabled:
       return
     rec = {"step": int(step), **_jsonable(metrics)}
+    self.rows.append(rec)
     with open(self.path, "a") as f:
       f.write(json.dumps(rec) + "\n")
       f.flush()

@@ -45,7 +45,7 @@ from minpro_jax.run.config_checks import (  # the checks' public names stay impo
     resolve_mesh_shape,
 )
 from minpro_jax.run.config_checks import need as _need
-from minpro_jax.run.config_domains import check_domains
+from minpro_jax.run.config_domains import check_domains, sft_enabled  # noqa: F401 (sft_enabled: the run's API)
 from minpro_jax.runtime.rules import parse_rules
 
 __all__ = [
@@ -104,7 +104,7 @@ def validate_config(c, num_devices: int | None = None) -> None:
   _need(r.overlong_factor >= 0, "reward.overlong_factor", f"must be >= 0, got {r.overlong_factor}")
   check_eval(c)
   config_checks.check_mipu(c)
-  if c.sft.enabled:
+  if sft_enabled(c):
     ok = c.sft.steps > 0 and c.sft.batch_size > 0 and c.sft.learning_rate > 0
     _need(ok, "sft", "sft.steps, sft.batch_size and sft.learning_rate must be > 0 (or set sft.enabled=False)")
     w = c.sft.row_tokens

@@ -228,6 +228,7 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
   template = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
   if mesh is not None:  # eval_shape lays the shapes out on the abstract mesh; orbax reads onto the real one
     template = jax.tree.map(lambda s: _on_mesh(s, mesh), template)
+  check_stored_shapes(os.path.join(directory, str(step)), "params" if kind == "best" else "state", template, which)
   mngr = ocp.CheckpointManager(directory)
   try:
     restored = _restore(mngr, kind, step, template)
@@ -242,6 +243,44 @@ def load_run(workdir: str, which: str | int = "best", mesh=None) -> LoadedRun:
   model = nnx.merge(graphdef, restored, rest)
   eval_step = step if kind == "best" else step + 1  # checkpoint s is written after global step s, the (s+1)-th
   return LoadedRun(config=c, tokenizer=tokenizer, model=model, which=kind, step=step, eval_step=eval_step)
+
+
+def _shape_key(path) -> str:
+  """A parameter's name in a checkpoint's tree and in an `nnx.State` alike (`layers/attn/q/kernel`)."""
+  parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  return "/".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+
+
+def check_stored_shapes(step_dir: str, item: str, template, which) -> None:
+  """Compares the parameter shapes stored in a checkpoint (its metadata; nothing is read) with `template`'s, before
+  orbax restores it: a restore of other shapes fails inside orbax's event loop, which leaves tracebacks behind the
+  error, or (a run checkpoint's partial restore) reads the stored shapes into a model that does not fit them.
+
+  Raises:
+    CheckpointError: a parameter's stored shape differs from the model the run's config.json describes, naming the
+      parameter, both shapes and the fix. An unreadable metadata file is left to the restore to report.
+  """
+  absl_log = logging.getLogger("absl")  # orbax warns that the item has no _CHECKPOINT_METADATA (the step has)
+  level = absl_log.level
+  absl_log.setLevel(logging.ERROR)
+  try:
+    meta = ocp.PyTreeCheckpointer().metadata(os.path.join(step_dir, item)).item_metadata.tree
+  except Exception:  # noqa: BLE001 - no metadata to go on: the restore reports what is wrong
+    return
+  finally:
+    absl_log.setLevel(level)
+  if item == "state":
+    meta = meta.get("params", {}) if isinstance(meta, dict) else {}
+  stored = {_shape_key(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(meta) if hasattr(v, "shape")}
+  for path, want in jax.tree_util.tree_leaves_with_path(template):
+    key = _shape_key(path)
+    got = stored.get(key)
+    if got is not None and got != tuple(want.shape):
+      raise CheckpointError(
+          f"--which={which}: the checkpoint {step_dir} holds {key} of shape {got}, but the run's config.json "
+          f"describes a model with {tuple(want.shape)}: config.json was edited or is another run's; put back the "
+          "run's own config.json (the model fields it was trained with)"
+      )
 
 
 def _on_mesh(s: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:

@@ -46,8 +46,10 @@ from minpro_jax.rl.optimizer import make_optimizer
 from minpro_jax.rl.sft import SFTConfig, build_examples, long_target_warning, run_sft, sft_target
 from minpro_jax.run import run_config
 from minpro_jax.run.checkpoint import RunCheckpointer
+from minpro_jax.run.memory_check import check_sizes_fit
 from minpro_jax.runtime import multihost, pidlock
 from minpro_jax.runtime.device_split import DeviceSplit, sampler_device_count, split_devices
+from minpro_jax.runtime.host_memory import run_memory_bytes
 from minpro_jax.runtime.sharding import make_mesh
 
 logger = logging.getLogger(__name__)
@@ -122,10 +124,11 @@ def setup_run(c) -> RunParts:
       check_tokenizer_matches(c, tokenizer, model.config.vocab_size, ())
     check_vocab_fits(c, tokenizer, model)
     run_config.check_routes_fit(c, model.config)  # a GGUF's architecture is known only now
+    check_sizes_fit(c, model.config, *run_memory_bytes(mesh.devices.flat if mesh is not None else jax.devices()[:1]))
     check_disk_space(c, checkpointer, model)  # before the SFT warm start
     check_state_layout(c, model, mesh)  # before the SFT warm start: a state orbax cannot write crashes at its save
-    sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": bool(c.sft.enabled)}
-    if resuming and c.sft.enabled:
+    sft_info = warm_start(c, model, tokenizer, problems) if not resuming else {"enabled": run_config.sft_enabled(c)}
+    if resuming and run_config.sft_enabled(c):
       sft_info["skipped"] = "resumed from a run checkpoint"
     enc = encode_fitting(c, tokenizer, problems, "training set")
     if len(enc.problems) < c.prompts_per_step:
@@ -288,6 +291,37 @@ def check_tokenizer_matches(c, tokenizer, model_vocab: int, eos_ids: tuple[int, 
     raise ConfigError(
         f"config.{field}: the model ends a response with eos_token_id {list(eos_ids)} (config.json), but the "
         f"tokenizer stops at ids {sorted(stops)}; {fix}"
+    )
+  if c.tokenizer.kind == "path" and c.model.source == "hf":
+    _check_same_vocabulary(tokenizer, _own_tokenizer(c.model.path), field, fix)
+
+
+def _own_tokenizer(model_path: str):
+  """The tokenizer an hf model folder ships (tokenizer.json, or a sentencepiece tokenizer.model), or None."""
+  for name in ("tokenizer.json", "tokenizer.model"):
+    if os.path.isfile(os.path.join(model_path, name)):
+      try:
+        return load_tokenizer(os.path.join(model_path, name))
+      except (OSError, ValueError, RuntimeError, json.JSONDecodeError):
+        return None  # a damaged file: the size and eos checks are all there is to go on
+  return None
+
+
+def _check_same_vocabulary(tokenizer, own, field: str, fix: str) -> None:
+  """Raises ConfigError when `tokenizer` maps an id to another token string than the model's `own` tokenizer (a
+  same-size tokenizer trained on other text: ids that mean other words to the model). Nothing to compare without
+  `own` or when either cannot list its vocabulary."""
+  mine, theirs = tokenizer.vocabulary(), own.vocabulary() if own is not None else None
+  if mine is None or theirs is None:
+    return
+  differ = [i for i in range(max(len(mine), len(theirs))) if mine[i : i + 1] != theirs[i : i + 1]]
+  if differ:
+    shown = ", ".join(
+        f"id {i}: {(mine[i : i + 1] or ['-'])[0]!r} vs {(theirs[i : i + 1] or ['-'])[0]!r}" for i in differ[:3]
+    )
+    raise ConfigError(
+        f"config.{field}: {len(differ)} of {max(len(mine), len(theirs))} token ids are other token strings than "
+        f"in the model's own tokenizer ({shown}{', ...' if len(differ) > 3 else ''}); {fix}"
     )
 
 
@@ -543,7 +577,13 @@ def warm_start(c, model: Transformer, tokenizer, problems: list[MathProblem]) ->
   Returns:
     What was done, JSON-able: `{"enabled": False}`, or the SFT info (loss, cache path, whether it was cached).
   """
-  if not c.sft.enabled:
+  if not run_config.sft_enabled(c):
+    if c.sft.enabled is None:
+      logger.info(
+          "sft: off for model.source=%s (a pretrained model starts RL as it is); --config.sft.enabled=True "
+          "warm-starts it anyway",
+          c.model.source,
+      )
     return {"enabled": False}
   n = min(c.sft.num_examples, len(problems))
   sft_problems = problems[-n:]

@@ -118,6 +118,7 @@ class Trainer:
     self.lr_decay = run_config.lr_decay_config(c)  # None when off
     self._stop_signal: int | None = None
     self._final_eval = False  # set once the last step is checkpointed: a signal then exits at once
+    self._writer, self._restored_rows = None, None  # the run's MetricsWriter; the metrics rows a resume restored
 
   @classmethod
   def from_config(cls, config) -> "Trainer":
@@ -391,6 +392,7 @@ class Trainer:
         "config": resume_check.resume_fingerprint(self.c),
         "progress": progress.to_json(),
         "process_count": multihost.process_count(),
+        "metrics": self._writer.rows_upto(step) if self._writer is not None else [],  # put back if the file lost them
     }
     buf = buffer.state_dict()
     if isinstance(self.steps, InflightRunner):  # the streaming pool and its batches, whole (the delay buffer is empty)
@@ -419,6 +421,7 @@ class Trainer:
     if restored is None:
       return state, progress, 0
     latest, state, buf_state, meta = restored
+    self._restored_rows = meta.get("metrics")
     start = int(meta["global_step"]) + 1
     if start > self.c.total_steps:
       raise ConfigError(
@@ -499,7 +502,9 @@ class Trainer:
         keep_final_eval=0 < start < c.total_steps,  # a finished run continued to more steps
         tensorboard=c.log.tensorboard,
         enabled=multihost.is_primary(),
+        restored_rows=self._restored_rows,
     )
+    self._writer = writer
     self._install_signal_handlers()
     if progress.sft_eval is None:  # the starting policy is a candidate for "best" too
       res = self._eval_and_keep_best(state.params, 0, "step_000000_initial", progress)

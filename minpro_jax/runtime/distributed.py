@@ -24,14 +24,23 @@ CPU (tests, this machine): several processes on one host, each with its own CPU 
 (XLA_FLAGS=--xla_force_host_platform_device_count=N) and the explicit variables above; gloo carries the
 collectives (selected here). `python -m minpro_jax.launch_local` starts such a job.
 
+A process that dies ends the others within seconds: the coordination service runs in recoverable mode (no native
+abort), counts a process dead after ``MINPRO_HEARTBEAT_TIMEOUT_S`` seconds without a heartbeat (default 10), and a
+daemon thread in every process (`_watch_peers`) polls the live processes every 0.5 s and ends this one with one
+line (`report_peer_loss`) naming the dead process, the newest checkpoint and the command that resumes.
+
 Control: ``MINPRO_DISTRIBUTED=1`` forces initialize (auto-detection by JAX, e.g. the TPU metadata server),
 ``MINPRO_DISTRIBUTED=0`` forbids it, unset = detect from the variables above.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
+import threading
+import time
 from typing import Callable, Mapping
 
 import jax
@@ -161,7 +170,13 @@ def maybe_initialize_distributed(
       ", ".join(f"{k}={v}" for k, v in kwargs.items()),
   )
   use_gloo_on_cpu()
-  initialize_fn(**kwargs)
+  if initialize_fn is jax.distributed.initialize:
+    _recoverable()
+    initialize_fn(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout_s(env))
+    atexit.register(_stop_watching)
+    _watch_peers()
+  else:
+    initialize_fn(**kwargs)
   _log("initialized")
   return True
 
@@ -211,3 +226,132 @@ def _log(what: str) -> None:
       jax.local_device_count(),
       jax.device_count(),
   )
+
+
+# Where a collective or the coordination service reports that another process of the run is gone (gloo's
+# connection errors, gRPC's UNAVAILABLE from the coordinator, a missed heartbeat).
+_PEER_GONE = ("gloo", "connection reset", "connection closed", "connection refused", "broken pipe", "unavailable",
+              "heartbeat", "socket closed", "end of file", "peer")  # fmt: skip
+
+
+def peer_gone(error: BaseException) -> bool:
+  """Whether `error` (or one it came from) says another process of a multi-process run ended."""
+  while error is not None:
+    if any(s in str(error).lower() for s in _PEER_GONE):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+HEARTBEAT_ENV = "MINPRO_HEARTBEAT_TIMEOUT_S"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10  # JAX's default is 100 s: a dead process held the others that long
+
+
+def heartbeat_timeout_s(env: Mapping[str, str]) -> int:
+  """Seconds without a heartbeat after which the coordinator counts a process as dead: MINPRO_HEARTBEAT_TIMEOUT_S,
+  default 10 (the bound on how long the others run on after one died; raise it on a network that stalls longer).
+
+  Raises:
+    LaunchEnvironmentError: a value that is not an integer >= 1.
+  """
+  value = _count(env, HEARTBEAT_ENV) if env.get(HEARTBEAT_ENV, "").strip() else DEFAULT_HEARTBEAT_TIMEOUT_S
+  if value < 1:
+    raise LaunchEnvironmentError(f"environment variable {HEARTBEAT_ENV}={value} must be >= 1 (seconds), or unset")
+  return value
+
+
+_epilogue: Callable[[], str] = lambda: "re-run the same launch command on every host to resume"  # noqa: E731
+_reported = threading.Lock()
+
+
+def on_peer_loss(epilogue: Callable[[], str]) -> None:
+  """Sets what the line of a lost peer ends with (the trainer: its newest checkpoint and how to resume)."""
+  global _epilogue
+  _epilogue = epilogue
+
+
+def report_peer_loss(dead: str, cause: str) -> None:
+  """Writes `error: <dead> of the N-process run ended (<cause>); process i stops too. <epilogue>` once (the first
+  caller: the peer watch or a collective's exception) and ends this process at once with status
+  1, without JAX's shutdown barrier (which waits for the dead process, then aborts with a native stack dump)."""
+  if not _reported.acquire(blocking=False):
+    time.sleep(60)  # the other caller is writing the line and ends the process
+  try:
+    n, me = jax.process_count(), jax.process_index()
+  except Exception:  # noqa: BLE001 - the backend is going down: the launch variables still say who this is
+    n, me = os.environ.get("JAX_NUM_PROCESSES", "N"), os.environ.get("JAX_PROCESS_ID", "?")
+  try:
+    tail = _epilogue()
+  except Exception:  # noqa: BLE001 - the line must come out whatever the epilogue does
+    tail = "re-run the same launch command on every host to resume"
+  sys.stderr.write(f"error: {dead} of the {n}-process run ended ({cause}); process {me} stops too. {tail}\n")
+  sys.stderr.flush()
+  os._exit(1)
+
+
+def _watch_peers(interval_s: float = 0.5) -> None:
+  """A daemon thread that asks the coordinator every `interval_s` seconds which processes are live and ends this
+  one with `report_peer_loss` when one is not (the coordinator counts a process dead after the heartbeat timeout),
+  or when the coordinator itself no longer answers."""
+  # private JAX state: the distributed client jax.distributed.initialize made (jax/_src/distributed.py)
+  from jax._src import distributed as jax_distributed
+
+  client, n, me = jax_distributed.global_state.client, jax.process_count(), jax.process_index()
+
+  def watch():
+    while not _stop.wait(interval_s):
+      try:
+        live = set(client.get_live_nodes(list(range(n))))
+      except Exception as e:  # noqa: BLE001 - the coordinator is gone (or this process is shutting down)
+        if me != 0 and not _shutting_down:
+          report_peer_loss("process 0 (the coordinator)", str(e).strip().splitlines()[0][:120] if str(e) else "")
+        return
+      dead = sorted(set(range(n)) - live)
+      if dead and not _shutting_down:
+        report_peer_loss("process " + ", ".join(map(str, dead)), f"no heartbeat for {DEFAULT_HEARTBEAT_TIMEOUT_S}+ s")
+
+  _watcher.append(threading.Thread(target=watch, name="peer-watch", daemon=True))
+  _watcher[-1].start()
+
+
+_shutting_down = False
+_stop = threading.Event()  # set at exit: the peer watch ends before JAX's client does
+_watcher: list[threading.Thread] = []
+
+
+def _stop_watching(timeout_s: float = 60.0) -> None:
+  """At exit, before JAX's own shutdown (atexit runs it after this): a finished run's shutdown is not a lost peer,
+  and the processes leave together. In recoverable mode JAX's shutdown barrier blocks no task, so the coordinator
+  (process 0) could end the service while another process still disconnects from it, which aborts that one: every
+  process meets at a barrier, the others disconnect, and process 0 waits (at most `timeout_s`) until they have."""
+  global _shutting_down
+  _shutting_down = True
+  _stop.set()
+  for t in _watcher:  # not inside a call to the client while JAX shuts it down
+    t.join(timeout=5)
+  # private JAX state: the distributed client jax.distributed.initialize made (jax/_src/distributed.py)
+  from jax._src import distributed as jax_distributed
+
+  client = jax_distributed.global_state.client
+  if client is None:
+    return
+  n, me = jax.process_count(), jax.process_index()
+  try:
+    client.wait_at_barrier("minpro_exit", int(timeout_s * 1000))
+    if me != 0:
+      jax.distributed.shutdown()  # disconnects while the coordinator still serves
+      return
+    deadline = time.monotonic() + timeout_s
+    while len(client.get_live_nodes(list(range(n)))) > 1 and time.monotonic() < deadline:
+      time.sleep(0.05)
+  except Exception:  # noqa: BLE001 - a process is gone or stopped without reaching the barrier: JAX's shutdown
+    return
+
+
+def _recoverable() -> None:
+  """The coordination service in recoverable mode (`jax_enable_recoverability`): a dead process is reported to the
+  others' `_watch_peers` instead of aborting them with a native stack dump (JAX's default)."""
+  try:
+    jax.config.update("jax_enable_recoverability", True)
+  except (AttributeError, KeyError, ValueError):  # a JAX without it: its default abort stays
+    pass

@@ -62,3 +62,24 @@ def minor_page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   except (ImportError, OSError):
     return -1
+
+
+def host_memory_bytes() -> int | None:
+  """This machine's physical memory in bytes (`sysconf` pages x page size), or None where it cannot be read."""
+  try:
+    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def run_memory_bytes(devices) -> tuple[int | None, str]:
+  """(bytes, what they are) of the memory a run on `devices` has for its buffers: on CPU the machine's memory
+  (every CPU device shares it), on an accelerator the sum of the devices' `bytes_limit` (a sharded buffer spreads
+  over them); None where the backend does not say."""
+  devices = list(devices)
+  if not devices or all(d.platform == "cpu" for d in devices):
+    return host_memory_bytes(), "this machine's memory"
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+  if any(not isinstance(x, int) for x in limits):
+    return None, ""
+  return sum(limits), f"the memory of {len(devices)} {devices[0].device_kind} device(s)"
