@@ -6,12 +6,13 @@ from the start of the vocabulary: a block from the block masses with one uniform
 The blocks are global, so the draw does not depend on the sharding; a shard of V / t tokens whose bounds fall inside
 a block handles that block with the tokens it lacks taken from the next shard (at most `SAMPLE_BLOCK` - 1 of them,
 `_next_head`). Each shard sums the blocks that start in its range; every shard then holds the [rows, blocks] sums
-of the whole vocabulary (one all-gather of a few hundred floats a row), draws the block, and the shard that holds
-it draws the token. The normaliser z, the entropy and the kept mass are sums of those block sums, in that order, on
-one device as on t shards, so the sharded draw returns the one-device draw's tokens, log-probs, entropies and
-kept-set thresholds bit for bit, given that XLA sums a row of `SAMPLE_BLOCK` floats the same way in both programs
-(tests/test_vocab_draw.py checks it on 8 CPU devices). Against the draw of before (z summed over the vocabulary in
-one reduction) the tokens are the same and the log-probs move by fp32 rounding of z only.
+of the whole vocabulary (one all-reduce of a few hundred floats a row), draws the block, and the shard that holds
+it draws the token. The normaliser z, the entropy and the kept mass are sums of those block sums. Every sum is a fixed
+pairwise tree of elementwise adds (`tree_sum`), the same on one device as on t shards, so the sharded draw returns
+the one-device draw's tokens, log-probs, entropies and kept-set thresholds bit for bit (tests/test_vocab_draw.py, 8
+CPU devices). Against the draw of before (XLA reductions: the block masses, and z over the whole vocabulary in one)
+the log-probs move by fp32 rounding, and a token only where a uniform falls within that rounding of a block's or
+token's bound (none in the tests' draws).
 
 Top-k / top-p: each shard's `lax.top_k` candidates (values, global ids) are gathered and the global top-k taken over
 them: `lax.top_k` orders equal values by lower index, and the gathered candidates are in shard order, so this is the
@@ -21,8 +22,8 @@ test of `methods._sorted_prefix_mask`, elementwise on each shard. Top-p alone, o
 
 Collectives per draw over the vocabulary axes (none on one device): a max of the rows' logits, the next shard's
 first `SAMPLE_BLOCK` logits (a `ppermute`; an all-gather of the whole vocabulary when a shard is shorter than a
-block), the block sums (all-gather), the token (a max); with truncation also the candidates (all-gather) and the
-threshold's min / max.
+block), the block sums (a sum of each shard's blocks at their places), the token (a max); greedy also the argmax (a
+min); with truncation also the candidates (all-gather) and the threshold's min / max.
 """
 
 from __future__ import annotations
@@ -170,9 +171,16 @@ def draw_shard(scaled, u, *, v: int, axes: tuple[str, ...], t: int, sampling, bl
   as_blocks = lambda x: x.reshape(b, nbmax, block)  # noqa: E731
   ids = shard.index * vl + jnp.arange(vl, dtype=jnp.int32)[None, :]  # this shard's own tokens
 
-  def whole(parts_bxn):  # [B, X, nbmax] per shard -> [B, X, nb] global block order
-    g = shard.gather(parts_bxn[None], 0)  # [t, B, X, nbmax]
-    return jnp.concatenate([g[s, :, :, : counts[s]] for s in range(t)], axis=-1)
+  def whole(parts_bxn):  # [B, X, nbmax] per shard -> [B, X, nb] global block order, on every shard
+    if not axes:
+      return parts_bxn[..., : counts[0]]
+    # each shard's blocks at their global places, zeros elsewhere, summed over the shards: exact (one term is not
+    # zero), and an all-reduce, as the layers' own collectives (no all-gather in a decode step)
+    count = jnp.asarray(counts, jnp.int32)[shard.index]
+    parts = jnp.where(jnp.arange(nbmax)[None, None, :] < count, parts_bxn, 0.0)
+    placed = jnp.zeros((*parts.shape[:2], sum(counts) + nbmax), parts.dtype)
+    placed = jax.lax.dynamic_update_slice_in_dim(placed, parts, first, axis=2)
+    return jax.lax.psum(placed, axes)[..., : sum(counts)]
 
   ez = tree_sum(as_blocks(e))
   eh = tree_sum(as_blocks(jnp.where(e > 0, e * shifted, 0.0)))
