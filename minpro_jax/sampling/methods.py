@@ -24,7 +24,8 @@ most likely token, so top_p=0 means argmax (case B11).
 How a token is drawn: exact inverse-CDF sampling from the (truncated) softmax weights in two levels, a
 vocabulary block then a token inside it, from two uniforms per row (`sample_categorical`), where jax's
 Gumbel-max `random.categorical` needs one threefry draw per vocabulary entry. The draw of a row depends only
-on its key and its logits.
+on its key and its logits, not on how the vocabulary is split over devices: under a mesh that splits the logits by
+vocabulary, each shard draws its part (`vocab_draw`) with the one-device result, bit for bit.
 """
 
 from __future__ import annotations
