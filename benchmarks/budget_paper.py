@@ -66,6 +66,12 @@ ENTRIES = [
     ("qwen3_8b_v5p-32_forecast", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v6e-16_forecast", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8_forecast", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
+    # after issue 54 item 3 (2026-12-07): the decode step writes K/V per KV head in a shard_map and draws the token per
+    # vocabulary shard (no all-gather of K/V or logits); the `_forecast` rows above are the same configs before it
+    ("qwen3_8b_v5p-64_forecast_decode54", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v5p-32_forecast_decode54", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v6e-16_forecast_decode54", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_4b_mipu_v5p-8_forecast_decode54", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
 ]
 
 
