@@ -12,7 +12,8 @@ Qwen3-8B on v5p-64 has its before and after: `_fsdp_dense` (the learner's mesh, 
 config of 2026-12-03), `_sampler_layout` (its own mesh and rows, dense), `_paged` (paged on mesh=auto) and the config
 as it stands (paged on data x tensor=8); `_forecast` is the config as it stands costed on 2026-12-07 with the
 forecast beside the roofline (issue 54: the score pass on every 10th step, the evaluation on its own program and
-calls), beside the older rows it does not replace.
+calls), beside the older rows it does not replace; `_forecast_decode54` the same configs after issue 54's item 3 (the
+decode step without K/V or logits all-gathers), beside the `_forecast` rows from before it.
 Needs libtpu (`make setup`). Each entry compiles 4 programs, 5-40 minutes on this project's 2-core CPU.
 """
 
