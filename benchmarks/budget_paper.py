@@ -12,7 +12,8 @@ Qwen3-8B on v5p-64 has its before and after: `_fsdp_dense` (the learner's mesh, 
 config of 2026-12-03), `_sampler_layout` (its own mesh and rows, dense), `_paged` (paged on mesh=auto) and the config
 as it stands (paged on data x tensor=8); `_forecast` is the config as it stands costed on 2026-12-07 with the
 forecast beside the roofline (issue 54: the score pass on every 10th step, the evaluation on its own program and
-calls), beside the older rows it does not replace.
+calls), beside the older rows it does not replace; `_forecast_decode54` the same configs after issue 54's item 3 (the
+decode step without K/V or logits all-gathers), beside the `_forecast` rows from before it.
 Needs libtpu (`make setup`). Each entry compiles 4 programs, 5-40 minutes on this project's 2-core CPU.
 """
 
@@ -66,6 +67,12 @@ ENTRIES = [
     ("qwen3_8b_v5p-32_forecast", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v6e-16_forecast", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8_forecast", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
+    # after issue 54 item 3 (2026-12-07): the decode step writes K/V per KV head in a shard_map and draws the token per
+    # vocabulary shard (no all-gather of K/V or logits); the `_forecast` rows above are the same configs before it
+    ("qwen3_8b_v5p-64_forecast_decode54", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v5p-32_forecast_decode54", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_8b_v6e-16_forecast_decode54", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    ("qwen3_4b_mipu_v5p-8_forecast_decode54", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
 ]
 
 

@@ -2,6 +2,7 @@
 the same responses token for token, with a pool so small that requests wait for pages; shared prompts (one
 prefill per group, full pages stored once) against separate prefills."""
 
+import functools
 import types
 
 import jax
@@ -234,6 +235,8 @@ from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
 from minpro_jax.runtime.sharding import make_mesh
 from minpro_jax.sampling import PagedKV, Sampler, SamplingParams, engines
 
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
+
 topology = topologies.get_topology_desc(
     platform="tpu", topology_name="v5p:2x2x1", chip_config_name="default", chips_per_host_bounds=(2, 2, 1),
     num_slices=1,
@@ -270,9 +273,34 @@ kernels = [i for i in instrs if i.opcode == "custom-call" and 'custom_call_targe
 names = sorted({re.sub(r"[.]\\d+$", "", i.name) for i in kernels})
 pool = (cfg.num_kv_heads // tensor, kv.num_pages // data, kv.page_size, cfg.head_dim)  # a chip's k or v share
 big = [i for i in instrs if i.opcode == "copy" and math.prod(hlo_text.dims(i.shape) or [0]) >= math.prod(pool)]
+# the decode step: the computations that call the kernel (one per layer) and those they call
+step = {x for x in seen if any(i.opcode == "custom-call" and "paged_attention" in i.attrs for i in comps[x].instrs)}
+todo = list(step)
+while todo:
+  for i in comps[todo.pop()].instrs:
+    for k in ("calls", "body", "condition", "branch_computations", "to_apply"):
+      new = [n for n in hlo_text.called(i.attrs, k) if n in comps and n not in step]
+      step.update(new)
+      todo += new
+coll = [i for x in step for i in comps[x].instrs if i.opcode.removesuffix("-start") in COLLECTIVES]
+gathers = [hlo_text.dims(i.shape) or [0] for i in coll if i.opcode.startswith("all-gather")]
+rows = 64 // data  # a row group's decode rows
+kv_gathers = [d for d in gathers if cfg.head_dim in d and cfg.num_kv_heads in d]
+logit_gathers = [d for d in gathers if math.prod(d) >= rows * cfg.vocab_size // tensor]
 print(f"RESULT computations={len(seen)} kernels={','.join(names)} "
-      f"calls={sum('paged_attention' in i.attrs for i in kernels)} pool_copies={len(big)}")
+      f"calls={sum('paged_attention' in i.attrs for i in kernels)} pool_copies={len(big)} "
+      f"step_collectives={len(coll)} kv_gathers={len(kv_gathers)} logit_gathers={len(logit_gathers)} "
+      f"step_ops={','.join(sorted(i.opcode for i in coll))}")
 """
+
+
+@functools.lru_cache(maxsize=None)
+def _tpu_paged(data: int, tensor: int) -> dict:
+  """The RESULT of `_TPU_PAGED` on data x tensor (one compile per layout, shared by the tests below)."""
+  from tests.tpu_helpers import run_with_libtpu
+
+  (r,) = run_with_libtpu(f"import sys; sys.argv[1:] = ['{data}', '{tensor}']\n" + _TPU_PAGED, timeout=400)
+  return r
 
 
 @pytest.mark.parametrize("data,tensor", [(2, 2), (1, 4)])
@@ -283,13 +311,25 @@ def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_never_copies_th
   place. Measured 2026-12-06 (libtpu 0.0.42.1, docs/sampler.md): the token-major pool of before had 10 such copies at
   tensor=4 and none at tensor=2; the heads-major [pages, 2K, ps, hd] pool with the ragged kernel had 2 on both (its
   token-major operand, one per layer and decode step)."""
-  from tests.tpu_helpers import run_with_libtpu
-
-  (r,) = run_with_libtpu(f"import sys; sys.argv[1:] = ['{data}', '{tensor}']\n" + _TPU_PAGED, timeout=400)
+  r = _tpu_paged(data, tensor)
   assert int(r["computations"]) > 10  # the loop's branches and nested loops were walked
   assert any("paged_attention" in k for k in r["kernels"].split(",")), r
   assert r["calls"] == "2", r  # one per layer
   assert r["pool_copies"] == "0", r
+
+
+@pytest.mark.parametrize("data,tensor", [(2, 2), (1, 4)])
+def test_the_compiled_tpu_decode_step_gathers_neither_keys_values_nor_logits(data, tensor):
+  """The decode step on TPU (the computations that call the kernel, and what they call) holds no all-gather of the
+  new token's keys / values (`write_slots` per chip in a shard_map) and none of a chip's share of the [rows, vocab]
+  logits or more (`sampling.vocab_draw`), and at most 2 collectives per layer + 5: the layers' two all-reduces, the
+  vocabulary-split embedding's all-reduce, and the draw's max, next-shard head, block sums and token (issue 54).
+  Measured 2026-12-07 (libtpu 0.0.42.1) at tensor=4: 9 = 5 all-reduces (embedding, 2 x 2 layers) + the draw's 4;
+  before, 22, with all-gathers of bf16[64,1,8,128] keys and values per layer and of f32[64,76032] logits."""
+  r = _tpu_paged(data, tensor)
+  assert r["kv_gathers"] == "0", r
+  assert r["logit_gathers"] == "0", r
+  assert int(r["step_collectives"]) <= 2 * 2 + 5, r
 
 
 def test_paged_sampler_on_row_groups_equals_static(state):

@@ -114,6 +114,12 @@ def write_slots(pages: KVPages, page: jax.Array, slot: jax.Array, k: jax.Array, 
   likewise). A scatter indexed by (head, page, slot) whose window is one [head_dim] row of a [page_size,
   head_dim] tile, so a pool split by KV head is written where it lies, in its own layout.
 
+  Under a mesh whose "act_kv_heads" axes split the KV heads (`use_mesh`; inside a `jax.shard_map`, its auto axes)
+  the scatter runs per device in a `jax.shard_map` over those axes: each chip writes its own KV heads from its own
+  share of k and v. Left to GSPMD, the scatter's (head, page, slot) index array made it replicate the new tokens'
+  keys and values on every chip first: one all-gather of bf16[rows, K, 1, hd] per layer and decode step (issue
+  54). The page and slot arrays are whole on every chip (a row's token goes to every chip that holds its pages).
+
   Args:
     pages: one layer's `KVPages`.
     page, slot: [...] int32 (`sampling.paged.append_slots`: [rows]; `admit`: [M, T]); page num_pages drops the
@@ -123,6 +129,27 @@ def write_slots(pages: KVPages, page: jax.Array, slot: jax.Array, k: jax.Array, 
   Returns:
     The pages, updated.
   """
+  mesh = jax.sharding.get_abstract_mesh()
+  heads = ()
+  if mesh is not None and not mesh.empty and sharding.auto_axes(mesh):
+    heads = sharding.mesh_axes(mesh, "act_kv_heads", pages.k.shape[0])
+  if not heads:
+    return _write_slots(pages, page, slot, k, v)
+  kv_spec = P(heads, None, None, None)
+  new_spec = P(*([None] * (k.ndim - 2)), heads, None)
+  write = jax.shard_map(
+      _write_slots,
+      mesh=mesh,
+      in_specs=(KVPages(kv_spec, kv_spec), P(), P(), new_spec, new_spec),
+      out_specs=KVPages(kv_spec, kv_spec),
+      axis_names=sharding.auto_axes(mesh),
+      check_vma=False,
+  )
+  return write(pages, page, slot, k, v)
+
+
+def _write_slots(pages: KVPages, page: jax.Array, slot: jax.Array, k: jax.Array, v: jax.Array) -> KVPages:
+  """`write_slots` on one device (or left to GSPMD): the scatter over every KV head of `pages`."""
   heads = jnp.arange(pages.k.shape[0], dtype=jnp.int32)
   ix = (heads, page[..., None], slot[..., None])
   return KVPages(

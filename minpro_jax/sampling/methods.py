@@ -24,7 +24,8 @@ most likely token, so top_p=0 means argmax (case B11).
 How a token is drawn: exact inverse-CDF sampling from the (truncated) softmax weights in two levels, a
 vocabulary block then a token inside it, from two uniforms per row (`sample_categorical`), where jax's
 Gumbel-max `random.categorical` needs one threefry draw per vocabulary entry. The draw of a row depends only
-on its key and its logits.
+on its key and its logits, not on how the vocabulary is split over devices: under a mesh that splits the logits by
+vocabulary, each shard draws its part (`vocab_draw`) with the one-device result, bit for bit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from minpro_jax.runtime import sharding
+from minpro_jax.sampling import vocab_draw
+from minpro_jax.sampling.vocab_draw import first_above as _first_above
 
 GREEDY_EPS = 1e-6  # temperatures at or below this are greedy decoding
 
@@ -197,19 +203,6 @@ def truncation_logits(scaled_logits_bv: jax.Array, top_k: int | None, top_p: flo
   return jnp.where(mask, scaled_logits_bv, -jnp.inf)
 
 
-def _first_above(weights_bn: jax.Array, u_b: jax.Array) -> jax.Array:
-  """[B] int32: inverse CDF of non-negative weights at fraction u in [0, 1): the first index with positive
-  weight whose cumulative weight exceeds u * total (the last positive one if rounding leaves none)."""
-  n = weights_bn.shape[-1]
-  cdf = jnp.cumsum(weights_bn, axis=-1)
-  positive = weights_bn > 0
-  hit = (cdf > (u_b * cdf[:, -1])[:, None]) & positive
-  iota = jnp.arange(n, dtype=jnp.int32)[None, :]
-  first = jnp.min(jnp.where(hit, iota, n), axis=-1)
-  last = jnp.max(jnp.where(positive, iota, -1), axis=-1)
-  return jnp.where(first < n, first, jnp.maximum(last, 0)).astype(jnp.int32)
-
-
 def sample_categorical(weights_bv: jax.Array, keys_b: jax.Array, block: int = SAMPLE_BLOCK) -> jax.Array:
   """One index per row drawn with probability weights / sum(weights), by a two-level inverse CDF.
 
@@ -230,12 +223,16 @@ def sample_categorical(weights_bv: jax.Array, keys_b: jax.Array, block: int = SA
   b, v = weights_bv.shape
   nb = -(-v // block)
   w = jnp.pad(weights_bv, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
-  # uniforms on the midpoints of their 2^-23 grid, in (0, 1): u = 0 would hand the first positive weight of a
-  # row or block an extra 2^-23 of probability however small that weight is
-  u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys_b) + 2.0**-24
+  u = _uniforms(keys_b)
   blk = _first_above(jnp.sum(w, axis=-1), u[:, 0])
   inner = _first_above(jnp.take_along_axis(w, blk[:, None, None], axis=1)[:, 0], u[:, 1])
   return blk * block + inner
+
+
+def _uniforms(keys_b: jax.Array) -> jax.Array:
+  """[B, 2] float32 uniforms of `sample_categorical`, on the midpoints of their 2^-23 grid, in (0, 1): u = 0 would
+  hand the first positive weight of a row or block an extra 2^-23 of probability however small that weight is."""
+  return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys_b) + 2.0**-24
 
 
 def get_next_tokens(logits_bv: jax.Array, keys_b: jax.Array, sampling: SamplingParams) -> NextTokens:
@@ -250,33 +247,42 @@ def get_next_tokens(logits_bv: jax.Array, keys_b: jax.Array, sampling: SamplingP
     `NextTokens`: tokens [B] int32; logp [B] = log_softmax(logits / T)[token] over the full vocabulary (T = 1
     for greedy), minus log S (the kept mass) when `sampling.truncates`; entropy [B] of the full tempered
     distribution; kept_logp_threshold [B] when truncating (else None). Greedy picks the lowest id among equal
-    maxima (as `argmax`); sampling uses `sample_categorical` on the (truncated) softmax weights.
+    maxima (as `argmax`); sampling is `sample_categorical`'s draw on the (truncated) softmax weights. The sums
+    (z, the entropy's, the kept mass S) run over the draw's vocabulary blocks, then over the blocks.
+
+  Under a mesh whose "act_vocab" axes split V (`use_mesh`; inside a `jax.shard_map`, its auto axes) the draw runs
+  per vocabulary shard in a `jax.shard_map` (`vocab_draw`): no device gathers the [B, V] logits, and the outputs
+  are the one-device outputs bit for bit.
   """
   scaled = logits_bv.astype(jnp.float32) / sampling.logprob_temperature
-  v = scaled.shape[-1]
-  m = jnp.max(scaled, axis=-1, keepdims=True)
-  shifted = scaled - m  # <= 0
-  e = jnp.exp(shifted)
-  z = jnp.sum(e, axis=-1)
-  # entropy = log z - sum(p * shifted): no [B, V] log-prob array, and exact 0 * -inf -> 0 for masked logits
-  entropy = jnp.log(z) - jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1) / z
-  if sampling.greedy:
-    iota = jnp.arange(v, dtype=jnp.int32)[None, :]
-    tokens = jnp.min(jnp.where(shifted == 0, iota, v), axis=-1)  # first maximum; a cheap vector reduction
-    tokens = jnp.where(tokens < v, tokens, 0).astype(jnp.int32)  # all-NaN row (broken model): token 0
-  elif sampling.truncates:
-    kept = jnp.isfinite(truncation_logits(scaled, sampling.top_k, sampling.top_p))
-    weights = jnp.where(kept, e, 0.0)
-    tokens = sample_categorical(weights, keys_b)
-    log_z = jnp.log(z)
-    # the midpoint of the gap between the lowest kept and the highest dropped log-prob: the learner's own log-probs
-    # may round differently from these, and a threshold inside the gap keeps the same set for either rounding
-    lowest_kept = jnp.min(jnp.where(kept, shifted, jnp.inf), axis=-1)
-    highest_dropped = jnp.max(jnp.where(kept, -jnp.inf, shifted), axis=-1)
-    threshold = 0.5 * (lowest_kept + highest_dropped) - log_z  # -inf when nothing was dropped
-    logp = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - jnp.log(jnp.sum(weights, axis=-1))
-    return NextTokens(tokens, logp, entropy, threshold)
-  else:
-    tokens = sample_categorical(e, keys_b)
-  logp = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - jnp.log(z)
-  return NextTokens(tokens, logp, entropy)
+  b, v = scaled.shape
+  u = jnp.zeros((b, 2), jnp.float32) if sampling.greedy else _uniforms(keys_b)
+  mesh = jax.sharding.get_abstract_mesh()
+  axes, t = vocab_draw.vocab_axes(mesh, v)
+
+  def draw(scaled, u):
+    out = vocab_draw.draw_shard(
+        scaled,
+        u,
+        v=v,
+        axes=axes,
+        t=t,
+        sampling=sampling,
+        block=SAMPLE_BLOCK,
+        candidates=TOP_P_CANDIDATES,
+        nucleus=_nucleus_keep,
+    )
+    return out if out[3] is not None else out[:3]
+
+  if axes:
+    batch = sharding.mesh_axes(mesh, "batch", b, exclude=axes) or None
+    n_out = 4 if sampling.truncates else 3
+    draw = jax.shard_map(
+        draw,
+        mesh=mesh,
+        in_specs=(P(batch, axes), P(batch, None)),
+        out_specs=(P(batch),) * n_out,
+        axis_names=sharding.auto_axes(mesh),
+        check_vma=False,
+    )
+  return NextTokens(*draw(scaled, u))
