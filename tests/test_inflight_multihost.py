@@ -16,8 +16,8 @@ import shutil
 import subprocess
 
 import pytest
-from test_multihost import ROUNDOFF, _close, _env, _finish, _launch_args
-from train_helpers import checkpoint_steps, cli_args, metrics_records, tiny_overrides
+from test_multihost import ROUNDOFF, _close, _env, _launch_args, run_side_by_side
+from train_helpers import checkpoint_steps, metrics_records, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +41,7 @@ def runs(tmp_path_factory):
   """The two-process run and the one-process, four-device run of the same in-flight config, side by side."""
   tmp = tmp_path_factory.mktemp("inflight_multihost")
   one, two = _overrides(tmp, "one"), _overrides(tmp, "two")
-  one["sft.cache_dir"] = str(tmp / "cache_one")  # the two runs go side by side: one SFT cache each
-  p1 = subprocess.Popen(cli_args(one), env=_env(devices=4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  p2 = subprocess.Popen(_launch_args(two), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  out1, out2 = _finish(p1, 600), _finish(p2, 600)
-  assert p1.returncode == 0, out1[-3000:]
-  assert p2.returncode == 0, out2[-3000:]
+  run_side_by_side(tmp, one, two)
   return tmp, one["workdir"], two["workdir"]
 
 

@@ -109,13 +109,20 @@ def runs(tmp_path_factory):
   """The uninterrupted two-process run and the one-process, four-device run of the same config, side by side."""
   tmp = tmp_path_factory.mktemp("multihost")
   one, two = _overrides(tmp, "one"), _overrides(tmp, "two")
-  one["sft.cache_dir"] = str(tmp / "cache_one")  # the two runs go side by side: one SFT cache each
+  out2 = run_side_by_side(tmp, one, two)
+  return tmp, one["workdir"], two["workdir"], out2
+
+
+def run_side_by_side(tmp, one: dict, two: dict) -> str:
+  """Runs the config `one` as 1 process x 4 devices and `two` as 2 processes x 2 devices at the same time (one SFT
+  cache each), asserts both exit 0, and returns the two-process run's output."""
+  one["sft.cache_dir"] = str(tmp / "cache_one")
   p1 = subprocess.Popen(cli_args(one), env=_env(devices=4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   p2 = subprocess.Popen(_launch_args(two), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   out1, out2 = _finish(p1, 600), _finish(p2, 600)
   assert p1.returncode == 0, out1[-3000:]
   assert p2.returncode == 0, out2[-3000:]
-  return tmp, one["workdir"], two["workdir"], out2
+  return out2
 
 
 def test_two_processes_give_the_metrics_of_one(runs):

@@ -63,6 +63,23 @@ class GenerationBatch:
   def __len__(self) -> int:
     return int(self.response_tokens.shape[0])
 
+  @classmethod
+  def from_decoded(cls, prompt_tokens, prompt_segments, tokens, logp, entropy, mask, stopped, **fields):
+    """The batch of a decode loop's host outputs: tokens / logp / entropy / mask / stopped are [N, R] (stopped
+    [N] bool: the row drew a stop id); the prompt [N, P] with its segment ids (nonzero = a real token); the
+    lengths and finish reasons follow from the mask and `stopped`; `fields` are the other fields as they are."""
+    return cls(
+        prompt_tokens=prompt_tokens,
+        prompt_mask=np.asarray(prompt_segments).astype(bool),
+        response_tokens=tokens,
+        response_mask=mask,
+        behavior_logp=logp,
+        entropy=entropy,
+        lengths=mask.sum(-1).astype(np.int32),
+        finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH),
+        **fields,
+    )
+
   def select(self, rows: slice | np.ndarray) -> "GenerationBatch":
     """The batch of rows `rows` (a slice or an index array) of every per-row field."""
     per_row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

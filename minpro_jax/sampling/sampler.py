@@ -51,7 +51,7 @@ from minpro_jax.runtime.inference_mesh import layout_name, param_shardings, resh
 from minpro_jax.runtime.multihost import settle
 from minpro_jax.runtime.row_layout import process_prompts, rows_to_host
 from minpro_jax.runtime.sharding import DEFAULT_RULES, use_mesh
-from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
+from minpro_jax.sampling.batch import GenerationBatch
 from minpro_jax.sampling.engines import Requests, SamplerCore, engine_options
 from minpro_jax.sampling.engines.base import bucket
 from minpro_jax.sampling.methods import SamplingParams
@@ -325,15 +325,14 @@ class Sampler:
       out = self.engine.run(state, requests, sampling)
       devices = None if self.mesh is None else self.mesh.devices
       (tok, logp, ent, mask, stopped, routes, kept), mine = rows_to_host(out, n, devices, own_rows)
-    return GenerationBatch(
-        prompt_tokens=tokens[mine],
-        prompt_mask=segs[mine].astype(bool),
-        response_tokens=tok,
-        response_mask=mask,
-        behavior_logp=logp,
-        entropy=ent,
-        lengths=mask.sum(-1).astype(np.int32),
-        finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH),
+    return GenerationBatch.from_decoded(
+        tokens[mine],
+        segs[mine],
+        tok,
+        logp,
+        ent,
+        mask,
+        stopped,
         group_ids=row_group[mine],
         sample_index=row_sample[mine],
         policy_version=version,

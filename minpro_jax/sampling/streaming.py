@@ -44,7 +44,7 @@ from minpro_jax.models.transformer import KVCache, keys_head_dim_major
 from minpro_jax.runtime import multihost
 from minpro_jax.runtime.row_layout import rows_to_host
 from minpro_jax.sampling import continuous as cb
-from minpro_jax.sampling.batch import FINISH_LENGTH, FINISH_STOP, GenerationBatch
+from minpro_jax.sampling.batch import GenerationBatch
 from minpro_jax.sampling.engines.base import bucket
 from minpro_jax.sampling.engines.continuous import ContinuousEngine
 from minpro_jax.sampling.methods import SamplingParams
@@ -336,15 +336,14 @@ class StreamPool:
     slots = slots[mine]
     # the prompts left-padded to their own bucket, as `Sampler.generate` returns a call of these prompts
     p = bucket(int(self.segs[ids % self.capacity].sum(1).max()), self.sampler.prompt_buckets) or self.p_len
-    return GenerationBatch(
-        prompt_tokens=self.tokens[slots, self.p_len - p :].copy(),
-        prompt_mask=self.segs[slots, self.p_len - p :].astype(bool),
-        response_tokens=tok,
-        response_mask=mask,
-        behavior_logp=logp,
-        entropy=ent,
-        lengths=mask.sum(-1).astype(np.int32),
-        finish_reason=np.where(stopped, FINISH_STOP, FINISH_LENGTH),
+    return GenerationBatch.from_decoded(
+        self.tokens[slots, self.p_len - p :].copy(),
+        self.segs[slots, self.p_len - p :],
+        tok,
+        logp,
+        ent,
+        mask,
+        stopped,
         group_ids=self.group_ids[slots].copy(),
         sample_index=self.sample_index[slots].copy(),
         policy_version=first if first != np.iinfo(np.int32).max else -1,
