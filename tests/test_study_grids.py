@@ -269,12 +269,18 @@ def test_a_missing_grid_names_the_repository_root_once(monkeypatch):
   assert str(e.value).endswith(f"no such file 'configs/studies/nope.py' (from {grid.REPO}); pass a grid .py file")
 
 
-def test_the_toolbox_grid():
-  """Issue 57: five arms x delays 0 and 8 x 3 seeds on the long-response setting, each arm at its entry of
-  LEARNING_RATES (one constant), decoupled PPO scoring pi_prox, VCPO's arm GRPO with learner.ess_step; every value
-  reads back from the command line and passes the loss and step checks."""
+def test_the_toolbox_grid(monkeypatch):
+  """Issue 57: five arms x delays 0 and 8 x 3 seeds on the long-response setting, each arm at the rate the lr stage
+  chose for its objective (GRPO's for DPPO, decoupled PPO and VCPO's step) and refused before that rate is set,
+  decoupled PPO scoring pi_prox, VCPO's arm GRPO with learner.ess_step; every value reads back from the command
+  line and passes the loss and step checks."""
   path = os.path.join(REPO, "configs", "studies", "toolbox.py")
   toolbox = load_module(path)
+  monkeypatch.setattr(minpro_long, "CHOSEN_RATES", None)
+  with pytest.raises(GridError, match="CHOSEN_RATES is still the placeholder"):
+    grid.load_grid(path)
+  chosen = {"minpro": 1e-5, "minpro-ppo": 2e-5, "cispo": 1e-5, "grpo": 2e-5, "gspo": 3e-5}
+  monkeypatch.setattr(minpro_long, "CHOSEN_RATES", chosen)
   g = grid.load_grid(path)
   runs = grid.expand(g)
   assert len(runs) == 30 and {dict(r.cell)["delay"] for r in runs} == {0, 8}
@@ -285,7 +291,8 @@ def test_the_toolbox_grid():
   assert run_config.loss_config(dec).reads_proximal_logp and run_config.ess_step(vcpo)  # the loss and step checks
   assert (dec.loss.method, dec.loss.proximal, dec.delay, dec.total_steps) == ("decoupled_ppo", "score", 8, learn + 8)
   assert (vcpo.loss.method, vcpo.learner.ess_step) == ("grpo", True)
-  assert planned["variant-dppo_delay-0_seed-1"].optimizer.learning_rate == toolbox.LEARNING_RATES["dppo"]
+  rates = {arm: planned[f"variant-{arm}_delay-0_seed-1"].optimizer.learning_rate for arm in toolbox.ARMS}
+  assert rates == {"minpro": 1e-5, "grpo": 2e-5, "dppo": 2e-5, "decoupled-ppo": 2e-5, "grpo-vcpo": 2e-5}
   assert dec.sft.target == "worked" and dec.sampling.max_new_tokens == minpro_long.MAX_NEW_TOKENS
   assert len(grid.expand(grid.load_grid(path + ":2"))) == 20
   with pytest.raises(GridError, match="pass the number of seeds"):

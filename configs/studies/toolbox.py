@@ -28,16 +28,19 @@ ARMS = {  # name -> the overrides of the arm
     "decoupled-ppo": {"loss.method": "decoupled_ppo", "loss.proximal": "score"},  # C = 2, GRPO's clip range
     "grpo-vcpo": {"loss.method": "grpo", "learner.ess_step": True},  # VCPO's step (not its baseline)
 }
-# The learning rate of each arm. Another developer is choosing a rate per objective by issue 55's rule (minpro_long's
-# stage "lr" and CHOSEN_RATES); until that is in, every arm runs at minpro_long's stage-0 rate, 3e-5, the rate its
-# stage 1 ran all methods at. Replace an entry by the chosen rate (VCPO's arm: GRPO's) before running.
-LEARNING_RATES = {
-    "minpro": 3e-5,
-    "grpo": 3e-5,
-    "dppo": 3e-5,
-    "decoupled-ppo": 3e-5,
-    "grpo-vcpo": 3e-5,
-}
+# The learning rate of each arm: the rate issue 55's rule chose for its objective (minpro_long.CHOSEN_RATES, from
+# the lr stage). DPPO and decoupled PPO are clipped / masked objectives with GRPO's trust region and no lr stage of
+# their own, and VCPO's arm is GRPO with another step: all three take GRPO's rate. The grid refuses to run until the
+# lr stage has set CHOSEN_RATES (on its first seed, 3e-5 collapsed MinPRO, so no placeholder rate is safe).
+RATE_OF = {"minpro": "minpro", "grpo": "grpo", "dppo": "grpo", "decoupled-ppo": "grpo", "grpo-vcpo": "grpo"}
+
+
+def learning_rates() -> dict:
+  """{arm: learning rate} from minpro_long.CHOSEN_RATES. Raises ValueError while it is the placeholder."""
+  chosen = long.stage2_rates()
+  return {arm: chosen[objective] for arm, objective in RATE_OF.items()}
+
+
 DELAYS = (0, 8)
 SEEDS = (0, 1, 2)
 REFERENCE = "grpo"  # each arm's paired difference with GRPO at the same delay and seed
@@ -48,16 +51,17 @@ def get_grid(arg=None) -> Grid:
   """arg: None (SEEDS), or "N" for seeds 0..N-1.
 
   Raises:
-    ValueError: an arg that is not a positive integer (the runner's GridError).
+    ValueError: an arg that is not a positive integer, or the lr stage's rates not set yet (the runner's GridError).
   """
   if arg is not None and (not str(arg).isdigit() or int(arg) < 1):
     raise ValueError(f"pass the number of seeds: --grid=<file>:N with N >= 1, got {arg!r}")
-  if set(LEARNING_RATES) != set(ARMS):
-    raise ValueError(f"toolbox.LEARNING_RATES must give a rate to every arm of {sorted(ARMS)}")
+  if set(RATE_OF) != set(ARMS):
+    raise ValueError(f"toolbox.RATE_OF must name an objective for every arm of {sorted(ARMS)}")
+  rates = learning_rates()
   return Grid(
       base="configs/default.py",
       fixed=long.FIXED,
-      variants={name: {**overrides, LR: LEARNING_RATES[name]} for name, overrides in ARMS.items()},
+      variants={name: {**overrides, LR: rates[name]} for name, overrides in ARMS.items()},
       axes={"delay": list(DELAYS)},
       seeds=tuple(range(int(arg))) if arg else SEEDS,
       derived=long.total_steps,  # LEARN_STEPS global steps with updates at every delay
