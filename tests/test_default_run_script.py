@@ -15,8 +15,8 @@ def test_the_readme_table_reads_back():
   rows = default_run.readme_rows((ROOT / "README.md").read_text())
   amd = default_run.matching_row(rows, "AMD EPYC 7B13")
   intel = default_run.matching_row(rows, "Intel(R) Xeon(R) Platinum 8481C")
-  assert "9bf3d7d" in amd and "2026-12-07" in amd and "2026-11-30" in intel
-  assert rows[amd] == {"after SFT": 14.4, "final": 26.8, "best": 27.3}
+  assert "9fe40a0" in amd and "2026-12-07" in amd and "2026-11-30" in intel
+  assert rows[amd] == {"after SFT": 14.4, "final": 26.7, "best": 27.3}
   assert rows[intel] == {"after SFT": 11.3, "final": 26.4, "best": 26.4}  # "= final"
   assert default_run.matching_row(rows, "Apple M2") is None
 
