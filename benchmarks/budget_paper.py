@@ -13,7 +13,8 @@ config of 2026-12-03), `_sampler_layout` (its own mesh and rows, dense), `_paged
 as it stands (paged on data x tensor=8); `_forecast` is the config as it stands costed on 2026-12-07 with the
 forecast beside the roofline (issue 54: the score pass on every 10th step, the evaluation on its own program and
 calls), beside the older rows it does not replace; `_forecast_decode54` the same configs after issue 54's item 3 (the
-decode step without K/V or logits all-gathers), beside the `_forecast` rows from before it.
+decode step without K/V or logits all-gathers), beside the `_forecast` rows from before it; `_bisect54` the v5p-64
+config after top-p's past-the-candidates branch stopped gathering the logits.
 Needs libtpu (`make setup`). Each entry compiles 4 programs, 5-40 minutes on this project's 2-core CPU.
 """
 
@@ -73,6 +74,9 @@ ENTRIES = [
     ("qwen3_8b_v5p-32_forecast_decode54", "v5p-32", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v6e-16_forecast_decode54", "v6e-16", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_4b_mipu_v5p-8_forecast_decode54", "v5p-8", [f"--config={PAPER}/mipu_qwen3_4b.py", *MIPU_LENGTHS]),
+    # after the top-p draw past its candidates bisects for the nucleus instead of gathering the logits (the
+    # evaluation's setting): the `_decode54` row above is the same config before it
+    ("qwen3_8b_v5p-64_forecast_bisect54", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
 ]
 
 

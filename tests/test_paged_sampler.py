@@ -241,7 +241,7 @@ topology = topologies.get_topology_desc(
     platform="tpu", topology_name="v5p:2x2x1", chip_config_name="default", chips_per_host_bounds=(2, 2, 1),
     num_slices=1,
 )
-data, tensor = int(sys.argv[1]), int(sys.argv[2])
+data, tensor, top_p = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 mesh = make_mesh({"data": data, "tensor": tensor}, devices=topology.devices)
 cfg = get_preset("qwen3-8b").replace(num_layers=2)
 kv = PagedKV(page_size=64, num_pages=512)  # kernel "auto"
@@ -256,7 +256,7 @@ n, p = 256, 256
 arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, PartitionSpec()))
 requests = (arg((n, p), jnp.int32), arg((n, p), jnp.int32), arg((n,), jnp.int32), arg((n, 2), jnp.uint32))
 rows, refill = s.engine.rows_and_refill(n)
-sp = SamplingParams(temperature=1.0, max_new_tokens=1024)
+sp = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=1024)
 with s.mesh_context():
   lowered = s.engine.program.lower(state, requests, sampling=sp, p_len=p, rows=rows, refill=refill, unit=8)
 comps = hlo_text.parse_hlo(lowered.compile().as_text())
@@ -294,12 +294,17 @@ print(f"RESULT computations={len(seen)} kernels={','.join(names)} "
 """
 
 
+# the paper's training draw (temperature 1) on 2 x 2, the evaluation's (top-p 0.95) on 1 x 4
+TOP_P = {(2, 2): 1.0, (1, 4): 0.95}
+
+
 @functools.lru_cache(maxsize=None)
 def _tpu_paged(data: int, tensor: int) -> dict:
   """The RESULT of `_TPU_PAGED` on data x tensor (one compile per layout, shared by the tests below)."""
   from tests.tpu_helpers import run_with_libtpu
 
-  (r,) = run_with_libtpu(f"import sys; sys.argv[1:] = ['{data}', '{tensor}']\n" + _TPU_PAGED, timeout=400)
+  argv = f"['{data}', '{tensor}', '{TOP_P[data, tensor]}']"
+  (r,) = run_with_libtpu(f"import sys; sys.argv[1:] = {argv}\n" + _TPU_PAGED, timeout=400)
   return r
 
 
@@ -318,18 +323,30 @@ def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_never_copies_th
   assert r["pool_copies"] == "0", r
 
 
+# collectives of a decode step's draw beyond the embedding's and the layers' (vocab_draw's module docstring)
+DRAW_COLLECTIVES = {
+    1.0: 4,  # the max, the next shard's head, the block sums, the token
+    # + the candidates (one all-gather of [rows, 2, t * 1024]), the kept mass, the threshold's bounds; past the
+    # candidates (lax.cond, counted once): the bisection's all-reduce, the min, the threshold's mass, the ties
+    # (counts, i_tau)
+    0.95: 7 + 6,
+}
+
+
 @pytest.mark.parametrize("data,tensor", [(2, 2), (1, 4)])
 def test_the_compiled_tpu_decode_step_gathers_neither_keys_values_nor_logits(data, tensor):
   """The decode step on TPU (the computations that call the kernel, and what they call) holds no all-gather of the
   new token's keys / values (`write_slots` per chip in a shard_map) and none of a chip's share of the [rows, vocab]
-  logits or more (`sampling.vocab_draw`), and at most 2 collectives per layer + 5: the layers' two all-reduces, the
-  vocabulary-split embedding's all-reduce, and the draw's max, next-shard head, block sums and token (issue 54).
-  Measured 2026-12-07 (libtpu 0.0.42.1) at tensor=4: 9 = 5 all-reduces (embedding, 2 x 2 layers) + the draw's 4;
-  before, 22, with all-gathers of bf16[64,1,8,128] keys and values per layer and of f32[64,76032] logits."""
+  logits or more (`sampling.vocab_draw`, top-p past its candidates included), and 2 collectives per layer + 1 (the
+  vocabulary-split embedding's all-reduce) + the draw's (`DRAW_COLLECTIVES`) (issue 54). Measured 2026-12-07 (libtpu
+  0.0.42.1): temperature 1 on 2 x 2, 9; top-p 0.95 on 1 x 4, 17 (before the bisection its past-the-candidates branch
+  all-gathered the logits); before the vocabulary-split draw, 22 at temperature 1, with all-gathers of
+  bf16[64,1,8,128] keys and values per layer and of f32[64,76032] logits."""
   r = _tpu_paged(data, tensor)
   assert r["kv_gathers"] == "0", r
   assert r["logit_gathers"] == "0", r
-  assert int(r["step_collectives"]) <= 2 * 2 + 5, r
+  assert int(r["step_collectives"]) <= 2 * 2 + 1 + DRAW_COLLECTIVES[TOP_P[data, tensor]], r
+  assert r["step_ops"].count("all-gather") == (TOP_P[data, tensor] < 1), r  # the top-p candidates only
 
 
 def test_paged_sampler_on_row_groups_equals_static(state):

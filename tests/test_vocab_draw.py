@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from minpro_jax.runtime.inference_mesh import INFERENCE_RULES
 from minpro_jax.runtime.sharding import make_mesh, use_mesh
-from minpro_jax.sampling import SamplingParams, get_next_tokens, truncation_logits
+from minpro_jax.sampling import SamplingParams, get_next_tokens, truncation_logits, vocab_draw
 from minpro_jax.sampling.methods import sample_categorical
 from minpro_jax.sampling.vocab_draw import block_layout, tree_sum
 
@@ -86,9 +86,10 @@ def test_the_sharded_draw_is_the_one_device_draw_bit_for_bit(mesh, v, name):
   assert len(set(np.asarray(one.tokens).tolist())) > 1 or sp.greedy  # the rows drew different tokens
 
 
-def test_top_p_past_the_candidates_sorts_the_whole_vocabulary_on_shards(mesh):
+def test_top_p_past_the_candidates_bisects_on_shards(mesh):
   """Top-p 0.999 on a nearly flat distribution over 6000 tokens: every nucleus holds more than the 1024 candidates,
-  so the draw takes the `lax.cond` branch that gathers a shard's logits whole; still the one-device draw's."""
+    so the draw takes the `lax.cond` branch that bisects for the nucleus's threshold; still the one-device draw's and
+  the tokens of the full sort of before."""
   sp = SamplingParams(temperature=1.0, top_p=0.999)
   logits, keys = _inputs(6000, seed=5, scale=0.1)
   one, sharded = _draw_both(mesh, logits, keys, sp)
@@ -96,6 +97,41 @@ def test_top_p_past_the_candidates_sorts_the_whole_vocabulary_on_shards(mesh):
   for field in ("tokens", "logp", "entropy", "kept_logp_threshold"):
     np.testing.assert_array_equal(np.asarray(getattr(one, field)), np.asarray(getattr(sharded, field)), err_msg=field)
   np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(_before(logits, keys, sp)[0]))
+
+
+@pytest.mark.parametrize("scale,top_p", [(0.1, 0.999), (0.05, 0.9)])
+def test_top_p_past_the_candidates_with_ties_across_shards(mesh, scale, top_p):
+  """bf16 logits of a flat distribution: hundreds of tokens share each value, so the nucleus's last value is shared by
+  tokens on several shards and the bisection's tie count decides i_tau; still bit for bit the one-device draw."""
+  sp = SamplingParams(temperature=1.0, top_p=top_p)
+  logits, keys = _inputs(6000, seed=11, scale=scale)
+  logits = (logits + 4.0).astype(jnp.bfloat16).astype(jnp.float32)  # a step of 2^-6 near 4
+  assert len(np.unique(np.asarray(logits[0]))) < 100  # > 60 tokens a value
+  one, sharded = _draw_both(mesh, logits, keys, sp)
+  for field in ("tokens", "logp", "entropy", "kept_logp_threshold"):
+    np.testing.assert_array_equal(np.asarray(getattr(one, field)), np.asarray(getattr(sharded, field)), err_msg=field)
+  np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(_before(logits, keys, sp)[0]))
+
+
+@pytest.mark.parametrize(
+    "scale,top_p,bf16", [(0.1, 0.999, False), (0.05, 0.9, True), (1.0, 0.99, True), (3.0, 0.5, False)]
+)
+def test_the_nucleus_search_keeps_the_sorted_prefix(scale, top_p, bf16):
+  """`_nucleus_search` (one device) keeps exactly the tokens of the full sort and cumsum (`truncation_logits`), ties
+  included, on rows whose nucleus is small or large."""
+  logits = jax.random.normal(jax.random.key(3), (ROWS, 3000)) * scale
+  logits = (logits + 4.0).astype(jnp.bfloat16).astype(jnp.float32) if bf16 else logits
+  m = jnp.max(logits, axis=-1)
+  e = jnp.exp(logits - m[:, None])
+  mass_above = lambda tau: jnp.sum(jnp.where(logits > tau[:, None], e, 0.0), axis=-1)  # noqa: E731
+  tau, i_tau = jax.jit(
+      lambda x: vocab_draw._nucleus_search(x, vocab_draw._Shard((), 1), top_p, mass_above, jnp.sum(e, axis=-1), m)
+  )(logits)
+  ids = jnp.arange(3000)[None, :]
+  got = (logits > tau[:, None]) | ((logits == tau[:, None]) & (ids <= i_tau[:, None]))
+  want = jnp.isfinite(truncation_logits(logits, None, top_p))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert np.sum(np.asarray(want)) > ROWS  # not just the top token
 
 
 def test_block_layout_and_tree_sum():

@@ -18,12 +18,14 @@ Top-k / top-p: each shard's `lax.top_k` candidates (values, global ids) are gath
 them: `lax.top_k` orders equal values by lower index, and the gathered candidates are in shard order, so this is the
 full vocabulary's `lax.top_k`. The nucleus is `methods._nucleus_keep` on them, and the kept set is the threshold
 test of `methods._sorted_prefix_mask`, elementwise on each shard. Top-p alone, on a row whose nucleus reaches past
-`TOP_P_CANDIDATES` tokens, gathers the shard's logits whole (`lax.cond`; rare at top_p <= 0.99).
+`TOP_P_CANDIDATES` tokens, finds the nucleus's threshold by bisection over the logits' values (`_nucleus_search`,
+`lax.cond`; rare at top_p <= 0.99): all-reduces of block sums, no gather of the logits.
 
 Collectives per draw over the vocabulary axes (none on one device): a max of the rows' logits, the next shard's
 first `SAMPLE_BLOCK` logits (a `ppermute`; an all-gather of the whole vocabulary when a shard is shorter than a
 block), the block sums (a sum of each shard's blocks at their places), the token (a max); greedy also the argmax (a
-min); with truncation also the candidates (all-gather) and the threshold's min / max.
+min); with truncation also the candidates (an all-gather of [rows, t * k]) and the threshold's min / max; top-p
+past the candidates, 34 all-reduces of [rows, blocks] or [rows, t] and three min / max.
 """
 
 from __future__ import annotations
@@ -106,10 +108,65 @@ def first_above(weights_bn: jax.Array, u_b: jax.Array) -> jax.Array:
   return jnp.where(first < n, first, jnp.maximum(last, 0)).astype(jnp.int32)
 
 
-def _kept_rule(sc, shard: _Shard, v: int, top_k, top_p, log_z_full, nucleus_keep, candidates: int):
+def _float_key(x: jax.Array) -> jax.Array:
+  """int32 keys in the order of the float32 values (an involution: `_float_key(_float_key(x)) bits == x bits`)."""
+  i = jax.lax.bitcast_convert_type(x, jnp.int32)
+  return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+def _key_float(k: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(k ^ ((k >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
+def _nucleus_search(sc, shard: _Shard, top_p: float, mass_above, z, m):
+  """(tau, i_tau) [B] of the nucleus found by a threshold search, without gathering the logits.
+
+  The kept set is the sorted-prefix rule of `methods._nucleus_keep` (a token is kept while the mass before it is
+  < top_p) with the mass before a token taken as A(s) + j * q: A(s) = `mass_above(s)`, the unnormalised mass of the
+  tokens with logit > s (block tree sums, the same on any split), q = exp(s - m) a token's own weight, j its rank
+  among the tokens of equal logit (by id). A is non-increasing in s, so the lowest kept logit is the least token
+  logit >= tau0, tau0 the least float with A(tau0) < top_p * z: a bisection over the floats' int32 order (32
+  rounds of one all-reduce of [B, blocks] sums). Ties at that logit are counted by id across the shards (an
+  all-reduce of [B, t] counts). Against the whole vocabulary's sort and cumsum the set moves only where a mass lies
+  within fp32 rounding of top_p (the tests' rows: none).
+  """
+  b, vl = sc.shape
+  target = top_p * z
+  lo = _float_key(shard.pmin(jnp.min(sc, axis=-1))) - 1  # A(lo) = z >= target: not kept
+  hi = _float_key(m)  # A(max) = 0 < target: kept
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    live = lo + 1 < hi
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without int32 overflow
+    ok = mass_above(_key_float(jnp.where(live, mid, hi))) < target
+    return jnp.where(live & ~ok, mid, lo), jnp.where(live & ok, mid, hi)
+
+  _, hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))  # keys span < 2^32: 32 halvings close every row
+  tau = shard.pmin(jnp.min(jnp.where(sc >= _key_float(hi)[:, None], sc, jnp.inf), axis=-1))
+  before = mass_above(tau)  # < target
+  q = jnp.exp(tau - m)
+  tied = sc == tau[:, None]
+  own = jnp.sum(tied, axis=-1, dtype=jnp.int32)
+  counts = own[:, None] * (jnp.arange(shard.t)[None, :] == shard.index)
+  counts = jax.lax.psum(counts, shard.axes) if shard.axes else counts
+  # n: the tied tokens kept, #{j >= 0 : before + j * q < target}, at least 1, at most all of them
+  total = jnp.sum(counts, axis=-1)
+  n = jnp.clip(jnp.ceil((target - before) / q), 1, total).astype(jnp.int32)  # q = 0 (underflow): inf -> all
+  n = jnp.where((n < total) & (before + n.astype(jnp.float32) * q < target), n + 1, n)
+  n = jnp.where((n > 1) & (before + (n - 1).astype(jnp.float32) * q >= target), n - 1, n)
+  # the n-th tied token by id: on the shard whose tied tokens hold it
+  rank = n - jnp.sum(jnp.where(jnp.arange(shard.t)[None, :] < shard.index, counts, 0), axis=-1)
+  pos = jnp.argmax(tied & (jnp.cumsum(tied, axis=-1) == rank[:, None]), axis=-1)
+  i_tau = jnp.where((rank >= 1) & (rank <= own), shard.index * vl + pos.astype(jnp.int32), -1)
+  return tau, shard.pmax(i_tau)
+
+
+def _kept_rule(sc, shard: _Shard, v: int, top_k, top_p, nucleus_keep, candidates: int, full=None):
   """(tau, i_tau) [B]: the kept set is {id : sc > tau or (sc == tau and id <= i_tau)} (`_sorted_prefix_mask`),
-  from the gathered per-shard `lax.top_k` candidates; `log_z_full()` gives the full distribution's log-normaliser
-  (top-p alone)."""
+  from the gathered per-shard `lax.top_k` candidates ([B, t * k], never the logits). Top-p alone: `full` =
+  (mass_above, z, m) of the whole distribution (`_nucleus_search`), which decides the rows whose nucleus reaches
+  past the candidates."""
   b, vl = sc.shape
   use_k = bool(top_k) and top_k < v
   use_p = top_p is not None and top_p < 1.0
@@ -127,20 +184,27 @@ def _kept_rule(sc, shard: _Shard, v: int, top_k, top_p, log_z_full, nucleus_keep
     return jnp.take_along_axis(vals, r - 1, axis=-1)[:, 0], jnp.take_along_axis(ids, r - 1, axis=-1)[:, 0]
 
   lv, li = jax.lax.top_k(sc, min(k, vl))
-  vals, ids = top(shard.gather(lv, 1), shard.gather(li.astype(jnp.int32) + offset, 1), k)
+  # values and global ids in one all-gather (ids < 2^24 are exact as float32)
+  both = shard.gather(jnp.stack([lv, (li.astype(jnp.int32) + offset).astype(jnp.float32)]), 2)
+  vals, ids = top(both[0], both[1].astype(jnp.int32), k)
   if not use_p:
     return rule(vals, ids, jnp.ones(vals.shape, bool))
-  log_z = jax.nn.logsumexp(vals, axis=-1, keepdims=True) if use_k else log_z_full()[:, None]
+  if use_k:
+    log_z = jax.nn.logsumexp(vals, axis=-1, keepdims=True)
+  else:
+    mass_above, z, m = full
+    log_z = (m + jnp.log(z))[:, None]
   keep = nucleus_keep(jnp.exp(vals - log_z), top_p)
+  tau, i_tau = rule(vals, ids, keep)
   if use_k or k == v:
-    return rule(vals, ids, keep)
+    return tau, i_tau
+  past = keep[:, -1]  # the nucleus may reach past the candidates
 
-  def everything():  # the nucleus may reach past the candidates: sort the whole vocabulary
-    allv = shard.gather(sc, 1)
-    fv, fi = jax.lax.top_k(allv, v)
-    return rule(fv, fi.astype(jnp.int32), nucleus_keep(jnp.exp(fv - log_z), top_p))
+  def search():
+    st, si = _nucleus_search(sc, shard, top_p, mass_above, z, m)
+    return jnp.where(past, st, tau), jnp.where(past, si, i_tau)
 
-  return jax.lax.cond(jnp.any(keep[:, -1]), everything, lambda: rule(vals, ids, keep))
+  return jax.lax.cond(jnp.any(past), search, lambda: (tau, i_tau))
 
 
 def draw_shard(scaled, u, *, v: int, axes: tuple[str, ...], t: int, sampling, block: int, candidates: int, nucleus):
@@ -156,6 +220,8 @@ def draw_shard(scaled, u, *, v: int, axes: tuple[str, ...], t: int, sampling, bl
   Returns:
     (tokens [B] int32, logp [B], entropy [B], kept_logp_threshold [B] or None), as `methods.get_next_tokens`.
   """
+  if v >= 1 << 24:
+    raise ValueError(f"vocabulary of {v} tokens: the draw carries token ids as float32, exact below 2**24")
   shard = _Shard(axes, t)
   b, vl = scaled.shape
   firsts, counts, nbmax = block_layout(v, t, block)
@@ -197,9 +263,13 @@ def draw_shard(scaled, u, *, v: int, axes: tuple[str, ...], t: int, sampling, bl
       sc = jnp.where(scaled == 0, 0.0, scaled)
       use_k = bool(sampling.top_k) and sampling.top_k < v
       zh = None if use_k else whole(jnp.stack([ez, eh], axis=1))
-      log_z_full = lambda: m + jnp.log(tree_sum(zh[:, 0]))  # noqa: E731
-      tau, i_tau = _kept_rule(sc, shard, v, sampling.top_k, sampling.top_p, log_z_full, nucleus, candidates)
       ext_sc = jnp.where(ext == 0, 0.0, ext)
+
+      def mass_above(tau_b):  # [B]: the unnormalised mass of the tokens with logit > tau, as z is summed
+        return tree_sum(whole(tree_sum(as_blocks(jnp.where(ext_sc > tau_b[:, None], e, 0.0)))[:, None])[:, 0])
+
+      full = None if use_k else (mass_above, tree_sum(zh[:, 0]), m)
+      tau, i_tau = _kept_rule(sc, shard, v, sampling.top_k, sampling.top_p, nucleus, candidates, full)
       kept = (ext_sc > tau[:, None]) | ((ext_sc == tau[:, None]) & (gid <= i_tau[:, None]))
       weights = jnp.where(kept, e, 0.0)
       ew = tree_sum(as_blocks(weights))
@@ -211,8 +281,10 @@ def draw_shard(scaled, u, *, v: int, axes: tuple[str, ...], t: int, sampling, bl
       # the lowest kept and the highest dropped log-prob, over this shard's own tokens
       own_kept = (sc > tau[:, None]) | ((sc == tau[:, None]) & (ids <= i_tau[:, None]))
       own_shifted = scaled - m[:, None]
-      lowest = shard.pmin(jnp.min(jnp.where(own_kept, own_shifted, jnp.inf), axis=-1))
-      highest = shard.pmax(jnp.max(jnp.where(own_kept, NEG, own_shifted), axis=-1))
+      lowest = -jnp.max(jnp.where(own_kept, -own_shifted, NEG), axis=-1)
+      highest = jnp.max(jnp.where(own_kept, NEG, own_shifted), axis=-1)
+      bounds = shard.pmax(jnp.stack([-lowest, highest], axis=-1))  # one max for both
+      lowest, highest = -bounds[:, 0], bounds[:, 1]
       norm = tree_sum(bw)
       threshold = 0.5 * (lowest + highest) - jnp.log(z)
     else:
