@@ -14,7 +14,8 @@ as it stands (paged on data x tensor=8); `_forecast` is the config as it stands 
 forecast beside the roofline (issue 54: the score pass on every 10th step, the evaluation on its own program and
 calls), beside the older rows it does not replace; `_forecast_decode54` the same configs after issue 54's item 3 (the
 decode step without K/V or logits all-gathers), beside the `_forecast` rows from before it; `_bisect54` the v5p-64
-config after top-p's past-the-candidates branch stopped gathering the logits.
+config after top-p's past-the-candidates branch stopped gathering the logits; `_dense_delay59` / `_inflight59` the
+in-flight mode (issue 59) beside delay mode on the dense continuous sampler it runs.
 Needs libtpu (`make setup`). Each entry compiles 4 programs, 5-40 minutes on this project's 2-core CPU.
 """
 
@@ -49,6 +50,10 @@ SAMPLER_PARTS = ["--parts=sampling,transfer"]
 LEARNER = "--parts=score,update"
 SPLIT = ["--config.sampling.devices=16", "--config.micro_batch_size=16", "--parts=sampling,score,update"]
 
+INFLIGHT_BASE = ["--config.sampling.kv_cache=dense", "--parts=sampling,transfer,score"]
+INFLIGHT = ["--config.staleness.mode=inflight", "--config.staleness.inflight_every=16",
+            "--config.staleness.inflight_kv=recompute"]  # fmt: skip
+
 ENTRIES = [
     ("qwen3_8b_v5p-64", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
     ("qwen3_8b_v5p-64_forecast", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
@@ -77,6 +82,11 @@ ENTRIES = [
     # after the top-p draw past its candidates bisects for the nucleus instead of gathering the logits (the
     # evaluation's setting): the `_decode54` row above is the same config before it
     ("qwen3_8b_v5p-64_forecast_bisect54", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS]),
+    # issue 59: the in-flight mode (the dense continuous sampler it runs, d = 2, k = 16, the swap's recompute costed
+    # from the score pass) beside delay mode on the same sampler
+    ("qwen3_8b_v5p-64_dense_delay59", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *INFLIGHT_BASE]),
+    ("qwen3_8b_v5p-64_inflight59", "v5p-64", [f"--config={PAPER}/qwen3_8b.py", *MINPRO_LENGTHS, *INFLIGHT_BASE,
+                                              *INFLIGHT]),  # fmt: skip
 ]
 
 

@@ -277,11 +277,11 @@ def _small(**fields):
   return set_fields(c, fields)
 
 
-def _budget_rows(mesh, **fields):
+def _budget_rows(mesh, parts=("sampling",), **fields):
   from minpro_jax.aot.budget import Budget
   from minpro_jax.aot.topologies import parse_slice
 
-  b = Budget(_small(**fields), parse_slice("cpu:8"), mesh, lengths="gamma:mean=5", prompt_len=6, parts=("sampling",))
+  b = Budget(_small(**fields), parse_slice("cpu:8"), mesh, lengths="gamma:mean=5", prompt_len=6, parts=parts)
   return b, {r["part"]: r for r in b.run()}
 
 
@@ -327,15 +327,30 @@ def test_inflight_sampler_budget_replays_the_streaming_pool():
   from minpro_jax.aot.lengths import draw_lengths
   from minpro_jax.aot.stream_schedule import steady_schedule, streaming_schedule
 
-  b, rows = _budget_rows("fsdp=8", **{"staleness.mode": "inflight", "staleness.inflight_every": 3, "delay": 1})
+  from minpro_jax.aot import budget
+  from minpro_jax.aot.schedule import learning_flops
+
+  ov = {"staleness.mode": "inflight", "staleness.inflight_every": 3, "staleness.inflight_kv": "recompute", "delay": 1}
+  b, rows = _budget_rows("fsdp=8", parts=("sampling", "score"), **ov)
   assert b.progs.trainer_sampler.engine.name == "continuous"  # "auto" is the dense cache in this mode
   rows_count, refill = b.progs.trainer_sampler.engine.rows_and_refill(16)
   draws = [b.lengths] + [draw_lengths("gamma:mean=5", 16, 8, 1000 + i)[0] for i in range(7)]
-  want = steady_schedule(streaming_schedule(draws, rows_count, refill, 3, 1, 16, b.buckets), 2, b.buckets)
+  steps = streaming_schedule(draws, rows_count, refill, 3, 1, 16, b.buckets)
+  want = steady_schedule(steps, 2, b.buckets)
   assert rows["sampling: decode step"]["iterations"] == pytest.approx(want.decode_steps)
   assert rows["sampling: refill"]["iterations"] == pytest.approx(want.refills)
   delay = continuous_schedule(b.lengths, rows_count, refill, 16, b.buckets)
   assert want.decode_steps != delay.decode_steps  # the replay, not one delay-mode call
+  # the swap's recompute: the score pass's cost scaled by the live rows' forward FLOPs over the score's
+  rec, score = rows["recompute (in flight)"], next(r for name, r in rows.items() if name.startswith("score"))
+  drawn = [x for s in steps[2:] for x in s.live_lengths_at_swap]
+  assert drawn and rec["detail"]["live_rows_at_swap"] == pytest.approx(len(drawn) / 6)
+  mm = {"matmul_params": budget._matmul_params(b.cfg), "attn_flops_per_ctx": budget._attn_per_ctx(b.cfg)}
+  flops = learning_flops(np.asarray(drawn), b.prompt_len, **mm) / 6
+  assert rec["detail"]["forward_flops"] == pytest.approx(flops)
+  fwd = learning_flops(b.lengths, b.prompt_len, **mm)
+  calls = 1.0 / b.c.log.mismatch_every
+  assert rec["seconds_overlapped"] == pytest.approx(score["seconds_overlapped"] * flops / fwd / calls)
 
 
 def test_static_sampler_budget_runs_prefill_then_decode_to_the_longest_row():

@@ -299,7 +299,10 @@ class Budget:
         for i in range(STREAM_STEPS - 1)
     ]
     steps = streaming_schedule(draws, rows, refill, c.staleness.inflight_every, c.delay, p, self.buckets)
-    return steady_schedule(steps, min(c.delay + 1, STREAM_STEPS - 1), self.buckets)
+    skip = min(c.delay + 1, STREAM_STEPS - 1)
+    # the live rows' drawn tokens at the steady steps' swaps, and how many steps they span (the recompute's row)
+    self._swap_lengths = (np.asarray([x for s in steps[skip:] for x in s.live_lengths_at_swap]), len(steps) - skip)
+    return steady_schedule(steps, skip, self.buckets)
 
   def _group(self, name: str) -> int:
     """Samples per prompt of a sampler part: the step's group_size, or the evaluation's n."""
@@ -349,6 +352,8 @@ class Budget:
       rows.append(
           self._row(name, part, micro, fwd / peak_total * (1.0 / every + proximal) if has_rates else None, "score")
       )
+      if getattr(self, "_swap_lengths", None) is not None and c.staleness.inflight_kv == "recompute":
+        rows.append(self._recompute_row(rows[-1], part.calls, fwd, mm))
     if "update" in self.parts:
       what = pk["update"].describe() if pk else f"{sh.mini_batch}x{sh.seq_len}"
       calls = c.num_updates_per_step * run_config.num_epochs(c)  # every pass over the batch
@@ -369,6 +374,37 @@ class Budget:
     rows.append(step_row(rows, has_rates))
     common = self._common()
     return [{**common, **r} for r in rows]
+
+  def _recompute_row(self, score: dict, score_calls: float, score_flops: float, mm: dict) -> dict[str, Any]:
+    """The in-flight swap's recompute (`inflight_kv="recompute"`), a step's share: one forward over each live row's
+    prompt and drawn tokens (`_swap_lengths`, the replay's steady steps), costed as the score pass's forward (the same
+    model, the learner's layout) scaled by their forward FLOPs (`learning_flops`): an estimate from a compiled
+    program, not a program of its own. `score`: the score row; `score_calls`, `score_flops`: its runs a step and one
+    run's forward FLOPs."""
+    drawn, steps = self._swap_lengths
+    flops = learning_flops(drawn, self.prompt_len, **mm) / max(steps, 1)
+    scale = flops / score_flops / score_calls  # one run of the score program, times the recompute's share of it
+    peak_total = self.sl.num_chips * self.sl.chip.peak_bf16_flops
+    row = {
+        "part": "recompute (in flight)",
+        "iterations": None,
+        "detail": {
+            "live_rows_at_swap": drawn.size / max(steps, 1),
+            "mean_drawn_tokens": float(drawn.mean()) if drawn.size else 0.0,
+            "forward_flops": flops,
+            "scaled_from": score["part"],
+        },
+        "bound_seconds": flops / peak_total if peak_total else None,
+    }
+    for k in ("seconds_overlapped", "seconds_serial"):
+      row[k] = score[k] * scale if score.get(k) is not None else None
+    f = score.get("forecast")
+    if f is not None:
+      levels = ("low", "central", "high")
+      sec = np.array([f["seconds"][lvl] for lvl in levels]) * scale
+      terms = {t: np.array([v[lvl] for lvl in levels]) * scale for t, v in f["terms"].items()}
+      row["forecast"] = record(sec, terms, f["ops"] * scale, f["collectives"] * scale, None)
+    return row
 
   def _host_row(self) -> dict[str, Any]:
     """Host time per step (forecast only): each of the slice's processes (one a host) detokenises and grades its

@@ -7,7 +7,7 @@ batch's last response: admission refills them from the next batch, so the long t
 rows idle (`minpro_jax.aot.schedule.continuous_schedule`, one call per batch) is filled with the next batch's work.
 Each step's swap (the learner's new parameters into the sampler's layout, `Sampler.prepare_params`) is the
 delay mode's weight transfer, once a step: the same cost in both modes; with `inflight_kv="recompute"` the live
-rows' prefixes are also recomputed once a step (`live_rows_at_swap` of them).
+rows' prefixes are also recomputed once a step (`live_rows_at_swap` of them, `live_lengths_at_swap` tokens drawn).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from minpro_jax.sampling.continuous import refill_rule
 @dataclasses.dataclass(frozen=True)
 class StreamStep:
   """One global step of the streaming pool: decode steps, segments, live rows per decode step on average, the rows
-  still live when the step learns (they continue under the new version), refill iterations, and the decode steps
-  per live-length bucket (`Schedule.bucket_steps`; empty without `buckets`)."""
+  still live when the step learns (they continue under the new version), refill iterations, the decode steps
+  per live-length bucket (`Schedule.bucket_steps`; empty without `buckets`), and the tokens each live row has drawn
+  at the swap (`inflight_kv="recompute"` runs its prompt and these through the new weights)."""
 
   decode_steps: int
   segments: int
@@ -32,6 +33,7 @@ class StreamStep:
   live_rows_at_swap: int
   refills: int
   bucket_steps: tuple[int, ...] = ()
+  live_lengths_at_swap: tuple[int, ...] = ()
 
 
 def streaming_schedule(
@@ -103,7 +105,9 @@ def streaming_schedule(
       if s < ahead or unfinished[s - ahead] == 0:
         break
     live_at_swap = int((~done).sum())
-    out.append(StreamStep(decode, segments, busy / max(decode, 1), live_at_swap, refills, tuple(int(h) for h in hist)))
+    drawn = tuple(int(x) for x in step[~done])
+    out.append(StreamStep(decode, segments, busy / max(decode, 1), live_at_swap, refills, tuple(int(h) for h in hist),
+                          drawn))  # fmt: skip
   return out
 
 
