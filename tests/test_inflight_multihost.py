@@ -5,8 +5,8 @@ processes on this machine, started with `python -m minpro_jax.launch_local` as t
   same mesh, with parameter swaps in the middle of responses (`inflight_every` 2 < `max_new_tokens` 6): every
   sampled token's statistics, reward, advantage, segment count, occupancy and (per-token) staleness equal; the float
   statistics of the log-probs within 1e-5 (the collectives' reduction order, as in delay mode);
-* the two-process run resumed from its step-1 checkpoint (the pool written whole, mid-response) ends with the
-  metrics of the uninterrupted two-process run, exactly.
+* the two-process run resumed from its step-1 checkpoint (mid-response; each process wrote its shards of the pool
+  and its rows of the graded batches) ends with the metrics of the uninterrupted two-process run, exactly.
 """
 
 from __future__ import annotations
@@ -60,9 +60,18 @@ def test_two_process_inflight_run_equals_the_one_process_run(runs):
         assert got[step][k] == v, (step, k, v, got[step][k])
 
 
+def _bytes_under(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
 def test_two_process_inflight_run_resumes_mid_response(runs):
   tmp, _, two = runs
   assert checkpoint_steps(two) == [0, 1, 2]
+  # each process wrote its own shards of the pool (KV cache, rows' state) and rows of the graded batches: nothing was
+  # gathered to process 0 (measured: 21 and 18 kB; before, the pool whole from process 0 and nothing from process 1)
+  buffer = os.path.join(two, "checkpoints", "1", "buffer")
+  written = [_bytes_under(os.path.join(buffer, f"ocdbt.process_{i}")) for i in (0, 1)]
+  assert written[1] > 0.5 * written[0] > 0, written
   ov = _overrides(tmp, "resumed")
   shutil.copytree(two, ov["workdir"])
   shutil.rmtree(os.path.join(ov["workdir"], "checkpoints", "2"))  # resume after step 1: rows are mid-response

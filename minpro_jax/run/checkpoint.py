@@ -111,29 +111,40 @@ class RunCheckpointer:
   def _restore_meta(self, step: int) -> dict[str, Any]:
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-  def _restore_arrays(self, step: int, state_template: Any, batches_template: Any = None) -> tuple[Any, dict[str, Any]]:
+  def _restore_arrays(
+      self, step: int, state_template: Any, batches_template: Any = None, inflight_template: Any = None
+  ) -> tuple[Any, dict[str, Any]]:
     """(state, buffer tree); with `batches_template` (the waiting batches as abstract global arrays, a per-process
-    buffer: `process_inputs.buffer_template`) each process reads back only its rows of them."""
+    buffer: `process_inputs.buffer_template`) each process reads back only its rows of them; with
+    `inflight_template` (`InflightRunner.checkpoint_template`) the streaming pool's device arrays come back as
+    global arrays on their shardings (each process reads its shards) and its graded batches as this process's rows."""
     buffer_args = ocp.args.StandardRestore()
-    if batches_template is not None:
-      count = len(batches_template)
-      buffer_args = ocp.args.StandardRestore(
-          {
-              "count": np.zeros((), np.int64),
-              "steps": np.zeros((count + 1,), np.int64),
-              "batches": batches_template or {"_": np.zeros(())},
-          }
-      )
+    if batches_template is not None or inflight_template is not None:
+      count = len(batches_template or {})
+      tree = {
+          "count": np.zeros((), np.int64),
+          "steps": np.zeros((count + 1,), np.int64),
+          "batches": batches_template or {"_": np.zeros(())},
+      }
+      if inflight_template is not None:
+        tree["inflight"] = inflight_template
+      buffer_args = ocp.args.StandardRestore(tree)
     restored = self._mngr.restore(
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_like(state_template)), buffer=buffer_args)
     )
-    return restored["state"], jax.tree.map(_host_rows, restored["buffer"])
+    buffer = dict(restored["buffer"])
+    inflight = buffer.pop("inflight", None)
+    buffer = jax.tree.map(_host_rows, buffer)
+    if inflight is not None:  # the pool's device arrays stay global; the graded batches become this process's rows
+      buffer["inflight"] = {**inflight, "ready": jax.tree.map(_host_rows, inflight["ready"])}
+    return restored["state"], buffer
 
   def restore_latest(
       self,
       state_template: Any,
       check_meta: Callable[[dict[str, Any]], None] | None = None,
       buffer_template: Callable[[dict[str, Any]], Any] | None = None,
+      inflight_template: Callable[[dict[str, Any]], Any] | None = None,
   ) -> tuple[int, Any, dict[str, Any], dict[str, Any]] | None:
     """Restores the newest run checkpoint that reads back, falling back to older ones.
 
@@ -149,6 +160,8 @@ class RunCheckpointer:
       check_meta: called with each checkpoint's meta before its arrays are read; exceptions it raises propagate.
       buffer_template: called with the meta: the abstract waiting batches of a buffer written per process
         (`process_inputs.buffer_template`; each process then gets back its own rows), or None for one written whole.
+      inflight_template: called with the meta: the abstract streaming pool and graded batches
+        (`InflightRunner.checkpoint_template`), or None (read back whole).
 
     Returns:
       (step, state, buffer_state, meta), or None when there is no run checkpoint.
@@ -169,7 +182,8 @@ class RunCheckpointer:
         check_meta(meta)
       try:
         batches = None if buffer_template is None else buffer_template(meta)
-        state, buffer_state = self._restore_arrays(step, state_template, batches)
+        inflight = None if inflight_template is None else inflight_template(meta)
+        state, buffer_state = self._restore_arrays(step, state_template, batches, inflight)
       except Exception as e:  # noqa: BLE001
         errors.append((step, e))
         continue
@@ -290,8 +304,8 @@ def _numpy_tree(tree):
       if batches
       else {"_": np.zeros(())}
   )
-  if "inflight" in tree:  # the streaming mode's pool and graded batches (`InflightRunner.state_dict`)
-    out["inflight"] = jax.tree.map(np.asarray, tree["inflight"])
+  if "inflight" in tree:  # the streaming mode's pool and graded batches (`InflightRunner.state_dict`), global arrays
+    out["inflight"] = jax.tree.map(lambda v: v if isinstance(v, jax.Array) else np.asarray(v), tree["inflight"])
   return out
 
 

@@ -32,9 +32,9 @@ Several JAX processes (docs/multihost.md) run the same pool: every process admit
 keys and runs the same segments on the global mesh, so the host-side decisions (which batches finished, the refill,
 the segments of a step) are the same on every process; a finished batch comes back to each process as its rows only
 (`StreamPool.collect(own_rows=True)`: whole groups), which it grades, scores and keeps, and the learner's global
-arrays are made from every process's rows (`Trainer.learner_batch`), as in delay mode. The checkpoint holds the pool
-whole (the same on every process: written once) and the graded batches gathered whole (each process keeps its rows
-on resume).
+arrays are made from every process's rows (`Trainer.learner_batch`), as in delay mode. Each process writes and reads
+back its own shards of the pool's device arrays and its own rows of the graded batches (`state_dict`,
+`checkpoint_template`); the host state, the same on every process, is written once.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import numpy as np
 from minpro_jax.errors import ConfigError
 from minpro_jax.rl import process_inputs
 from minpro_jax.rl.rollout import RolloutBatch
+from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling.engines.base import bucket
 from minpro_jax.sampling.streaming import StreamPool
@@ -146,20 +147,40 @@ class InflightRunner:
 
   # ------------------------------------------------------------------------------------------------ checkpoints
   def state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(arrays, meta): the pool's arrays and the graded batches waiting to be learnt (for the checkpoint's buffer),
-    and as JSON the admitted batches' problems (indices into the training problems) and the waiting batches'
-    sample metrics. Whole and the same on every process (collective in a multi-process run: the pool's device
-    arrays and each process's rows of the graded batches are all-gathered)."""
+    """(arrays, meta): the pool's arrays (`StreamPool.state_dict`: its device arrays as they are sharded) and the
+    graded batches waiting to be learnt (for the checkpoint's buffer: in a multi-process run each process's rows as
+    one global array, `process_inputs.buffer_to_global`, so each process writes its own), and as JSON the admitted
+    batches' problems (indices into the training problems), the waiting batches' sample metrics and the graded
+    batches' layout (`process_inputs.buffer_layout`). Nothing is gathered."""
     n = self.rows_per_batch
-    ready = {str(b): process_inputs.gather_batch(x, n).to_dict() for b, (x, _) in self.ready.items()}
+    ready = {"steps": np.zeros((0,), np.int64), "batches": {str(b): x.to_dict() for b, (x, _) in self.ready.items()}}
+    layout = process_inputs.buffer_layout(ready, n)
+    ready = process_inputs.buffer_to_global(ready, n)["batches"]
     arrays = {"pool": self.pool.state_dict(), "ready": ready or {"_": np.zeros(())}}  # orbax: no empty container
     meta = {
         "version": self._version,
         "waiting": {str(b): [self.problem_index[p.id] for p in w["problems"]] for b, w in self.waiting.items()},
         "waiting_ids": {str(b): [w["ids"][0], len(w["ids"])] for b, w in self.waiting.items()},
         "ready_metrics": {str(b): m for b, (_, m) in self.ready.items()},
+        "ready_layout": layout,
     }
     return arrays, json.loads(json.dumps(meta, default=float))
+
+  def checkpoint_template(self, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The abstract arrays of `state_dict` for the checkpoint of `meta` (`RunCheckpointer.restore_latest`'s
+    `inflight_template`): the pool's device arrays on its shardings and, in a multi-process run, the graded batches
+    as the global arrays each process reads its rows of. None for a checkpoint of before `ready_layout` (its pool
+    and batches were written whole: read back whole)."""
+    layout = meta.get("inflight", {}).get("ready_layout")
+    if layout is None:
+      return None
+    ready = process_inputs.buffer_template({"buffer": layout}) if multihost.process_count() > 1 else None
+    if ready is None:  # one process: the batches as numpy of their shapes
+      ready = {
+          b: {f: np.zeros(shape, dtype) for f, (shape, dtype) in fields.items()}
+          for b, fields in layout["batches"].items()
+      }
+    return {"pool": self.pool.checkpoint_template(), "ready": ready or {"_": np.zeros(())}}
 
   def load_state_dict(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Restores `state_dict`'s pool, waiting batches and graded batches (their sample time restarts at 0)."""
@@ -174,9 +195,9 @@ class InflightRunner:
           "admitted": time.time(),
       }
     ready, c = arrays.get("ready", {}), self.tr.c
+    whole = "ready_layout" not in meta  # written whole (before per-process checkpoints): keep this process's rows
+    own = lambda x: process_inputs.own_rows(x, c.prompts_per_step, c.group_size) if whole else x  # noqa: E731
     self.ready = {
-        int(b): (process_inputs.own_rows(RolloutBatch.from_dict(ready[b]), c.prompts_per_step, c.group_size), m)
-        for b, m in meta["ready_metrics"].items()
-        if b in ready
+        int(b): (own(RolloutBatch.from_dict(ready[b])), m) for b, m in meta["ready_metrics"].items() if b in ready
     }
     self._prepared, self._version = None, meta["version"]  # the next step swaps when its version is newer

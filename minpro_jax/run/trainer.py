@@ -395,7 +395,7 @@ class Trainer:
         "metrics": self._writer.rows_upto(step) if self._writer is not None else [],  # put back if the file lost them
     }
     buf = buffer.state_dict()
-    if isinstance(self.steps, InflightRunner):  # the streaming pool and its batches, whole (the delay buffer is empty)
+    if isinstance(self.steps, InflightRunner):  # the streaming pool and its batches, per process (delay buffer: empty)
       buf["inflight"], meta["inflight"] = self.steps.state_dict()
     elif multihost.process_count() > 1:  # each process writes its own rows of the waiting batches
       n = self.c.prompts_per_step * self.c.group_size
@@ -417,7 +417,10 @@ class Trainer:
             "command), or start a new run in another --config.workdir"
         )
 
-    restored = self.ckpt.restore_latest(state, check_meta=check, buffer_template=process_inputs.buffer_template)
+    inflight = self.steps.checkpoint_template if isinstance(self.steps, InflightRunner) else None
+    restored = self.ckpt.restore_latest(
+        state, check_meta=check, buffer_template=process_inputs.buffer_template, inflight_template=inflight
+    )
     if restored is None:
       return state, progress, 0
     latest, state, buf_state, meta = restored

@@ -22,8 +22,8 @@ Several JAX processes (docs/multihost.md) run one pool together: every process a
 the same segments on the global mesh, so the pool's host-side state (the ring, the started count, which requests
 are live or finished) is the same on every process; only the small [B] row flags are read back whole
 (`multihost.to_host`), and `collect(own_rows=True)` gives each process only its rows of a finished batch (whole
-groups, `row_layout.rows_to_host`), as `Sampler.generate(own_rows=True)` does. A restored pool's first segment takes
-its state as host values (the same on every process: jit takes them as the global value).
+groups, `row_layout.rows_to_host`), as `Sampler.generate(own_rows=True)` does. A checkpoint holds the device arrays
+as they are sharded (each process writes and reads back its own shards: `state_dict`, `checkpoint_template`).
 
 What a request samples depends only on its prompt, its row key (`Sampler.generate`'s: fold_in(fold_in(key(seed),
 group), sample)) and the parameters each of its tokens was drawn under, never on the ring slot or decode row it ran
@@ -353,20 +353,38 @@ class StreamPool:
     )
 
   # ------------------------------------------------------------------------------------------------ checkpoints
-  def state_dict(self) -> dict[str, np.ndarray]:
-    """Everything the pool holds, as host arrays (a checkpoint's; `load_state_dict` restores it exactly): whole, the
-    same on every process (collective in a multi-process run: the device arrays are all-gathered)."""
-    leaves = multihost.to_host(jax.tree.leaves((self.pool, self.version_map)))
-    out = {f"device_{i}": np.asarray(a) for i, a in enumerate(leaves)}
+  def _host_state(self) -> dict[str, np.ndarray]:
     host = {"tokens": self.tokens, "segs": self.segs, "groups": self.groups, "keys": self.keys}
     host.update(group_ids=self.group_ids, sample_index=self.sample_index, owner=self.owner)
-    return {**out, **{f"host_{k}": v.copy() for k, v in host.items()}, "counts": np.asarray([self.nxt, self.avail])}
+    return {**{f"host_{k}": v.copy() for k, v in host.items()}, "counts": np.asarray([self.nxt, self.avail])}
 
-  def load_state_dict(self, d: dict[str, np.ndarray]) -> None:
+  def _device_leaves(self) -> list:
+    return [jnp.asarray(a) for a in jax.tree.leaves((self.pool, self.version_map))]
+
+  def state_dict(self) -> dict:
+    """Everything the pool holds, for a checkpoint (`load_state_dict` restores it exactly): the device arrays (the
+    KV cache, the rows' state) as the pool's own global arrays, which orbax writes shard by shard from the process
+    that holds each (nothing is gathered: at the paper's scale the cache is terabytes), and the host state (the
+    ring, the same on every process) as numpy."""
+    return {**{f"device_{i}": a for i, a in enumerate(self._device_leaves())}, **self._host_state()}
+
+  def checkpoint_template(self) -> dict:
+    """The abstract `state_dict` a checkpoint restores into: the device arrays as `jax.ShapeDtypeStruct`s on the
+    pool's own shardings (each process reads back only its shards), the host state as numpy of its shapes."""
+    dev = {
+        f"device_{i}": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        for i, a in enumerate(self._device_leaves())
+    }
+    return {**dev, **{k: np.zeros_like(v) for k, v in self._host_state().items()}}
+
+  def load_state_dict(self, d: dict) -> None:
+    """Restores `state_dict`: device leaves as global arrays on the pool's shardings (`checkpoint_template`), or as
+    numpy read whole (a one-process checkpoint restored without the template)."""
     treedef = jax.tree.structure((self.pool, self.version_map))
     n = treedef.num_leaves
     with self.sampler.mesh_context():
-      leaves = _placed([np.asarray(d[f"device_{i}"]) for i in range(n)])
+      leaves = [d[f"device_{i}"] for i in range(n)]
+      leaves = _placed([a if isinstance(a, jax.Array) else np.asarray(a) for a in leaves])
       self.pool, self.version_map = jax.tree.unflatten(treedef, leaves)
     for k in ("tokens", "segs", "groups", "keys", "group_ids", "sample_index", "owner"):
       setattr(self, k, np.asarray(d[f"host_{k}"]).astype(getattr(self, k).dtype))
