@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from minpro_jax.data import ProblemLoader, format_prompt
 from minpro_jax.data.rewards import overlong_penalty
-from minpro_jax.errors import CheckpointError, ConfigError, TrainingError
+from minpro_jax.errors import TrainingError
 from minpro_jax.rl import lr_decay, process_inputs, rollout_metrics
 from minpro_jax.rl.advantages import group_advantages
 from minpro_jax.rl.dynamic_sampling import Round, fill_informative
@@ -53,8 +53,7 @@ from minpro_jax.rl.process_dynamic import take_own_groups
 from minpro_jax.rl.rollout import RolloutBatch, RolloutBuffer, mask_truncated
 from minpro_jax.rl.token_staleness import staleness_from_counts, token_staleness_metrics
 from minpro_jax.rl.update_metrics import combine_update_metrics
-from minpro_jax.run import resume_check, run_config, run_load, sampler_setup
-from minpro_jax.run.checkpoint import buffer_state_from_restored
+from minpro_jax.run import run_config, run_load, sampler_setup, step_checkpoint
 from minpro_jax.run.heldout import evaluate, grade_split
 from minpro_jax.run.inflight_runner import InflightRunner, inflight_mode
 from minpro_jax.run.metrics_log import MetricsWriter, plot_run, write_summary
@@ -386,57 +385,18 @@ class Trainer:
     return res
 
   def _save(self, step: int, state, buffer: RolloutBuffer, progress: RunProgress) -> None:
-    meta = {
-        "global_step": step,
-        "data": self.loader.get_state(),
-        "config": resume_check.resume_fingerprint(self.c),
-        "progress": progress.to_json(),
-        "process_count": multihost.process_count(),
-        "metrics": self._writer.rows_upto(step) if self._writer is not None else [],  # put back if the file lost them
-    }
-    buf = buffer.state_dict()
-    if isinstance(self.steps, InflightRunner):  # the streaming pool and its batches, per process (delay buffer: empty)
-      buf["inflight"], meta["inflight"] = self.steps.state_dict()
-    elif multihost.process_count() > 1:  # each process writes its own rows of the waiting batches
-      n = self.c.prompts_per_step * self.c.group_size
-      meta["buffer"] = process_inputs.buffer_layout(buf, n)
-      buf = process_inputs.buffer_to_global(buf, n)
+    buf, meta = step_checkpoint.payload(self, step, buffer, progress)
     self.ckpt.save(step, state, buf, meta)
 
   def _restore(self, state, buffer: RolloutBuffer, progress: RunProgress) -> tuple[Any, RunProgress, int]:
     """The newest run checkpoint that reads back (after the config check), or the fresh state: (state, progress,
     first global step to run)."""
-
-    def check(meta):
-      resume_check.check_resume(self.c, meta.get("config"), self.workdir)
-      saved_count = meta.get("process_count", 1)
-      if saved_count != multihost.process_count():
-        raise CheckpointError(
-            f"config.workdir: the run in {self.workdir} was checkpointed by {saved_count} process(es), this one "
-            f"runs on {multihost.process_count()}; resume it with {saved_count} process(es) (the same launch "
-            "command), or start a new run in another --config.workdir"
-        )
-
-    inflight = self.steps.checkpoint_template if isinstance(self.steps, InflightRunner) else None
-    restored = self.ckpt.restore_latest(
-        state, check_meta=check, buffer_template=process_inputs.buffer_template, inflight_template=inflight
-    )
+    restored = step_checkpoint.restore(self, state, buffer)
     if restored is None:
       return state, progress, 0
-    latest, state, buf_state, meta = restored
+    latest, state, meta = restored
     self._restored_rows = meta.get("metrics")
     start = int(meta["global_step"]) + 1
-    if start > self.c.total_steps:
-      raise ConfigError(
-          f"config.total_steps: the run in {self.workdir} has already done {start} global steps, more than "
-          f"total_steps={self.c.total_steps}; raise total_steps to continue it, or use another --config.workdir"
-      )
-    buffer.load_state_dict(buffer_state_from_restored(buf_state))
-    if isinstance(self.steps, InflightRunner):
-      self.steps.load_state_dict(buf_state["inflight"], meta["inflight"])
-    if "buffer" not in meta:  # written whole by process 0 (one process, or before per-process buffers)
-      buffer.map_batches(lambda b: process_inputs.own_rows(b, self.c.prompts_per_step, self.c.group_size))
-    self.loader.set_state(meta["data"])
     if start == self.c.total_steps:
       logger.warning(
           "the run in %s finished all %d global steps: repeating only its final evaluation", self.workdir, start
