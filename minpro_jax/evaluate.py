@@ -41,6 +41,7 @@ import sys
 from typing import Any
 
 from minpro_jax.errors import ConfigError, UserError
+from minpro_jax.runtime import abort_line
 
 EXIT_USER_ERROR = 2
 SETTABLE = ("eval.", "data.template", "data.max_prompt_tokens", "sampling.max_new_tokens", "sampling.decode_rows")
@@ -56,7 +57,7 @@ def _stopped(signum: int, frame) -> None:
       f"stopped by signal {signum}: the finished benchmarks are kept; re-run the same command to go on", file=sys.stderr
   )
   sys.stderr.flush()
-  os._exit(128 + signum)
+  abort_line.exit_now(128 + signum)
 
 
 def apply_overrides(c, overrides: dict[str, str]) -> None:

@@ -26,6 +26,7 @@ os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.expanduser("~"), ".ca
 
 from minpro_jax.config_lib.parse import parse_config  # noqa: E402
 from minpro_jax.errors import UserError  # noqa: E402
+from minpro_jax.runtime import abort_line
 
 DEBUG_ENV = "MINPRO_DEBUG"
 EXIT_USER_ERROR = 2
@@ -69,7 +70,7 @@ def _interrupted_during_setup(signum, frame):
       "checkpointed yet: re-running the same command starts the setup again (a finished SFT is cached)\n"
   )
   sys.stderr.flush()
-  os._exit(128 + signum)
+  abort_line.exit_now(128 + signum)
 
 
 def exit_quietly_on_signal(status: int) -> None:
@@ -84,7 +85,7 @@ def exit_quietly_on_signal(status: int) -> None:
         "written its results; nothing is lost\n"
     )
     sys.stderr.flush()
-    os._exit(status)
+    abort_line.exit_now(status)
 
   for s in (signal.SIGTERM, signal.SIGINT):
     signal.signal(s, finished)
@@ -132,7 +133,7 @@ def _watch_signals():
             "re-running the same command resumes from the newest checkpoint\n"
         )
         sys.stderr.flush()
-        os._exit(128 + signum)
+        abort_line.exit_now(128 + signum)
     os.close(read_fd)
 
   def stop():

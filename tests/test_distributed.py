@@ -5,6 +5,10 @@ tests/test_multihost.py. Here are the launchers this machine cannot start (TPU p
 control flag: only their detection is checked, with the initialize call replaced by a recorder (a real call in
 this already-started process would raise)."""
 
+import re
+import tempfile
+import time
+
 import jax
 import pytest
 
@@ -126,3 +130,76 @@ def test_the_heartbeat_timeout_comes_from_its_variable():
   for bad in ("0", "ten", "-3"):
     with pytest.raises(LaunchEnvironmentError, match="MINPRO_HEARTBEAT_TIMEOUT_S"):
       heartbeat_timeout_s({"MINPRO_HEARTBEAT_TIMEOUT_S": bad})
+
+
+# -------------------------------------------------------------------------------- the abort line (`abort_line`)
+_CHILD = """
+import os, sys, time
+from minpro_jax.runtime import abort_line
+abort_line.start(1, 2, sys.argv[1], "first tail")
+abort_line.update("the newest run checkpoint is /w/checkpoints/3; re-running the same command resumes from it")
+time.sleep(0.3)
+{end}
+"""
+
+
+def _child_stderr_waiting(end: str, coordinator: str) -> tuple[int, str]:
+  """Runs `_CHILD` ending with `end`; (its exit status, everything written to its stderr, the watcher's line too)."""
+  import subprocess
+  import sys
+
+  code = _CHILD.format(end=end)
+  with tempfile.TemporaryFile("w+") as err:
+    p = subprocess.run([sys.executable, "-c", code, coordinator], stderr=err, timeout=60)
+    time.sleep(2.0)  # the watcher polls every 0.2 s, then checks the coordinator's address (timeout 1 s)
+    err.seek(0)
+    return p.returncode, err.read()
+
+
+@pytest.fixture()
+def coordinator_port():
+  """A port that listens (a live coordinator's address)."""
+  import socket
+
+  s = socket.socket()
+  s.bind(("localhost", 0))
+  s.listen()
+  yield s.getsockname()[1]
+  s.close()
+
+
+def _closed_port() -> int:
+  import socket
+
+  s = socket.socket()
+  s.bind(("localhost", 0))
+  port = s.getsockname()[1]
+  s.close()
+  return port
+
+
+def test_a_native_abort_after_the_coordinator_died_still_gives_the_one_line(tmp_path):
+  """Gloo's abort (SIGABRT, no Python) while the coordinator's address no longer answers: the watcher writes the
+  line report_peer_loss would have, naming the coordinator and the newest checkpoint (issue 58)."""
+  code, err = _child_stderr_waiting("os.abort()", f"localhost:{_closed_port()}")
+  assert code == -6, err
+  assert re.search(
+      r"error: process 0 \(the coordinator\) of the 2-process run ended \(.*\); process 1 stops too\. the newest "
+      r"run checkpoint is /w/checkpoints/3; re-running the same command resumes from it",
+      err,
+  ), err
+
+
+def test_a_kill_with_the_coordinator_up_names_this_process(coordinator_port):
+  code, err = _child_stderr_waiting("os.kill(os.getpid(), 9)", f"localhost:{coordinator_port}")
+  assert code == -9
+  assert (
+      "error: process 1 of the 2-process run ended (a native abort or a kill, no Python exception). the newest" in err
+  )
+
+
+@pytest.mark.parametrize("end", ["pass", "abort_line.exit_now(143)", "sys.exit(3)"])
+def test_an_orderly_exit_leaves_the_watcher_silent(end):
+  code, err = _child_stderr_waiting(end, f"localhost:{_closed_port()}")
+  assert code in (0, 143, 3)
+  assert "error:" not in err, err

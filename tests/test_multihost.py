@@ -457,18 +457,19 @@ def test_a_peer_that_dies_ends_the_survivor_within_seconds_with_one_line(tmp_pat
     t0 = time.time()
     code = procs[survivor].wait(timeout=300)
     took = time.time() - t0
-    time.sleep(0.5)  # the streams' last lines
+    time.sleep(2.0)  # the streams' last lines (a watcher's line: within ~1 s of the abort)
   out = "".join(lines)
   print(f"process {survivor} ended {took:.1f} s after process {dead} was killed")  # the bound docs/multihost.md gives
   mine = [ln for ln in out.splitlines() if ln.startswith(f"[{survivor}] ")]
   errors = [ln for ln in mine if ln.startswith(f"[{survivor}] error: ")]
   if dead == 0 and code == -signal.SIGABRT:
-    # the coordinator killed inside a collective: Gloo aborts the survivor natively before Python runs (the limit
-    # docs/multihost.md states); it must still end within seconds
+    # the coordinator killed inside a collective: Gloo aborts the survivor natively before Python runs; its watcher
+    # (`abort_line`) writes the line instead, after the native stack dump
     assert took < 30, (code, took, out[-3000:])
-    return
-  assert code == 1 and took < 30, (code, took, out[-3000:])
-  assert len(errors) == 1 and not any("Traceback" in ln for ln in mine), out[-3000:]
+  else:
+    assert code == 1 and took < 30, (code, took, out[-3000:])
+    assert not any("Traceback" in ln for ln in mine), out[-3000:]
+  assert len(errors) == 1, out[-3000:]
   assert re.search(
       rf"error: process {dead}( \(the coordinator\))? of the 2-process run ended \(.*\); process {survivor} stops too\. "
       r"the newest run checkpoint is .*/checkpoints/\d+; re-running the same command resumes from it with the same "

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import signal
 import sys
 import time
@@ -64,7 +63,7 @@ from minpro_jax.run.run_setup import RunParts, setup_run
 from minpro_jax.run.run_watch import MAX_ALL_SKIPPED_STEPS, RunWatch
 from minpro_jax.run.sampler_setup import sampler_kwargs
 from minpro_jax.run.step_runner import StepRunner
-from minpro_jax.runtime import multihost
+from minpro_jax.runtime import abort_line, multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling import Sampler, SamplingParams
 
@@ -574,7 +573,7 @@ def _exit_during_final_eval(signum: int, workdir: str) -> None:
   )
   sys.stderr.flush()
   logging.shutdown()
-  os._exit(128 + signum)
+  abort_line.exit_now(128 + signum)
 
 
 def _eval_metrics(res: dict[str, Any]) -> dict[str, Any]:

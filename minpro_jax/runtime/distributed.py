@@ -46,6 +46,7 @@ from typing import Callable, Mapping
 import jax
 
 from minpro_jax.errors import LaunchEnvironmentError
+from minpro_jax.runtime import abort_line
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ def maybe_initialize_distributed(
     initialize_fn(**kwargs, heartbeat_timeout_seconds=heartbeat_timeout_s(env))
     atexit.register(_stop_watching)
     _watch_peers()
+    _start_abort_line()
   else:
     initialize_fn(**kwargs)
   _log("initialized")
@@ -280,13 +282,11 @@ def report_peer_loss(dead: str, cause: str) -> None:
     n, me = jax.process_count(), jax.process_index()
   except Exception:  # noqa: BLE001 - the backend is going down: the launch variables still say who this is
     n, me = os.environ.get("JAX_NUM_PROCESSES", "N"), os.environ.get("JAX_PROCESS_ID", "?")
-  try:
-    tail = _epilogue()
-  except Exception:  # noqa: BLE001 - the line must come out whatever the epilogue does
-    tail = "re-run the same launch command on every host to resume"
+  tail = _tail()
+  abort_line.disarm()  # this process speaks for itself
   sys.stderr.write(f"error: {dead} of the {n}-process run ended ({cause}); process {me} stops too. {tail}\n")
   sys.stderr.flush()
-  os._exit(1)
+  abort_line.exit_now(1)
 
 
 def _watch_peers(interval_s: float = 0.5) -> None:
@@ -299,7 +299,11 @@ def _watch_peers(interval_s: float = 0.5) -> None:
   client, n, me = jax_distributed.global_state.client, jax.process_count(), jax.process_index()
 
   def watch():
+    beats = 0
     while not _stop.wait(interval_s):
+      beats += 1
+      if beats % 4 == 1:  # the abort line's tail (the newest checkpoint), every 2 s
+        _update_abort_line()
       try:
         live = set(client.get_live_nodes(list(range(n))))
       except Exception as e:  # noqa: BLE001 - the coordinator is gone (or this process is shutting down)
@@ -312,6 +316,27 @@ def _watch_peers(interval_s: float = 0.5) -> None:
 
   _watcher.append(threading.Thread(target=watch, name="peer-watch", daemon=True))
   _watcher[-1].start()
+
+
+def _tail() -> str:
+  try:
+    return _epilogue()
+  except Exception:  # noqa: BLE001 - the line must come out whatever the epilogue does
+    return "re-run the same launch command on every host to resume"
+
+
+def _start_abort_line() -> None:
+  """The watcher that writes the line when this process dies natively (`abort_line`: Gloo's abort when the
+  coordinator dies mid-collective)."""
+  # private JAX state: the coordinator's address jax.distributed.initialize used (jax/_src/distributed.py)
+  from jax._src import distributed as jax_distributed
+
+  address = jax_distributed.global_state.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  abort_line.start(jax.process_index(), jax.process_count(), address, _tail())
+
+
+def _update_abort_line() -> None:
+  abort_line.update(_tail())
 
 
 _shutting_down = False
