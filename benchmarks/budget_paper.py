@@ -50,7 +50,11 @@ SAMPLER_PARTS = ["--parts=sampling,transfer"]
 LEARNER = "--parts=score,update"
 SPLIT = ["--config.sampling.devices=16", "--config.micro_batch_size=16", "--parts=sampling,score,update"]
 
-INFLIGHT_BASE = ["--config.sampling.kv_cache=dense", "--parts=sampling,transfer,score"]
+INFLIGHT_BASE = [
+    "--config.sampling.kv_cache=dense",
+    "--config.sampling.decode_rows=256",
+    "--parts=sampling,transfer,score",
+]
 INFLIGHT = ["--config.staleness.mode=inflight", "--config.staleness.inflight_every=16",
             "--config.staleness.inflight_kv=recompute"]  # fmt: skip
 
