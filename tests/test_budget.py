@@ -324,11 +324,10 @@ def test_paged_sampler_budget_replays_the_pool_and_adds_the_attention_reads():
 def test_inflight_sampler_budget_replays_the_streaming_pool():
   """`staleness.mode=inflight`: the sampling part's trip counts are the streaming pool's steady state, replayed over
   the step's draw and 7 more (issue 59), on the dense continuous sampler the mode runs."""
-  from minpro_jax.aot.lengths import draw_lengths
-  from minpro_jax.aot.stream_schedule import steady_schedule, streaming_schedule
-
   from minpro_jax.aot import budget
+  from minpro_jax.aot.lengths import draw_lengths
   from minpro_jax.aot.schedule import learning_flops
+  from minpro_jax.aot.stream_schedule import steady_schedule, streaming_schedule
 
   ov = {"staleness.mode": "inflight", "staleness.inflight_every": 3, "staleness.inflight_kv": "recompute", "delay": 1}
   b, rows = _budget_rows("fsdp=8", parts=("sampling", "score"), **ov)
