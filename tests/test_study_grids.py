@@ -269,6 +269,34 @@ def test_a_missing_grid_names_the_repository_root_once(monkeypatch):
   assert str(e.value).endswith(f"no such file 'configs/studies/nope.py' (from {grid.REPO}); pass a grid .py file")
 
 
+def test_stage2_runs_each_objective_at_the_rate_the_lr_study_chose(monkeypatch):
+  """Issue 55: CHOSEN_RATES is the rule's answer on the committed lr study (45 runs), the rule keeps the smallest of
+  the rates within LR_TIE_POINTS of the best mean AUC (a hand vector) and refuses an incomplete study; stage 2 is 5
+  objectives x delays {0, 2, 8} x 5 seeds at those rates, and refuses before they are set."""
+  with open(os.path.join(REPO, "results", "minpro_long_lr", "summary.json")) as f:
+    cells = json.load(f)["cells"]
+  assert len(cells) == 15 and minpro_long.CHOSEN_RATES == minpro_long.choose_rates(cells)
+  hand = [
+      {"cell": f"variant-{o}_learning_rate-{r}", "metrics": {"auc": {"mean": a, "n": 3}}}
+      for o in minpro_long.OBJECTIVES
+      for r, a in zip(minpro_long.LR_RATES, (0.150, 0.161, 0.170))  # 2e-5 within 1 point of 3e-5's best
+  ]
+  assert set(minpro_long.choose_rates(hand).values()) == {2e-5}
+  with pytest.raises(ValueError, match="lacks seeds of variant-minpro_learning_rate-1e-05"):
+    minpro_long.choose_rates([{**hand[0], "metrics": {"auc": {"mean": 0.2, "n": 2}}}, *hand[1:]])
+  g = minpro_long.get_grid("stage2")
+  runs = grid.expand(g)
+  assert len(runs) == 75 and {dict(r.cell)["delay"] for r in runs} == {0, 2, 8}
+  planned = {r.name: c for r, _, c in commands.plan(g, "/tmp/study", validate=False)}
+  for objective, rate in minpro_long.CHOSEN_RATES.items():
+    cfg = planned[f"variant-{objective}_delay-8_seed-4"]
+    assert (cfg.optimizer.learning_rate, cfg.delay, cfg.total_steps) == (rate, 8, minpro_long.LEARN_STEPS + 8)
+  assert planned["variant-minpro-ppo_delay-2_seed-0"].loss.surrogate == "ppo"
+  monkeypatch.setattr(minpro_long, "CHOSEN_RATES", None)
+  with pytest.raises(ValueError, match="CHOSEN_RATES is still the placeholder"):
+    minpro_long.get_grid("stage2")
+
+
 def test_the_toolbox_grid(monkeypatch):
   """Issue 57: five arms x delays 0 and 8 x 3 seeds on the long-response setting, each arm at the rate the lr stage
   chose for its objective (GRPO's for DPPO, decoupled PPO and VCPO's step) and refused before that rate is set,

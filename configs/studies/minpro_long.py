@@ -66,7 +66,11 @@ OBJECTIVES = {  # name -> the loss overrides of the objective; minpro-ppo is Min
 LR_RATES = (1e-5, 2e-5, 3e-5)
 LR_SEEDS = (0, 1, 2)
 LR_TIE_POINTS = 1.0  # held-out pass@1 points of mean AUC
-CHOSEN_RATES = None  # {objective: rate} from choose_rates(results/minpro_long_lr/summary.json) once complete
+# choose_rates(results/minpro_long_lr/summary.json "cells"): the lr stage's 45 runs (seeds 0-2, 2026-12-07, AMD EPYC,
+# commit 535d297). Mean AUC at 1e-5 / 2e-5 / 3e-5: minpro 18.9 / 18.9 / 13.7, minpro-ppo 19.0 / 20.1 / 18.8, cispo
+# 18.7 / 17.8 / 14.1, grpo 19.2 / 20.0 / 18.6, gspo 18.5 / 18.8 / 18.0 (every interval about +-15 points: the rule
+# picks among rates the data cannot tell apart, as it was fixed to)
+CHOSEN_RATES = {"minpro": 1e-5, "minpro-ppo": 2e-5, "cispo": 1e-5, "grpo": 1e-5, "gspo": 1e-5}
 STAGE2_DELAYS = (0, 2, 8)
 STAGE2_REFERENCE = "grpo"  # the staleness contrast (X - GRPO at delay d) - (X - GRPO at delay 0) per objective X
 
@@ -120,21 +124,22 @@ def chosen_rate() -> float:
   return float(LEARNING_RATE)
 
 
-def choose_rates(cells: dict) -> dict:
+def choose_rates(cells: list) -> dict:
   """The rule above applied to the lr study: objective -> its rate.
 
   Args:
-    cells: the lr study's per-cell figures, `summary.json` "cells" (cell name -> {"auc": {"mean": ...,
-      "n": ...}, ...}), the names "variant-<objective>_learning_rate-<rate>".
+    cells: the lr study's per-cell records, `summary.json` "cells" (each {"cell": "variant-<objective>_learning_rate-
+      <rate>", "metrics": {"auc": {"mean": ..., "n": ...}, ...}, ...}).
   Raises:
     ValueError: a cell of the grid is missing or has fewer than len(LR_SEEDS) finished seeds.
   """
+  by_name = {c["cell"]: c.get("metrics", {}) for c in cells}
   out = {}
   for objective in OBJECTIVES:
     auc = {}
     for rate in LR_RATES:
       name = f"variant-{objective}_learning_rate-{rate}"
-      cell = cells.get(name, {}).get("auc") or {}
+      cell = by_name.get(name, {}).get("auc") or {}
       if cell.get("n", 0) < len(LR_SEEDS) or cell.get("mean") is None:
         raise ValueError(f"the lr study lacks seeds of {name}: run it to its end before choosing the rates")
       auc[rate] = float(cell["mean"])
