@@ -327,8 +327,8 @@ def test_the_compiled_tpu_paged_loop_calls_the_pallas_kernel_and_never_copies_th
 DRAW_COLLECTIVES = {
     1.0: 4,  # the max, the next shard's head, the block sums, the token
     # + the candidates (one all-gather of [rows, 2, t * 1024]), the kept mass, the threshold's bounds; past the
-    # candidates (lax.cond, counted once): the bisection's all-reduce, the min, the threshold's mass, the ties
-    # (counts, i_tau)
+    # candidates (lax.cond, counted once): the bisection's all-reduce, two minima (its bracket, the threshold), the
+    # threshold's mass, the ties (counts, i_tau)
     0.95: 7 + 6,
 }
 
