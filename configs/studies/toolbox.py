@@ -13,7 +13,8 @@
 # Cost, from the long study's runs on a shared 2-core AMD EPYC (2026-12-03): ~26 min per seed for the warm start
 # (cached in cache/ and shared with minpro_long's runs of that seed) and 7-8 min per run of 32 learning steps with
 # its 9 evaluations; decoupled PPO adds a forward pass over each released batch (the long study's score pass took
-# 12-17 % of a step). About 4 h for the grid. Not run yet.
+# 12-17 % of a step). About 4 h for the grid, estimated; measured 2026-12-07 (same CPU type, warm starts cached by
+# the lr stage): 1.7-4 min a run, 81 min for the 30 runs (results/toolbox, docs/study.md).
 """The toolbox grid of issue 57 (the numbers to tune are the constants below)."""
 
 from minpro_jax.config_lib.files import load_module
