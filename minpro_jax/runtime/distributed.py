@@ -283,10 +283,9 @@ def report_peer_loss(dead: str, cause: str) -> None:
   except Exception:  # noqa: BLE001 - the backend is going down: the launch variables still say who this is
     n, me = os.environ.get("JAX_NUM_PROCESSES", "N"), os.environ.get("JAX_PROCESS_ID", "?")
   tail = _tail()
-  abort_line.disarm()  # this process speaks for itself
   sys.stderr.write(f"error: {dead} of the {n}-process run ended ({cause}); process {me} stops too. {tail}\n")
   sys.stderr.flush()
-  abort_line.exit_now(1)
+  abort_line.exit_now(1)  # disarms the watcher first: this process has spoken for itself
 
 
 def _watch_peers(interval_s: float = 0.5) -> None:
@@ -303,7 +302,7 @@ def _watch_peers(interval_s: float = 0.5) -> None:
     while not _stop.wait(interval_s):
       beats += 1
       if beats % 4 == 1:  # the abort line's tail (the newest checkpoint), every 2 s
-        _update_abort_line()
+        abort_line.update(_tail())
       try:
         live = set(client.get_live_nodes(list(range(n))))
       except Exception as e:  # noqa: BLE001 - the coordinator is gone (or this process is shutting down)
@@ -333,10 +332,6 @@ def _start_abort_line() -> None:
 
   address = jax_distributed.global_state.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
   abort_line.start(jax.process_index(), jax.process_count(), address, _tail())
-
-
-def _update_abort_line() -> None:
-  abort_line.update(_tail())
 
 
 _shutting_down = False

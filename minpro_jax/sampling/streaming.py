@@ -359,7 +359,8 @@ class StreamPool:
     return {**{f"host_{k}": v.copy() for k, v in host.items()}, "counts": np.asarray([self.nxt, self.avail])}
 
   def _device_leaves(self) -> list:
-    return [jnp.asarray(a) for a in jax.tree.leaves((self.pool, self.version_map))]
+    """The pool's array leaves as it keeps them (`_placed`): global arrays, or host values in several processes."""
+    return jax.tree.leaves((self.pool, self.version_map))
 
   def state_dict(self) -> dict:
     """Everything the pool holds, for a checkpoint (`load_state_dict` restores it exactly): the device arrays (the
@@ -373,6 +374,8 @@ class StreamPool:
     pool's own shardings (each process reads back only its shards), the host state as numpy of its shapes."""
     dev = {
         f"device_{i}": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        if isinstance(a, jax.Array)
+        else np.zeros_like(a)  # a host value (several processes, after a whole restore): read back whole
         for i, a in enumerate(self._device_leaves())
     }
     return {**dev, **{k: np.zeros_like(v) for k, v in self._host_state().items()}}
