@@ -54,7 +54,17 @@ _tail: str | None = None
 
 
 def start(process_index: int, process_count: int, coordinator: str, tail: str) -> None:
-  """Starts the watcher of this process (once; module docstring) with the line's first `tail`."""
+  """Starts the watcher of this process (once; module docstring) with the line's first `tail`.
+
+  Args:
+    process_index, process_count: this process's index and the run's process count (for the line).
+    coordinator: the coordinator's "host:port" (probed with a 1 s TCP connect once this process is gone).
+    tail: what the line ends with (`update` changes it).
+
+  Raises:
+    OSError: the line's file (in the temp directory) or the watcher process cannot be created.
+  Source: Gloo's abort of a collective whose peer died (issue 58; docs/multihost.md).
+  """
   global _path
   if _path is not None:
     return
@@ -68,7 +78,12 @@ def start(process_index: int, process_count: int, coordinator: str, tail: str) -
 
 
 def update(tail: str) -> None:
-  """Sets what the watcher's line ends with (the newest checkpoint and how to resume); a no-op before `start`."""
+  """Sets what the watcher's line ends with (the newest checkpoint and how to resume); a no-op before `start` or
+  after `disarm`. The file is replaced atomically (`os.replace`), so the watcher never reads half a line.
+
+  Raises:
+    OSError: the temp directory cannot be written.
+  """
   global _tail
   if _path is None or tail == _tail:
     return
