@@ -329,8 +329,8 @@ def test_the_toolbox_grid(monkeypatch):
 
 def test_the_inflight_grid():
   """Issue 59: four token-level objectives x in-flight updates at two cadences and delay mode at the two delays that
-  bracket their token staleness x 3 seeds; every value reads back from the command line and passes the staleness
-  checks (GSPO would be refused)."""
+  bracket their token staleness x 3 seeds, each objective at its own rate; every value reads back from the command
+  line and passes the staleness checks (GSPO would be refused)."""
   path = os.path.join(REPO, "configs", "studies", "inflight.py")
   g = grid.load_grid(path)
   runs = grid.expand(g)
@@ -346,6 +346,10 @@ def test_the_inflight_grid():
   assert fast.total_steps == minpro_long.LEARN_STEPS + 1 and fast.sampling.kv_cache == "dense"
   on_policy = planned["variant-delay-0_method-grpo_seed-0"]
   assert (on_policy.staleness.mode, on_policy.delay, on_policy.total_steps) == ("delay", 0, minpro_long.LEARN_STEPS)
+  # each objective at the lr stage's rate for it; M2PO (no lr stage) at GRPO's
+  rates = {c.loss.method: c.optimizer.learning_rate for c in planned.values()}
+  chosen = minpro_long.CHOSEN_RATES
+  assert rates == {"minpro": chosen["minpro"], "grpo": chosen["grpo"], "cispo": chosen["cispo"], "m2po": chosen["grpo"]}
   for cfg in planned.values():
     config_checks.check_staleness(cfg)
   assert len(grid.expand(grid.load_grid(path + ":2"))) == 32

@@ -17,8 +17,11 @@
 # The contrast (X - GRPO in regime r) - (X - GRPO at delay 0) is what each regime's staleness adds to an objective's
 # gap to GRPO. Its reading says only what its intervals say (3 seeds).
 #
-# Cost (estimate, not measured: the study has not run yet): like the long study's runs, 7-8 min each on a shared
-# 2-core AMD EPYC plus the shared warm start: 16 cells x 3 seeds = 48 runs, about 6 h.
+# Learning rates: each objective's rate from issue 55's lr stage (minpro_long.CHOSEN_RATES); M2PO, a masked GRPO with
+# no lr stage of its own, takes GRPO's (as the toolbox's clipped arms do). The grid refuses to run before that stage.
+#
+# Cost (estimate: the study has not run yet): the same task's delay-mode runs take 1.7-4 min each on a shared 2-core
+# AMD EPYC (toolbox, stage 2) with the shared warm start: 16 cells x 3 seeds = 48 runs, about 2-3 h.
 """The in-flight updates grid of issue 59 (the constants below are the design; the long study's setting is reused)."""
 
 from minpro_jax.config_lib.files import load_module
@@ -49,14 +52,17 @@ REGIMES = {
 
 FIXED = {
     **long.FIXED,
-    "optimizer.learning_rate": long.chosen_rate(),
     "sampling.kv_cache": "dense",  # the streaming pool's cache, for every regime: one sampler program throughout
 }
+RATE_OF = {"minpro": "minpro", "grpo": "grpo", "cispo": "cispo", "m2po": "grpo"}  # objective -> whose rate it takes
 
 
-def total_steps(cell) -> dict:
-  """Every regime gets `long.LEARN_STEPS` global steps with updates (the first `delay` steps learn nothing)."""
-  return {"total_steps": long.LEARN_STEPS + int(REGIMES[cell["variant"]]["delay"])}
+def derived(cell) -> dict:
+  """Per cell: `long.LEARN_STEPS` global steps with updates in every regime (the first `delay` steps learn nothing)
+  and the objective's learning rate from the lr stage (`minpro_long.stage2_rates`, which raises ValueError while it
+  is the placeholder)."""
+  rate = long.stage2_rates()[RATE_OF[cell["loss.method"]]]
+  return {"total_steps": long.LEARN_STEPS + int(REGIMES[cell["variant"]]["delay"]), "optimizer.learning_rate": rate}
 
 
 def get_grid(arg=None) -> Grid:
@@ -67,13 +73,15 @@ def get_grid(arg=None) -> Grid:
   """
   if arg is not None and (not str(arg).isdigit() or int(arg) < 1):
     raise ValueError(f"pass a seed count: --grid=<file>:N with N >= 1, got {arg!r}")
+  if set(RATE_OF) != set(METHODS):
+    raise ValueError(f"inflight.RATE_OF must name whose rate each of {list(METHODS)} takes")
   return Grid(
       base="configs/default.py",
       fixed=FIXED,
       variants=REGIMES,
       axes={"loss.method": list(METHODS)},
       seeds=tuple(range(int(arg))) if arg else SEEDS,
-      derived=total_steps,
+      derived=derived,
       comparisons=(("loss.method", REFERENCE),),
       contrasts=(("loss.method", REFERENCE, "variant", f"delay-{BRACKET_DELAYS[0]}"),),
       panel="variant",
