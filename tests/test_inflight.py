@@ -56,10 +56,15 @@ def sampler():
   return Sampler(CFG, prompt_buckets=(16,), engine=engines.Continuous(decode_rows=4, refill_rows=2))
 
 
-def _stream(sampler, versions, every, kv, swaps):
+def _stream(sampler, versions, every, kv, swaps, restore_at=None):
   """Two batches through a `StreamPool` of `every` decode steps a segment; after segment i (0-based) in `swaps` the
-  parameters move to the next version. Returns the two collected batches."""
-  pool = StreamPool(sampler, SAMPLING, batch_rows=len(PROMPTS) * G, capacity=2 * len(PROMPTS) * G, every=every, kv=kv)
+  parameters move to the next version. At swap `restore_at` the pool is first written without its KV cache and read
+  back into a new pool (a resume from `staleness.inflight_checkpoint_kv="rebuild"`). Returns the two collected
+  batches."""
+  make = lambda: StreamPool(  # noqa: E731
+      sampler, SAMPLING, batch_rows=len(PROMPTS) * G, capacity=2 * len(PROMPTS) * G, every=every, kv=kv
+  )
+  pool = make()
   ids = [pool.admit(PROMPTS, seed=b, group_size=G, group_ids=np.arange(4) + 4 * b) for b in range(2)]
   v, i = 0, 0
   prepared = sampler.prepare_params(versions[0]).state
@@ -68,9 +73,20 @@ def _stream(sampler, versions, every, kv, swaps):
     if i in swaps:
       v += 1
       prepared = sampler.prepare_params(versions[v]).state
+      if i == restore_at:
+        assert pool.live > 0  # rows mid-response whose cache must be rebuilt
+        written = jax.tree.map(np.asarray, pool.state_dict(with_kv=False))
+        pool = make()
+        pool.load_state_dict(written, with_kv=False)
       pool.swap(prepared)
     i += 1
   return [pool.collect(list(x), SAMPLING.temperature) for x in ids]
+
+
+def _assert_same(got, want):
+  for g, w in zip(got, want):
+    for field in ("response_tokens", "response_mask", "behavior_logp", "token_version"):
+      np.testing.assert_array_equal(getattr(g, field), getattr(w, field), err_msg=field)
 
 
 def test_stream_without_swaps_is_the_continuous_engine_bit_for_bit(sampler, versions):
@@ -119,6 +135,24 @@ def test_swap_mid_response_logp_per_token_version(sampler, versions, kv):
     assert diff.max() < 1e-4
   else:
     assert diff.max() > 1e-3  # the stale-KV effect: measured, reported above
+
+
+def test_restore_without_kv_cache_rebuilds_the_live_rows(sampler, versions):
+  """A checkpoint without the KV cache: bit for bit the uninterrupted pool with kv="recompute" (it recomputes the
+  live rows at that swap too); with kv="keep", restored at its only swap, bit for bit the recompute pool (the
+  rebuild is that one recompute). The checkpoint is smaller by exactly the keys and values."""
+  _assert_same(
+      _stream(sampler, versions, every=4, kv="recompute", swaps=(0, 2), restore_at=2),
+      _stream(sampler, versions, every=4, kv="recompute", swaps=(0, 2)),
+  )
+  _assert_same(
+      _stream(sampler, versions, every=4, kv="keep", swaps=(0,), restore_at=0),
+      _stream(sampler, versions, every=4, kv="recompute", swaps=(0,)),
+  )
+  pool = StreamPool(sampler, SAMPLING, batch_rows=8, capacity=16, every=4)
+  nbytes = lambda d: sum(np.asarray(a).nbytes for a in jax.tree.leaves(d))  # noqa: E731
+  kv = sum(a.nbytes for a in pool.pool.cache.k + pool.pool.cache.v)
+  assert kv > 0 and nbytes(pool.state_dict()) - nbytes(pool.state_dict(with_kv=False)) == kv
 
 
 # ------------------------------------------------------------------------------------------------ staleness metrics
@@ -233,10 +267,12 @@ def test_inflight_refuses_what_it_cannot_run_naming_the_field(tmp_path, field, v
 def test_staleness_mode_is_checked(tmp_path):
   with pytest.raises(ConfigError, match=r"config\.staleness\.mode: 'async'; choose one of \('delay', 'inflight'\)"):
     validate_config(make_config(tiny_overrides(tmp_path, **{"staleness.mode": "async"})))
+  with pytest.raises(ConfigError, match=r"config\.staleness\.inflight_checkpoint_kv: 'drop'; choose one of"):
+    validate_config(make_config(tiny_overrides(tmp_path, **{"staleness.inflight_checkpoint_kv": "drop"})))
 
 
 # ------------------------------------------------------------------------------------------------ resume (slow)
-def _resume_overrides(tmp_path, name):
+def _resume_overrides(tmp_path, name, **extra):
   return tiny_overrides(
       tmp_path,
       workdir=str(tmp_path / name),
@@ -248,18 +284,22 @@ def _resume_overrides(tmp_path, name):
           "checkpoint.every": 1,
           "checkpoint.keep": 2,
           "optimizer.learning_rate": 1e-2,
+          **extra,
       },
   )
 
 
 @pytest.mark.slow
 def test_inflight_sigkill_then_resume_is_bitwise_equal(tmp_path):
+  """The interrupted run checkpoints without the pool's KV cache (`inflight_checkpoint_kv="rebuild"`); with
+  inflight_kv="recompute" its resume still equals the uninterrupted run (which keeps the cache) bit for bit. The
+  checkpoints with the cache are tested in tests/test_inflight_multihost.py."""
   ref_ov = _resume_overrides(tmp_path, "A")
   r = subprocess.run(cli_args(ref_ov), capture_output=True, text=True, env=cli_env(), timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
   ref = metrics_records(ref_ov["workdir"])
   assert max(ref[s]["staleness/spread_max"] for s in range(1, 5)) >= 1  # responses drawn by several versions
-  ov = _resume_overrides(tmp_path, "B")
+  ov = _resume_overrides(tmp_path, "B", **{"staleness.inflight_checkpoint_kv": "rebuild"})
   p = subprocess.Popen(cli_args(ov), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=cli_env())
   t0 = time.time()
   try:
@@ -277,6 +317,7 @@ def test_inflight_sigkill_then_resume_is_bitwise_equal(tmp_path):
   assert restored < 4
   r = subprocess.run(cli_args(ov), capture_output=True, text=True, env=cli_env(), timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
+  assert "restored without its KV cache" in r.stderr
   got = metrics_records(ov["workdir"])
   assert sorted(got) == sorted(ref)
   for s in [s for s in ref if s > restored]:

@@ -107,6 +107,7 @@ def check_run(c) -> None:
 
 STALENESS_MODES = ("delay", "inflight")  # config.staleness.mode (docs/inflight.md)
 INFLIGHT_KV = ("keep", "recompute")  # config.staleness.inflight_kv: `minpro_jax.sampling.streaming.KV_MODES`
+CHECKPOINT_KV = ("save", "rebuild")  # config.staleness.inflight_checkpoint_kv: the pool's KV cache in checkpoints
 SEQUENCE_METHODS = ("gspo", "gspo_token")  # objectives whose ratio is a sequence's: one version per response
 
 
@@ -121,6 +122,8 @@ def check_staleness(c) -> None:
     return
   need(st.mode in STALENESS_MODES, "staleness.mode", f"{st.mode!r}; choose one of {STALENESS_MODES}")
   need(st.inflight_kv in INFLIGHT_KV, "staleness.inflight_kv", f"{st.inflight_kv!r}; choose one of {INFLIGHT_KV}")
+  kv_ckpt = st.get("inflight_checkpoint_kv", "save")
+  need(kv_ckpt in CHECKPOINT_KV, "staleness.inflight_checkpoint_kv", f"{kv_ckpt!r}; choose one of {CHECKPOINT_KV}")
   if st.mode != "inflight":
     return
   why = "with staleness.mode='inflight' one response's tokens come from several versions"

@@ -26,7 +26,11 @@ s - d), the learning metrics with the per-token staleness (`minpro_jax.rl.token_
 segments, decode steps and row occupancy of the step.
 
 Checkpoints hold the pool (its cache, outputs and ring), the admitted batches' prompts and the graded batches
-waiting to be learnt (`state_dict`), so a run killed at any point resumes exactly.
+waiting to be learnt (`state_dict`), so a run killed at any point resumes exactly. With
+`staleness.inflight_checkpoint_kv = "rebuild"` the pool's KV cache is left out (at the paper's scale it is most of
+the checkpoint) and the first step after a resume recomputes the live rows' caches under its version: exact with
+`inflight_kv = "recompute"` from a step that learnt (it recomputes them there anyway), an approximation otherwise
+(`StreamPool.load_state_dict`).
 
 Several JAX processes (docs/multihost.md) run the same pool: every process admits the same prompts with the same
 keys and runs the same segments on the global mesh, so the host-side decisions (which batches finished, the refill,
@@ -40,6 +44,7 @@ back its own shards of the pool's device arrays and its own rows of the graded b
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -52,6 +57,8 @@ from minpro_jax.runtime import multihost
 from minpro_jax.runtime.sharding import use_mesh
 from minpro_jax.sampling.engines.base import bucket
 from minpro_jax.sampling.streaming import StreamPool
+
+logger = logging.getLogger(__name__)
 
 
 def inflight_mode(c) -> bool:
@@ -89,6 +96,8 @@ class InflightRunner:
     self.waiting: dict[int, dict[str, Any]] = {}  # batch -> {"ids", "problems", "admitted"} (not finished)
     self.ready: dict[int, tuple[RolloutBatch, dict[str, Any]]] = {}  # finished, graded, not yet learnt
     self._prepared, self._version = None, None  # the sampler's parameters and their version (`_params`)
+    st = c.staleness
+    self.checkpoint_kv = st.get("inflight_checkpoint_kv", "save") == "save"  # the pool's KV cache in checkpoints
 
   def close(self) -> None:
     """Nothing runs in the background."""
@@ -99,8 +108,8 @@ class InflightRunner:
     if self._prepared is None or version != self._version:
       with use_mesh(self.tr.mesh, self.tr.rules):
         self._prepared = self.tr.sampler.prepare_params(state.params).state
-        if self._version is not None and version != self._version:
-          self.pool.swap(self._prepared)
+        if self._version is not None and (version != self._version or self.pool.cache_missing):
+          self.pool.swap(self._prepared)  # after a restore without the KV cache: rebuilt here, at this version
       self._version = version
     return self._prepared
 
@@ -156,9 +165,11 @@ class InflightRunner:
     ready = {"steps": np.zeros((0,), np.int64), "batches": {str(b): x.to_dict() for b, (x, _) in self.ready.items()}}
     layout = process_inputs.buffer_layout(ready, n)
     ready = process_inputs.buffer_to_global(ready, n)["batches"]
-    arrays = {"pool": self.pool.state_dict(), "ready": ready or {"_": np.zeros(())}}  # orbax: no empty container
+    # orbax writes no empty container
+    arrays = {"pool": self.pool.state_dict(self.checkpoint_kv), "ready": ready or {"_": np.zeros(())}}
     meta = {
         "version": self._version,
+        "pool_kv": self.checkpoint_kv,
         "waiting": {str(b): [self.problem_index[p.id] for p in w["problems"]] for b, w in self.waiting.items()},
         "waiting_ids": {str(b): [w["ids"][0], len(w["ids"])] for b, w in self.waiting.items()},
         "ready_metrics": {str(b): m for b, (_, m) in self.ready.items()},
@@ -180,11 +191,20 @@ class InflightRunner:
           b: {f: np.zeros(shape, dtype) for f, (shape, dtype) in fields.items()}
           for b, fields in layout["batches"].items()
       }
-    return {"pool": self.pool.checkpoint_template(), "ready": ready or {"_": np.zeros(())}}
+    pool = self.pool.checkpoint_template(meta["inflight"].get("pool_kv", True))  # written with its KV cache?
+    return {"pool": pool, "ready": ready or {"_": np.zeros(())}}
 
   def load_state_dict(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Restores `state_dict`'s pool, waiting batches and graded batches (their sample time restarts at 0)."""
-    self.pool.load_state_dict(arrays["pool"])
+    """Restores `state_dict`'s pool, waiting batches and graded batches (their sample time restarts at 0). A pool
+    written without its KV cache has its live rows' caches rebuilt at the next step (said on the log)."""
+    with_kv = meta.get("pool_kv", True)  # checkpoints of before the option held the cache
+    self.pool.load_state_dict(arrays["pool"], with_kv)
+    if not with_kv:
+      logger.info(
+          "in-flight pool restored without its KV cache (staleness.inflight_checkpoint_kv='rebuild'): the %d live "
+          "rows' caches are recomputed under the next step's version",
+          self.pool.live,
+      )
     probs = self.tr.train_problems
     self.waiting = {}
     for b, idx in meta["waiting"].items():

@@ -23,7 +23,9 @@ the same segments on the global mesh, so the pool's host-side state (the ring, t
 are live or finished) is the same on every process; only the small [B] row flags are read back whole
 (`multihost.to_host`), and `collect(own_rows=True)` gives each process only its rows of a finished batch (whole
 groups, `row_layout.rows_to_host`), as `Sampler.generate(own_rows=True)` does. A checkpoint holds the device arrays
-as they are sharded (each process writes and reads back its own shards: `state_dict`, `checkpoint_template`).
+as they are sharded (each process writes and reads back its own shards: `state_dict`, `checkpoint_template`), with
+or without the KV cache: without it (`with_kv=False`), the next `swap` after `load_state_dict` rebuilds every live
+row's cache under the parameters it is given, as `kv="recompute"` does at every swap.
 
 What a request samples depends only on its prompt, its row key (`Sampler.generate`'s: fold_in(fold_in(key(seed),
 group), sample)) and the parameters each of its tokens was drawn under, never on the ring slot or decode row it ran
@@ -153,6 +155,11 @@ def _take(outputs, version_map, slots):
   return (*taken, ver), jnp.min(jnp.where(mask, ver, jnp.iinfo(jnp.int32).max))
 
 
+def _without_kv(cache: KVCache) -> KVCache:
+  """`cache` without its keys and values (what a checkpoint without the KV cache holds: the segment ids)."""
+  return KVCache(k=(), v=(), segment_ids=cache.segment_ids)
+
+
 def _placed(tree):
   """`tree`'s arrays as the pool keeps them between segments, in buffers of their own (the segments donate them):
   device arrays copied (made under the sampler's mesh: global arrays in a multi-process run); host arrays as device
@@ -216,6 +223,7 @@ class StreamPool:
     self.group_ids = np.zeros(capacity, np.int64)  # the caller's (int64) group id of each slot's request
     self.sample_index = np.zeros(capacity, np.int32)
     self.owner = np.full(capacity, -1, np.int64)  # the request in each slot, -1 = free
+    self.cache_missing = False  # restored without the KV cache: the next `swap` rebuilds the live rows'
     self.nxt = 0  # requests started (global count)
     self.avail = 0  # requests admitted (global count)
     self._live: set[int] = set()
@@ -296,10 +304,12 @@ class StreamPool:
 
   def swap(self, state) -> None:
     """The rows that continue run on the prepared parameters `state` from the next segment on; with
-    kv="recompute" their caches are recomputed under `state` now."""
-    if self.kv == "recompute" and self._live:
+    kv="recompute", or after a restore without the KV cache (`cache_missing`), their caches are recomputed under
+    `state` now."""
+    if (self.kv == "recompute" or self.cache_missing) and self._live:
       with self.sampler.mesh_context():
         self.pool = self._recompute(state, self.pool, (self.tokens, self.segs), p_len=self.p_len)
+    self.cache_missing = False
 
   @property
   def live(self) -> int:
@@ -358,37 +368,51 @@ class StreamPool:
     host.update(group_ids=self.group_ids, sample_index=self.sample_index, owner=self.owner)
     return {**{f"host_{k}": v.copy() for k, v in host.items()}, "counts": np.asarray([self.nxt, self.avail])}
 
-  def _device_leaves(self) -> list:
-    """The pool's array leaves as it keeps them (`_placed`): global arrays, or host values in several processes."""
-    return jax.tree.leaves((self.pool, self.version_map))
+  def _device_tree(self, with_kv: bool) -> tuple:
+    """(pool, version_map) as the checkpoint holds them: without the cache's keys and values unless `with_kv`."""
+    pool = self.pool if with_kv else self.pool._replace(cache=_without_kv(self.pool.cache))
+    return pool, self.version_map
 
-  def state_dict(self) -> dict:
-    """Everything the pool holds, for a checkpoint (`load_state_dict` restores it exactly): the device arrays (the
-    KV cache, the rows' state) as the pool's own global arrays, which orbax writes shard by shard from the process
-    that holds each (nothing is gathered: at the paper's scale the cache is terabytes), and the host state (the
-    ring, the same on every process) as numpy."""
-    return {**{f"device_{i}": a for i, a in enumerate(self._device_leaves())}, **self._host_state()}
+  def _device_leaves(self, with_kv: bool) -> list:
+    """The checkpoint's array leaves as the pool keeps them (`_placed`): global arrays, or host values in several
+    processes."""
+    return jax.tree.leaves(self._device_tree(with_kv))
 
-  def checkpoint_template(self) -> dict:
-    """The abstract `state_dict` a checkpoint restores into: the device arrays as `jax.ShapeDtypeStruct`s on the
-    pool's own shardings (each process reads back only its shards), the host state as numpy of its shapes."""
+  def state_dict(self, with_kv: bool = True) -> dict:
+    """Everything the pool holds, for a checkpoint (`load_state_dict` restores it): the device arrays (the KV cache
+    unless `with_kv` is False, the rows' state) as the pool's own global arrays, which orbax writes shard by shard
+    from the process that holds each (nothing is gathered: at the paper's scale the cache is terabytes), and the host
+    state (the ring, the same on every process) as numpy."""
+    return {**{f"device_{i}": a for i, a in enumerate(self._device_leaves(with_kv))}, **self._host_state()}
+
+  def checkpoint_template(self, with_kv: bool = True) -> dict:
+    """The abstract `state_dict(with_kv)` a checkpoint restores into: the device arrays as `jax.ShapeDtypeStruct`s
+    on the pool's own shardings (each process reads back only its shards), the host state as numpy of its shapes."""
     dev = {
         f"device_{i}": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         if isinstance(a, jax.Array)
         else np.zeros_like(a)  # a host value (several processes, after a whole restore): read back whole
-        for i, a in enumerate(self._device_leaves())
+        for i, a in enumerate(self._device_leaves(with_kv))
     }
     return {**dev, **{k: np.zeros_like(v) for k, v in self._host_state().items()}}
 
-  def load_state_dict(self, d: dict) -> None:
-    """Restores `state_dict`: device leaves as global arrays on the pool's shardings (`checkpoint_template`), or as
-    numpy read whole (a one-process checkpoint restored without the template)."""
-    treedef = jax.tree.structure((self.pool, self.version_map))
+  def load_state_dict(self, d: dict, with_kv: bool = True) -> None:
+    """Restores `state_dict(with_kv)`: device leaves as global arrays on the pool's shardings
+    (`checkpoint_template`), or as numpy read whole (a one-process checkpoint restored without the template).
+    Without the KV cache the pool keeps its own keys and values (a new pool's are zeros) and sets `cache_missing`:
+    the next `swap` rebuilds every live row's cache under the parameters it is given. Exact (bit for bit) where the
+    uninterrupted pool recomputes at that swap too (`kv="recompute"`, the parameters moved); otherwise the rows'
+    keys and values become those of the swap's parameters: the ones drawn earlier under an older version (`"keep"`),
+    or recomputed in one pass instead of token by token (no version change: equal up to fp32 summation order)."""
+    treedef = jax.tree.structure(self._device_tree(with_kv))
     n = treedef.num_leaves
     with self.sampler.mesh_context():
       leaves = [d[f"device_{i}"] for i in range(n)]
       leaves = _placed([a if isinstance(a, jax.Array) else np.asarray(a) for a in leaves])
-      self.pool, self.version_map = jax.tree.unflatten(treedef, leaves)
+      pool, self.version_map = jax.tree.unflatten(treedef, leaves)
+    if not with_kv:
+      pool = pool._replace(cache=KVCache(self.pool.cache.k, self.pool.cache.v, pool.cache.segment_ids))
+    self.pool, self.cache_missing = pool, not with_kv
     for k in ("tokens", "segs", "groups", "keys", "group_ids", "sample_index", "owner"):
       setattr(self, k, np.asarray(d[f"host_{k}"]).astype(getattr(self, k).dtype))
     self.nxt, self.avail = (int(x) for x in np.asarray(d["counts"]))
