@@ -142,6 +142,19 @@ def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
     check_resume(make_config({**fp8, "sampling.fp8_activations": "none"}), old, "runs/x")
 
 
+def test_a_checkpoint_from_before_inflight_checkpoint_kv_resumes(ok):
+  """Every run checkpoint stores `staleness` whole; one written before `staleness.inflight_checkpoint_kv` existed
+  (delay-mode runs included) ran with its default "save" and resumes under a config that leaves it at the default."""
+  from minpro_jax.run.resume_check import check_resume, resume_fingerprint
+
+  stored = resume_fingerprint(make_config(ok))
+  old = {**stored, "staleness": {k: v for k, v in stored["staleness"].items() if k != "inflight_checkpoint_kv"}}
+  assert old["staleness"] == {"mode": "delay", "inflight_every": 16, "inflight_kv": "keep"}
+  check_resume(make_config(ok), old, "runs/x")
+  with pytest.raises(ConfigError, match=r"staleness\.inflight_kv \('keep' in the checkpoint, 'recompute' now\)"):
+    check_resume(make_config({**ok, "staleness.inflight_kv": "recompute"}), old, "runs/x")
+
+
 def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(tmp_path, ok):
   from minpro_jax.run.trainer import Trainer
 

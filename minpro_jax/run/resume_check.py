@@ -57,7 +57,7 @@ RESUME_DEFAULTS |= {"num_epochs": 1, "learner.ess_step": False}
 RESUME_DEFAULTS |= {"staleness": {"mode": "delay", "inflight_every": 16, "inflight_kv": "keep"}}
 # Fields added later to a group that RESUME_KEYS compares whole (e.g. `reward`): a stored group without one ran with
 # this value.
-GROUP_DEFAULTS = {"reward.mask_truncated": False}
+GROUP_DEFAULTS = {"reward.mask_truncated": False, "staleness.inflight_checkpoint_kv": "save"}
 GROUP_DEFAULTS |= {f"loss.{field}": None for field in ISSUE_57_LOSS_FIELDS}  # unset: the method's default
 # Keys added later whose value then is unknown: a stored fingerprint without one is not compared on them.
 UNRECORDED_KEYS = ("eval.n", "eval.reward_mode", "eval.temperature", "eval.top_p", "tfds")
