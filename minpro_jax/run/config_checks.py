@@ -164,14 +164,14 @@ def check_staleness(c) -> None:
       "sampling.devices",
       "staleness.mode='inflight' runs the sampler on the learner's devices; set sampling.devices=0",
   )
-  need(
-      c.sampling.get("engine", "") in ("", "continuous")
-      and c.sampling.get("continuous", True)
-      and c.sampling.get("kv_cache", "auto") in ("auto", "dense"),
-      "sampling.engine",
-      "staleness.mode='inflight' streams the continuous engine's pool; unset sampling.engine and use "
-      "sampling.kv_cache='dense' (or 'auto')",
-  )
+  pool = "staleness.mode='inflight' streams the continuous engine's pool on the dense cache"
+  for field, ok, fix in (  # the field the user set is the one named
+      ("engine", ("", "continuous"), "unset it"),
+      ("continuous", (True,), "set sampling.continuous=True"),
+      ("kv_cache", ("auto", "dense"), "set sampling.kv_cache='dense' (or 'auto')"),
+  ):
+    value = c.sampling.get(field, ok[0])
+    need(value in ok, f"sampling.{field}", f"{value!r}: {pool}; {fix} or use staleness.mode='delay'")
 
 
 _MODEL_FIELD = re.compile(r"ModelConfig\.(\w+)")
