@@ -256,6 +256,11 @@ def test_inflight_with_draining_segments_equals_delay_mode_bit_for_bit(delay_run
         ("mipu.rollback", True, r"config\.mipu\.rollback: is not supported with staleness\.mode='inflight'"),
         ("staleness.inflight_kv", "drop", r"config\.staleness\.inflight_kv: 'drop'; choose one of"),
         ("staleness.inflight_every", 0, r"config\.staleness\.inflight_every: must be an int >= 1"),
+        (
+            "staleness.inflight_every",
+            2**31,
+            r"config\.staleness\.inflight_every: 2147483648 does not fit .* at most 2147483647",
+        ),
         ("sampling.kv_cache", "paged", r"config\.sampling\.kv_cache: 'paged': .*set sampling\.kv_cache='dense'"),
         ("sampling.continuous", False, r"config\.sampling\.continuous: False: .*set sampling\.continuous=True"),
         ("sampling.engine", "static", r"config\.sampling\.engine: 'static': .*dense cache; unset it"),

@@ -108,6 +108,7 @@ def check_run(c) -> None:
 STALENESS_MODES = ("delay", "inflight")  # config.staleness.mode (docs/inflight.md)
 INFLIGHT_KV = ("keep", "recompute")  # config.staleness.inflight_kv: `minpro_jax.sampling.streaming.KV_MODES`
 CHECKPOINT_KV = ("save", "rebuild")  # config.staleness.inflight_checkpoint_kv: the pool's KV cache in checkpoints
+INT32_MAX = 2**31 - 1  # the streaming pool's segment loop counts decode steps in int32 (sampling/streaming.py)
 SEQUENCE_METHODS = ("gspo", "gspo_token")  # objectives whose ratio is a sequence's: one version per response
 
 
@@ -126,6 +127,13 @@ def check_staleness(c) -> None:
   need(kv_ckpt in CHECKPOINT_KV, "staleness.inflight_checkpoint_kv", f"{kv_ckpt!r}; choose one of {CHECKPOINT_KV}")
   if st.mode != "inflight":
     return
+  k = st.inflight_every  # its type and k >= 1: config_domains
+  need(
+      not isinstance(k, int) or k <= INT32_MAX,
+      "staleness.inflight_every",
+      f"{k} does not fit the segment loop's int32 count of decode steps; use at most {INT32_MAX} (a segment also "
+      "ends when nothing is live or waiting)",
+  )
   why = "with staleness.mode='inflight' one response's tokens come from several versions"
   l = c.loss
   need(
