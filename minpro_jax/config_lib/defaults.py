@@ -39,7 +39,7 @@ def base_config() -> ConfigDict:
   # each token records the version that drew it; `delay` is then how many batches the sampler runs ahead.
   c.staleness = ConfigDict()
   c.staleness.mode = "delay"  # delay | inflight
-  c.staleness.inflight_every = 16  # inflight: decode steps per segment (between parameter swaps)
+  c.staleness.inflight_every = 16  # inflight: decode steps per segment (finished batches checked after each)
   c.staleness.inflight_kv = "keep"  # inflight: keep the live rows' KV from older versions | recompute it
   # inflight: the pool's KV cache in checkpoints ("save") | left out and recomputed for the live rows on resume
   # ("rebuild": ~190 GB less per v5p-64 host at the paper's scale; exact with inflight_kv="recompute")

@@ -74,7 +74,7 @@ DOMAINS: tuple[Domain, ...] = (
     Domain("num_epochs", "int", 1, why="passes over each released batch (PPO epochs; 1 = one pass)"),
     Domain("log.mismatch_every", "int", 1, why="global steps between the sampler-learner mismatch metrics (1 = every)"),
     Domain("sampling.max_sampling_rounds", "int", 1, why="rounds of prompts_per_step prompts a step may sample"),
-    Domain("staleness.inflight_every", "int", 1, why="decode steps per segment between in-flight parameter swaps"),
+    Domain("staleness.inflight_every", "int", 1, why="decode steps per segment of the in-flight pool"),
 )
 
 
