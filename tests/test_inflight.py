@@ -253,6 +253,7 @@ def test_inflight_with_draining_segments_equals_delay_mode_bit_for_bit(delay_run
         ("loss.method", "gspo", r"config\.loss\.method: 'gspo' takes a sequence-level ratio"),
         ("loss.rollout_is", "sequence", r"config\.loss\.rollout_is: 'sequence' corrects with a sequence-level ratio"),
         ("loss.rollout_mis", "geometric", r"config\.loss\.rollout_mis: 'geometric'"),
+        ("loss.rollout_is", "Token", r"config\.loss\.rollout_is: Unknown rollout_is 'Token'; valid choices"),
         ("mipu.rollback", True, r"config\.mipu\.rollback: is not supported with staleness\.mode='inflight'"),
         ("staleness.inflight_kv", "drop", r"config\.staleness\.inflight_kv: 'drop'; choose one of"),
         ("staleness.inflight_every", 0, r"config\.staleness\.inflight_every: must be an int >= 1"),

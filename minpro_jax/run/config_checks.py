@@ -23,6 +23,7 @@ from minpro_jax.errors import ConfigError, FileFormatError
 from minpro_jax.models.config import PRESETS, get_preset
 from minpro_jax.models.hf_io import config_from_hf
 from minpro_jax.rl import mipu
+from minpro_jax.rl.aggregation import ROLLOUT_IS_LEVELS, ROLLOUT_MIS_LEVELS
 from minpro_jax.runtime import row_layout
 from minpro_jax.runtime.device_split import sampler_device_count
 from minpro_jax.runtime.inference_mesh import parse_sampling_mesh
@@ -142,10 +143,10 @@ def check_staleness(c) -> None:
       f"{l.method!r} takes a sequence-level ratio, which is not defined {why}; use a token-level objective "
       "(minpro, grpo, cispo, m2po, ...) or staleness.mode='delay'",
   )
-  for field in ("rollout_is", "rollout_mis"):
+  for field, levels in (("rollout_is", ROLLOUT_IS_LEVELS), ("rollout_mis", ROLLOUT_MIS_LEVELS)):
     value = l.get(field)
     need(
-        value in (None, "token"),
+        value in (None, "token") or value not in levels,  # an unknown level: the loss's check names the choices
         f"loss.{field}",
         f"{value!r} corrects with a sequence-level ratio, which is not defined {why}; use 'token' or "
         "staleness.mode='delay'",
