@@ -128,12 +128,12 @@ def check_staleness(c) -> None:
   need(kv_ckpt in CHECKPOINT_KV, "staleness.inflight_checkpoint_kv", f"{kv_ckpt!r}; choose one of {CHECKPOINT_KV}")
   if st.mode != "inflight":
     return
-  k = st.inflight_every  # its type and k >= 1: config_domains
+  k = st.inflight_every  # also a domain of config_domains (every mode); checked here for the compile-only runs too
   need(
-      not isinstance(k, int) or k <= INT32_MAX,
+      isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= INT32_MAX,
       "staleness.inflight_every",
-      f"{k} does not fit the segment loop's int32 count of decode steps; use at most {INT32_MAX} (a segment also "
-      "ends when nothing is live or waiting)",
+      f"must be an int in [1, {INT32_MAX}] (decode steps per segment, counted in int32 by the segment loop; a "
+      f"segment also ends when nothing is live or waiting), got {k!r}",
   )
   why = "with staleness.mode='inflight' one response's tokens come from several versions"
   l = c.loss

@@ -84,7 +84,6 @@ def validate_config(c, num_devices: int | None = None) -> None:
     ConfigError: naming `config.<field>` and the fix.
   """
   config_checks.check_run(c)
-  config_checks.check_staleness(c)
   validate_shapes_config(c)
   config_checks.check_model(c)
   config_checks.check_data(c)
@@ -134,6 +133,7 @@ def validate_shapes_config(c) -> None:
     ConfigError: naming `config.<field>` and the fix.
   """
   config_checks.check_batch_split(c)
+  config_checks.check_staleness(c)  # the mode decides the sampler the step budget costs
   _need(c.model.source in MODEL_SOURCES, "model.source", f"{c.model.source!r}; choose one of {MODEL_SOURCES}")
   _need(c.data.max_prompt_tokens > 0, "data.max_prompt_tokens", f"must be > 0, got {c.data.max_prompt_tokens}")
   learner_rules(c)
