@@ -24,6 +24,7 @@ from minpro_jax.rl.token_staleness import (
     token_staleness_metrics,
     version_counts,
 )
+from minpro_jax.run.inflight_runner import rebuild_exactness
 from minpro_jax.run.run_config import validate_config, validate_shapes_config
 from minpro_jax.run.trainer import Trainer
 from minpro_jax.sampling import Sampler, SamplingParams, engines
@@ -279,6 +280,13 @@ def test_staleness_mode_is_checked(tmp_path):
     validate_config(make_config(tiny_overrides(tmp_path, **{"staleness.inflight_checkpoint_kv": "drop"})))
 
 
+def test_the_rebuild_log_says_whether_the_resume_is_exact():
+  assert rebuild_exactness("recompute", 4).startswith("exact: ")  # a step that learnt: recomputed at its swap anyway
+  assert rebuild_exactness("recompute", 0).startswith("equal up to fp32 summation order: ")  # no update yet
+  for version in (0, 4):
+    assert rebuild_exactness("keep", version).startswith("an approximation with staleness.inflight_kv='keep'")
+
+
 # ------------------------------------------------------------------------------------------------ resume (slow)
 def _resume_overrides(tmp_path, name, **extra):
   return tiny_overrides(
@@ -325,7 +333,7 @@ def test_inflight_sigkill_then_resume_is_bitwise_equal(tmp_path):
   assert restored < 4
   r = subprocess.run(cli_args(ov), capture_output=True, text=True, env=cli_env(), timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "restored without its KV cache" in r.stderr
+  assert "restored without its KV cache" in r.stderr and "; exact: the uninterrupted run" in r.stderr
   got = metrics_records(ov["workdir"])
   assert sorted(got) == sorted(ref)
   for s in [s for s in ref if s > restored]:

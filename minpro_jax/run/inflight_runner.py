@@ -67,6 +67,21 @@ def inflight_mode(c) -> bool:
   return st is not None and st.mode == "inflight"
 
 
+def rebuild_exactness(kv: str, version: int | None) -> str:
+  """What a resume without the pool's KV cache (`inflight_checkpoint_kv="rebuild"`) is, for the log: exact with
+  `kv="recompute"` from a checkpoint of a step that learnt (`version` > 0: the uninterrupted run recomputes the same
+  rows under the same version at the next swap), else an approximation (docs/inflight.md, "Resume without the KV
+  cache")."""
+  if kv != "recompute":
+    return (
+        "an approximation with staleness.inflight_kv='keep': the live rows' keys and values from older versions "
+        "become the next version's (one recompute swap)"
+    )
+  if not version:
+    return "equal up to fp32 summation order: no update yet, so recomputed in one pass instead of token by token"
+  return "exact: the uninterrupted run recomputes the same rows under the same version at this swap"
+
+
 class InflightRunner:
   """Runs global steps of a `minpro_jax.run.trainer.Trainer` in the streaming mode (module docstring); the same
   interface as `minpro_jax.run.step_runner.StepRunner`.
@@ -202,8 +217,9 @@ class InflightRunner:
     if not with_kv:
       logger.info(
           "in-flight pool restored without its KV cache (staleness.inflight_checkpoint_kv='rebuild'): the %d live "
-          "rows' caches are recomputed under the next step's version",
+          "rows' caches are recomputed under the next step's version; %s",
           self.pool.live,
+          rebuild_exactness(self.tr.c.staleness.inflight_kv, meta["version"]),
       )
     probs = self.tr.train_problems
     self.waiting = {}
