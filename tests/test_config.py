@@ -144,15 +144,22 @@ def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
 
 def test_a_checkpoint_from_before_inflight_checkpoint_kv_resumes(ok):
   """Every run checkpoint stores `staleness` whole; one written before `staleness.inflight_checkpoint_kv` existed
-  (delay-mode runs included) ran with its default "save" and resumes under a config that leaves it at the default."""
+  (delay-mode runs included) ran with its default "save" and resumes under a config that leaves it at the default.
+  The in-flight fields are compared only in the in-flight mode."""
   from minpro_jax.run.resume_check import check_resume, resume_fingerprint
 
   stored = resume_fingerprint(make_config(ok))
   old = {**stored, "staleness": {k: v for k, v in stored["staleness"].items() if k != "inflight_checkpoint_kv"}}
   assert old["staleness"] == {"mode": "delay", "inflight_every": 16, "inflight_kv": "keep"}
   check_resume(make_config(ok), old, "runs/x")
+  # the in-flight fields are read only in the in-flight mode: part of its experiment, not of a delay-mode run's
+  check_resume(make_config({**ok, "staleness.inflight_kv": "recompute"}), old, "runs/x")
+  inflight = {**ok, "staleness.mode": "inflight", "sampling.kv_cache": "dense"}
+  stored = resume_fingerprint(make_config(inflight))
   with pytest.raises(ConfigError, match=r"staleness\.inflight_kv \('keep' in the checkpoint, 'recompute' now\)"):
-    check_resume(make_config({**ok, "staleness.inflight_kv": "recompute"}), old, "runs/x")
+    check_resume(make_config({**inflight, "staleness.inflight_kv": "recompute"}), stored, "runs/x")
+  with pytest.raises(ConfigError, match=r"staleness\.mode \('inflight' in the checkpoint, 'delay' now\)"):
+    check_resume(make_config(ok), stored, "runs/x")
 
 
 def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(tmp_path, ok):

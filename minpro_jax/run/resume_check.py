@@ -75,6 +75,16 @@ def _mipu_equivalent(now: Any, stored: Any) -> bool:
   return now == stored or (off(now) and off(stored))
 
 
+def _staleness_equivalent(now: Any, stored: Any) -> bool:
+  """The in-flight fields (`inflight_every`, `inflight_kv`, `inflight_checkpoint_kv`) are read only in the in-flight
+  mode: two delay-mode settings are the same experiment whatever they hold."""
+  delay = lambda v: (v or {}).get("mode", "delay") == "delay"  # noqa: E731
+  return now == stored or (delay(now) and delay(stored))
+
+
+EQUIVALENT = {"mipu": _mipu_equivalent, "staleness": _staleness_equivalent}  # group -> same experiment?
+
+
 def _differing_fields(key: str, now: Any, stored: Any) -> list[str]:
   """`key`, or `key.field` for each differing field when the values are dicts (absent = empty), each with the
   checkpoint's and the config's value."""
@@ -171,7 +181,7 @@ def check_resume(c, stored: dict[str, Any] | None, workdir: str) -> None:
   diff = [
       f
       for k in sorted(set(now) | set(stored))
-      if now.get(k) != stored.get(k) and not (k == "mipu" and _mipu_equivalent(now.get(k), stored.get(k)))
+      if now.get(k) != stored.get(k) and not (k in EQUIVALENT and EQUIVALENT[k](now.get(k), stored.get(k)))
       for f in _differing_fields(k, now.get(k), stored.get(k))
   ]
   if diff:
