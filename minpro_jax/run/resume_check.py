@@ -54,7 +54,9 @@ RESUME_KEYS = (
 RESUME_DEFAULTS = {f"sampling.{field}": default for field, _, default in FP8_OPTIONS} | {"sft.target": "answer"}
 RESUME_DEFAULTS |= {"sampling.drop_equal_reward_groups": False, "sampling.max_sampling_rounds": 4}
 RESUME_DEFAULTS |= {"num_epochs": 1, "learner.ess_step": False}
-RESUME_DEFAULTS |= {"staleness": {"mode": "delay", "inflight_every": 16, "inflight_kv": "keep"}}
+RESUME_DEFAULTS |= {
+    "staleness": {"mode": "delay", "inflight_every": 16, "inflight_kv": "keep", "inflight_checkpoint_kv": "save"}
+}
 # Fields added later to a group that RESUME_KEYS compares whole (e.g. `reward`): a stored group without one ran with
 # this value.
 GROUP_DEFAULTS = {"reward.mask_truncated": False, "staleness.inflight_checkpoint_kv": "save"}
