@@ -42,7 +42,7 @@ def base_config() -> ConfigDict:
   c.staleness.inflight_every = 16  # inflight: decode steps per segment (finished batches checked after each)
   c.staleness.inflight_kv = "keep"  # inflight: keep the live rows' KV from older versions | recompute it
   # inflight: the pool's KV cache in checkpoints ("save") | left out and recomputed for the live rows on resume
-  # ("rebuild": ~190 GB less per v5p-64 host at the paper's scale; exact with inflight_kv="recompute")
+  # ("rebuild": ~190 GB less per v5p-64 host at the paper's scale; exact with inflight_kv="recompute" from step d on)
   c.staleness.inflight_checkpoint_kv = "save"
 
   # learner rows: 0 = one sample per row (prompt bucket + max_new_tokens); N = pack each mini-batch's samples into
