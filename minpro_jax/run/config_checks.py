@@ -135,7 +135,7 @@ def check_staleness(c) -> None:
       f"must be an int in [1, {INT32_MAX}] (decode steps per segment, counted in int32 by the segment loop; a "
       f"segment also ends when nothing is live or waiting), got {k!r}",
   )
-  why = "with staleness.mode='inflight' one response's tokens come from several versions"
+  why = "with staleness.mode='inflight', where one response's tokens come from several versions"
   l = c.loss
   need(
       l.method not in SEQUENCE_METHODS,
