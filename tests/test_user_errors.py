@@ -74,6 +74,11 @@ def _cases(tmp_path):
       ("bad override", {"model.overrides.num_kv_heads": 3}, "config.model.overrides.num_heads"),
       ("moe_impl", {"model.moe_impl": "megablox"}, "config.model.moe_impl: ModelConfig.moe_impl='megablox'"),
       (
+          "in-flight on the paged cache",
+          {"staleness.mode": "inflight", "sampling.kv_cache": "paged"},
+          "config.sampling.kv_cache: 'paged': staleness.mode='inflight' streams",
+      ),
+      (
           "hf moe_impl",
           {"model.source": "hf", "model.path": str(_hf_folder(tmp_path)), "model.moe_impl": "x"},
           "config.model.moe_impl",
