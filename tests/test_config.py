@@ -145,7 +145,7 @@ def test_resume_refuses_a_checkpoint_of_another_experiment(ok):
 def test_a_checkpoint_from_before_inflight_checkpoint_kv_resumes(ok):
   """Every run checkpoint stores `staleness` whole; one written before `staleness.inflight_checkpoint_kv` existed
   (delay-mode runs included) ran with its default "save" and resumes under a config that leaves it at the default.
-  The in-flight fields are compared only in the in-flight mode."""
+  The in-flight fields are compared only in the in-flight mode, and `inflight_checkpoint_kv` never."""
   from minpro_jax.run.resume_check import check_resume, resume_fingerprint
 
   stored = resume_fingerprint(make_config(ok))
@@ -160,6 +160,8 @@ def test_a_checkpoint_from_before_inflight_checkpoint_kv_resumes(ok):
     check_resume(make_config({**inflight, "staleness.inflight_kv": "recompute"}), stored, "runs/x")
   with pytest.raises(ConfigError, match=r"staleness\.mode \('inflight' in the checkpoint, 'delay' now\)"):
     check_resume(make_config(ok), stored, "runs/x")
+  # how checkpoints are written is not the experiment: save <-> rebuild may change on resume
+  check_resume(make_config({**inflight, "staleness.inflight_checkpoint_kv": "rebuild"}), stored, "runs/x")
 
 
 def test_trainer_refuses_an_unwritable_workdir_and_a_data_file_without_problems(tmp_path, ok):

@@ -281,10 +281,10 @@ def test_staleness_mode_is_checked(tmp_path):
 
 
 def test_the_rebuild_log_says_whether_the_resume_is_exact():
-  assert rebuild_exactness("recompute", 4).startswith("exact: ")  # a step that learnt: recomputed at its swap anyway
-  assert rebuild_exactness("recompute", 0).startswith("equal up to fp32 summation order: ")  # no update yet
-  for version in (0, 4):
-    assert rebuild_exactness("keep", version).startswith("an approximation with staleness.inflight_kv='keep'")
+  assert rebuild_exactness("recompute", True).startswith("exact: ")  # a step that learnt: recomputed at its swap
+  assert rebuild_exactness("recompute", False).startswith("equal up to fp32 summation order: ")  # no update since
+  for moved in (False, True):
+    assert rebuild_exactness("keep", moved).startswith("an approximation with staleness.inflight_kv='keep'")
 
 
 # ------------------------------------------------------------------------------------------------ resume (slow)

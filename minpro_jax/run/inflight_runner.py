@@ -67,18 +67,18 @@ def inflight_mode(c) -> bool:
   return st is not None and st.mode == "inflight"
 
 
-def rebuild_exactness(kv: str, version: int | None) -> str:
+def rebuild_exactness(kv: str, moved: bool) -> str:
   """What a resume without the pool's KV cache (`inflight_checkpoint_kv="rebuild"`) is, for the log: exact with
-  `kv="recompute"` from a checkpoint of a step that learnt (`version` > 0: the uninterrupted run recomputes the same
-  rows under the same version at the next swap), else an approximation (docs/inflight.md, "Resume without the KV
-  cache")."""
+  `kv="recompute"` where the parameters `moved` since the checkpointed step's segments (that step learnt: the
+  uninterrupted run recomputes the same rows under the same version at this swap), else an approximation
+  (docs/inflight.md, "Resume without the KV cache")."""
   if kv != "recompute":
     return (
         "an approximation with staleness.inflight_kv='keep': the live rows' keys and values from older versions "
-        "become the next version's (one recompute swap)"
+        "become this version's (one recompute swap)"
     )
-  if not version:
-    return "equal up to fp32 summation order: no update yet, so recomputed in one pass instead of token by token"
+  if not moved:
+    return "equal up to fp32 summation order: no update since, so recomputed in one pass instead of token by token"
   return "exact: the uninterrupted run recomputes the same rows under the same version at this swap"
 
 
@@ -123,8 +123,16 @@ class InflightRunner:
     if self._prepared is None or version != self._version:
       with use_mesh(self.tr.mesh, self.tr.rules):
         self._prepared = self.tr.sampler.prepare_params(state.params).state
+        if self._version is not None and self.pool.cache_missing:  # restored without the KV cache: rebuilt here
+          logger.info(
+              "in-flight pool restored without its KV cache (staleness.inflight_checkpoint_kv='rebuild'): the %d "
+              "live rows' caches are recomputed under version %d; %s",
+              self.pool.live,
+              version,
+              rebuild_exactness(self.pool.kv, version != self._version),
+          )
         if self._version is not None and (version != self._version or self.pool.cache_missing):
-          self.pool.swap(self._prepared)  # after a restore without the KV cache: rebuilt here, at this version
+          self.pool.swap(self._prepared)
       self._version = version
     return self._prepared
 
@@ -211,16 +219,8 @@ class InflightRunner:
 
   def load_state_dict(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Restores `state_dict`'s pool, waiting batches and graded batches (their sample time restarts at 0). A pool
-    written without its KV cache has its live rows' caches rebuilt at the next step (said on the log)."""
-    with_kv = meta.get("pool_kv", True)  # checkpoints of before the option held the cache
-    self.pool.load_state_dict(arrays["pool"], with_kv)
-    if not with_kv:
-      logger.info(
-          "in-flight pool restored without its KV cache (staleness.inflight_checkpoint_kv='rebuild'): the %d live "
-          "rows' caches are recomputed under the next step's version; %s",
-          self.pool.live,
-          rebuild_exactness(self.tr.c.staleness.inflight_kv, meta["version"]),
-      )
+    written without its KV cache has its live rows' caches rebuilt at the next step (`_params`, said on the log)."""
+    self.pool.load_state_dict(arrays["pool"], meta.get("pool_kv", True))  # before the option: with the cache
     probs = self.tr.train_problems
     self.waiting = {}
     for b, idx in meta["waiting"].items():

@@ -78,10 +78,12 @@ def _mipu_equivalent(now: Any, stored: Any) -> bool:
 
 
 def _staleness_equivalent(now: Any, stored: Any) -> bool:
-  """The in-flight fields (`inflight_every`, `inflight_kv`, `inflight_checkpoint_kv`) are read only in the in-flight
-  mode: two delay-mode settings are the same experiment whatever they hold."""
-  delay = lambda v: (v or {}).get("mode", "delay") == "delay"  # noqa: E731
-  return now == stored or (delay(now) and delay(stored))
+  """The in-flight fields (`inflight_every`, `inflight_kv`) are read only in the in-flight mode: two delay-mode
+  settings are the same experiment whatever they hold. `inflight_checkpoint_kv` is how checkpoints are written, not
+  the experiment (each checkpoint records it): it may change on resume."""
+  strip = lambda v: {k: x for k, x in (v or {}).items() if k != "inflight_checkpoint_kv"}  # noqa: E731
+  delay = lambda v: strip(v).get("mode", "delay") == "delay"  # noqa: E731
+  return strip(now) == strip(stored) or (delay(now) and delay(stored))
 
 
 EQUIVALENT = {"mipu": _mipu_equivalent, "staleness": _staleness_equivalent}  # group -> same experiment?
