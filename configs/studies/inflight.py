@@ -20,8 +20,8 @@
 # Learning rates: each objective's rate from issue 55's lr stage (minpro_long.CHOSEN_RATES); M2PO, a masked GRPO with
 # no lr stage of its own, takes GRPO's (as the toolbox's clipped arms do). The grid refuses to run before that stage.
 #
-# Cost (estimate: the study has not run yet): the same task's delay-mode runs take 1.7-4 min each on a shared 2-core
-# AMD EPYC (toolbox, stage 2) with the shared warm start: 16 cells x 3 seeds = 48 runs, about 2-3 h.
+# Cost (measured 2026-12-07, AMD EPYC, 2 cores, at nice 19 beside another study): 4-6.5 min a run; alone about
+# 2-4 min (the same task's delay-mode runs): 16 cells x 3 seeds = 48 runs, about 2-3 h.
 """The in-flight updates grid of issue 59 (the constants below are the design; the long study's setting is reused)."""
 
 from minpro_jax.config_lib.files import load_module
