@@ -123,15 +123,15 @@ class InflightRunner:
     if self._prepared is None or version != self._version:
       with use_mesh(self.tr.mesh, self.tr.rules):
         self._prepared = self.tr.sampler.prepare_params(state.params).state
-        if self._version is not None and self.pool.cache_missing:  # restored without the KV cache: rebuilt here
-          logger.info(
-              "in-flight pool restored without its KV cache (staleness.inflight_checkpoint_kv='rebuild'): the %d "
-              "live rows' caches are recomputed under version %d; %s",
-              self.pool.live,
-              version,
-              rebuild_exactness(self.pool.kv, version != self._version),
-          )
         if self._version is not None and (version != self._version or self.pool.cache_missing):
+          if self.pool.cache_missing:  # restored without the KV cache: the swap rebuilds it
+            logger.info(
+                "in-flight pool restored without its KV cache (staleness.inflight_checkpoint_kv='rebuild'): the %d "
+                "live rows' caches are recomputed under version %d; %s",
+                self.pool.live,
+                version,
+                rebuild_exactness(self.pool.kv, version != self._version),
+            )
           self.pool.swap(self._prepared)
       self._version = version
     return self._prepared
